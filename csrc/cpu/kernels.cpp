@@ -1,0 +1,354 @@
+// CPU kernels of lbcomm: portable scalar code plus AVX2 bodies chosen at run time.
+// Each kernel works on one cache-sized unit at a time (a scale block, or kPartialBlock
+// elements in single-scale mode): pass A writes y (or z) into error_out and reduces its
+// squares, pass B re-reads that unit from cache, packs the sign bits and writes the error.
+// No torch headers: the caller (ops.cpp) owns threading and validation.
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+
+#include "kernels.h"
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define LBCOMM_X86 1
+#endif
+
+namespace lbcomm {
+namespace cpu {
+namespace {
+
+inline float bits_to_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+  if (exp == 0x1f) return bits_to_float(sign | 0x7f800000u | (man << 13));
+  if (exp == 0) {
+    if (man == 0) return bits_to_float(sign);
+    int shift = 0;  // subnormal half: normalize the mantissa
+    while (!(man & 0x400u)) {
+      man <<= 1;
+      ++shift;
+    }
+    return bits_to_float(sign | (static_cast<uint32_t>(113 - shift) << 23) | ((man & 0x3ffu) << 13));
+  }
+  return bits_to_float(sign | ((exp + 112) << 23) | (man << 13));
+}
+
+inline float bf16_to_float(uint16_t b) { return bits_to_float(static_cast<uint32_t>(b) << 16); }
+
+inline float load_x(const void* x, InType t, int64_t i) {
+  switch (t) {
+    case InType::F16: return half_to_float(static_cast<const uint16_t*>(x)[i]);
+    case InType::BF16: return bf16_to_float(static_cast<const uint16_t*>(x)[i]);
+    default: return static_cast<const float*>(x)[i];
+  }
+}
+
+inline float rms(double sumsq, int64_t count) {
+  return count > 0 ? static_cast<float>(std::sqrt(sumsq / static_cast<double>(count))) : 0.0f;
+}
+
+inline int64_t clamp_real(int64_t numel, int64_t start, int64_t len) {
+  const int64_t r = numel - start;
+  return r <= 0 ? 0 : (r < len ? r : len);
+}
+
+// ---------------------------------------------------------------- scalar bodies
+// y = x + e over [i0, real) of a unit starting at flat index `start`; returns sum of y^2.
+double worker_y_scalar(const WorkerArgs& a, int64_t start, int64_t i0, int64_t real) {
+  double s = 0.0;
+  for (int64_t i = i0; i < real; ++i) {
+    const float y = load_x(a.x, a.xtype, start + i) + a.error[start + i];
+    a.error_out[start + i] = y;
+    s += static_cast<double>(y) * y;
+  }
+  return s;
+}
+
+// z = (sum_j +-a_j) * inv_p + s over [i0, real) of a chunk-local unit at `start`.
+double server_z_scalar(const ServerArgs& a, int64_t start, int64_t i0, int64_t real, int64_t scale_col,
+                       float inv_p) {
+  double s = 0.0;
+  for (int64_t i = i0; i < real; ++i) {
+    const int64_t idx = start + i;
+    float acc = 0.0f;
+    for (int64_t j = 0; j < a.p; ++j) {
+      const float sc = a.scales[j * a.scales_stride + scale_col];
+      const bool neg = (a.packed[j * a.packed_stride + (idx >> 3)] >> (idx & 7)) & 1;
+      acc += neg ? -sc : sc;
+    }
+    const float prod = acc * inv_p;  // separate rounding: -ffp-contract=off
+    const float z = prod + a.error[idx];
+    a.error_out[idx] = z;
+    s += static_cast<double>(z) * z;
+  }
+  return s;
+}
+
+// Pack signbit(v) for [i0, len) of a unit whose first element is bit 0 of out[0]
+// (i0 % 8 == 0), replacing v by its error v - copysign(scale, v); slots >= real become 0.
+void sign_pack_scalar(float* v, uint8_t* out, int64_t i0, int64_t real, int64_t len, float scale) {
+  for (int64_t w = i0; w < len; w += 8) {
+    uint32_t byte = 0;
+    for (int t = 0; t < 8; ++t) {
+      const int64_t i = w + t;
+      if (i < real) {
+        const float y = v[i];
+        byte |= static_cast<uint32_t>(std::signbit(y)) << t;
+        v[i] = y - std::copysign(scale, y);
+      } else {
+        v[i] = 0.0f;
+      }
+    }
+    out[w >> 3] = static_cast<uint8_t>(byte);
+  }
+}
+
+void unpack_scalar(const UnpackArgs& a, int64_t k, int64_t i0, int64_t i1) {
+  const uint8_t* bits = a.packed + k * a.packed_stride;
+  float* out = a.out + k * a.m;
+  for (int64_t i = i0; i < i1; ++i) {
+    const float sc = a.scales[k * a.scales_stride + (a.block > 0 ? i / a.block : 0)];
+    out[i] = ((bits[i >> 3] >> (i & 7)) & 1) ? -sc : sc;
+  }
+}
+
+// ---------------------------------------------------------------- AVX2 bodies
+#ifdef LBCOMM_X86
+#define LBCOMM_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+LBCOMM_AVX2 inline __m256 load8(const void* x, InType t, int64_t i) {
+  switch (t) {
+    case InType::F16:
+      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(x) + i)));
+    case InType::BF16: {
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(x) + i));
+      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    default: return _mm256_loadu_ps(static_cast<const float*>(x) + i);
+  }
+}
+
+// Squares of 8 floats accumulated in float64: exact products, no overflow for any fp32.
+LBCOMM_AVX2 inline void acc_sq(__m256 y, __m256d& lo, __m256d& hi) {
+  const __m256d a = _mm256_cvtps_pd(_mm256_castps256_ps128(y));
+  const __m256d b = _mm256_cvtps_pd(_mm256_extractf128_ps(y, 1));
+  lo = _mm256_fmadd_pd(a, a, lo);
+  hi = _mm256_fmadd_pd(b, b, hi);
+}
+
+LBCOMM_AVX2 inline double hsum(__m256d lo, __m256d hi) {
+  alignas(32) double t[4];
+  _mm256_store_pd(t, _mm256_add_pd(lo, hi));
+  return (t[0] + t[1]) + (t[2] + t[3]);
+}
+
+LBCOMM_AVX2 double worker_y_avx2(const WorkerArgs& a, int64_t start, int64_t real) {
+  __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
+  int64_t i = 0;
+  for (; i + 8 <= real; i += 8) {
+    const __m256 y = _mm256_add_ps(load8(a.x, a.xtype, start + i), _mm256_loadu_ps(a.error + start + i));
+    _mm256_storeu_ps(a.error_out + start + i, y);
+    acc_sq(y, lo, hi);
+  }
+  return hsum(lo, hi) + worker_y_scalar(a, start, i, real);
+}
+
+// Lane t of the result has all bits set iff bit t of `byte` is set.
+LBCOMM_AVX2 inline __m256i byte_to_mask(uint32_t byte) {
+  const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  return _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(static_cast<int>(byte)), sel), sel);
+}
+
+LBCOMM_AVX2 double server_z_avx2(const ServerArgs& a, int64_t start, int64_t real, int64_t scale_col, float inv_p) {
+  const __m256 vinv = _mm256_set1_ps(inv_p);
+  const __m256i signbit = _mm256_set1_epi32(static_cast<int>(0x80000000u));
+  __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
+  int64_t i = 0;
+  for (; i + 8 <= real; i += 8) {
+    const int64_t idx = start + i;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t j = 0; j < a.p; ++j) {
+      const __m256 sc = _mm256_set1_ps(a.scales[j * a.scales_stride + scale_col]);
+      const __m256i neg = _mm256_and_si256(byte_to_mask(a.packed[j * a.packed_stride + (idx >> 3)]), signbit);
+      acc = _mm256_add_ps(acc, _mm256_or_ps(sc, _mm256_castsi256_ps(neg)));  // scales are >= 0
+    }
+    const __m256 z = _mm256_add_ps(_mm256_mul_ps(acc, vinv), _mm256_loadu_ps(a.error + idx));
+    _mm256_storeu_ps(a.error_out + idx, z);
+    acc_sq(z, lo, hi);
+  }
+  return hsum(lo, hi) + server_z_scalar(a, start, i, real, scale_col, inv_p);
+}
+
+LBCOMM_AVX2 void sign_pack_avx2(float* v, uint8_t* out, int64_t real, int64_t len, float scale) {
+  const __m256 vs = _mm256_set1_ps(scale);
+  const __m256 signmask = _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(0x80000000u)));
+  int64_t i = 0;
+  for (; i + 8 <= real; i += 8) {
+    const __m256 y = _mm256_loadu_ps(v + i);
+    out[i >> 3] = static_cast<uint8_t>(_mm256_movemask_ps(y));  // lane t -> bit t: LSB first
+    // copysign(scale, y) for scale >= 0 is scale | signbit(y); a NaN scale stays NaN.
+    _mm256_storeu_ps(v + i, _mm256_sub_ps(y, _mm256_or_ps(vs, _mm256_and_ps(y, signmask))));
+  }
+  sign_pack_scalar(v, out, i, real, len, scale);
+}
+
+LBCOMM_AVX2 void unpack_avx2(const UnpackArgs& a, int64_t k, int64_t i0, int64_t i1) {
+  const uint8_t* bits = a.packed + k * a.packed_stride;
+  float* out = a.out + k * a.m;
+  const __m256i signbit = _mm256_set1_epi32(static_cast<int>(0x80000000u));
+  int64_t i = i0;
+  for (; i + 8 <= i1; i += 8) {
+    const float sc = a.scales[k * a.scales_stride + (a.block > 0 ? i / a.block : 0)];
+    const __m256i neg = _mm256_and_si256(byte_to_mask(bits[i >> 3]), signbit);
+    _mm256_storeu_ps(out + i, _mm256_or_ps(_mm256_set1_ps(sc), _mm256_castsi256_ps(neg)));
+  }
+  unpack_scalar(a, k, i, i1);
+}
+#endif  // LBCOMM_X86
+
+// LBCOMM_DISABLE_AVX2=1 forces the portable path (the tests check both against the reference).
+bool detect_avx2() {
+#ifdef LBCOMM_X86
+  const char* off = std::getenv("LBCOMM_DISABLE_AVX2");
+  if (off && off[0] == '1') return false;
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#else
+  return false;
+#endif
+}
+
+const bool kAvx2 = detect_avx2();
+
+double worker_y(const WorkerArgs& a, int64_t start, int64_t real) {
+#ifdef LBCOMM_X86
+  if (kAvx2) return worker_y_avx2(a, start, real);
+#endif
+  return worker_y_scalar(a, start, 0, real);
+}
+
+double server_z(const ServerArgs& a, int64_t start, int64_t real, int64_t scale_col, float inv_p) {
+#ifdef LBCOMM_X86
+  if (kAvx2) return server_z_avx2(a, start, real, scale_col, inv_p);
+#endif
+  return server_z_scalar(a, start, 0, real, scale_col, inv_p);
+}
+
+void sign_pack(float* v, uint8_t* out, int64_t real, int64_t len, float scale) {
+#ifdef LBCOMM_X86
+  if (kAvx2) return sign_pack_avx2(v, out, real, len, scale);
+#endif
+  sign_pack_scalar(v, out, 0, real, len, scale);
+}
+
+void zero_tail(float* v, int64_t real, int64_t len) {
+  if (len > real) std::memset(v + real, 0, sizeof(float) * (len - real));
+}
+
+// A unit: [start, start + len) in flat (worker) or chunk-local (server) indices.
+struct Unit {
+  int64_t start, len, scale_index;
+};
+
+Unit worker_unit(const WorkerArgs& a, int64_t u) {
+  if (a.block > 0) {
+    const int64_t nb = num_blocks(a.m, a.block), k = u / nb, b = u % nb;
+    const int64_t off = b * a.block, len = a.m - off < a.block ? a.m - off : a.block;
+    return {k * a.m + off, len, u};
+  }
+  const int64_t start = u * kPartialBlock, n = a.p * a.m;
+  return {start, n - start < kPartialBlock ? n - start : kPartialBlock, 0};
+}
+
+Unit server_unit(const ServerArgs& a, int64_t u) {
+  const int64_t unit = a.block > 0 ? a.block : kPartialBlock;
+  const int64_t start = u * unit;
+  return {start, a.m - start < unit ? a.m - start : unit, a.block > 0 ? u : 0};
+}
+
+}  // namespace
+
+bool has_avx2() { return kAvx2; }
+
+int64_t worker_units(const WorkerArgs& a) {
+  return a.block > 0 ? a.p * num_blocks(a.m, a.block) : ceil_div(a.p * a.m, kPartialBlock);
+}
+int worker_num_passes(const WorkerArgs& a) { return a.block > 0 ? 1 : 2; }
+
+// Block mode: pass 0 does everything per block. Single-scale mode: pass 0 writes y and
+// the partial sums, the caller reduces them (finish_single_scale), pass 1 packs.
+void worker_pass(const WorkerArgs& a, int pass, int64_t begin, int64_t end) {
+  for (int64_t u = begin; u < end; ++u) {
+    const Unit un = worker_unit(a, u);
+    const int64_t real = clamp_real(a.numel, un.start, un.len);
+    if (pass == 0) {
+      const double s = worker_y(a, un.start, real);
+      zero_tail(a.error_out + un.start, real, un.len);
+      if (a.block == 0) {
+        a.partials[u] = s;
+        continue;
+      }
+      a.scales[un.scale_index] = rms(s, real);
+    }
+    sign_pack(a.error_out + un.start, a.packed + (un.start >> 3), real, un.len, a.scales[un.scale_index]);
+  }
+}
+
+void finish_single_scale(double* partials, int64_t count, int64_t real, float* scales, int64_t n_out) {
+  double s = 0.0;
+  for (int64_t i = 0; i < count; ++i) s += partials[i];  // fixed order: thread-count independent
+  const float r = rms(s, real);
+  for (int64_t i = 0; i < n_out; ++i) scales[i] = r;
+}
+
+int64_t server_units(const ServerArgs& a) { return ceil_div(a.m, a.block > 0 ? a.block : kPartialBlock); }
+int server_num_passes(const ServerArgs& a) { return a.block > 0 ? 1 : 2; }
+
+void server_pass(const ServerArgs& a, int pass, int64_t begin, int64_t end) {
+  const float inv_p = 1.0f / static_cast<float>(a.p);
+  for (int64_t u = begin; u < end; ++u) {
+    const Unit un = server_unit(a, u);
+    const int64_t real = clamp_real(a.numel, un.start, un.len);
+    if (pass == 0) {
+      const double s = server_z(a, un.start, real, un.scale_index, inv_p);
+      zero_tail(a.error_out + un.start, real, un.len);
+      if (a.block == 0) {
+        a.partials[u] = s;
+        continue;
+      }
+      a.scales_out[un.scale_index] = rms(s, real);
+    }
+    sign_pack(a.error_out + un.start, a.packed_out + (un.start >> 3), real, un.len, a.scales_out[un.scale_index]);
+  }
+}
+
+// Units of kPartialBlock elements per chunk row, chunk-major.
+int64_t unpack_units(const UnpackArgs& a) { return a.p * ceil_div(a.m, kPartialBlock); }
+
+void unpack_range(const UnpackArgs& a, int64_t begin, int64_t end) {
+  const int64_t per_row = ceil_div(a.m, kPartialBlock);
+  for (int64_t u = begin; u < end; ++u) {
+    const int64_t k = u / per_row, i0 = (u % per_row) * kPartialBlock;
+    int64_t i1 = i0 + kPartialBlock < a.m ? i0 + kPartialBlock : a.m;
+    const int64_t limit = a.numel - k * a.m;  // the output stops at numel
+    if (limit <= i0) continue;
+    if (limit < i1) i1 = limit;
+#ifdef LBCOMM_X86
+    if (kAvx2) {
+      unpack_avx2(a, k, i0, i1);
+      continue;
+    }
+#endif
+    unpack_scalar(a, k, i0, i1);
+  }
+}
+
+}  // namespace cpu
+}  // namespace lbcomm

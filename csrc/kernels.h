@@ -1,0 +1,94 @@
+// Raw-pointer interface of the lbcomm kernels, shared by the CPU and CUDA implementations.
+// No torch headers here: the CUDA translation units include this and must compile fast.
+//
+// Layout (DESIGN.md §1): a padded tensor of n = p * m elements is p chunks of m elements;
+// m and the block size B are multiples of 32 so that every block starts on a 32-bit word
+// of packed bits. Each chunk is cut into nb = ceil(m / B) blocks (the last may be shorter);
+// block == 0 means "no blocks": one worker scale for all real elements, one server scale
+// per chunk. Elements at flat index >= numel ("real" count) are padding: they read as 0,
+// carry no error (error_out = 0), are packed as bit 0 and are not counted in any scale.
+// Bit order: element i of a chunk is bit (i % 8) of byte (i / 8), LSB first; bit set means
+// signbit(value) set, i.e. the element decodes to -scale, otherwise +scale.
+#pragma once
+#include <cstdint>
+
+namespace lbcomm {
+
+enum class InType : int { F32 = 0, F16 = 1, BF16 = 2 };
+
+constexpr int64_t kAlign = 32;          // m and block sizes are multiples of this
+constexpr int64_t kPartialBlock = 2048;  // work unit of the single-scale (block == 0) mode
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+// Scale-groups per chunk: the number of scale slots a chunk carries.
+inline int64_t num_blocks(int64_t m, int64_t block) { return block > 0 ? ceil_div(m, block) : 1; }
+
+// Phase 0. y = x + e; one RMS scale per block (or one for everything when block == 0);
+// packed[k, :] holds the sign bits of chunk k; error_out = y - scale * sgn(y).
+// error and error_out may alias (in-place update).
+struct WorkerArgs {
+  const void* x;        // numel elements of type xtype, contiguous
+  InType xtype;
+  int64_t numel;        // real elements, <= p * m
+  const float* error;   // [p * m]
+  float* error_out;     // [p * m]
+  int64_t p, m, block;
+  uint8_t* packed;      // [p, m / 8] contiguous
+  float* scales;        // [p, num_blocks(m, block)] contiguous
+  double* partials;     // block == 0 only: ceil_div(p * m, kPartialBlock) doubles of scratch
+};
+
+// Phase 2. z = (sum_j sgn_j * a_j) * (1 / p) + s, accumulated in fp32 over j = 0..p-1 in
+// order, then multiplied, then added (no fused multiply-add, so every backend rounds alike);
+// one RMS scale per block of z; packed_out = sign bits of z; error_out = z - scale * sgn(z).
+struct ServerArgs {
+  const uint8_t* packed;  // row j at packed + j * packed_stride, m / 8 bytes
+  int64_t packed_stride;  // bytes
+  const float* scales;    // row j at scales + j * scales_stride, num_blocks(m, block) floats
+  int64_t scales_stride;  // floats
+  int64_t p, m, block;
+  int64_t numel;          // real elements of this chunk, <= m (a prefix)
+  const float* error;     // [m]
+  float* error_out;       // [m], may alias error
+  uint8_t* packed_out;    // [m / 8]
+  float* scales_out;      // [num_blocks(m, block)]
+  double* partials;       // block == 0 only: ceil_div(m, kPartialBlock) doubles of scratch
+};
+
+// Phase 3 decode: out[k * m + i] = sgn(bit) * scales[k, block of i], for flat index < numel.
+struct UnpackArgs {
+  const uint8_t* packed;
+  int64_t packed_stride;  // bytes between rows
+  const float* scales;
+  int64_t scales_stride;  // floats between rows
+  int64_t p, m, block;
+  int64_t numel;          // elements written, <= p * m
+  float* out;
+};
+
+// CPU kernels (csrc/cpu/kernels.cpp). Work is split into independent units so the caller
+// can run them on a thread pool; the unit ranges are [begin, end) of the counts below.
+namespace cpu {
+int64_t worker_units(const WorkerArgs& a);
+void worker_pass(const WorkerArgs& a, int pass, int64_t begin, int64_t end);
+int worker_num_passes(const WorkerArgs& a);
+int64_t server_units(const ServerArgs& a);
+void server_pass(const ServerArgs& a, int pass, int64_t begin, int64_t end);
+int server_num_passes(const ServerArgs& a);
+void finish_single_scale(double* partials, int64_t count, int64_t real, float* scales, int64_t n_out);
+int64_t unpack_units(const UnpackArgs& a);
+void unpack_range(const UnpackArgs& a, int64_t begin, int64_t end);
+bool has_avx2();
+}  // namespace cpu
+
+#ifdef LBCOMM_WITH_CUDA
+// CUDA launchers (csrc/cuda/kernels.cu). `stream` is a cudaStream_t; they return a
+// cudaError_t (0 on success) from the launch so the caller can report it.
+namespace cuda {
+int worker_compress(const WorkerArgs& a, void* stream);
+int server_compress(const ServerArgs& a, void* stream);
+int unpack(const UnpackArgs& a, void* stream);
+}  // namespace cuda
+#endif
+
+}  // namespace lbcomm

@@ -1,0 +1,38 @@
+// Shape/dtype validation and argument building shared by the CPU and CUDA op bodies.
+// The op schemas live in ops.cpp (TORCH_LIBRARY(lbcomm, m)).
+#pragma once
+#include <optional>
+#include <tuple>
+
+#include <ATen/core/Tensor.h>
+
+#include "kernels.h"
+
+namespace lbcomm {
+
+// Everything a worker_compress launch needs; the tensors own the outputs and scratch.
+struct WorkerLaunch {
+  WorkerArgs args;
+  at::Tensor packed, scales, partials;
+  at::Tensor input;  // x made contiguous, kept alive for the launch
+};
+struct ServerLaunch {
+  ServerArgs args;
+  at::Tensor packed, scales, partials;
+};
+struct UnpackLaunch {
+  UnpackArgs args;
+  at::Tensor out;
+};
+
+// Validate inputs (TORCH_CHECK with the op name and what was received), allocate outputs on
+// the inputs' device and fill the raw-pointer arguments. error_out == nullopt means in place.
+WorkerLaunch prepare_worker(const at::Tensor& x, const at::Tensor& error, std::optional<int64_t> block_size,
+                            const std::optional<at::Tensor>& error_out);
+ServerLaunch prepare_server(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& error,
+                            std::optional<int64_t> block_size, std::optional<int64_t> numel,
+                            const std::optional<at::Tensor>& error_out);
+UnpackLaunch prepare_unpack(const at::Tensor& packed, const at::Tensor& scales, int64_t numel,
+                            std::optional<int64_t> block_size);
+
+}  // namespace lbcomm

@@ -1,0 +1,49 @@
+"""torch.distributed transport: gloo for CPU tensors, NCCL for CUDA tensors."""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+# torch 2.13 renamed all_gather_into_tensor; keep working on older releases.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def world_info(group=None) -> Tuple[int, int]:
+    """(world_size, rank) of `group`; (1, 0) when torch.distributed is not initialized."""
+    if not (dist.is_available() and dist.is_initialized()):
+        if group is not None:
+            raise ValueError("a process group was given but torch.distributed is not initialized")
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+class TorchTransport:
+    """The byte collectives over a torch.distributed process group."""
+
+    def __init__(self, group=None):
+        self.group = group
+        self.world_size, self.rank = world_info(group)
+        self.backend = dist.get_backend(group) if self.world_size > 1 else None
+
+    def check_device(self, device: torch.device) -> None:
+        """Clear error for a tensor the group's backend cannot move."""
+        if self.backend is None:
+            return
+        backend = str(self.backend).lower()
+        if backend == "nccl" and device.type != "cuda":
+            raise ValueError(f"the process group uses NCCL, which needs CUDA tensors; got a tensor on {device}. "
+                             "Use a gloo group for CPU tensors.")
+        if backend == "gloo" and device.type != "cpu":
+            raise ValueError(f"the process group uses gloo, which lbcomm drives with CPU tensors; got a tensor on "
+                             f"{device}. Use an NCCL group for CUDA tensors.")
+
+    def all_to_all(self, out: Tensor, inp: Tensor, async_op: bool = False):
+        work = dist.all_to_all_single(out.reshape(-1), inp.reshape(-1), group=self.group, async_op=async_op)
+        return work.get_future() if async_op else None
+
+    def all_gather(self, out: Tensor, inp: Tensor, async_op: bool = False):
+        work = _all_gather_single(out.reshape(-1), inp.reshape(-1), group=self.group, async_op=async_op)
+        return work.get_future() if async_op else None

@@ -1,0 +1,145 @@
+"""Typed wrappers of the lbcomm kernels (torch.ops.lbcomm.*), the low-level public API.
+
+Each wrapper runs the fused C++/CUDA kernel when the extension provides one for the
+tensor's device, and otherwise the plain-torch reference (lbcomm.reference) after a
+one-time warning that names the fix. Shapes and the bit layout are described in
+DESIGN.md §1 and csrc/kernels.h.
+"""
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import reference as _ref
+
+__all__ = ["worker_compress", "server_compress", "unpack", "HAS_EXTENSION", "extension_problem", "cpu_has_avx2"]
+
+ABI_VERSION = 1  # must match abi_version() in csrc/ops.cpp
+_log = logging.getLogger(__name__)
+_FIX = "rebuild it with `pip install --no-build-isolation -e .` in the lbcomm checkout"
+
+
+def _load() -> Optional[str]:
+    try:
+        from . import _C  # noqa: F401  (importing runs the TORCH_LIBRARY registrations)
+    except ImportError as exc:
+        return f"the lbcomm C++ extension could not be loaded ({exc}); {_FIX}"
+    try:
+        version = torch.ops.lbcomm.abi_version()
+    except (AttributeError, RuntimeError):
+        version = None
+    if version != ABI_VERSION:
+        return f"the lbcomm C++ extension is stale (ABI {version}, expected {ABI_VERSION}); {_FIX}"
+    return None
+
+
+_PROBLEM = _load()
+HAS_EXTENSION = _PROBLEM is None
+_warned = set()
+
+
+def extension_problem() -> Optional[str]:
+    """Why the fused kernels are unavailable, or None when they are loaded."""
+    return _PROBLEM
+
+
+def _fallback(reason: str) -> None:
+    if reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(f"lbcomm: {reason}; using the slow pure-torch reference kernels", RuntimeWarning, stacklevel=3)
+
+
+def _use_kernel(device: torch.device) -> bool:
+    if not HAS_EXTENSION:
+        _fallback(_PROBLEM)
+        return False
+    if device.type == "cpu" or (device.type == "cuda" and _has_cuda_kernels()):
+        return True
+    _fallback(f"lbcomm was built without kernels for {device.type} tensors ({_FIX} where nvcc and a CUDA torch are installed)")
+    return False
+
+
+def _has_cuda_kernels() -> bool:
+    return HAS_EXTENSION and bool(torch.ops.lbcomm.built_with_cuda())
+
+
+def cpu_has_avx2() -> bool:
+    """Whether the CPU kernels run their AVX2 bodies (False with LBCOMM_DISABLE_AVX2=1)."""
+    return HAS_EXTENSION and bool(torch.ops.lbcomm.cpu_has_avx2())
+
+
+def worker_compress(
+    x: Tensor, error: Tensor, block_size: Optional[int], error_out: Optional[Tensor] = None
+) -> Tuple[Tensor, Tensor]:
+    """Phase 0: y = x + error, one RMS scale per block, sign bits packed LSB first.
+
+    Args:
+        x (Tensor): float32/float16/bfloat16, numel <= error.numel().
+        error (Tensor): float32 [p, m] (or [m]), m a multiple of 32; updated in place
+            unless error_out is given.
+        block_size (int or None): elements per scale block (multiple of 32); None gives one
+            scale for the whole tensor.
+        error_out (Tensor, optional): receives the new error instead of `error`.
+
+    Returns:
+        (packed uint8 [p, m/8], scales float32 [p, nb]); 1-D shapes for a 1-D error.
+    """
+    if _use_kernel(error.device):
+        return torch.ops.lbcomm.worker_compress(x, error, block_size, error_out)
+    packed, scales, new_error = _ref.worker_compress(x, error, block_size)
+    (error if error_out is None else error_out).copy_(new_error)
+    if error.dim() == 1:
+        return packed.reshape(-1), scales.reshape(-1)
+    return packed, scales
+
+
+def server_compress(
+    packed: Tensor,
+    scales: Tensor,
+    error: Tensor,
+    block_size: Optional[int],
+    numel: Optional[int] = None,
+    error_out: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor]:
+    """Phase 2 for one chunk: average p ranks' packed signs and scales, add the server
+    error, re-compress. packed uint8 [p, m/8], scales float32 [p, nb], error float32 [m];
+    numel is the count of real (non-pad) elements in the chunk. Returns (packed [m/8],
+    scales [nb])."""
+    if _use_kernel(error.device):
+        return torch.ops.lbcomm.server_compress(packed, scales, error, block_size, numel, error_out)
+    out_packed, out_scales, new_error = _ref.server_compress(packed, scales, error, block_size, numel)
+    (error if error_out is None else error_out).copy_(new_error)
+    return out_packed, out_scales
+
+
+def unpack(packed: Tensor, scales: Tensor, numel: int, block_size: Optional[int]) -> Tensor:
+    """Decode packed signs [p, m/8] with scales [p, nb] into a float32 tensor of numel."""
+    if _use_kernel(packed.device):
+        return torch.ops.lbcomm.unpack(packed, scales, numel, block_size)
+    return _ref.unpack(packed, scales, numel, block_size)
+
+
+def _nb(m: int, block_size: Optional[int]) -> int:
+    return _ref.num_blocks(m, block_size)
+
+
+if HAS_EXTENSION:
+
+    @torch.library.register_fake("lbcomm::worker_compress")
+    def _(x, error, block_size, error_out=None):
+        m = error.shape[-1]
+        lead = tuple(error.shape[:-1])
+        return error.new_empty(lead + (m // 8,), dtype=torch.uint8), error.new_empty(lead + (_nb(m, block_size),))
+
+    @torch.library.register_fake("lbcomm::server_compress")
+    def _(packed, scales, error, block_size, numel=None, error_out=None):
+        m = error.shape[0]
+        return error.new_empty((m // 8,), dtype=torch.uint8), error.new_empty((_nb(m, block_size),))
+
+    @torch.library.register_fake("lbcomm::unpack")
+    def _(packed, scales, numel, block_size):
+        return scales.new_empty((numel,))

@@ -1,0 +1,184 @@
+"""Plain-torch reference of every lbcomm kernel and of the whole compressed allreduce.
+
+Written from DESIGN.md §1 for clarity, not speed: it is the oracle the tests compare the
+fused kernels against, and the fallback when the C++ extension is not available. The
+rounding steps are spelled out so that a fused kernel that follows the same recipe gives
+the same bits:
+
+* y = x + e and e' = y - copysign(scale, y) are single fp32 operations;
+* a block scale is sqrt(sum(y^2) / count) with the sum of squares in float64, rounded to
+  fp32 once at the end;
+* the server's average is acc = sum_j (+-a_j) in fp32 in rank order, then acc * (1/p) with
+  1/p rounded to fp32, then + s, each a separate fp32 rounding (no fused multiply-add).
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+ALIGN = 32  # chunk sizes and block sizes are multiples of this (one 32-bit word of bits)
+
+__all__ = [
+    "ALIGN",
+    "chunk_size",
+    "num_blocks",
+    "pack_signs",
+    "unpack_signs",
+    "worker_compress",
+    "server_compress",
+    "unpack",
+    "compressed_allreduce",
+]
+
+
+def chunk_size(numel: int, world_size: int) -> int:
+    """Elements per rank's chunk: numel padded up to a multiple of ALIGN * world_size, over p."""
+    per = ALIGN * world_size
+    return ((numel + per - 1) // per) * ALIGN
+
+
+def num_blocks(m: int, block_size: Optional[int]) -> int:
+    """Scale slots per chunk of m elements (one when block_size is None)."""
+    return (m + block_size - 1) // block_size if block_size else 1
+
+
+def pack_signs(v: Tensor) -> Tensor:
+    """Sign bits of a float tensor [..., m] (m % 8 == 0) to uint8 [..., m / 8], LSB first."""
+    bits = torch.signbit(v).to(torch.uint8).reshape(*v.shape[:-1], -1, 8)
+    weights = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8, device=v.device)
+    return (bits * weights).sum(-1, dtype=torch.int32).to(torch.uint8)
+
+
+def unpack_signs(packed: Tensor) -> Tensor:
+    """uint8 [..., k] to a bool tensor [..., 8 k]: True where the element is negative."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
+    return ((packed.unsqueeze(-1) >> shifts) & 1).bool().reshape(*packed.shape[:-1], -1)
+
+
+def _block_rms(v: Tensor, real: Tensor, block_size: Optional[int]) -> Tensor:
+    """RMS over real elements per block of each row of v [rows, m]; float64 sum, fp32 result.
+
+    block_size None: one RMS over all real elements of v, repeated once per row.
+    A group without real elements has scale 0.
+    """
+    rows, m = v.shape
+    sq = torch.where(real, v.double() ** 2, torch.zeros((), dtype=torch.float64, device=v.device))
+    cnt = real.to(torch.float64)
+    if block_size is None:
+        sums, counts = sq.sum().reshape(1, 1), cnt.sum().reshape(1, 1)
+    else:
+        nb = num_blocks(m, block_size)
+        pad = nb * block_size - m
+        sums = torch.nn.functional.pad(sq, (0, pad)).reshape(rows, nb, block_size).sum(-1)
+        counts = torch.nn.functional.pad(cnt, (0, pad)).reshape(rows, nb, block_size).sum(-1)
+    rms = torch.where(counts > 0, torch.sqrt(sums / counts.clamp(min=1)), torch.zeros_like(sums))
+    rms = rms.to(torch.float32)
+    return rms.expand(rows, 1).contiguous() if block_size is None else rms
+
+
+def _expand(scales: Tensor, m: int, block_size: Optional[int]) -> Tensor:
+    """Per-element scale [rows, m] from per-block scales [rows, nb]."""
+    if block_size is None:
+        return scales[:, :1].expand(-1, m)
+    return scales.repeat_interleave(block_size, dim=1)[:, :m]
+
+
+def _real_mask(rows: int, m: int, numel: int, device) -> Tensor:
+    return (torch.arange(rows * m, device=device) < numel).reshape(rows, m)
+
+
+def _sign_error(v: Tensor, scale: Tensor, real: Tensor) -> Tuple[Tensor, Tensor]:
+    """Pack signbit(v) and return (packed, v - copysign(scale, v)) with pad slots zeroed."""
+    zero = torch.zeros((), dtype=torch.float32, device=v.device)
+    new_error = torch.where(real, v - torch.copysign(scale, v), zero)
+    return pack_signs(v), new_error
+
+
+def worker_compress(
+    x: Tensor, error: Tensor, block_size: Optional[int]
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """Phase 0. error is [p, m] (or flat p*m with p = 1); returns (packed [p, m/8],
+    scales [p, nb], new_error [p, m]) and leaves `error` untouched."""
+    err = error.reshape(1, -1) if error.dim() == 1 else error
+    p, m = err.shape
+    n0 = x.numel()
+    real = _real_mask(p, m, n0, err.device)
+    flat = torch.zeros(p * m, dtype=torch.float32, device=err.device)
+    flat[:n0] = x.reshape(-1).to(torch.float32)
+    y = torch.where(real, flat.reshape(p, m) + err, torch.zeros((), device=err.device))
+    scales = _block_rms(y, real, block_size)
+    packed, new_error = _sign_error(y, _expand(scales, m, block_size), real)
+    return packed, scales, new_error.reshape(error.shape)
+
+
+def server_compress(
+    packed: Tensor,
+    scales: Tensor,
+    error: Tensor,
+    block_size: Optional[int],
+    numel: Optional[int] = None,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """Phase 2 for one chunk: packed [p, m/8] and scales [p, nb] from every rank, server
+    error [m]; returns (packed [m/8], scales [nb], new_error [m])."""
+    p = packed.shape[0]
+    m = error.numel()
+    numel = m if numel is None else numel
+    neg = unpack_signs(packed)  # [p, m]
+    per_elem = _expand(scales.to(torch.float32), m, block_size)
+    acc = torch.zeros(m, dtype=torch.float32, device=error.device)
+    for j in range(p):  # fp32, rank order: the recipe every kernel follows
+        acc = acc + torch.where(neg[j], -per_elem[j], per_elem[j])
+    inv_p = torch.tensor(1.0, dtype=torch.float32) / torch.tensor(float(p), dtype=torch.float32)
+    real = _real_mask(1, m, numel, error.device)
+    z = torch.where(real, (acc * inv_p.to(error.device) + error).reshape(1, m), torch.zeros((), device=error.device))
+    out_scales = _block_rms(z, real, block_size)
+    out_packed, new_error = _sign_error(z, _expand(out_scales, m, block_size), real)
+    return out_packed[0], out_scales[0], new_error[0]
+
+
+def unpack(packed: Tensor, scales: Tensor, numel: int, block_size: Optional[int]) -> Tensor:
+    """Decode packed [p, m/8] with scales [p, nb] into fp32 [numel]."""
+    packed2 = packed.reshape(1, -1) if packed.dim() == 1 else packed
+    scales2 = scales.reshape(1, -1) if scales.dim() == 1 else scales
+    m = packed2.shape[1] * 8
+    per_elem = _expand(scales2.to(torch.float32), m, block_size)
+    out = torch.where(unpack_signs(packed2), -per_elem, per_elem)
+    return out.reshape(-1)[:numel].clone()
+
+
+def compressed_allreduce(
+    xs: Sequence[Tensor],
+    worker_errors: Sequence[Tensor],
+    server_errors: Sequence[Tensor],
+    block_size: Optional[int],
+) -> Tuple[Tensor, List[Tensor], List[Tensor]]:
+    """The whole algorithm for p simulated ranks in one process.
+
+    xs: p tensors of n0 elements; worker_errors: p tensors [p, m]; server_errors: p
+    tensors [m]. Returns (out [n0] fp32, new worker errors, new server errors).
+    World size 1 returns x unchanged (no compression), errors untouched.
+    """
+    p = len(xs)
+    n0 = xs[0].numel()
+    if p == 1:
+        return xs[0].reshape(-1).to(torch.float32).clone(), list(worker_errors), list(server_errors)
+    m = server_errors[0].numel()
+    worker = [worker_compress(x, e.reshape(p, m), block_size) for x, e in zip(xs, worker_errors)]
+    new_worker = [w[2].reshape(worker_errors[r].shape) for r, w in enumerate(worker)]
+    packed_out, scales_out, new_server = [], [], []
+    for k in range(p):
+        real_k = min(max(n0 - k * m, 0), m)
+        sp, ss, se = server_compress(
+            torch.stack([w[0][k] for w in worker]),
+            torch.stack([w[1][k] for w in worker]),
+            server_errors[k],
+            block_size,
+            real_k,
+        )
+        packed_out.append(sp)
+        scales_out.append(ss)
+        new_server.append(se)
+    out = unpack(torch.stack(packed_out), torch.stack(scales_out), n0, block_size)
+    return out, new_worker, new_server

@@ -1,0 +1,58 @@
+"""Run a function on p real local processes joined by a gloo process group.
+
+`run_ranks(fn, p, *args)` spawns p processes, calls fn(rank, p, *args) in each after
+init_process_group, and returns the p return values (anything torch.save can write).
+A rank's exception fails the whole call with that rank's traceback; a hang fails after
+`timeout` seconds and every child is killed.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import tempfile
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _entry(rank, p, fn, args, init_file, out_dir, pg_timeout):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=p,
+                            timeout=datetime.timedelta(seconds=pg_timeout))
+    try:
+        result = fn(rank, p, *args)
+        torch.save({"ok": result}, os.path.join(out_dir, f"{rank}.pt"))
+    except BaseException:
+        torch.save({"error": traceback.format_exc()}, os.path.join(out_dir, f"{rank}.pt"))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn, p, *args, timeout=120, pg_timeout=60):
+    with tempfile.TemporaryDirectory() as d:
+        init_file = os.path.join(d, "init")
+        ctx = mp.start_processes(_entry, args=(p, fn, args, init_file, d, pg_timeout), nprocs=p, join=False,
+                                 start_method="spawn")
+        deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
+        try:
+            while not ctx.join(timeout=1):
+                if datetime.datetime.now() > deadline:
+                    raise TimeoutError(f"ranks did not finish within {timeout} s")
+        except BaseException:
+            for proc in ctx.processes:
+                if proc.is_alive():
+                    proc.kill()
+            errors = []
+            for r in range(p):
+                path = os.path.join(d, f"{r}.pt")
+                if os.path.exists(path):
+                    res = torch.load(path, weights_only=False)
+                    if "error" in res:
+                        errors.append(f"rank {r}:\n{res['error']}")
+            if errors:
+                raise AssertionError("\n".join(errors)) from None
+            raise
+        return [torch.load(os.path.join(d, f"{r}.pt"), weights_only=False)["ok"] for r in range(p)]

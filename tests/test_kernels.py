@@ -1,0 +1,212 @@
+"""The fused CPU kernels against numpy packbits and the plain-torch reference."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from lbcomm import ops
+from lbcomm import reference as R
+
+pytestmark = pytest.mark.skipif(not ops.HAS_EXTENSION, reason=f"extension not built: {ops.extension_problem()}")
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+BLOCKS = [None, 32, 64, 2048]
+
+
+def _special_values(n, dtype=torch.float32):
+    """Random values mixed with +0, -0, subnormals and huge magnitudes."""
+    x = torch.randn(n)
+    specials = torch.tensor([0.0, -0.0, 1e-45, -1e-45, 1e-40, -1e-40, 3e38, -3e38, 1.0, -1.0])
+    if n:
+        idx = torch.randint(0, n, (min(n, 64),))
+        x[idx] = specials[torch.randint(0, len(specials), idx.shape)]
+    return x.to(dtype)
+
+
+def _worker_inputs(n0, p, dtype=torch.float32, err_scale=0.1):
+    m = R.chunk_size(n0, p)
+    x = torch.randn(n0).to(dtype)
+    e = torch.randn(p, m) * err_scale
+    e.view(-1)[n0:] = 0  # pad slots carry no error
+    return x, e
+
+
+@pytest.mark.parametrize("n0", [0, 1, 7, 8, 9, 1000, 4099])
+@pytest.mark.parametrize("p", [1, 3])
+def test_packing_matches_numpy_packbits(n0, p):
+    x = _special_values(n0)
+    m = R.chunk_size(n0, p)
+    e = torch.zeros(p, m)
+    e.view(-1)[:n0] = _special_values(n0) * torch.rand(n0).round()  # zeros of both signs too
+    y = x.numpy() + e.view(-1)[:n0].numpy()  # the bits are those of y = x + e (-0 + +0 is +0)
+    packed, _ = ops.worker_compress(x, e, 2048)
+    signs = np.zeros(p * m, dtype=bool)
+    signs[:n0] = np.signbit(y)
+    expected = np.packbits(signs.reshape(p, m), axis=1, bitorder="little")
+    assert packed.shape == (p, m // 8)
+    np.testing.assert_array_equal(packed.numpy(), expected)
+
+
+def test_negative_zero_is_a_set_bit_and_pad_is_clear():
+    x = torch.tensor([-0.0, 0.0, -1e-45, 1e-45, -5.0, -0.0])
+    e = torch.zeros(1, 32)
+    e[0, 0] = -0.0  # -0 + -0 = -0 (bit set); -0 + +0 = +0 (bit clear)
+    packed, scales = ops.worker_compress(x, e, None)
+    assert packed.tolist()[0] == [0b010101, 0, 0, 0]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("n0,p", [(0, 2), (1, 1), (7, 2), (33, 3), (1000, 4), (5000, 5), (70001, 3)])
+@pytest.mark.parametrize("in_place", [True, False])
+def test_worker_compress_matches_reference(n0, p, block, dtype, in_place):
+    x, e = _worker_inputs(n0, p, dtype)
+    ref_packed, ref_scales, ref_err = R.worker_compress(x, e, block)
+    err = e.clone()
+    out = None if in_place else torch.full_like(e, float("nan"))
+    packed, scales = ops.worker_compress(x, err, block, error_out=out)
+    new_err = err if in_place else out
+    if not in_place:
+        assert torch.equal(err, e), "error must be untouched when error_out is given"
+    assert torch.equal(packed, ref_packed)
+    torch.testing.assert_close(scales, ref_scales, rtol=1e-6, atol=0)
+    torch.testing.assert_close(new_err, ref_err, rtol=1e-6, atol=1e-6)
+    assert torch.all(new_err.view(-1)[n0:] == 0)
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("m_real,p", [(32, 1), (64, 2), (1000, 3), (4096, 4), (9000, 5)])
+@pytest.mark.parametrize("in_place", [True, False])
+def test_server_compress_matches_reference(m_real, p, block, in_place):
+    m = R.chunk_size(m_real, 1)
+    real = m_real - 3 if m_real > 3 else m_real
+    packed = torch.randint(0, 256, (p, m // 8), dtype=torch.uint8)
+    scales = torch.rand(p, R.num_blocks(m, block)) * 2
+    s = torch.randn(m) * 0.1
+    s[real:] = 0
+    ref_packed, ref_scales, ref_err = R.server_compress(packed, scales, s, block, real)
+    err = s.clone()
+    out = None if in_place else torch.empty_like(s)
+    got_packed, got_scales = ops.server_compress(packed, scales, err, block, real, error_out=out)
+    new_err = err if in_place else out
+    assert torch.equal(got_packed, ref_packed)
+    torch.testing.assert_close(got_scales, ref_scales, rtol=1e-6, atol=0)
+    torch.testing.assert_close(new_err, ref_err, rtol=1e-6, atol=1e-6)
+    assert torch.all(new_err[real:] == 0)
+
+
+def test_server_compress_reads_strided_rows():
+    """The transport hands the server row slices of one receive buffer."""
+    p, m, block = 3, 256, 64
+    nb = R.num_blocks(m, block)
+    buf = torch.randint(0, 256, (p, m // 8 + 4 * nb), dtype=torch.uint8)
+    buf[:, m // 8:].view(torch.float32).copy_(torch.rand(p, nb))
+    packed, scales = buf[:, : m // 8], buf[:, m // 8:].view(torch.float32)
+    s = torch.randn(m)
+    ref = R.server_compress(packed.contiguous(), scales.contiguous(), s, block)
+    got = ops.server_compress(packed, scales, s.clone(), block)
+    assert torch.equal(got[0], ref[0])
+    torch.testing.assert_close(got[1], ref[1], rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("p,m,numel", [(1, 32, 0), (1, 32, 5), (2, 64, 100), (3, 4096, 12000), (4, 8192, 32768)])
+def test_unpack_matches_reference(p, m, numel, block):
+    packed = torch.randint(0, 256, (p, m // 8), dtype=torch.uint8)
+    scales = torch.rand(p, R.num_blocks(m, block))
+    assert torch.equal(ops.unpack(packed, scales, numel, block), R.unpack(packed, scales, numel, block))
+
+
+def test_non_contiguous_input_is_handled():
+    base = torch.randn(64, 50)
+    x = base.t()  # non-contiguous view
+    e = torch.zeros(2, R.chunk_size(x.numel(), 2))
+    ref = R.worker_compress(x.contiguous(), e, 64)
+    got = ops.worker_compress(x, e.clone(), 64)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+
+
+def test_huge_values_keep_finite_scales():
+    x = torch.full((64,), 3e38)
+    packed, scales = ops.worker_compress(x, torch.zeros(1, 64), 32)
+    assert torch.isfinite(scales).all() and scales[0, 0].item() == pytest.approx(3e38, rel=1e-6)
+
+
+def test_nonfinite_input_gives_nonfinite_scale_of_its_block_only():
+    x = torch.randn(256)
+    x[70] = float("nan")
+    _, scales = ops.worker_compress(x, torch.zeros(1, 256), 64)
+    assert torch.isfinite(scales).tolist() == [[True, False, True, True]]
+
+
+@pytest.mark.parametrize(
+    "call,exc,match",
+    [
+        (lambda: ops.worker_compress(torch.arange(8), torch.zeros(1, 32), None), TypeError, "float32/float16/bfloat16"),
+        (lambda: ops.worker_compress(torch.randn(40), torch.zeros(1, 32), None), ValueError, "40 elements"),
+        (lambda: ops.worker_compress(torch.randn(8), torch.zeros(1, 24), None), ValueError, "multiple of 32"),
+        (lambda: ops.worker_compress(torch.randn(8), torch.zeros(1, 32), 48), ValueError, "block_size"),
+        (lambda: ops.worker_compress(torch.randn(8), torch.zeros(1, 32, dtype=torch.float64), None), TypeError,
+         "error float32"),
+        (lambda: ops.worker_compress(torch.randn(8), torch.zeros(1, 32), None, error_out=torch.zeros(1, 64)),
+         ValueError, "error_out"),
+        (lambda: ops.server_compress(torch.zeros(2, 4, dtype=torch.uint8), torch.zeros(2, 2), torch.zeros(32), None),
+         ValueError, "scales of shape"),
+        (lambda: ops.server_compress(torch.zeros(2, 4, dtype=torch.uint8), torch.zeros(2, 1), torch.zeros(32), None,
+                                     numel=33), ValueError, "numel"),
+        (lambda: ops.unpack(torch.zeros(1, 4, dtype=torch.uint8), torch.zeros(1, 1), 40, None), ValueError, "numel"),
+    ],
+)
+def test_bad_input_is_refused_clearly(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
+
+
+def test_partial_overlap_of_error_out_is_refused():
+    e = torch.zeros(2, 64)
+    with pytest.raises(ValueError, match="partially overlaps"):
+        torch.ops.lbcomm.worker_compress(torch.randn(32), e.view(-1)[:64].view(1, 64), None,
+                                         e.view(-1)[32:96].view(1, 64))
+
+
+@pytest.mark.parametrize("block", [None, 64])
+def test_opcheck(block):
+    x, e = _worker_inputs(100, 2)
+    torch.library.opcheck(torch.ops.lbcomm.worker_compress.default, (x, e.clone(), block, None))
+    torch.library.opcheck(torch.ops.lbcomm.worker_compress.default, (x, e.clone(), block, torch.empty_like(e)))
+    m = e.shape[1]
+    packed = torch.randint(0, 256, (2, m // 8), dtype=torch.uint8)
+    scales = torch.rand(2, R.num_blocks(m, block))
+    torch.library.opcheck(torch.ops.lbcomm.server_compress.default, (packed, scales, torch.randn(m), block, 50, None))
+    torch.library.opcheck(torch.ops.lbcomm.unpack.default, (packed, scales, 90, block))
+
+
+def test_portable_path_matches_reference():
+    """The same comparisons with the AVX2 bodies switched off (a fresh process)."""
+    if not ops.cpu_has_avx2():
+        pytest.skip("this CPU runs the portable path already")
+    code = (
+        "import torch, sys; from lbcomm import ops, reference as R\n"
+        "assert not ops.cpu_has_avx2()\n"
+        "torch.manual_seed(0)\n"
+        "for n0, p in [(1, 1), (7, 2), (1000, 3), (70001, 4)]:\n"
+        "  for block in [None, 32, 2048]:\n"
+        "    for dt in [torch.float32, torch.float16, torch.bfloat16]:\n"
+        "      m = R.chunk_size(n0, p); x = torch.randn(n0).to(dt); e = torch.randn(p, m); e.view(-1)[n0:] = 0\n"
+        "      rp, rs, re = R.worker_compress(x, e, block); pk, sc = ops.worker_compress(x, e, block)\n"
+        "      assert torch.equal(pk, rp); torch.testing.assert_close(sc, rs, rtol=1e-6, atol=0)\n"
+        "      torch.testing.assert_close(e, re, rtol=1e-6, atol=1e-6)\n"
+        "      s = torch.randn(m); rp2, rs2, re2 = R.server_compress(pk, sc, s, block, min(n0, m))\n"
+        "      pk2, sc2 = ops.server_compress(pk, sc, s, block, min(n0, m))\n"
+        "      assert torch.equal(pk2, rp2); torch.testing.assert_close(sc2, rs2, rtol=1e-6, atol=0)\n"
+        "      torch.testing.assert_close(s, re2, rtol=1e-6, atol=1e-6)\n"
+        "      assert torch.equal(ops.unpack(pk, sc, n0, block), R.unpack(pk, sc, n0, block))\n"
+        "print('portable ok')\n"
+    )
+    env = dict(os.environ, LBCOMM_DISABLE_AVX2="1")
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "portable ok" in res.stdout
