@@ -1,0 +1,189 @@
+"""The compressed allreduce on real gloo process groups against the reference algorithm."""
+import pytest
+import torch
+
+import lbcomm
+from lbcomm import reference as R
+from dist_util import run_ranks
+
+SIZES = [1, 7, 1000, 4099]
+STEPS = 20
+
+
+def _inputs(rank, t, n0, dtype=torch.float32):
+    """Deterministic per (rank, step): any process can rebuild every rank's input."""
+    g = torch.Generator().manual_seed(1000 * t + rank)
+    return (torch.randn(n0, generator=g) * (1 + rank)).to(dtype)
+
+
+def _run_blocks(rank, p, sizes, blocks, steps, dtype):
+    return {block: _run_steps(rank, p, sizes, block, steps, dtype, False) for block in blocks}
+
+
+def _run_steps(rank, p, sizes, block, steps, dtype, use_async):
+    results = {}
+    for n0 in sizes:
+        state = lbcomm.CompressionState(n0, block_size=block)
+        outs = []
+        for t in range(steps):
+            x = _inputs(rank, t, n0, dtype)
+            if use_async:
+                out = lbcomm.compressed_allreduce(x, state, async_op=True).wait()
+            else:
+                out = lbcomm.compressed_allreduce(x, state)
+            assert out.dtype == dtype and out.shape == x.shape
+            outs.append(out.clone())
+        results[n0] = (outs, state.worker_error.clone(), state.server_error.clone())
+    return results
+
+
+def _check(results, p, sizes, block, steps, dtype):
+    for n0 in sizes:
+        per_rank = [r[n0] for r in results]
+        # bitwise identical on every rank, every step
+        for t in range(steps):
+            for r in range(1, p):
+                assert torch.equal(per_rank[0][0][t], per_rank[r][0][t]), f"rank {r} differs at step {t}"
+        if p == 1:
+            for t in range(steps):
+                assert torch.equal(per_rank[0][0][t], _inputs(0, t, n0, dtype))
+            continue
+        # equal to the reference algorithm, step by step, from the same (zero) start
+        m = R.chunk_size(n0, p)
+        we = [torch.zeros(p, m) for _ in range(p)]
+        se = [torch.zeros(m) for _ in range(p)]
+        sum_out = torch.zeros(n0, dtype=torch.float64)
+        sum_mean = torch.zeros(n0, dtype=torch.float64)
+        for t in range(steps):
+            xs = [_inputs(r, t, n0, dtype) for r in range(p)]
+            ref_out, we, se = R.compressed_allreduce(xs, we, se, block)
+            torch.testing.assert_close(per_rank[0][0][t].float(), ref_out.to(dtype).float(), rtol=1e-5, atol=1e-6)
+            sum_out += per_rank[0][0][t].double() if dtype == torch.float32 else ref_out.double()
+            sum_mean += torch.stack([x.double() for x in xs]).mean(0)
+        # the exact telescoping invariant of DESIGN.md §1, on the errors the ranks hold
+        worker = torch.stack([pr[1].double() for pr in per_rank]).mean(0)[:n0]
+        server = torch.cat([pr[2].double() for pr in per_rank])[:n0]
+        residual = sum_out - (sum_mean - worker - server)
+        scale = sum_mean.abs().max().item() + 1
+        assert residual.abs().max().item() < 1e-5 * scale * steps, residual.abs().max()
+        # and the padding never carries error
+        for pr in per_rank:
+            assert torch.all(pr[1][n0:] == 0)
+        torch.testing.assert_close(torch.stack([pr[1] for pr in per_rank]).view(p, -1),
+                                   torch.stack([w.view(-1) for w in we]), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 5])
+def test_matches_reference_and_invariant(p):
+    blocks = (None, lbcomm.DEFAULT_BLOCK_SIZE, 64)
+    results = run_ranks(_run_blocks, p, SIZES, blocks, STEPS, torch.float32)
+    for block in blocks:
+        _check([r[block] for r in results], p, SIZES, block, STEPS, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_inputs_across_ranks(dtype):
+    results = run_ranks(_run_steps, 3, [1000], 256, 5, dtype, False)
+    _check(results, 3, [1000], 256, 5, dtype)
+
+
+def test_async_matches_sync():
+    sync = run_ranks(_run_steps, 3, [4099], 2048, 5, torch.float32, False)
+    asyn = run_ranks(_run_steps, 3, [4099], 2048, 5, torch.float32, True)
+    for r in range(3):
+        for a, b in zip(sync[r][4099][0], asyn[r][4099][0]):
+            assert torch.equal(a, b)
+
+
+def _nonfinite_ranks(rank, p, policy):
+    state = lbcomm.CompressionState(300, block_size=64, nonfinite=policy)
+    lbcomm.compressed_allreduce(torch.randn(300), state)
+    before = (state.worker_error.clone(), state.server_error.clone())
+    x = torch.randn(300)
+    if rank == 1:
+        x[123] = float("inf")
+    outcome = "ok"
+    try:
+        out = lbcomm.compressed_allreduce(x, state)
+        outcome = "nan" if torch.isnan(out).all() else "values"
+    except lbcomm.NonFiniteError:
+        outcome = "raised"
+    same = torch.equal(before[0], state.worker_error) and torch.equal(before[1], state.server_error)
+    # the state keeps working afterwards
+    lbcomm.compressed_allreduce(torch.randn(300), state)
+    return outcome, same, state.last_skipped, state.skipped
+
+
+@pytest.mark.parametrize("policy,expected", [("raise", "raised"), ("skip", "nan")])
+def test_nonfinite_is_seen_by_every_rank_and_errors_stay(policy, expected):
+    for outcome, same, last_skipped, skipped in run_ranks(_nonfinite_ranks, 3, policy):
+        assert outcome == expected
+        assert same, "error buffers changed by a non-finite call"
+        assert not last_skipped and skipped == 1
+
+
+def test_world_size_one_returns_input():
+    x = torch.randn(10)
+    state = lbcomm.CompressionState(10)
+    assert lbcomm.compressed_allreduce(x, state) is x
+    assert lbcomm.compressed_allreduce(x, state, async_op=True).wait() is x
+    assert torch.count_nonzero(state.worker_error) == 0
+
+
+@pytest.mark.parametrize(
+    "make,exc,match",
+    [
+        (lambda s: lbcomm.compressed_allreduce(torch.arange(10), s), TypeError, "float32/float16/bfloat16"),
+        (lambda s: lbcomm.compressed_allreduce(torch.randn(11), s), ValueError, "11 elements"),
+        (lambda s: lbcomm.compressed_allreduce(torch.randn(10, device="meta"), s), ValueError, "meta"),
+        (lambda s: lbcomm.compressed_allreduce(torch.randn(10), object()), TypeError, "CompressionState"),
+        (lambda s: lbcomm.CompressionState(10, block_size=100), ValueError, "block_size"),
+        (lambda s: lbcomm.CompressionState(-1), ValueError, "numel"),
+        (lambda s: lbcomm.CompressionState(10, nonfinite="ignore"), ValueError, "nonfinite"),
+    ],
+)
+def test_bad_input_is_refused_clearly(make, exc, match):
+    with pytest.raises(exc, match=match):
+        make(lbcomm.CompressionState(10))
+
+
+def _bad_group(rank, p):
+    state = lbcomm.CompressionState(10)
+    sub = torch.distributed.new_group([0, 1])
+    try:
+        lbcomm.compressed_allreduce(torch.randn(10), state, group=sub)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_state_of_another_group_is_refused():
+    for msg in run_ranks(_bad_group, 2):
+        assert "another process group" in msg
+
+
+def _checkpoint_ranks(rank, p):
+    a = lbcomm.CompressionState(500, block_size=64)
+    for t in range(3):
+        lbcomm.compressed_allreduce(_inputs(rank, t, 500), a)
+    sd = a.state_dict()
+    b = lbcomm.CompressionState(500, block_size=64)
+    assert b.load_state_dict(sd)
+    outs = [(lbcomm.compressed_allreduce(_inputs(rank, t, 500), a),
+             lbcomm.compressed_allreduce(_inputs(rank, t, 500), b)) for t in range(3, 6)]
+    return all(torch.equal(x, y) for x, y in outs)
+
+
+def test_state_dict_resumes_bitwise():
+    assert all(run_ranks(_checkpoint_ranks, 3))
+
+
+def test_state_dict_of_another_layout_resets_with_warning(caplog):
+    a = lbcomm.CompressionState(100)
+    sd = a.state_dict()
+    sd["world_size"] = 4
+    sd["worker_error"] = torch.ones(4 * 32)
+    with caplog.at_level("WARNING"):
+        assert not a.load_state_dict(sd)
+    assert "resetting" in caplog.text
+    assert torch.count_nonzero(a.worker_error) == 0
