@@ -151,9 +151,9 @@ ServerLaunch prepare_server(const at::Tensor& packed, const at::Tensor& scales, 
   return L;
 }
 
-UnpackLaunch prepare_unpack(const at::Tensor& packed, const at::Tensor& scales, int64_t numel,
-                            std::optional<int64_t> block_size) {
-  constexpr const char* op = "lbcomm::unpack";
+namespace {
+UnpackLaunch prepare_unpack_impl(const at::Tensor& packed, const at::Tensor& scales, int64_t numel,
+                                 std::optional<int64_t> block_size, const at::Tensor* out, const char* op) {
   UnpackLaunch L;
   TORCH_CHECK_TYPE(packed.scalar_type() == at::kByte, op, ": expected packed uint8, got ", packed.scalar_type());
   check_f32(scales, op, "scales");
@@ -169,7 +169,14 @@ UnpackLaunch prepare_unpack(const at::Tensor& packed, const at::Tensor& scales, 
   check_rows(P, p, m / 8, op, "packed");
   check_rows(S, p, num_blocks(m, block), op, "scales");
   TORCH_CHECK_VALUE(numel >= 0 && numel <= p * m, op, ": numel must be in [0, ", p * m, "], got ", numel);
-  L.out = at::empty({numel}, scales.options());
+  if (out) {
+    check_f32(*out, op, "out");
+    check_same_device(packed, *out, op, "out");
+    TORCH_CHECK_VALUE(out->is_contiguous(), op, ": out must be contiguous");
+    L.out = *out;
+  } else {
+    L.out = at::empty({numel}, scales.options());
+  }
   L.args = UnpackArgs{P.data_ptr<uint8_t>(),
                       p > 1 ? P.stride(0) : m / 8,
                       S.data_ptr<float>(),
@@ -180,6 +187,17 @@ UnpackLaunch prepare_unpack(const at::Tensor& packed, const at::Tensor& scales, 
                       numel,
                       L.out.data_ptr<float>()};
   return L;
+}
+}  // namespace
+
+UnpackLaunch prepare_unpack(const at::Tensor& packed, const at::Tensor& scales, int64_t numel,
+                            std::optional<int64_t> block_size) {
+  return prepare_unpack_impl(packed, scales, numel, block_size, nullptr, "lbcomm::unpack");
+}
+
+UnpackLaunch prepare_unpack_into(const at::Tensor& packed, const at::Tensor& scales,
+                                 std::optional<int64_t> block_size, const at::Tensor& out) {
+  return prepare_unpack_impl(packed, scales, out.numel(), block_size, &out, "lbcomm::unpack_into");
 }
 
 namespace {
@@ -218,17 +236,26 @@ std::tuple<at::Tensor, at::Tensor> server_compress_cpu(const at::Tensor& packed,
   return {L.packed, L.scales};
 }
 
+void run_unpack_cpu(const UnpackLaunch& L) {
+  parallel_units(cpu::unpack_units(L.args), kPartialBlock,
+                 [&](int64_t b, int64_t e) { cpu::unpack_range(L.args, b, e); });
+}
+
 at::Tensor unpack_cpu(const at::Tensor& packed, const at::Tensor& scales, int64_t numel,
                       std::optional<int64_t> block_size) {
   UnpackLaunch L = prepare_unpack(packed, scales, numel, block_size);
-  parallel_units(cpu::unpack_units(L.args), kPartialBlock,
-                 [&](int64_t b, int64_t e) { cpu::unpack_range(L.args, b, e); });
+  run_unpack_cpu(L);
   return L.out;
+}
+
+void unpack_into_cpu(const at::Tensor& packed, const at::Tensor& scales, std::optional<int64_t> block_size,
+                     const at::Tensor& out) {
+  run_unpack_cpu(prepare_unpack_into(packed, scales, block_size, out));
 }
 
 bool has_avx2_op() { return cpu::has_avx2(); }
 // Bumped whenever an op's schema or semantics change, so Python can detect a stale build.
-int64_t abi_version_op() { return 1; }
+int64_t abi_version_op() { return 2; }
 bool built_with_cuda_op() {
 #ifdef LBCOMM_WITH_CUDA
   return true;
@@ -245,6 +272,7 @@ TORCH_LIBRARY(lbcomm, m) {
       "server_compress(Tensor packed, Tensor scales, Tensor(a!) error, int? block_size, int? numel=None, "
       "Tensor(b!)? error_out=None) -> (Tensor, Tensor)");
   m.def("unpack(Tensor packed, Tensor scales, int numel, int? block_size) -> Tensor");
+  m.def("unpack_into(Tensor packed, Tensor scales, int? block_size, Tensor(a!) out) -> ()");
   m.def("cpu_has_avx2() -> bool", &has_avx2_op);
   m.def("abi_version() -> int", &abi_version_op);
   m.def("built_with_cuda() -> bool", &built_with_cuda_op);
@@ -254,6 +282,7 @@ TORCH_LIBRARY_IMPL(lbcomm, CPU, m) {
   m.impl("worker_compress", &worker_compress_cpu);
   m.impl("server_compress", &server_compress_cpu);
   m.impl("unpack", &unpack_cpu);
+  m.impl("unpack_into", &unpack_into_cpu);
 }
 
 }  // namespace lbcomm

@@ -34,5 +34,8 @@ ServerLaunch prepare_server(const at::Tensor& packed, const at::Tensor& scales, 
                             const std::optional<at::Tensor>& error_out);
 UnpackLaunch prepare_unpack(const at::Tensor& packed, const at::Tensor& scales, int64_t numel,
                             std::optional<int64_t> block_size);
+// The same into a caller's contiguous float32 tensor of numel elements (no allocation).
+UnpackLaunch prepare_unpack_into(const at::Tensor& packed, const at::Tensor& scales,
+                                 std::optional<int64_t> block_size, const at::Tensor& out);
 
 }  // namespace lbcomm

@@ -187,7 +187,7 @@ class CompressionState:
 class _Call:
     """One compressed allreduce in flight: the phases, shared by the sync and async drivers."""
 
-    def __init__(self, tensor: Tensor, state: CompressionState, group):
+    def __init__(self, tensor: Tensor, state: CompressionState, group, out: Optional[Tensor]):
         if not isinstance(state, CompressionState):
             raise TypeError(f"compressed_allreduce: state must be a CompressionState, got {type(state).__name__}")
         if not isinstance(tensor, Tensor):
@@ -203,8 +203,12 @@ class _Call:
         if group is not None and group is not state.group:
             raise ValueError("compressed_allreduce: the state was built for another process group; build one "
                              "CompressionState per group")
+        if out is not None and (not isinstance(out, Tensor) or out.dtype not in _FLOAT_TYPES
+                                or out.numel() != tensor.numel() or out.device != tensor.device):
+            raise ValueError("compressed_allreduce: out must be a float32/float16/bfloat16 tensor with as many "
+                             "elements as the input, on the same device")
         state._ensure_idle()
-        self.tensor, self.state = tensor, state
+        self.tensor, self.state, self.out = tensor, state, out
 
     def phase0(self) -> Tensor:
         st = self.state
@@ -242,18 +246,20 @@ class _Call:
                 raise NonFiniteError(
                     "compressed_allreduce: the input holds NaN or Inf on at least one rank (the error buffers are "
                     "unchanged); check for overflow, or pass nonfinite='skip' to the CompressionState")
-            return torch.full_like(self.tensor, float("nan"))
+            return self.out if self.out is not None else torch.full_like(self.tensor, float("nan"))
         st.last_skipped = False
         (new_worker, new_server), st._spare = st._spare, (st._worker, st._server)
         st._worker, st._server = new_worker, new_server
-        out = ops.unpack(gathered[:, :m8], scales, st.numel, st.block_size)
-        return out.view(self.tensor.shape).to(self.tensor.dtype)
+        out = self.out if self.out is not None else torch.empty_like(self.tensor, memory_format=torch.contiguous_format)
+        return ops.unpack_into(gathered[:, :m8], scales, st.block_size, out)
 
     def abort(self) -> None:
         self.state._busy = False
 
 
-def compressed_allreduce(tensor: Tensor, state: CompressionState, group=None, async_op: bool = False):
+def compressed_allreduce(
+    tensor: Tensor, state: CompressionState, group=None, async_op: bool = False, out: Optional[Tensor] = None
+):
     """Approximate MEAN of `tensor` over the ranks of the state's group, in 1 bit per element.
 
     Args:
@@ -263,17 +269,22 @@ def compressed_allreduce(tensor: Tensor, state: CompressionState, group=None, as
         group (ProcessGroup, optional): must be the state's group if given (default: None).
         async_op (bool, optional): return a torch.futures.Future of the result; the two
             collectives are chained through callbacks without blocking (default: False).
+        out (Tensor, optional): receives the result (may be `tensor` itself, for an
+            in-place reduction; a float32 contiguous out is decoded without allocating).
+            Left unchanged by a call skipped for non-finite input (default: None).
 
     Returns:
-        A new tensor of `tensor`'s shape and dtype, bitwise identical on every rank (or a
-        Future of it). With one rank the input itself is returned: nothing is compressed.
+        `out`, or a new tensor of `tensor`'s shape and dtype, bitwise identical on every
+        rank (or a Future of it). With one rank nothing is compressed: the input itself
+        is returned (copied into `out` when given).
     """
-    call = _Call(tensor, state, group)
+    call = _Call(tensor, state, group, out)
     if state.world_size == 1 or state.numel == 0:
+        result = tensor if out is None else (out if out is tensor else out.copy_(tensor))
         if not async_op:
-            return tensor
+            return result
         fut = torch.futures.Future()
-        fut.set_result(tensor)
+        fut.set_result(result)
         return fut
     tr = state.transport
     if not async_op:

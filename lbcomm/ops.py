@@ -16,9 +16,9 @@ from torch import Tensor
 
 from . import reference as _ref
 
-__all__ = ["worker_compress", "server_compress", "unpack", "HAS_EXTENSION", "extension_problem", "cpu_has_avx2"]
+__all__ = ["worker_compress", "server_compress", "unpack", "unpack_into", "HAS_EXTENSION", "extension_problem", "cpu_has_avx2"]
 
-ABI_VERSION = 1  # must match abi_version() in csrc/ops.cpp
+ABI_VERSION = 2  # must match abi_version() in csrc/ops.cpp
 _log = logging.getLogger(__name__)
 _FIX = "rebuild it with `pip install --no-build-isolation -e .` in the lbcomm checkout"
 
@@ -123,6 +123,17 @@ def unpack(packed: Tensor, scales: Tensor, numel: int, block_size: Optional[int]
     return _ref.unpack(packed, scales, numel, block_size)
 
 
+def unpack_into(packed: Tensor, scales: Tensor, block_size: Optional[int], out: Tensor) -> Tensor:
+    """Decode into `out` (float32/float16/bfloat16, out.numel() elements) without allocating
+    when out is contiguous float32; returns out."""
+    direct = out.dtype == torch.float32 and out.is_contiguous()
+    if direct and _use_kernel(packed.device):
+        torch.ops.lbcomm.unpack_into(packed, scales, block_size, out.view(-1))
+    else:
+        out.copy_(unpack(packed, scales, out.numel(), block_size).view(out.shape))
+    return out
+
+
 def _nb(m: int, block_size: Optional[int]) -> int:
     return _ref.num_blocks(m, block_size)
 
@@ -143,3 +154,7 @@ if HAS_EXTENSION:
     @torch.library.register_fake("lbcomm::unpack")
     def _(packed, scales, numel, block_size):
         return scales.new_empty((numel,))
+
+    @torch.library.register_fake("lbcomm::unpack_into")
+    def _(packed, scales, block_size, out):
+        return None

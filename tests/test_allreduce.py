@@ -29,6 +29,9 @@ def _run_steps(rank, p, sizes, block, steps, dtype, use_async):
             x = _inputs(rank, t, n0, dtype)
             if use_async:
                 out = lbcomm.compressed_allreduce(x, state, async_op=True).wait()
+            elif t % 2:  # odd steps reduce in place through out=
+                out = x.clone()
+                assert lbcomm.compressed_allreduce(out, state, out=out) is out
             else:
                 out = lbcomm.compressed_allreduce(x, state)
             assert out.dtype == dtype and out.shape == x.shape

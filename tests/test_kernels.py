@@ -120,6 +120,15 @@ def test_unpack_matches_reference(p, m, numel, block):
     assert torch.equal(ops.unpack(packed, scales, numel, block), R.unpack(packed, scales, numel, block))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_unpack_into_matches_unpack(dtype):
+    packed = torch.randint(0, 256, (3, 128), dtype=torch.uint8)
+    scales = torch.rand(3, 16)
+    out = torch.full((3000,), float("nan"), dtype=dtype)
+    assert ops.unpack_into(packed, scales, 64, out) is out
+    assert torch.equal(out, R.unpack(packed, scales, 3000, 64).to(dtype))
+
+
 def test_non_contiguous_input_is_handled():
     base = torch.randn(64, 50)
     x = base.t()  # non-contiguous view
@@ -182,6 +191,7 @@ def test_opcheck(block):
     scales = torch.rand(2, R.num_blocks(m, block))
     torch.library.opcheck(torch.ops.lbcomm.server_compress.default, (packed, scales, torch.randn(m), block, 50, None))
     torch.library.opcheck(torch.ops.lbcomm.unpack.default, (packed, scales, 90, block))
+    torch.library.opcheck(torch.ops.lbcomm.unpack_into.default, (packed, scales, block, torch.empty(90)))
 
 
 def test_portable_path_matches_reference():
