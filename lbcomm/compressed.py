@@ -9,8 +9,12 @@ move bytes. Per call and rank:
     phase 3  all-gather                          every rank receives every server chunk
     decode   unpack                            -> approximate mean, bitwise equal on all ranks
 
-Wire rows: a chunk's m/8 sign bytes followed by its fp32 block scales, so each phase is
-one collective. New errors are written to spare buffers and swapped in only after phase
+Wire rows: a chunk's m/8 sign bytes, its fp32 block scales, then a 16-byte header
+(numel, call count, block size), so each phase is one collective and every rank sees
+every other rank's header in the all-to-all: ranks that call with different tensors, or
+out of step, all raise the same clear error. Different row lengths would abort the
+process inside gloo, so each state first checks the layout once with a fixed-size
+all-gather (its first call). New errors are written to spare buffers and swapped in only after phase
 3, once every rank has seen every server scale: a non-finite value anywhere is detected
 identically everywhere and leaves the error state exactly as it was.
 """
@@ -35,6 +39,7 @@ _log = logging.getLogger(__name__)
 DEFAULT_BLOCK_SIZE = 2048
 _FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16)
 _NONFINITE = ("raise", "skip")
+_HEADER = 16  # int32 numel low, numel high, call count, block size (0: none)
 
 
 class NonFiniteError(FloatingPointError):
@@ -62,6 +67,9 @@ class CompressionState:
             "raise" a NonFiniteError on every rank, or "skip" (the result is all NaN,
             ``last_skipped`` is True). Errors stay exactly as before either way.
             (default: "raise")
+        backend (str, optional): "torch" (a torch.distributed group), "mpi" (mpi4py; `group`
+            is then an mpi4py communicator) or "auto": torch.distributed when initialized,
+            else MPI under mpirun; see `lbcomm.comm.get_transport` (default: "auto").
 
     Attributes:
         worker_error (Tensor): this rank's worker error, n (padded numel) fp32 elements.
@@ -77,13 +85,14 @@ class CompressionState:
         *,
         nonfinite: str = "raise",
         transport=None,
+        backend: str = "auto",
     ):
         if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
             raise ValueError(f"Invalid numel: {numel!r} (must be a non-negative int)")
         _check_block_size(block_size)
         if nonfinite not in _NONFINITE:
             raise ValueError(f"Invalid nonfinite policy: {nonfinite!r} (use one of {_NONFINITE})")
-        self.transport = transport if transport is not None else get_transport(group)
+        self.transport = transport if transport is not None else get_transport(group, backend=backend)
         self.group = group
         self.world_size = self.transport.world_size
         self.rank = self.transport.rank
@@ -99,13 +108,14 @@ class CompressionState:
         self.nonfinite = nonfinite
         self.chunk = chunk_size(numel, self.world_size)  # m: elements per rank's chunk
         self._nb = num_blocks(self.chunk, block_size)
-        self._row = self.chunk // 8 + 4 * self._nb  # bytes per chunk on the wire
+        self._row = self.chunk // 8 + 4 * self._nb + _HEADER  # bytes per chunk on the wire
         f32 = dict(dtype=torch.float32, device=self.device)
         self._worker = torch.zeros(self.world_size, self.chunk, **f32)
         self._server = torch.zeros(self.chunk, **f32)
         self._spare: Optional[tuple] = None  # (worker, server) receiving the next errors
         self._bufs: Optional[tuple] = None  # wire buffers, allocated on first use
         self._busy = False
+        self._verified = False
         self.calls = 0
         self.skipped = 0
         self.last_skipped = False
@@ -210,32 +220,65 @@ class _Call:
         state._ensure_idle()
         self.tensor, self.state, self.out = tensor, state, out
 
+    def _header(self) -> Tensor:
+        st = self.state
+        return torch.tensor([st.numel & 0x7FFFFFFF, st.numel >> 31, st.calls & 0x7FFFFFFF, st.block_size or 0],
+                            dtype=torch.int32)
+
+    def _handshake(self) -> None:
+        """Once per state: every rank's layout, compared before any variable-size collective."""
+        st = self.state
+        mine = torch.tensor([st.numel, st.block_size or 0, st.chunk, st.calls], dtype=torch.int64)
+        everyone = torch.empty(st.world_size * 4, dtype=torch.int64, device=st.device)
+        st.transport.all_gather(everyone.view(torch.uint8), mine.to(st.device).view(torch.uint8))
+        rows = everyone.view(st.world_size, 4).cpu()
+        if not bool((rows == mine).all()):
+            desc = ", ".join(f"rank {r}: numel={int(v[0])} block_size={int(v[1]) or None} calls={int(v[3])}"
+                             for r, v in enumerate(rows))
+            raise ValueError("compressed_allreduce: ranks called with different tensors or state layouts "
+                             f"({desc}); every rank must reduce the same sizes in the same order")
+        st._verified = True
+
+    def _check_headers(self, rows: Tensor) -> None:
+        heads = rows[:, -_HEADER:].contiguous().view(torch.int32).cpu()
+        mine = self._header()
+        if not bool((heads == mine).all()):
+            desc = ", ".join(f"rank {r}: numel={int(h[0]) + (int(h[1]) << 31)} call={int(h[2])} "
+                             f"block_size={int(h[3]) or None}" for r, h in enumerate(heads))
+            raise ValueError("compressed_allreduce: ranks called with different tensors or are out of step "
+                             f"({desc}); the error buffers are unchanged")
+
     def phase0(self) -> Tensor:
         st = self.state
         send, _, _, _ = st._buffers()
+        if not st._verified:
+            self._handshake()
         st._busy = True
-        m8 = st.chunk // 8
+        m8, sc_end = st.chunk // 8, st._row - _HEADER
         packed, scales = ops.worker_compress(self.tensor, st._worker, st.block_size, error_out=st._spare[0])
         send[:, :m8].copy_(packed)
-        send[:, m8:].view(torch.float32).copy_(scales)
+        send[:, m8:sc_end].view(torch.float32).copy_(scales)
+        send[:, sc_end:].copy_(self._header().view(torch.uint8))
         return send
 
     def phase2(self) -> Tensor:
         st = self.state
         _, recv, gsend, _ = st._bufs
-        m, m8 = st.chunk, st.chunk // 8
+        self._check_headers(recv)  # every rank sees every header: all raise, or none
+        m, m8, sc_end = st.chunk, st.chunk // 8, st._row - _HEADER
         real = min(max(st.numel - st.rank * m, 0), m)
-        packed, scales = ops.server_compress(recv[:, :m8], recv[:, m8:].view(torch.float32), st._server,
+        packed, scales = ops.server_compress(recv[:, :m8], recv[:, m8:sc_end].view(torch.float32), st._server,
                                              st.block_size, real, error_out=st._spare[1])
         gsend[:m8].copy_(packed)
-        gsend[m8:].view(torch.float32).copy_(scales)
+        gsend[m8:sc_end].view(torch.float32).copy_(scales)
+        gsend[sc_end:].copy_(self._header().view(torch.uint8))
         return gsend
 
     def finish(self) -> Tensor:
         st = self.state
         gathered = st._bufs[3].view(st.world_size, st._row)
         m8 = st.chunk // 8
-        scales = gathered[:, m8:].view(torch.float32)
+        scales = gathered[:, m8:st._row - _HEADER].view(torch.float32)
         st.calls += 1
         st._busy = False
         # Every rank holds every server scale now, so all reach the same verdict.

@@ -85,6 +85,12 @@ def _expand(scales: Tensor, m: int, block_size: Optional[int]) -> Tensor:
     return scales.repeat_interleave(block_size, dim=1)[:, :m]
 
 
+def _signed(neg: Tensor, scale: Tensor) -> Tensor:
+    """Decoded value: the scale with its sign bit set where `neg`. Scales are >= +0, so
+    this is +-scale; spelled this way a NaN scale decodes the same as in the kernels."""
+    return torch.where(neg, -scale.abs(), scale)
+
+
 def _real_mask(rows: int, m: int, numel: int, device) -> Tensor:
     return (torch.arange(rows * m, device=device) < numel).reshape(rows, m)
 
@@ -129,7 +135,7 @@ def server_compress(
     per_elem = _expand(scales.to(torch.float32), m, block_size)
     acc = torch.zeros(m, dtype=torch.float32, device=error.device)
     for j in range(p):  # fp32, rank order: the recipe every kernel follows
-        acc = acc + torch.where(neg[j], -per_elem[j], per_elem[j])
+        acc = acc + _signed(neg[j], per_elem[j])
     inv_p = torch.tensor(1.0, dtype=torch.float32) / torch.tensor(float(p), dtype=torch.float32)
     real = _real_mask(1, m, numel, error.device)
     z = torch.where(real, (acc * inv_p.to(error.device) + error).reshape(1, m), torch.zeros((), device=error.device))
@@ -144,7 +150,7 @@ def unpack(packed: Tensor, scales: Tensor, numel: int, block_size: Optional[int]
     scales2 = scales.reshape(1, -1) if scales.dim() == 1 else scales
     m = packed2.shape[1] * 8
     per_elem = _expand(scales2.to(torch.float32), m, block_size)
-    out = torch.where(unpack_signs(packed2), -per_elem, per_elem)
+    out = _signed(unpack_signs(packed2), per_elem)
     return out.reshape(-1)[:numel].clone()
 
 

@@ -81,7 +81,7 @@ double server_z_scalar(const ServerArgs& a, int64_t start, int64_t i0, int64_t r
     for (int64_t j = 0; j < a.p; ++j) {
       const float sc = a.scales[j * a.scales_stride + scale_col];
       const bool neg = (a.packed[j * a.packed_stride + (idx >> 3)] >> (idx & 7)) & 1;
-      acc += neg ? -sc : sc;
+      acc += neg ? -std::fabs(sc) : sc;  // the sign bit set, as the AVX2 body does
     }
     const float prod = acc * inv_p;  // separate rounding: -ffp-contract=off
     const float z = prod + a.error[idx];
@@ -115,7 +115,7 @@ void unpack_scalar(const UnpackArgs& a, int64_t k, int64_t i0, int64_t i1) {
   float* out = a.out + k * a.m;
   for (int64_t i = i0; i < i1; ++i) {
     const float sc = a.scales[k * a.scales_stride + (a.block > 0 ? i / a.block : 0)];
-    out[i] = ((bits[i >> 3] >> (i & 7)) & 1) ? -sc : sc;
+    out[i] = ((bits[i >> 3] >> (i & 7)) & 1) ? -std::fabs(sc) : sc;
   }
 }
 
