@@ -5,6 +5,7 @@
 // No torch headers: the caller (ops.cpp) owns threading and validation.
 #include <cmath>
 #include <cstdlib>
+#include <algorithm>
 #include <cstring>
 
 #include "kernels.h"
@@ -110,13 +111,9 @@ void sign_pack_scalar(float* v, uint8_t* out, int64_t i0, int64_t real, int64_t 
   }
 }
 
-void unpack_scalar(const UnpackArgs& a, int64_t k, int64_t i0, int64_t i1) {
-  const uint8_t* bits = a.packed + k * a.packed_stride;
-  float* out = a.out + k * a.m;
-  for (int64_t i = i0; i < i1; ++i) {
-    const float sc = a.scales[k * a.scales_stride + (a.block > 0 ? i / a.block : 0)];
-    out[i] = ((bits[i >> 3] >> (i & 7)) & 1) ? -std::fabs(sc) : sc;
-  }
+// Decode [i0, i1) of chunk row k, a range within one scale block (constant scale).
+void unpack_scalar(const uint8_t* bits, float* out, int64_t i0, int64_t i1, float sc) {
+  for (int64_t i = i0; i < i1; ++i) out[i] = ((bits[i >> 3] >> (i & 7)) & 1) ? -std::fabs(sc) : sc;
 }
 
 // ---------------------------------------------------------------- AVX2 bodies
@@ -160,15 +157,23 @@ LBCOMM_AVX2 double worker_y_avx2(const WorkerArgs& a, int64_t start, int64_t rea
   return hsum(lo, hi) + worker_y_scalar(a, start, i, real);
 }
 
-// Lane t of the result has all bits set iff bit t of `byte` is set.
-LBCOMM_AVX2 inline __m256i byte_to_mask(uint32_t byte) {
-  const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
-  return _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(static_cast<int>(byte)), sel), sel);
+// kSignLut[byte] lane t = 0x80000000 iff bit t of byte is set: one load turns 8 packed
+// signs into the sign bits to OR onto a scale (8 KiB, stays in L1 next to a block).
+struct SignLut {
+  alignas(32) uint32_t v[256][8];
+  SignLut() {
+    for (int b = 0; b < 256; ++b)
+      for (int t = 0; t < 8; ++t) v[b][t] = ((b >> t) & 1) ? 0x80000000u : 0u;
+  }
+};
+const SignLut kSignLut;
+
+LBCOMM_AVX2 inline __m256 sign_bits(uint32_t byte) {
+  return _mm256_load_ps(reinterpret_cast<const float*>(kSignLut.v[byte]));
 }
 
 LBCOMM_AVX2 double server_z_avx2(const ServerArgs& a, int64_t start, int64_t real, int64_t scale_col, float inv_p) {
   const __m256 vinv = _mm256_set1_ps(inv_p);
-  const __m256i signbit = _mm256_set1_epi32(static_cast<int>(0x80000000u));
   __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
   int64_t i = 0;
   for (; i + 8 <= real; i += 8) {
@@ -176,8 +181,8 @@ LBCOMM_AVX2 double server_z_avx2(const ServerArgs& a, int64_t start, int64_t rea
     __m256 acc = _mm256_setzero_ps();
     for (int64_t j = 0; j < a.p; ++j) {
       const __m256 sc = _mm256_set1_ps(a.scales[j * a.scales_stride + scale_col]);
-      const __m256i neg = _mm256_and_si256(byte_to_mask(a.packed[j * a.packed_stride + (idx >> 3)]), signbit);
-      acc = _mm256_add_ps(acc, _mm256_or_ps(sc, _mm256_castsi256_ps(neg)));  // scales are >= 0
+      // scales are >= +0, so OR-ing the sign bit gives -scale exactly where the bit is set
+      acc = _mm256_add_ps(acc, _mm256_or_ps(sc, sign_bits(a.packed[j * a.packed_stride + (idx >> 3)])));
     }
     const __m256 z = _mm256_add_ps(_mm256_mul_ps(acc, vinv), _mm256_loadu_ps(a.error + idx));
     _mm256_storeu_ps(a.error_out + idx, z);
@@ -199,17 +204,11 @@ LBCOMM_AVX2 void sign_pack_avx2(float* v, uint8_t* out, int64_t real, int64_t le
   sign_pack_scalar(v, out, i, real, len, scale);
 }
 
-LBCOMM_AVX2 void unpack_avx2(const UnpackArgs& a, int64_t k, int64_t i0, int64_t i1) {
-  const uint8_t* bits = a.packed + k * a.packed_stride;
-  float* out = a.out + k * a.m;
-  const __m256i signbit = _mm256_set1_epi32(static_cast<int>(0x80000000u));
-  int64_t i = i0;
-  for (; i + 8 <= i1; i += 8) {
-    const float sc = a.scales[k * a.scales_stride + (a.block > 0 ? i / a.block : 0)];
-    const __m256i neg = _mm256_and_si256(byte_to_mask(bits[i >> 3]), signbit);
-    _mm256_storeu_ps(out + i, _mm256_or_ps(_mm256_set1_ps(sc), _mm256_castsi256_ps(neg)));
-  }
-  unpack_scalar(a, k, i, i1);
+LBCOMM_AVX2 void unpack_avx2(const uint8_t* bits, float* out, int64_t i0, int64_t i1, float sc) {
+  const __m256 vs = _mm256_set1_ps(sc);
+  int64_t i = i0;  // i0 % 8 == 0: segments start on block or unit boundaries
+  for (; i + 8 <= i1; i += 8) _mm256_storeu_ps(out + i, _mm256_or_ps(vs, sign_bits(bits[i >> 3])));
+  unpack_scalar(bits, out, i, i1, sc);
 }
 #endif  // LBCOMM_X86
 
@@ -340,13 +339,22 @@ void unpack_range(const UnpackArgs& a, int64_t begin, int64_t end) {
     const int64_t limit = a.numel - k * a.m;  // the output stops at numel
     if (limit <= i0) continue;
     if (limit < i1) i1 = limit;
+    const uint8_t* bits = a.packed + k * a.packed_stride;
+    float* out = a.out + k * a.m;
+    for (int64_t s0 = i0; s0 < i1;) {  // segments of constant scale
+      const int64_t b = a.block > 0 ? s0 / a.block : 0;
+      const int64_t s1 = a.block > 0 ? std::min(i1, (b + 1) * a.block) : i1;
+      const float sc = a.scales[k * a.scales_stride + b];
 #ifdef LBCOMM_X86
-    if (kAvx2) {
-      unpack_avx2(a, k, i0, i1);
-      continue;
-    }
+      if (kAvx2) {
+        unpack_avx2(bits, out, s0, s1, sc);
+        s0 = s1;
+        continue;
+      }
 #endif
-    unpack_scalar(a, k, i0, i1);
+      unpack_scalar(bits, out, s0, s1, sc);
+      s0 = s1;
+    }
   }
 }
 
