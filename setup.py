@@ -31,6 +31,12 @@ cxx = ["-O0", "-g"] if debug else ["-O3", "-fno-math-errno"]
 # The error-feedback invariant and the reference comparison need the same rounding as the
 # plain torch ops, so no fused multiply-adds except where the kernels ask for them.
 cxx += ["-ffp-contract=off", "-DPy_LIMITED_API=0x030A0000"]
+# at::parallel_for is inline OpenMP in torch's headers: without -fopenmp it silently runs
+# serially. The libgomp.so.1 it links resolves to the copy torch has already loaded.
+link = []
+if sys.platform.startswith("linux") and "OpenMP" in torch.__config__.parallel_info():
+    cxx.append("-fopenmp")
+    link.append("-fopenmp")
 extra = {"cxx": cxx}
 ext_cls = CppExtension
 if use_cuda:
@@ -45,6 +51,7 @@ setup(
             sources,
             include_dirs=[os.path.join(here, "csrc")],
             extra_compile_args=extra,
+            extra_link_args=link,
             define_macros=[("LBCOMM_WITH_CUDA", "1")] if use_cuda else [],
             py_limited_api=True,
         )
