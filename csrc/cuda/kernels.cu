@@ -1,0 +1,352 @@
+// CUDA kernels of lbcomm (DESIGN.md §1 and §6); the raw-pointer contract is csrc/kernels.h.
+// No torch headers here so that nvcc stays quick; ops_cuda.cpp binds these to the ops.
+//
+// Work is cut into groups of consecutive elements that share one scale: a scale block
+// (block > 0) or a kPartialBlock unit (block == 0). A group is handled by one warp (small
+// blocks, several groups per thread block) or by a whole 256-thread block. Warp w of a group
+// owns the 32-element words w, w + GW, ...; lane l owns element 32 * word + l, so loads are
+// coalesced and __ballot_sync of a word is exactly one little-endian uint32 of packed bits.
+// Block mode is one fused kernel: values stay in registers between the reduction and the
+// writes; words beyond the register budget are recomputed from their inputs (read twice,
+// the second time mostly from L2). Single-scale mode is three kernels: partial sums per unit,
+// one fixed-shape finishing reduction, then the packing pass with the final scale.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#ifndef LBCOMM_WITH_CUDA
+#define LBCOMM_WITH_CUDA 1  // the launcher declarations in kernels.h are behind this switch
+#endif
+#include "kernels.h"
+
+namespace lbcomm {
+namespace cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kFinishThreads = 1024;
+constexpr int64_t kMaxGrid = int64_t{1} << 24;  // larger problems loop (grid-stride)
+constexpr unsigned kFullMask = 0xffffffffu;
+
+__device__ __forceinline__ float load_in(const float* x, int64_t i) { return x[i]; }
+__device__ __forceinline__ float load_in(const __half* x, int64_t i) { return __half2float(x[i]); }
+__device__ __forceinline__ float load_in(const __nv_bfloat16* x, int64_t i) { return __bfloat162float(x[i]); }
+
+// sqrt(sum / count) in float64, rounded to fp32 once; 0 for a group without real elements.
+__device__ __forceinline__ float rms(double sumsq, int64_t count) {
+  return count > 0 ? __double2float_rn(sqrt(sumsq / static_cast<double>(count))) : 0.0f;
+}
+
+// The scale with its sign bit set when neg is 1 (scales are >= +0, so this is -scale);
+// the same rule as the CPU kernels and lbcomm.reference, also for a NaN scale.
+__device__ __forceinline__ float set_sign(float v, unsigned neg) {
+  return __uint_as_float(__float_as_uint(v) | (neg << 31));
+}
+
+// Groups of elements sharing one scale: `nseg` segments of `seg` elements (chunks, or the
+// whole tensor), each cut into groups of `group` elements (the last may be shorter).
+// Group g's scale lives at scales[g]. Elements at index >= numel are padding.
+struct Groups {
+  int64_t seg, group, per_seg, count, numel;
+
+  __device__ __forceinline__ void locate(int64_t g, int64_t& start, int64_t& len) const {
+    const int64_t k = g / per_seg, b = g - k * per_seg;
+    start = k * seg + b * group;
+    len = min(group, seg - b * group);
+  }
+};
+
+// Phase 0 value of a real element: y = x + e (one fp32 rounding).
+template <typename T>
+struct WorkerSrc {
+  const T* x;
+  const float* error;
+
+  __device__ __forceinline__ float operator()(int64_t f, int64_t /*group*/) const {
+    return __fadd_rn(load_in(x, f), error[f]);
+  }
+};
+
+// Phase 2 value of a real element: z = (sum_j +-a_j) * (1/p) + s, rank order, no FMA.
+struct ServerSrc {
+  const uint8_t* packed;
+  int64_t packed_stride;
+  const float* scales;
+  int64_t scales_stride;
+  int64_t p;
+  float inv_p;
+  bool per_block;  // scale column = group index (block mode), else column 0
+  const float* error;
+
+  __device__ __forceinline__ float operator()(int64_t f, int64_t group) const {
+    // Byte loads: a warp reads 4 consecutive bytes per rank, and rows need no alignment.
+    const uint8_t* bytes = packed + (f >> 3);
+    const float* sc = scales + (per_block ? group : 0);
+    const unsigned shift = static_cast<unsigned>(f & 7);
+    float acc = 0.0f;
+    for (int64_t j = 0; j < p; ++j) {
+      const unsigned neg = (static_cast<unsigned>(bytes[j * packed_stride]) >> shift) & 1u;
+      acc = __fadd_rn(acc, set_sign(sc[j * scales_stride], neg));
+    }
+    return __fadd_rn(__fmul_rn(acc, inv_p), error[f]);
+  }
+};
+
+struct Out {
+  float* error_out;  // indexed like the values (flat or chunk-local)
+  uint32_t* bits;    // packed words, word f / 32 holds element f
+  float* scales;     // per-group scales (fused), or the final scale at [0] (apply)
+  double* partials;  // per-group sums of squares (partial)
+};
+
+enum class Pass { kFused, kPartial, kApply };
+
+// Sum of v over the GW warps of a group, identical in every thread; fixed order, so the
+// result depends only on the data and the (fixed) thread layout.
+template <int GW>
+__device__ __forceinline__ double group_sum(double v, double* red, int warp) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFullMask, v, o);  // a+b == b+a: lanes agree
+  if constexpr (GW == 1) {
+    return v;
+  } else {
+    __syncthreads();  // the previous group's readers of red are done
+    if ((threadIdx.x & 31) == 0) red[warp] = v;
+    __syncthreads();
+    double t = 0.0;
+#pragma unroll
+    for (int w = 0; w < GW; ++w) t += red[w];
+    return t;
+  }
+}
+
+// Pack one word of values (pads are +0, bit 0) and write their errors (pads 0).
+// error_out[f] may alias the error input: the caller has read error[f] already.
+__device__ __forceinline__ void emit(const Out& out, int64_t word, int64_t f, bool real, float v, float scale,
+                                     int lane) {
+  const unsigned bits = __ballot_sync(kFullMask, (__float_as_uint(v) >> 31) != 0u);
+  if (lane == 0) out.bits[word] = bits;
+  out.error_out[f] = real ? __fsub_rn(v, copysignf(scale, v)) : 0.0f;
+}
+
+// GW warps per group (1 or kWarps); R words per warp kept in registers (fused pass only).
+template <class Src, int GW, int R, Pass P>
+__global__ void __launch_bounds__(kThreads) group_kernel(Src src, Groups gs, Out out) {
+  static_assert(GW == 1 || GW == kWarps, "a group is one warp or the whole block");
+  static_assert(P == Pass::kFused || R == 0, "only the fused pass keeps values in registers");
+  constexpr int kGroupsPerBlock = kWarps / GW;
+  __shared__ double red[kWarps];
+  const int warp = static_cast<int>(threadIdx.x >> 5), lane = static_cast<int>(threadIdx.x & 31);
+  const int wg = warp % GW;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kGroupsPerBlock;
+  // g is uniform over the threads of a group, so ballots and __syncthreads are safe.
+  for (int64_t g = static_cast<int64_t>(blockIdx.x) * kGroupsPerBlock + warp / GW; g < gs.count; g += stride) {
+    int64_t start, len;
+    gs.locate(g, start, len);
+    const int64_t words = len >> 5;
+    const int64_t iters = (words + GW - 1) / GW;  // words per warp, rounded up
+    float keep[R > 0 ? R : 1];
+    float scale;
+    if constexpr (P != Pass::kApply) {
+      double ss = 0.0;  // pads add +0; fp32 squares are exact in float64
+#pragma unroll
+      for (int it = 0; it < R; ++it) {
+        const int64_t w = static_cast<int64_t>(it) * GW + wg, f = start + w * 32 + lane;
+        keep[it] = (w < words && f < gs.numel) ? src(f, g) : 0.0f;
+        ss += static_cast<double>(keep[it]) * static_cast<double>(keep[it]);
+      }
+#pragma unroll 4
+      for (int64_t it = R; it < iters; ++it) {
+        const int64_t w = it * GW + wg, f = start + w * 32 + lane;
+        const float v = (w < words && f < gs.numel) ? src(f, g) : 0.0f;
+        ss += static_cast<double>(v) * static_cast<double>(v);
+      }
+      const double total = group_sum<GW>(ss, red, warp);
+      if constexpr (P == Pass::kPartial) {
+        if (wg == 0 && lane == 0) out.partials[g] = total;
+        continue;
+      }
+      const int64_t real = min(max(gs.numel - start, int64_t{0}), len);
+      scale = rms(total, real);
+      if (wg == 0 && lane == 0) out.scales[g] = scale;
+    } else {
+      scale = out.scales[0];  // written by finish_kernel earlier on the stream
+    }
+#pragma unroll
+    for (int it = 0; it < R; ++it) {
+      const int64_t w = static_cast<int64_t>(it) * GW + wg, f = start + w * 32 + lane;
+      if (w < words) emit(out, (start >> 5) + w, f, f < gs.numel, keep[it], scale, lane);
+    }
+#pragma unroll 4
+    for (int64_t it = R; it < iters; ++it) {
+      const int64_t w = it * GW + wg, f = start + w * 32 + lane;
+      if (w < words) {
+        const bool real = f < gs.numel;
+        emit(out, (start >> 5) + w, f, real, real ? src(f, g) : 0.0f, scale, lane);  // reads e[f] before writing
+      }
+    }
+  }
+}
+
+// Single-scale mode: sum the per-unit partials with a fixed shape (independent of how the
+// partials were produced) and write the scale to scales[0 .. n_out).
+__global__ void __launch_bounds__(kFinishThreads)
+    finish_kernel(const double* partials, int64_t count, int64_t real, float* scales, int64_t n_out) {
+  __shared__ double red[kFinishThreads / 32];
+  __shared__ float result;
+  double s = 0.0;
+  for (int64_t i = threadIdx.x; i < count; i += kFinishThreads) s += partials[i];
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(kFullMask, s, o);
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = s;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double t = 0.0;
+    for (int w = 0; w < kFinishThreads / 32; ++w) t += red[w];
+    result = rms(t, real);
+  }
+  __syncthreads();
+  for (int64_t i = threadIdx.x; i < n_out; i += kFinishThreads) scales[i] = result;
+}
+
+// Decode 8 elements (one packed byte, one scale) per thread; out is flat [numel].
+__global__ void __launch_bounds__(kThreads) unpack_kernel(UnpackArgs a, bool vec4) {
+  const int64_t octets = (a.numel + 7) >> 3;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  for (int64_t q = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; q < octets; q += stride) {
+    const int64_t f = q << 3, k = f / a.m, i = f - k * a.m;  // m % 8 == 0: an octet is in one row
+    const unsigned byte = a.packed[k * a.packed_stride + (i >> 3)];
+    const float s = a.scales[k * a.scales_stride + (a.block > 0 ? i / a.block : 0)];
+    float v[8];
+#pragma unroll
+    for (int t = 0; t < 8; ++t) v[t] = set_sign(s, (byte >> t) & 1u);
+    if (vec4 && f + 8 <= a.numel) {
+      float4* o = reinterpret_cast<float4*>(a.out + f);
+      o[0] = make_float4(v[0], v[1], v[2], v[3]);
+      o[1] = make_float4(v[4], v[5], v[6], v[7]);
+    } else {
+#pragma unroll
+      for (int t = 0; t < 8; ++t)
+        if (f + t < a.numel) a.out[f + t] = v[t];
+    }
+  }
+}
+
+int64_t grid_for(int64_t items, int64_t per_block) {
+  const int64_t blocks = ceil_div(items, per_block);
+  return blocks < kMaxGrid ? blocks : kMaxGrid;
+}
+
+int last_error() { return static_cast<int>(cudaGetLastError()); }
+
+template <class Src, int GW, int R, Pass P>
+int launch_groups(const Src& src, const Groups& gs, const Out& out, cudaStream_t stream) {
+  const int64_t grid = grid_for(gs.count, kWarps / GW);
+  group_kernel<Src, GW, R, P><<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(src, gs, out);
+  return last_error();
+}
+
+// Block mode: pick the layout from the words per group so that typical blocks stay in
+// registers (up to 512 elements per warp group, 4096 per block group).
+template <class Src>
+int launch_fused(const Src& src, const Groups& gs, const Out& out, cudaStream_t stream) {
+  const int64_t words = (gs.group < gs.seg ? gs.group : gs.seg) / 32;
+  if (words <= 1) return launch_groups<Src, 1, 1, Pass::kFused>(src, gs, out, stream);
+  if (words <= 2) return launch_groups<Src, 1, 2, Pass::kFused>(src, gs, out, stream);
+  if (words <= 4) return launch_groups<Src, 1, 4, Pass::kFused>(src, gs, out, stream);
+  if (words <= 8) return launch_groups<Src, 1, 8, Pass::kFused>(src, gs, out, stream);
+  if (words <= 16) return launch_groups<Src, 1, 16, Pass::kFused>(src, gs, out, stream);
+  const int64_t per_warp = ceil_div(words, kWarps);
+  if (per_warp <= 4) return launch_groups<Src, kWarps, 4, Pass::kFused>(src, gs, out, stream);
+  if (per_warp <= 8) return launch_groups<Src, kWarps, 8, Pass::kFused>(src, gs, out, stream);
+  return launch_groups<Src, kWarps, 16, Pass::kFused>(src, gs, out, stream);
+}
+
+// Single-scale mode over kPartialBlock units: partials, finish, pack.
+template <class Src>
+int launch_single(const Src& src, const Groups& gs, const Out& out, double* partials, float* scales, int64_t n_scales,
+                  cudaStream_t stream) {
+  Out part = out;
+  part.partials = partials;
+  int err = launch_groups<Src, kWarps, 0, Pass::kPartial>(src, gs, part, stream);
+  if (err != 0) return err;
+  const int64_t total = gs.seg < gs.numel ? gs.seg : gs.numel;
+  finish_kernel<<<1, kFinishThreads, 0, stream>>>(partials, gs.count, total, scales, n_scales);
+  if ((err = last_error()) != 0) return err;
+  Out apply = out;
+  apply.scales = scales;
+  return launch_groups<Src, kWarps, 0, Pass::kApply>(src, gs, apply, stream);
+}
+
+bool aligned(const void* ptr, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
+
+template <typename T>
+int worker_typed(const WorkerArgs& a, cudaStream_t stream) {
+  const WorkerSrc<T> src{static_cast<const T*>(a.x), a.error};
+  const int64_t n = a.p * a.m;
+  const int64_t numel = a.numel < 0 ? 0 : a.numel;
+  Out out{a.error_out, reinterpret_cast<uint32_t*>(a.packed), a.scales, nullptr};
+  if (a.block > 0) {
+    const int64_t nb = num_blocks(a.m, a.block);
+    return launch_fused(src, Groups{a.m, a.block, nb, a.p * nb, numel}, out, stream);
+  }
+  if (a.partials == nullptr) return static_cast<int>(cudaErrorInvalidValue);
+  const int64_t units = ceil_div(n, kPartialBlock);
+  return launch_single(src, Groups{n, kPartialBlock, units, units, numel}, out, a.partials, a.scales, a.p, stream);
+}
+
+}  // namespace
+
+int worker_compress(const WorkerArgs& a, void* stream) {
+  const auto s = static_cast<cudaStream_t>(stream);
+  if (a.p <= 0 || a.m <= 0) {
+    // No elements: only the single-scale mode has outputs, p scales of 0 (no real elements).
+    if (a.p > 0 && a.block == 0) return static_cast<int>(cudaMemsetAsync(a.scales, 0, a.p * sizeof(float), s));
+    return 0;
+  }
+  if (a.m % kAlign != 0 || a.block < 0 || a.block % kAlign != 0 || !aligned(a.packed, 4))
+    return static_cast<int>(cudaErrorInvalidValue);
+  switch (a.xtype) {
+    case InType::F32: return worker_typed<float>(a, s);
+    case InType::F16: return worker_typed<__half>(a, s);
+    case InType::BF16: return worker_typed<__nv_bfloat16>(a, s);
+  }
+  return static_cast<int>(cudaErrorInvalidValue);
+}
+
+int server_compress(const ServerArgs& a, void* stream) {
+  const auto st = static_cast<cudaStream_t>(stream);
+  if (a.m <= 0) {
+    // An empty chunk: only the single-scale mode has an output, one scale of 0.
+    if (a.block == 0) return static_cast<int>(cudaMemsetAsync(a.scales_out, 0, sizeof(float), st));
+    return 0;
+  }
+  if (a.m % kAlign != 0 || a.block < 0 || a.block % kAlign != 0 || a.p < 1 || !aligned(a.packed_out, 4))
+    return static_cast<int>(cudaErrorInvalidValue);
+  const float inv_p = 1.0f / static_cast<float>(a.p);  // host IEEE division, as the reference
+  const ServerSrc src{a.packed, a.packed_stride, a.scales, a.scales_stride, a.p, inv_p, a.block > 0, a.error};
+  const int64_t numel = a.numel < 0 ? 0 : a.numel;
+  Out out{a.error_out, reinterpret_cast<uint32_t*>(a.packed_out), a.scales_out, nullptr};
+  if (a.block > 0) {
+    const int64_t nb = num_blocks(a.m, a.block);
+    return launch_fused(src, Groups{a.m, a.block, nb, nb, numel}, out, st);
+  }
+  if (a.partials == nullptr) return static_cast<int>(cudaErrorInvalidValue);
+  const int64_t units = ceil_div(a.m, kPartialBlock);
+  return launch_single(src, Groups{a.m, kPartialBlock, units, units, numel}, out, a.partials, a.scales_out, 1, st);
+}
+
+int unpack(const UnpackArgs& a, void* stream) {
+  if (a.numel <= 0) return 0;
+  if (a.p <= 0 || a.m <= 0 || a.m % 8 != 0 || a.block < 0 || a.numel > a.p * a.m)
+    return static_cast<int>(cudaErrorInvalidValue);
+  const int64_t grid = grid_for(ceil_div(a.numel, 8), kThreads);
+  unpack_kernel<<<static_cast<unsigned>(grid), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(a, aligned(a.out, 16));
+  return last_error();
+}
+
+}  // namespace cuda
+}  // namespace lbcomm
