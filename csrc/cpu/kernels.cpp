@@ -272,6 +272,25 @@ Unit server_unit(const ServerArgs& a, int64_t u) {
   return {start, a.m - start < unit ? a.m - start : unit, a.block > 0 ? u : 0};
 }
 
+// One unit of either phase. Pass 0 writes the unit's values (y or z) into error_out via
+// `values(real)`, which returns their sum of squares; in block mode the scale follows at
+// once and the unit is packed while in cache. In single-scale mode pass 0 only records the
+// partial sum and pass 1 packs with the final scale.
+template <class Values>
+void run_unit(const Unit& un, int64_t u, int pass, int64_t real, int64_t block, float* error_out, uint8_t* packed,
+              float* scales, double* partials, const Values& values) {
+  if (pass == 0) {
+    const double s = values(real);
+    zero_tail(error_out + un.start, real, un.len);
+    if (block == 0) {
+      partials[u] = s;
+      return;
+    }
+    scales[un.scale_index] = rms(s, real);
+  }
+  sign_pack(error_out + un.start, packed + (un.start >> 3), real, un.len, scales[un.scale_index]);
+}
+
 }  // namespace
 
 bool has_avx2() { return kAvx2; }
@@ -286,17 +305,8 @@ int worker_num_passes(const WorkerArgs& a) { return a.block > 0 ? 1 : 2; }
 void worker_pass(const WorkerArgs& a, int pass, int64_t begin, int64_t end) {
   for (int64_t u = begin; u < end; ++u) {
     const Unit un = worker_unit(a, u);
-    const int64_t real = clamp_real(a.numel, un.start, un.len);
-    if (pass == 0) {
-      const double s = worker_y(a, un.start, real);
-      zero_tail(a.error_out + un.start, real, un.len);
-      if (a.block == 0) {
-        a.partials[u] = s;
-        continue;
-      }
-      a.scales[un.scale_index] = rms(s, real);
-    }
-    sign_pack(a.error_out + un.start, a.packed + (un.start >> 3), real, un.len, a.scales[un.scale_index]);
+    run_unit(un, u, pass, clamp_real(a.numel, un.start, un.len), a.block, a.error_out, a.packed, a.scales, a.partials,
+             [&](int64_t real) { return worker_y(a, un.start, real); });
   }
 }
 
@@ -314,17 +324,8 @@ void server_pass(const ServerArgs& a, int pass, int64_t begin, int64_t end) {
   const float inv_p = 1.0f / static_cast<float>(a.p);
   for (int64_t u = begin; u < end; ++u) {
     const Unit un = server_unit(a, u);
-    const int64_t real = clamp_real(a.numel, un.start, un.len);
-    if (pass == 0) {
-      const double s = server_z(a, un.start, real, un.scale_index, inv_p);
-      zero_tail(a.error_out + un.start, real, un.len);
-      if (a.block == 0) {
-        a.partials[u] = s;
-        continue;
-      }
-      a.scales_out[un.scale_index] = rms(s, real);
-    }
-    sign_pack(a.error_out + un.start, a.packed_out + (un.start >> 3), real, un.len, a.scales_out[un.scale_index]);
+    run_unit(un, u, pass, clamp_real(a.numel, un.start, un.len), a.block, a.error_out, a.packed_out, a.scales_out,
+             a.partials, [&](int64_t real) { return server_z(a, un.start, real, un.scale_index, inv_p); });
   }
 }
 
