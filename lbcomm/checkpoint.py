@@ -1,0 +1,143 @@
+"""One checkpoint shard per rank (DESIGN.md §3).
+
+The optimizer state of a 1-bit optimizer differs between ranks (each rank keeps its own
+worker and server error buffers), so every rank saves and loads its own file:
+
+    <directory>/shard-<rank>-of-<world_size>.pt
+
+`save_sharded` writes this rank's shard (atomically, then a barrier so that every shard
+exists when it returns); `load_sharded` reads it back. With the same world size the
+resume is bitwise identical to a run that never stopped. With another world size every
+rank reads shard ``rank % saved_world_size`` (the model and the optimizer moments are
+identical on all ranks), and the optimizer resets the error buffers with a logged
+warning.
+"""
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import re
+from typing import Any, Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+from .comm import world_info
+
+__all__ = ["save_sharded", "load_sharded", "shard_path"]
+
+_log = logging.getLogger(__name__)
+_FORMAT = "lbcomm-shard"
+_VERSION = 1
+_SHARD_RE = re.compile(r"shard-(\d+)-of-(\d+)\.pt$")
+
+
+def shard_path(directory: str, rank: int, world_size: int) -> str:
+    """Path of one rank's shard in a checkpoint directory."""
+    return os.path.join(os.fspath(directory), f"shard-{rank:05d}-of-{world_size:05d}.pt")
+
+
+def save_sharded(directory: str, optimizer=None, model: Optional[torch.nn.Module] = None, *, extra: Any = None,
+                 group=None) -> str:
+    """Save this rank's shard: the optimizer's state_dict (with its error buffers), the
+    model's state_dict and any `extra` payload (e.g. step, lr scheduler, RNG states).
+
+    Call it on every rank of `group`; it returns after all ranks have written their shard.
+
+    Args:
+        directory (str): checkpoint directory (created if missing).
+        optimizer (Optimizer, optional): usually an lbcomm optimizer (default: None).
+        model (Module, optional): its state_dict is saved in the shard too (default: None).
+        extra (Any, optional): anything torch.save can write; `load_sharded` returns it
+            (default: None).
+        group (ProcessGroup, optional): the group whose ranks save together (default: the world).
+
+    Returns:
+        The path of this rank's shard.
+
+    Example::
+
+        >>> # xdoctest: +SKIP
+        >>> lbcomm.save_sharded("ckpt/step-1000", optimizer, model, extra={"step": 1000})
+        >>> info = lbcomm.load_sharded("ckpt/step-1000", optimizer, model)
+        >>> step = info["extra"]["step"]
+    """
+    world, rank = world_info(group)
+    os.makedirs(directory, exist_ok=True)
+    payload = {
+        "format": _FORMAT,
+        "version": _VERSION,
+        "rank": rank,
+        "world_size": world,
+        "optimizer": None if optimizer is None else optimizer.state_dict(),
+        "model": None if model is None else model.state_dict(),
+        "extra": extra,
+    }
+    path = shard_path(directory, rank, world)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    torch.save(payload, tmp)
+    os.replace(tmp, path)
+    if world > 1:
+        dist.barrier(group=group)
+    return path
+
+
+def _saved_world_size(directory: str) -> int:
+    sizes = set()
+    for f in glob.glob(os.path.join(os.fspath(directory), "shard-*-of-*.pt")):
+        m = _SHARD_RE.search(os.path.basename(f))
+        if m:
+            sizes.add(int(m.group(2)))
+    if not sizes:
+        raise FileNotFoundError(f"load_sharded: no lbcomm checkpoint shards (shard-*-of-*.pt) in {directory!r}")
+    if len(sizes) > 1:
+        raise ValueError(f"load_sharded: {directory!r} holds shards of several world sizes {sorted(sizes)}; "
+                         "keep one checkpoint per directory")
+    return sizes.pop()
+
+
+def load_sharded(directory: str, optimizer=None, model: Optional[torch.nn.Module] = None, *,
+                 map_location: Any = "cpu", group=None, weights_only: bool = True) -> Dict[str, Any]:
+    """Load this rank's shard into `optimizer` and `model` (each optional).
+
+    Args:
+        directory (str): the checkpoint directory written by `save_sharded`.
+        optimizer (Optimizer, optional): receives the saved optimizer state (default: None).
+        model (Module, optional): receives the saved model state (default: None).
+        map_location (optional): passed to torch.load (default: "cpu"; the state is copied
+            into the optimizer's own buffers on their device anyway).
+        group (ProcessGroup, optional): the group of this run (default: the world).
+        weights_only (bool, optional): passed to torch.load; set False only for trusted
+            files whose `extra` holds arbitrary objects (default: True).
+
+    Returns:
+        A dict: ``extra`` (the saved payload), ``exact`` (True when the world size is the
+        saved one, so the continuation is bitwise identical), ``saved_world_size`` and
+        ``path`` (the shard read).
+    """
+    world, rank = world_info(group)
+    path = shard_path(directory, rank, world)
+    saved_world = world
+    if not os.path.exists(path):
+        saved_world = _saved_world_size(directory)
+        if saved_world == world:
+            raise FileNotFoundError(f"load_sharded: shard {path!r} of rank {rank} is missing")
+        path = shard_path(directory, rank % saved_world, saved_world)
+        _log.warning("lbcomm.load_sharded: %s was saved by %s ranks and this run has %s; rank %s reads shard %s. "
+                     "Model and optimizer moments are restored; the compression error buffers are reset.",
+                     directory, saved_world, world, rank, rank % saved_world)
+    payload = torch.load(path, map_location=map_location, weights_only=weights_only)
+    if not isinstance(payload, dict) or payload.get("format") != _FORMAT:
+        raise ValueError(f"load_sharded: {path!r} is not an lbcomm checkpoint shard")
+    if payload.get("version") != _VERSION:
+        raise ValueError(f"load_sharded: {path!r} has shard version {payload.get('version')!r}; this lbcomm reads "
+                         f"{_VERSION}")
+    for name, obj in (("model", model), ("optimizer", optimizer)):
+        if obj is not None and payload[name] is None:
+            raise ValueError(f"load_sharded: {path!r} holds no {name} state (it was saved without one)")
+    if model is not None:
+        model.load_state_dict(payload["model"])
+    if optimizer is not None:
+        optimizer.load_state_dict(payload["optimizer"])
+    return {"extra": payload["extra"], "exact": saved_world == world, "saved_world_size": saved_world, "path": path}

@@ -1,0 +1,197 @@
+"""Plain-torch, step-by-step simulation of DESIGN.md §3 for p ranks in one process.
+
+The oracle the optimizer tests compare against: per-parameter tensors, explicit loops
+over ranks, no flat buffers, no buckets, no state dicts, and the whole compressed
+allreduce from `lbcomm.reference` (all ranks at once). Each formula is written with the
+elementary torch operations listed in DESIGN.md §3 in their natural order (e.g. the Adam
+denominator is sqrt(v) / sqrt(1 - b2^t) + eps, as in torch.optim.AdamW), so the real
+optimizers and this simulation can be compared to the last bit.
+
+Inputs are the parameters at step 0 and, for every step, every rank's local gradients;
+the warmup gradient is their mean (sum over ranks, then divided by p).
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from .. import reference as R
+
+__all__ = ["simulate_onebit_adam", "simulate_onebit_lamb", "simulate_lamb"]
+
+
+def _mean(per_rank: Sequence[Tensor]) -> Tensor:
+    return torch.stack(list(per_rank)).sum(0) / len(per_rank)
+
+
+class _Compressor:
+    """Error-feedback state of all p ranks for one flat momentum of n elements."""
+
+    def __init__(self, n: int, p: int, block_size: Optional[int]):
+        m = R.chunk_size(n, p)
+        self.p, self.block_size = p, block_size
+        self.worker = [torch.zeros(p, m) for _ in range(p)]
+        self.server = [torch.zeros(m) for _ in range(p)]
+
+    def __call__(self, xs: List[Tensor]) -> Tensor:
+        if self.p == 1:
+            return xs[0].clone()
+        out, self.worker, self.server = R.compressed_allreduce(xs, self.worker, self.server, self.block_size)
+        return out
+
+
+def _split(flat: Tensor, like: Sequence[Tensor]) -> List[Tensor]:
+    out, o = [], 0
+    for t in like:
+        out.append(flat[o:o + t.numel()].view(t.shape).clone())
+        o += t.numel()
+    return out
+
+
+def _cat(ts: Sequence[Tensor]) -> Tensor:
+    return torch.cat([t.reshape(-1) for t in ts])
+
+
+def _keep(v: Sequence[Tensor], mask_threshold: float) -> List[Tensor]:
+    """The automatic mask at the freeze: False where the variance is at most
+    mask_threshold times the mean variance of all coordinates (always where it is 0)."""
+    thr = mask_threshold * float(_cat(v).mean())
+    return [vi > thr for vi in v]
+
+
+def _denom(v: Tensor, bc2: float, eps: float) -> Tensor:
+    return (v.sqrt() / bc2 ** 0.5).add_(eps)
+
+
+def simulate_onebit_adam(params0: Sequence[Tensor], grads: Sequence[Sequence[Sequence[Tensor]]], *, lr: float,
+                         betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0, freeze_step: int,
+                         block_size: Optional[int], bias_correction: bool = True,
+                         mask_threshold: float = 1e-10) -> List[List[Tensor]]:
+    """1-bit Adam. grads[t][r][i]: gradient of parameter i on rank r at step t + 1.
+    Returns the parameters after every step."""
+    b1, b2 = betas
+    p = len(grads[0])
+    theta = [t.detach().float().clone() for t in params0]
+    m = [torch.zeros_like(t) for t in theta]
+    v = [torch.zeros_like(t) for t in theta]
+    comp = _Compressor(sum(t.numel() for t in theta), p, block_size)
+    keep = None
+    history = []
+    for step, g_step in enumerate(grads, start=1):
+        if step <= freeze_step:
+            for i in range(len(theta)):
+                g = _mean([g_step[r][i].float() for r in range(p)])
+                m[i].lerp_(g, 1 - b1)
+                v[i].mul_(b2).addcmul_(g, g, value=1 - b2)
+            vstep = step
+        else:
+            if keep is None:  # the zero-variance mask, taken at the freeze
+                keep = _keep(v, mask_threshold)
+            local = [_cat([torch.lerp(m[i], g_step[r][i].float(), 1 - b1) for i in range(len(theta))])
+                     for r in range(p)]
+            m = [torch.where(k, mi, 0.0) for mi, k in zip(_split(comp(local), theta), keep)]
+            vstep = freeze_step
+        bc1 = 1 - b1 ** step if bias_correction else 1.0
+        bc2 = 1 - b2 ** vstep if bias_correction else 1.0
+        for i in range(len(theta)):
+            if weight_decay != 0:
+                theta[i].mul_(1 - lr * weight_decay)
+            theta[i].addcdiv_(m[i], _denom(v[i], bc2, eps), value=-lr / bc1)
+        history.append([t.clone() for t in theta])
+    return history
+
+
+def _lamb_coeff(theta: Tensor, u: Tensor, lo: float, hi: float) -> Tensor:
+    pn, un = torch.linalg.vector_norm(theta), torch.linalg.vector_norm(u)
+    if pn > 0 and un > 0:
+        return (pn / un).clamp(lo, hi)
+    return torch.ones(())
+
+
+def simulate_lamb(params0, grads, *, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+                  max_coeff: float = 10.0, min_coeff: float = 0.01, bias_correction: bool = True):
+    """LAMB on the averaged gradients. Returns the parameters after every step."""
+    return _lamb(params0, grads, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_coeff=max_coeff,
+                 min_coeff=min_coeff, bias_correction=bias_correction, freeze_step=None)
+
+
+def simulate_onebit_lamb(params0, grads, *, lr: float, betas=(0.9, 0.999), eps: float = 1e-8,
+                         weight_decay: float = 0.0, freeze_step: int, block_size: Optional[int],
+                         max_coeff: float = 10.0, min_coeff: float = 0.01, coeff_beta: float = 0.9,
+                         factor_max: float = 4.0, factor_min: float = 0.5, factor_threshold: float = 0.1,
+                         bias_correction: bool = True, mask_threshold: float = 1e-10):
+    """1-bit LAMB. Returns the parameters after every step."""
+    return _lamb(params0, grads, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_coeff=max_coeff,
+                 min_coeff=min_coeff, bias_correction=bias_correction, freeze_step=freeze_step,
+                 block_size=block_size, coeff_beta=coeff_beta, factor_max=factor_max, factor_min=factor_min,
+                 factor_threshold=factor_threshold, mask_threshold=mask_threshold)
+
+
+def _lamb(params0, grads, *, lr, betas, eps, weight_decay, max_coeff, min_coeff, bias_correction, freeze_step,
+          block_size=None, coeff_beta=0.9, factor_max=4.0, factor_min=0.5, factor_threshold=0.1, mask_threshold=0.0):
+    b1, b2 = betas
+    p = len(grads[0])
+    n_params = len(params0)
+    theta = [t.detach().float().clone() for t in params0]
+    m = [torch.zeros_like(t) for t in theta]
+    v = [torch.zeros_like(t) for t in theta]
+    c_frz = [torch.zeros(()) for _ in theta]
+    comp = _Compressor(sum(t.numel() for t in theta), p, block_size)
+    frozen: Dict[str, list] = {}
+    history = []
+    for step, g_step in enumerate(grads, start=1):
+        bc1 = 1 - b1 ** step if bias_correction else 1.0
+        if freeze_step is None or step <= freeze_step:
+            bc2 = 1 - b2 ** step if bias_correction else 1.0
+            for i in range(n_params):
+                g = _mean([g_step[r][i].float() for r in range(p)])
+                m[i].lerp_(g, 1 - b1)
+                v[i].mul_(b2).addcmul_(g, g, value=1 - b2)
+                u = (m[i] / bc1) / _denom(v[i], bc2, eps)
+                if weight_decay != 0:
+                    u.add_(theta[i], alpha=weight_decay)
+                c = _lamb_coeff(theta[i], u, min_coeff, max_coeff)
+                if c != 1:
+                    c_frz[i] = coeff_beta * c_frz[i] + (1 - coeff_beta) * c
+                theta[i].add_(u * c, alpha=-lr)
+            history.append([t.clone() for t in theta])
+            continue
+        if not frozen:  # the freeze: everything below is taken from the state after step freeze_step
+            rms = [torch.linalg.vector_norm(mi) / math.sqrt(mi.numel()) for mi in m]
+            mean_rms = torch.stack(rms).mean()
+            frozen = {
+                "keep": _keep(v, mask_threshold),
+                "v_fresh": [vi.clone() for vi in v],
+                "k": [mean_rms / r if r > 0 else torch.ones(()) for r in rms],
+                "f_last": [torch.ones(()) for _ in theta],
+                "c": [c if c != 0 else torch.ones(()) for c in c_frz],
+            }
+        k, keep, v_fresh = frozen["k"], frozen["keep"], frozen["v_fresh"]
+        bc2 = 1 - b2 ** freeze_step if bias_correction else 1.0
+        local = [_cat([torch.lerp(m[i], g_step[r][i].float(), 1 - b1) * k[i] for i in range(n_params)])
+                 for r in range(p)]
+        new_m = [torch.where(keep[i], mi / k[i], 0.0) for i, mi in enumerate(_split(comp(local), theta))]
+        for i in range(n_params):
+            g_tilde = (new_m[i] - b1 * m[i]) / (1 - b1)
+            m[i] = new_m[i]
+            v_fresh[i].mul_(b2).addcmul_(g_tilde, g_tilde, value=1 - b2)
+            d = _denom(v[i], bc2, eps)
+            d_fresh = _denom(v_fresh[i], bc2, eps)
+            f = torch.amax(d / d_fresh)
+            u0 = (m[i] / bc1) / d
+            u = u0.clone()
+            if weight_decay != 0:
+                u.add_(theta[i], alpha=weight_decay)
+                u0n, un = torch.linalg.vector_norm(u0), torch.linalg.vector_norm(u)
+                r = (u0n / un).clamp(max=1.0) if un > 0 else torch.ones(())
+                f = f * r + (1 - r)
+            f = f.clamp(factor_min, factor_max)
+            last = frozen["f_last"][i]
+            f = torch.clamp(f, min=last * (1 - factor_threshold), max=last * (1 + factor_threshold))
+            frozen["f_last"][i] = f
+            theta[i].add_(u * (frozen["c"][i] * f), alpha=-lr)
+        history.append([t.clone() for t in theta])
+    return history

@@ -1,0 +1,578 @@
+"""OneBitAdam, Lamb and OneBitLamb (DESIGN.md §3) against torch.optim.AdamW, against the
+plain-torch simulation in lbcomm.optim.reference, and as drop-in torch optimizers.
+
+The multi-rank checks run in ONE spawn of four real gloo processes (`four_ranks`, module
+scope); every test below reads its part of the result."""
+import copy
+import logging
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import lbcomm
+from lbcomm.optim import reference as SIM
+from dist_util import run_ranks
+
+OPTS = {"adam": lbcomm.OneBitAdam, "lamb": lbcomm.OneBitLamb}
+
+
+# ---------------------------------------------------------------------- models and data
+def _mlp(seed=0, d_in=12, d_h=24, d_out=5):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(d_in, d_h), nn.LayerNorm(d_h), nn.Tanh(), nn.Linear(d_h, d_h), nn.Tanh(),
+                         nn.Linear(d_h, d_out))
+
+
+def _batch(rank, step, n=32, d_in=12, d_out=5):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(n, d_in, generator=g)
+    y = (x[:, :d_out] + 0.3 * torch.randn(n, d_out, generator=g)).argmax(1)
+    return x, y
+
+
+def _loss(model, rank, step):
+    x, y = _batch(rank, step)
+    return F.cross_entropy(model(x), y)
+
+
+def _quantize(g):
+    """Gradients on a 2^-16 grid: their sum over ranks is exact in any order, so the
+    warmup mean does not depend on gloo's summation order."""
+    return (g * 65536).round_() / 65536
+
+
+class _SparseNet(nn.Module):
+    """Coordinates that never see a gradient: embedding rows >= 25 are never looked up,
+    and input features 0 and 1 are always zero. And one that sees only rounding noise:
+    `shift` is added to every logit, to which softmax is invariant (like an attention key
+    bias); its gradient is ~1e-8, its variance ~1e-14 of the others."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.emb = nn.Embedding(40, 6)
+        self.lin = nn.Linear(6 + 4, 3)
+        self.shift = nn.Parameter(torch.zeros(1))
+
+    def forward(self, ids, feats):
+        return self.lin(torch.cat([self.emb(ids), feats], dim=1)) + self.shift
+
+
+def _sparse_batch(rank, step, n=32):
+    g = torch.Generator().manual_seed(7000 + 100 * step + rank)
+    ids = torch.randint(0, 25, (n,), generator=g)
+    feats = torch.randn(n, 4, generator=g)
+    feats[:, :2] = 0.0
+    return ids, feats, torch.randint(0, 3, (n,), generator=g)
+
+
+def _snapshot(model, opt):
+    sd = opt.state_dict()["lbcomm"]
+    comp = sd["compression"]
+    return {
+        "params": [q.detach().clone() for q in model.parameters()],
+        "buffers": {k: v.clone() for k, v in sd["buffers"].items()},
+        "vectors": {k: v.clone() for k, v in sd["vectors"].items()},
+        "errors": None if comp is None else (comp["worker_error"].clone(), comp["server_error"].clone()),
+        "global_step": sd["global_step"],
+    }
+
+
+def _same(a, b):
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+# ---------------------------------------------------------------------- the 4-rank suite
+def _warmup_vs_full_precision(rank, p):
+    """OneBitAdam vs torch AdamW on allreduced grads; OneBitLamb vs Lamb; 60 warmup steps."""
+    kw = dict(lr=3e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    opt = lbcomm.OneBitAdam(model.parameters(), freeze_step=1000, **kw)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **kw)
+    lamb_model, lamb_ref = _mlp(), _mlp()
+    lamb = lbcomm.OneBitLamb(lamb_model.parameters(), freeze_step=1000, **kw)
+    lamb_plain = lbcomm.Lamb(lamb_ref.parameters(), **kw)
+    adam_diff, lamb_diff, losses = [], [], []
+    for t in range(60):
+        for mdl, o in ((model, opt), (ref, ref_opt), (lamb_model, lamb), (lamb_ref, lamb_plain)):
+            o.zero_grad()
+            loss = _loss(mdl, rank, t)
+            loss.backward()
+            if mdl is model:
+                losses.append(loss.item())
+        for q in ref.parameters():
+            dist.all_reduce(q.grad)
+            q.grad.div_(p)
+        for o in (opt, ref_opt, lamb, lamb_plain):
+            o.step()
+        adam_diff.append(max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters())))
+        lamb_diff.append(max((a - b).abs().max().item()
+                             for a, b in zip(lamb_model.parameters(), lamb_ref.parameters())))
+    assert not opt.frozen and not lamb.frozen
+    return {"adam": adam_diff, "lamb": lamb_diff, "losses": losses}
+
+
+def _record(rank, p, name, steps, freeze, kw):
+    """Train with quantized local grads; record them and the params after each step."""
+    model = _mlp(seed=1)
+    params0 = [q.detach().clone() for q in model.parameters()]
+    opt = OPTS[name](model.parameters(), freeze_step=freeze, **kw)
+    grads, params = [], []
+    for t in range(steps):
+        opt.zero_grad()
+        _loss(model, rank, t).backward()
+        for q in model.parameters():
+            q.grad.copy_(_quantize(q.grad))
+        grads.append([q.grad.clone() for q in model.parameters()])
+        opt.step()
+        params.append([q.detach().clone() for q in model.parameters()])
+    return {"params0": params0, "grads": grads, "params": params, "numel": sum(q.numel() for q in params0)}
+
+
+SIM_RUNS = {
+    "adam": dict(name="adam", steps=24, freeze=6,
+                 kw=dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, block_size=64)),
+    "adam_single_scale": dict(name="adam", steps=16, freeze=4,
+                              kw=dict(lr=1e-2, weight_decay=0.0, block_size=None, bias_correction=False)),
+    "lamb": dict(name="lamb", steps=24, freeze=6,
+                 kw=dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01, block_size=64)),
+    "lamb_single_scale": dict(name="lamb", steps=16, freeze=4,
+                              kw=dict(lr=2e-2, weight_decay=0.0, block_size=None)),
+}
+
+
+def _masking(rank, p, override, threshold=1e-10):
+    model = _SparseNet()
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = lbcomm.OneBitAdam(model.parameters(), lr=1e-2, weight_decay=0.0, freeze_step=4, mask_threshold=threshold)
+    if override:  # train every coordinate: the mask that the automatic one replaces
+        for q in model.parameters():
+            opt.set_momentum_mask(q, torch.ones_like(q, dtype=torch.bool))
+    for t in range(12):
+        ids, feats, y = _sparse_batch(rank, t)
+        opt.zero_grad()
+        F.cross_entropy(model(ids, feats), y).backward()
+        opt.step()
+    m_emb = opt.state[model.emb.weight]["exp_avg"]
+    return {
+        "unused_rows_moved": (model.emb.weight[25:] - init["emb.weight"][25:]).abs().max().item(),
+        "zero_feature_moved": (model.lin.weight[:, 6:8] - init["lin.weight"][:, 6:8]).abs().max().item(),
+        "used_moved": (model.emb.weight[:25] - init["emb.weight"][:25]).abs().max().item(),
+        "momentum_unused": m_emb[25:].abs().max().item(),
+        "shift_moved": (model.shift - init["shift"]).abs().max().item(),
+        "shift_variance": opt.state[model.shift]["exp_avg_sq"].item(),
+        "finite": all(bool(torch.isfinite(q).all()) for q in model.parameters()),
+    }
+
+
+def _nonfinite(rank, p, policy):
+    """Inject NaN (warmup, step 2, rank 1) and Inf (compression, step 6, rank 2)."""
+    model = _mlp(seed=2)
+    opt = lbcomm.OneBitAdam(model.parameters(), lr=1e-2, freeze_step=4, nonfinite=policy)
+    out = {"skipped": [], "raised": [], "unchanged": [], "params_equal_after": None}
+    for t in range(9):
+        opt.zero_grad()
+        _loss(model, rank, t).backward()
+        if (t == 1 and rank == 1) or (t == 5 and rank == 2):
+            next(model.parameters()).grad[0, 0] = float("nan") if t == 1 else float("inf")
+        before = _snapshot(model, opt)
+        try:
+            opt.step()
+            out["raised"].append(False)
+        except lbcomm.NonFiniteError:
+            out["raised"].append(True)
+        out["skipped"].append(opt.last_step_skipped)
+        if opt.last_step_skipped:
+            out["unchanged"].append(_same(before, _snapshot(model, opt)))
+    out["params"] = [q.detach().clone() for q in model.parameters()]
+    out["global_step"] = opt.global_step
+    out["skipped_steps"] = opt.skipped_steps
+    return out
+
+
+def _hook_style(rank, p):
+    """What a DDP hook does: average the grads itself during the warmup and set
+    grads_averaged; no communication after the freeze (the optimizer compresses)."""
+    mine, theirs = _mlp(seed=4), _mlp(seed=4)
+    kw = dict(lr=1e-2, freeze_step=5, block_size=64)
+    opt, hooked = lbcomm.OneBitAdam(mine.parameters(), **kw), lbcomm.OneBitAdam(theirs.parameters(), **kw)
+    hooked.grads_averaged = True
+    diffs, frozen = [], []
+    for t in range(10):
+        for mdl, o in ((mine, opt), (theirs, hooked)):
+            o.zero_grad()
+            _loss(mdl, rank, t).backward()
+            for q in mdl.parameters():  # exact sums: the two ways of averaging agree bitwise
+                q.grad.copy_(_quantize(q.grad))
+        frozen.append(hooked.frozen)
+        if not hooked.frozen:
+            for q in theirs.parameters():
+                dist.all_reduce(q.grad)
+                q.grad.div_(p)
+        opt.step()
+        hooked.step()
+        diffs.append(_max_diff(mine, theirs))
+    return {"diffs": diffs, "frozen": frozen}
+
+
+def _four_rank_suite(rank, p):
+    torch.manual_seed(0)
+    return {
+        "warmup": _warmup_vs_full_precision(rank, p),
+        "sim": {k: _record(rank, p, r["name"], r["steps"], r["freeze"], r["kw"]) for k, r in SIM_RUNS.items()},
+        "mask": {"auto": _masking(rank, p, False), "override": _masking(rank, p, True),
+                 "exact_zero_only": _masking(rank, p, False, threshold=0.0)},
+        "nonfinite": {pol: _nonfinite(rank, p, pol) for pol in ("skip", "raise")},
+        "hook": _hook_style(rank, p),
+    }
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    return run_ranks(_four_rank_suite, 4, timeout=240)
+
+
+def test_onebit_adam_warmup_equals_adamw_on_averaged_grads(four_ranks):
+    for res in four_ranks:
+        assert len(res["warmup"]["adam"]) == 60
+        assert max(res["warmup"]["adam"]) <= 1e-6, res["warmup"]["adam"]
+    losses = four_ranks[0]["warmup"]["losses"]
+    assert sum(losses[-5:]) < sum(losses[:5])  # a real training run
+
+
+def test_onebit_lamb_warmup_equals_lamb(four_ranks):
+    for res in four_ranks:
+        assert max(res["warmup"]["lamb"]) <= 1e-6, res["warmup"]["lamb"]
+
+
+@pytest.mark.parametrize("run", list(SIM_RUNS))
+def test_four_ranks_match_the_simulation_bitwise(four_ranks, run):
+    cfg = SIM_RUNS[run]
+    recs = [r["sim"][run] for r in four_ranks]
+    for t in range(cfg["steps"]):  # every rank holds the same parameters after every step
+        for r in range(1, 4):
+            assert _same(recs[r]["params"][t], recs[0]["params"][t]), f"rank {r} differs at step {t + 1}"
+    grads = [[recs[r]["grads"][t] for r in range(4)] for t in range(cfg["steps"])]
+    kw = dict(cfg["kw"])
+    simulate = SIM.simulate_onebit_adam if cfg["name"] == "adam" else SIM.simulate_onebit_lamb
+    history = simulate(recs[0]["params0"], grads, freeze_step=cfg["freeze"], **kw)
+    for t in range(cfg["steps"]):
+        worst = max((a - b).abs().max().item() for a, b in zip(history[t], recs[0]["params"][t]))
+        assert worst == 0.0, f"step {t + 1}: max |optimizer - simulation| = {worst}"
+    # the compression stage really moved the parameters, differently from the warmup alone
+    last_warm = recs[0]["params"][cfg["freeze"] - 1]
+    assert max((a - b).abs().max().item() for a, b in zip(recs[0]["params"][-1], last_warm)) > 1e-3
+
+
+def test_simulation_detects_a_wrong_block_size(four_ranks):
+    """The bitwise comparison above can fail: a simulation with another block size differs."""
+    cfg = SIM_RUNS["adam"]
+    recs = [r["sim"]["adam"] for r in four_ranks]
+    grads = [[recs[r]["grads"][t] for r in range(4)] for t in range(cfg["steps"])]
+    kw = dict(cfg["kw"], block_size=128)
+    history = SIM.simulate_onebit_adam(recs[0]["params0"], grads, freeze_step=cfg["freeze"], **kw)
+    worst = max((a - b).abs().max().item() for a, b in zip(history[-1], recs[0]["params"][-1]))
+    assert worst > 1e-6
+
+
+def test_zero_variance_coordinates_are_masked(four_ranks):
+    for res in four_ranks:
+        auto = res["mask"]["auto"]
+        assert auto["finite"]
+        assert auto["unused_rows_moved"] == 0.0 and auto["zero_feature_moved"] == 0.0
+        assert auto["momentum_unused"] == 0.0
+        assert auto["used_moved"] > 1e-3
+        # rounding-noise gradients (softmax-invariant shift) are masked by the default threshold
+        assert 0 < auto["shift_variance"] and auto["shift_moved"] < 1e-3
+        # without the mask (user override: everything trained) the same coordinates jump by m / eps
+        over = res["mask"]["override"]
+        assert over["unused_rows_moved"] > 1.0 or not over["finite"]
+        # DESIGN's exact-zero rule alone: unused rows stay, the shift jumps by noise / eps
+        exact = res["mask"]["exact_zero_only"]
+        assert exact["unused_rows_moved"] == 0.0 and exact["shift_moved"] > 1.0
+
+
+def test_nonfinite_steps_are_skipped_on_every_rank_with_state_untouched(four_ranks):
+    for pol in ("skip", "raise"):
+        recs = [r["nonfinite"][pol] for r in four_ranks]
+        for res in recs:
+            expected = [t in (1, 5) for t in range(9)]
+            assert res["skipped"] == expected
+            assert res["raised"] == (expected if pol == "raise" else [False] * 9)
+            assert res["unchanged"] == [True, True]
+            assert res["global_step"] == 7 and res["skipped_steps"] == 2
+        for res in recs[1:]:
+            assert _same(res["params"], recs[0]["params"])
+        assert all(bool(torch.isfinite(q).all()) for q in recs[0]["params"])
+
+
+def test_grads_averaged_by_a_hook_skip_the_optimizers_allreduce(four_ranks):
+    for res in four_ranks:
+        hook = res["hook"]
+        assert hook["frozen"] == [False] * 5 + [True] * 5
+        assert max(hook["diffs"]) == 0.0, hook["diffs"]
+
+
+# ---------------------------------------------------------------------- one process
+def _train(model, opt, steps, start=0, closure=False, scheduler=None):
+    losses = []
+    for t in range(start, start + steps):
+        def closure_fn(t=t):
+            opt.zero_grad()
+            loss = _loss(model, 0, t)
+            loss.backward()
+            return loss
+
+        if closure:
+            losses.append(opt.step(closure_fn).item())
+        else:
+            losses.append(closure_fn().item())
+            opt.step()
+        if scheduler is not None:
+            scheduler.step()
+    return losses
+
+
+def _max_diff(m1, m2):
+    return max((a.float() - b.float()).abs().max().item() for a, b in zip(m1.parameters(), m2.parameters()))
+
+
+def test_param_groups_schedulers_and_closures_match_adamw():
+    model, ref = _mlp(), _mlp()
+    groups = lambda m: [{"params": list(m[0].parameters()), "lr": 5e-3, "weight_decay": 0.0},  # noqa: E731
+                        {"params": [q for layer in list(m)[1:] for q in layer.parameters()]}]
+    opt = lbcomm.OneBitAdam(groups(model), lr=2e-3, weight_decay=0.1, freeze_step=500)
+    ref_opt = torch.optim.AdamW(groups(ref), lr=2e-3, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.5)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=10, gamma=0.5)
+    losses = _train(model, opt, 50, closure=True, scheduler=sched)
+    _train(ref, ref_opt, 50, closure=True, scheduler=ref_sched)
+    assert _max_diff(model, ref) <= 1e-6
+    assert opt.param_groups[0]["lr"] == pytest.approx(5e-3 / 32) and losses[-1] < losses[0]
+    assert opt.state[model[0].weight]["exp_avg"].dtype == torch.float32
+
+
+def test_params_without_grads_and_frozen_params_match_adamw():
+    model, ref = _mlp(), _mlp()
+    for m in (model, ref):
+        m[3].weight.requires_grad_(False)  # frozen
+    extra, ref_extra = nn.Parameter(torch.randn(7)), nn.Parameter(torch.randn(7))
+    ref_extra.data.copy_(extra.data)
+    opt = lbcomm.OneBitAdam(list(model.parameters()) + [extra], lr=1e-2, weight_decay=0.1, freeze_step=500)
+    ref_opt = torch.optim.AdamW(list(ref.parameters()) + [ref_extra], lr=1e-2, weight_decay=0.1)
+    frozen0 = model[3].weight.detach().clone()
+    for t in range(30):
+        for m, e, o in ((model, extra, opt), (ref, ref_extra, ref_opt)):
+            o.zero_grad()
+            loss = _loss(m, 0, t)
+            if t % 3 == 0:  # the extra param gets a grad only every third step
+                loss = loss + (e ** 2).sum()
+            loss.backward()
+            if t % 5 == 4:  # and the last layer's bias sometimes none at all
+                m[5].bias.grad = None
+            o.step()
+    assert _max_diff(model, ref) <= 1e-6 and (extra - ref_extra).abs().max().item() <= 1e-6
+    assert torch.equal(model[3].weight, frozen0)
+    assert model[3].weight not in opt.state
+    assert opt.state[extra]["step"].item() == 10 and opt.state[model[5].bias]["step"].item() == 24
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", ["adam", "lamb"])
+def test_low_precision_params_keep_fp32_state(dtype, name):
+    torch.manual_seed(0)
+    p32 = torch.randn(64, 33)
+    p_low = nn.Parameter(p32.to(dtype))
+    ref = nn.Parameter(p_low.detach().float())
+    make = (lambda ps: lbcomm.OneBitAdam(ps, lr=1e-2, freeze_step=3)) if name == "adam" else \
+        (lambda ps: lbcomm.OneBitLamb(ps, lr=1e-2, weight_decay=0.01, freeze_step=3))
+    opt, ref_opt = make([p_low]), make([ref])
+    for t in range(6):
+        g = torch.randn(64, 33).to(dtype)
+        p_low.grad, ref.grad = g, g.float()
+        ref.data.copy_(p_low.detach().float())  # same start: the fp32 result rounded is the low-precision one
+        start = ref.detach().clone()
+        opt.step()
+        ref_opt.step()
+        assert p_low.dtype == dtype
+        assert torch.equal(p_low.detach(), ref.detach().to(dtype)), t
+        assert not torch.equal(start, ref.detach())
+    for key, val in opt.state[p_low].items():
+        assert val.dtype == torch.float32, key
+    assert torch.equal(opt.state[p_low]["exp_avg"], ref_opt.state[ref]["exp_avg"])
+
+
+def test_one_rank_past_freeze_equals_adamw_with_frozen_variance():
+    lr, b1, b2, eps, wd, freeze = 3e-3, 0.9, 0.999, 1e-8, 0.02, 12
+    model, ref = _mlp(), _mlp()
+    opt = lbcomm.OneBitAdam(model.parameters(), lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd, freeze_step=freeze)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd)
+    _train(model, opt, freeze)
+    _train(ref, ref_opt, freeze)
+    assert opt.frozen and opt.compression_state is None and _max_diff(model, ref) <= 1e-6
+    state = {q: (ref_opt.state[q]["exp_avg"], ref_opt.state[q]["exp_avg_sq"]) for q in ref.parameters()}
+    for t in range(freeze + 1, freeze + 41):
+        _train(model, opt, 1, start=t - 1)
+        ref.zero_grad()
+        _loss(ref, 0, t - 1).backward()
+        with torch.no_grad():
+            for q in ref.parameters():
+                m, v = state[q]
+                m.lerp_(q.grad, 1 - b1)
+                denom = (v.sqrt() / math.sqrt(1 - b2 ** freeze)).add_(eps)  # v and its correction frozen
+                q.mul_(1 - lr * wd).addcdiv_(m, denom, value=-lr / (1 - b1 ** t))
+        assert _max_diff(model, ref) <= 1e-6, t
+    assert torch.equal(opt.state[model[0].weight]["exp_avg_sq"], state[ref[0].weight][1])
+
+
+def test_lamb_matches_the_simulation_on_one_rank():
+    model = _mlp()
+    params0 = [q.detach().clone() for q in model.parameters()]
+    opt = lbcomm.Lamb(model.parameters(), lr=1e-2, weight_decay=0.01)
+    grads = []
+    for t in range(20):
+        opt.zero_grad()
+        _loss(model, 0, t).backward()
+        grads.append([[q.grad.clone() for q in model.parameters()]])
+        opt.step()
+    history = SIM.simulate_lamb(params0, grads, lr=1e-2, weight_decay=0.01)
+    assert all(torch.equal(a, b) for a, b in zip(history[-1], model.parameters()))
+
+
+@pytest.mark.parametrize("name", ["lamb", "onebit_lamb"])
+@pytest.mark.parametrize("wd", [0.0, 0.1])
+def test_lamb_coefficients_stay_finite_for_zero_norms(name, wd):
+    zero_param = nn.Parameter(torch.zeros(5, 4))  # ||p|| = 0
+    still = nn.Parameter(torch.randn(6))  # its gradient is always zero: zero momentum, ||u|| = 0 without wd
+    moving = nn.Parameter(torch.randn(8))
+    params = [zero_param, still, moving]
+    opt = lbcomm.Lamb(params, lr=1e-2, weight_decay=wd) if name == "lamb" else \
+        lbcomm.OneBitLamb(params, lr=1e-2, weight_decay=wd, freeze_step=3)
+    still0, moving0 = still.detach().clone(), moving.detach().clone()
+    for t in range(8):
+        opt.zero_grad()
+        (moving.sum() * (t + 1) + (zero_param * 0).sum() + (still * 0).sum()).backward()
+        opt.step()
+        for q in params:
+            assert torch.isfinite(q).all(), (t, q)
+        for st in opt.state.values():
+            for key, val in st.items():
+                assert torch.isfinite(val).all(), (t, key)
+    if wd == 0:
+        assert torch.equal(still, still0) and torch.equal(zero_param, torch.zeros(5, 4))
+    assert (moving - moving0).abs().min().item() > 1e-3
+
+
+def test_nonfinite_on_one_rank_raises_or_skips_with_state_untouched():
+    for policy in ("raise", "skip"):
+        model = _mlp()
+        opt = lbcomm.OneBitAdam(model.parameters(), lr=1e-2, freeze_step=2, nonfinite=policy)
+        for t in range(4):
+            opt.zero_grad()
+            _loss(model, 0, t).backward()
+            if t in (1, 3):  # one in the warmup, one after the freeze
+                model[0].weight.grad[1, 1] = float("nan")
+            before = _snapshot(model, opt)
+            if policy == "raise" and t in (1, 3):
+                with pytest.raises(lbcomm.NonFiniteError, match="state is unchanged"):
+                    opt.step()
+            else:
+                opt.step()
+            assert opt.last_step_skipped == (t in (1, 3))
+            if t in (1, 3):
+                assert _same(before, _snapshot(model, opt))
+        assert opt.global_step == 2 and opt.skipped_steps == 2
+
+
+def test_state_dict_round_trip_is_exact_in_process():
+    for name in ("adam", "lamb"):
+        model = _mlp()
+        opt = OPTS[name](model.parameters(), lr=1e-2, weight_decay=0.01, freeze_step=5)
+        _train(model, opt, 8)
+        sd = copy.deepcopy(opt.state_dict())
+        clone = copy.deepcopy(model)
+        opt2 = OPTS[name](clone.parameters(), lr=1.0, weight_decay=0.5, freeze_step=5)
+        opt2.load_state_dict(sd)
+        assert opt2.frozen and opt2.global_step == 8 and opt2.param_groups[0]["lr"] == 1e-2
+        assert torch.equal(opt2.state[clone[0].weight]["exp_avg"], opt.state[model[0].weight]["exp_avg"])
+        _train(model, opt, 6, start=8)
+        _train(clone, opt2, 6, start=8)
+        assert _max_diff(model, clone) == 0.0
+        assert _same(_snapshot(model, opt)["buffers"], _snapshot(clone, opt2)["buffers"])
+    with pytest.raises(ValueError, match="not saved by an lbcomm optimizer"):
+        opt2.load_state_dict(torch.optim.AdamW(clone.parameters()).state_dict())
+
+
+def test_state_dict_before_the_first_step_and_add_param_group():
+    model = _mlp()
+    opt = lbcomm.OneBitAdam(list(model.parameters())[:2], lr=1e-2, freeze_step=10)
+    sd = opt.state_dict()
+    assert sd["lbcomm"]["layout"] is None
+    opt.load_state_dict(sd)
+    _train(model, opt, 3)
+    opt.add_param_group({"params": list(model.parameters())[2:], "lr": 1e-3})
+    _train(model, opt, 3, start=3)
+    assert opt.state[model[5].weight]["step"].item() == 3 and opt.state[model[0].weight]["step"].item() == 6
+    _train(model, opt, 5, start=6)
+    assert opt.frozen
+    with pytest.raises(RuntimeError, match="after the freeze"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(3))]})
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(lr=-1.0), "Invalid learning rate: -1.0"),
+    (dict(eps=-1e-8), "Invalid epsilon value"),
+    (dict(betas=(1.0, 0.9)), "Invalid beta parameter at index 0"),
+    (dict(weight_decay=-0.1), "Invalid weight_decay value"),
+    (dict(freeze_step=0), "Invalid freeze_step"),
+    (dict(block_size=100), "Invalid block_size"),
+    (dict(nonfinite="ignore"), "Invalid nonfinite policy"),
+])
+def test_invalid_options_are_refused(kwargs, match):
+    for cls in (lbcomm.OneBitAdam, lbcomm.OneBitLamb):
+        with pytest.raises(ValueError, match=match):
+            cls(_mlp().parameters(), **kwargs)
+    with pytest.raises(ValueError, match="Invalid min_coeff"):
+        lbcomm.Lamb(_mlp().parameters(), min_coeff=2.0, max_coeff=1.0)
+    with pytest.raises(ValueError, match="same for all param groups"):
+        model = _mlp()
+        lbcomm.OneBitAdam([{"params": model[0].parameters(), "freeze_step": 3},
+                           {"params": model[3].parameters()}], freeze_step=5)
+
+
+def test_every_option_round_trips_through_the_state_dict():
+    opt = lbcomm.OneBitLamb(_mlp().parameters(), freeze_step=7, block_size=None, nonfinite="skip")
+    group = opt.state_dict()["param_groups"][0]
+    for key in ("lr", "betas", "eps", "weight_decay", "freeze_step", "max_coeff", "min_coeff", "coeff_beta",
+                "factor_max", "factor_min", "factor_threshold", "bias_correction", "block_size", "nonfinite",
+                "bucket_cap_mb"):
+        assert key in group, key
+    assert group["block_size"] is None and group["nonfinite"] == "skip"
+
+
+def test_set_momentum_mask_validates_its_input():
+    model = _mlp()
+    opt = lbcomm.OneBitAdam(model.parameters(), freeze_step=3)
+    with pytest.raises(ValueError, match="bool tensor of shape"):
+        opt.set_momentum_mask(model[0].weight, torch.ones(3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="not a parameter"):
+        opt.set_momentum_mask(nn.Parameter(torch.zeros(2)), None)
+
+
+def test_freeze_is_logged(caplog):
+    model = _mlp()
+    opt = lbcomm.OneBitAdam(model.parameters(), freeze_step=2)
+    with caplog.at_level(logging.INFO, logger="lbcomm"):
+        _train(model, opt, 3)
+    assert any("variance frozen after step 2" in r.getMessage() for r in caplog.records)
