@@ -358,7 +358,7 @@ def parse_args(argv=None):
     p.add_argument("--final-eval-seqs", type=int, default=1024)
     p.add_argument("--train-mb", type=float, default=6.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--plot", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "convergence.png"),
+    p.add_argument("--plot", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "convergence.png"),
                    help="PNG to write ('' for none)")
     p.add_argument("--json", default="", help="also write the raw results here")
     a = p.parse_args(argv)
