@@ -1,6 +1,13 @@
-"""lbcomm: 1-bit compressed allreduce with error feedback for large-batch training."""
-from . import ops, reference
+"""lbcomm: 1-bit compressed allreduce with error feedback for large-batch training.
+
+The core (DESIGN.md §1), the optimizers (§3) with their per-rank checkpoints, and the
+DDP communication hooks (§4).
+"""
+from . import ddp, ops, optim, reference
+from .checkpoint import load_sharded, save_sharded, shard_path
 from .compressed import DEFAULT_BLOCK_SIZE, CompressionState, NonFiniteError, compressed_allreduce
+from .ddp import OneBitHookState, onebit_hook, onebit_optimizer_fp16_hook, onebit_optimizer_hook
+from .optim import Lamb, OneBitAdam, OneBitLamb
 
 __version__ = "0.1.0"
 __all__ = [
@@ -8,19 +15,18 @@ __all__ = [
     "compressed_allreduce",
     "NonFiniteError",
     "DEFAULT_BLOCK_SIZE",
+    "OneBitAdam",
+    "OneBitLamb",
+    "Lamb",
+    "save_sharded",
+    "load_sharded",
+    "shard_path",
+    "OneBitHookState",
+    "onebit_hook",
+    "onebit_optimizer_hook",
+    "onebit_optimizer_fp16_hook",
     "ops",
+    "optim",
+    "ddp",
     "reference",
 ]
-
-# Optimizers (DESIGN.md §3) and their per-rank checkpoints.
-from . import optim
-from .checkpoint import load_sharded, save_sharded, shard_path
-from .optim import Lamb, OneBitAdam, OneBitLamb
-
-__all__ += ["optim", "OneBitAdam", "OneBitLamb", "Lamb", "save_sharded", "load_sharded", "shard_path"]
-
-# DDP communication hooks (DESIGN.md §4).
-from . import ddp
-from .ddp import OneBitHookState, onebit_hook, onebit_optimizer_fp16_hook, onebit_optimizer_hook
-
-__all__ += ["ddp", "OneBitHookState", "onebit_hook", "onebit_optimizer_hook", "onebit_optimizer_fp16_hook"]
