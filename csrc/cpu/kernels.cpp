@@ -61,12 +61,13 @@ inline int64_t clamp_real(int64_t numel, int64_t start, int64_t len) {
 }
 
 // ---------------------------------------------------------------- scalar bodies
-// y = x + e over [i0, real) of a unit starting at flat index `start`; returns sum of y^2.
-double worker_y_scalar(const WorkerArgs& a, int64_t start, int64_t i0, int64_t real) {
+// y = x + e over [i0, real) of a unit starting at flat index `start`, into dst[i];
+// returns the sum of y^2.
+double worker_y_scalar(const WorkerArgs& a, int64_t start, int64_t i0, int64_t real, float* dst) {
   double s = 0.0;
   for (int64_t i = i0; i < real; ++i) {
     const float y = load_x(a.x, a.xtype, start + i) + a.error[start + i];
-    a.error_out[start + i] = y;
+    dst[i] = y;
     s += static_cast<double>(y) * y;
   }
   return s;
@@ -93,8 +94,9 @@ double server_z_scalar(const ServerArgs& a, int64_t start, int64_t i0, int64_t r
 }
 
 // Pack signbit(v) for [i0, len) of a unit whose first element is bit 0 of out[0]
-// (i0 % 8 == 0), replacing v by its error v - copysign(scale, v); slots >= real become 0.
-void sign_pack_scalar(float* v, uint8_t* out, int64_t i0, int64_t real, int64_t len, float scale) {
+// (i0 % 8 == 0) and write the error v - copysign(scale, v) to err (which may be v);
+// slots >= real get error 0 and bit 0.
+void sign_pack_scalar(const float* v, float* err, uint8_t* out, int64_t i0, int64_t real, int64_t len, float scale) {
   for (int64_t w = i0; w < len; w += 8) {
     uint32_t byte = 0;
     for (int t = 0; t < 8; ++t) {
@@ -102,9 +104,9 @@ void sign_pack_scalar(float* v, uint8_t* out, int64_t i0, int64_t real, int64_t 
       if (i < real) {
         const float y = v[i];
         byte |= static_cast<uint32_t>(std::signbit(y)) << t;
-        v[i] = y - std::copysign(scale, y);
+        err[i] = y - std::copysign(scale, y);
       } else {
-        v[i] = 0.0f;
+        err[i] = 0.0f;
       }
     }
     out[w >> 3] = static_cast<uint8_t>(byte);
@@ -146,15 +148,15 @@ LBCOMM_AVX2 inline double hsum(__m256d lo, __m256d hi) {
   return (t[0] + t[1]) + (t[2] + t[3]);
 }
 
-LBCOMM_AVX2 double worker_y_avx2(const WorkerArgs& a, int64_t start, int64_t real) {
+LBCOMM_AVX2 double worker_y_avx2(const WorkerArgs& a, int64_t start, int64_t real, float* dst) {
   __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
   int64_t i = 0;
   for (; i + 8 <= real; i += 8) {
     const __m256 y = _mm256_add_ps(load8(a.x, a.xtype, start + i), _mm256_loadu_ps(a.error + start + i));
-    _mm256_storeu_ps(a.error_out + start + i, y);
+    _mm256_storeu_ps(dst + i, y);
     acc_sq(y, lo, hi);
   }
-  return hsum(lo, hi) + worker_y_scalar(a, start, i, real);
+  return hsum(lo, hi) + worker_y_scalar(a, start, i, real, dst);
 }
 
 // kSignLut[byte] lane t = 0x80000000 iff bit t of byte is set: one load turns 8 packed
@@ -211,17 +213,25 @@ LBCOMM_AVX2 double server_z_avx2(const ServerArgs& a, int64_t start, int64_t rea
   return hsum(lo, hi) + server_z_scalar(a, start, i, real, scale_col, inv_p);
 }
 
-LBCOMM_AVX2 void sign_pack_avx2(float* v, uint8_t* out, int64_t real, int64_t len, float scale) {
+LBCOMM_AVX2 void sign_pack_avx2(const float* v, float* err, uint8_t* out, int64_t real, int64_t len, float scale) {
   const __m256 vs = _mm256_set1_ps(scale);
   const __m256 signmask = _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(0x80000000u)));
+  // Errors going to another buffer than v are streamed: a normal store would first read
+  // each line of that buffer (write-allocate), 4 more bytes of traffic per element.
+  const bool stream = err != v && (reinterpret_cast<uintptr_t>(err) & 31) == 0;
   int64_t i = 0;
   for (; i + 8 <= real; i += 8) {
     const __m256 y = _mm256_loadu_ps(v + i);
     out[i >> 3] = static_cast<uint8_t>(_mm256_movemask_ps(y));  // lane t -> bit t: LSB first
     // copysign(scale, y) for scale >= 0 is scale | signbit(y); a NaN scale stays NaN.
-    _mm256_storeu_ps(v + i, _mm256_sub_ps(y, _mm256_or_ps(vs, _mm256_and_ps(y, signmask))));
+    const __m256 e = _mm256_sub_ps(y, _mm256_or_ps(vs, _mm256_and_ps(y, signmask)));
+    if (stream) {
+      _mm256_stream_ps(err + i, e);
+    } else {
+      _mm256_storeu_ps(err + i, e);
+    }
   }
-  sign_pack_scalar(v, out, i, real, len, scale);
+  sign_pack_scalar(v, err, out, i, real, len, scale);
 }
 
 LBCOMM_AVX2 void unpack_avx2(const uint8_t* bits, float* out, int64_t i0, int64_t i1, float sc) {
@@ -246,11 +256,11 @@ bool detect_avx2() {
 
 const bool kAvx2 = detect_avx2();
 
-double worker_y(const WorkerArgs& a, int64_t start, int64_t real) {
+double worker_y(const WorkerArgs& a, int64_t start, int64_t real, float* dst) {
 #ifdef LBCOMM_X86
-  if (kAvx2) return worker_y_avx2(a, start, real);
+  if (kAvx2) return worker_y_avx2(a, start, real, dst);
 #endif
-  return worker_y_scalar(a, start, 0, real);
+  return worker_y_scalar(a, start, 0, real, dst);
 }
 
 double server_z(const ServerArgs& a, int64_t start, int64_t real, int64_t scale_col, float inv_p) {
@@ -260,15 +270,19 @@ double server_z(const ServerArgs& a, int64_t start, int64_t real, int64_t scale_
   return server_z_scalar(a, start, 0, real, scale_col, inv_p);
 }
 
-void sign_pack(float* v, uint8_t* out, int64_t real, int64_t len, float scale) {
+void sign_pack(const float* v, float* err, uint8_t* out, int64_t real, int64_t len, float scale) {
 #ifdef LBCOMM_X86
-  if (kAvx2) return sign_pack_avx2(v, out, real, len, scale);
+  if (kAvx2) return sign_pack_avx2(v, err, out, real, len, scale);
 #endif
-  sign_pack_scalar(v, out, 0, real, len, scale);
+  sign_pack_scalar(v, err, out, 0, real, len, scale);
 }
 
-void zero_tail(float* v, int64_t real, int64_t len) {
-  if (len > real) std::memset(v + real, 0, sizeof(float) * (len - real));
+// Per-thread staging for one block's values (y), so the new error can go straight to a
+// separate error_out buffer; blocks larger than this stage in error_out itself.
+constexpr int64_t kStageMax = 16384;
+float* stage_buffer() {
+  alignas(64) thread_local float buf[kStageMax];
+  return buf;
 }
 
 // A unit: [start, start + len) in flat (worker) or chunk-local (server) indices.
@@ -292,23 +306,23 @@ Unit server_unit(const ServerArgs& a, int64_t u) {
   return {start, a.m - start < unit ? a.m - start : unit, a.block > 0 ? u : 0};
 }
 
-// One unit of either phase. Pass 0 writes the unit's values (y or z) into error_out via
+// One unit of either phase. Pass 0 writes the unit's values (y or z) into `vals` via
 // `values(real)`, which returns their sum of squares; in block mode the scale follows at
-// once and the unit is packed while in cache. In single-scale mode pass 0 only records the
-// partial sum and pass 1 packs with the final scale.
+// once and the unit is packed while in cache, its errors written to `err` (pads 0). In
+// single-scale mode pass 0 only records the partial sum and pass 1 packs with the final
+// scale (then vals is err: the values wait in error_out between the passes).
 template <class Values>
-void run_unit(const Unit& un, int64_t u, int pass, int64_t real, int64_t block, float* error_out, uint8_t* packed,
-              float* scales, double* partials, const Values& values) {
+void run_unit(const Unit& un, int64_t u, int pass, int64_t real, int64_t block, const float* vals, float* err,
+              uint8_t* packed, float* scales, double* partials, const Values& values) {
   if (pass == 0) {
     const double s = values(real);
-    zero_tail(error_out + un.start, real, un.len);
     if (block == 0) {
       partials[u] = s;
       return;
     }
     scales[un.scale_index] = rms(s, real);
   }
-  sign_pack(error_out + un.start, packed + (un.start >> 3), real, un.len, scales[un.scale_index]);
+  sign_pack(vals, err, packed + (un.start >> 3), real, un.len, scales[un.scale_index]);
 }
 
 }  // namespace
@@ -323,11 +337,18 @@ int worker_num_passes(const WorkerArgs& a) { return a.block > 0 ? 1 : 2; }
 // Block mode: pass 0 does everything per block. Single-scale mode: pass 0 writes y and
 // the partial sums, the caller reduces them (finish_single_scale), pass 1 packs.
 void worker_pass(const WorkerArgs& a, int pass, int64_t begin, int64_t end) {
+  const bool stage = a.block > 0 && a.block <= kStageMax && a.error_out != a.error;
   for (int64_t u = begin; u < end; ++u) {
     const Unit un = worker_unit(a, u);
-    run_unit(un, u, pass, clamp_real(a.numel, un.start, un.len), a.block, a.error_out, a.packed, a.scales, a.partials,
-             [&](int64_t real) { return worker_y(a, un.start, real); });
+    float* err = a.error_out + un.start;
+    float* vals = stage ? stage_buffer() : err;
+    run_unit(un, u, pass, clamp_real(a.numel, un.start, un.len), a.block, vals, err, a.packed, a.scales, a.partials,
+             [&](int64_t real) { return worker_y(a, un.start, real, vals); });
   }
+#ifdef LBCOMM_X86
+  // Streamed (non-temporal) stores are weakly ordered: fence once per range, not per unit.
+  if (stage) _mm_sfence();
+#endif
 }
 
 void finish_single_scale(double* partials, int64_t count, int64_t real, float* scales, int64_t n_out) {
@@ -344,7 +365,8 @@ void server_pass(const ServerArgs& a, int pass, int64_t begin, int64_t end) {
   const float inv_p = 1.0f / static_cast<float>(a.p);
   for (int64_t u = begin; u < end; ++u) {
     const Unit un = server_unit(a, u);
-    run_unit(un, u, pass, clamp_real(a.numel, un.start, un.len), a.block, a.error_out, a.packed_out, a.scales_out,
+    float* err = a.error_out + un.start;
+    run_unit(un, u, pass, clamp_real(a.numel, un.start, un.len), a.block, err, err, a.packed_out, a.scales_out,
              a.partials, [&](int64_t real) { return server_z(a, un.start, real, un.scale_index, inv_p); });
   }
 }
