@@ -4,6 +4,10 @@
 group and returns one row per (size, method) with the median, p10 and p90 of the
 per-iteration time of the slowest rank. Every method produces the MEAN over ranks, so
 fp32 and fp16 include their division by p and their casts.
+
+The collectives come from a `comm` object: `TorchComm` (a torch.distributed group, the
+default) or `MPIComm` (an mpi4py communicator: fp32/fp16 through MPI_Allreduce, onebit
+through lbcomm's MPI transport).
 """
 from __future__ import annotations
 
@@ -25,14 +29,67 @@ def _quantiles(v: Sequence[float]):
     return statistics.median(s), q(0.1), q(0.9)
 
 
-def _op(method: str, x: torch.Tensor, p: int, block_size: Optional[int], group=None):
+class TorchComm:
+    """The collectives `measure` needs, on a torch.distributed group (None: the world)."""
+
+    def __init__(self, group=None):
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)
+
+    def sum_(self, t: torch.Tensor) -> None:
+        dist.all_reduce(t, group=self.group)
+
+    def max_(self, t: torch.Tensor) -> None:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+
+    def compression_state(self, numel: int, device, block_size: Optional[int]) -> CompressionState:
+        return CompressionState(numel, group=self.group, device=device, block_size=block_size, backend="torch")
+
+
+class MPIComm:
+    """The same over an mpi4py communicator (None: COMM_WORLD), for CPU tensors."""
+
+    def __init__(self, comm=None):
+        from mpi4py import MPI
+
+        self._mpi = MPI
+        self.comm = comm
+        world = comm if comm is not None else MPI.COMM_WORLD
+        self._world = world
+        self.world_size = world.Get_size()
+        self.rank = world.Get_rank()
+
+    def barrier(self) -> None:
+        self._world.Barrier()
+
+    def _allreduce(self, t: torch.Tensor, op) -> None:
+        if t.device.type != "cpu":
+            raise ValueError(f"MPIComm: the benchmark's MPI path takes CPU tensors, got {t.device}")
+        self._world.Allreduce(self._mpi.IN_PLACE, t.numpy(), op=op)
+
+    def sum_(self, t: torch.Tensor) -> None:
+        self._allreduce(t, self._mpi.SUM)
+
+    def max_(self, t: torch.Tensor) -> None:
+        self._allreduce(t, self._mpi.MAX)
+
+    def compression_state(self, numel: int, device, block_size: Optional[int]) -> CompressionState:
+        return CompressionState(numel, group=self.comm, device=device, block_size=block_size, backend="mpi")
+
+
+def _op(method: str, x: torch.Tensor, comm, block_size: Optional[int]):
     """A zero-argument callable doing one allreduce-to-mean of x, and its bytes sent per rank."""
+    p = comm.world_size
     if method == "fp32":
         buf = torch.empty_like(x)
 
         def run():
             buf.copy_(x)
-            dist.all_reduce(buf, group=group)
+            comm.sum_(buf)
             buf.div_(p)
 
         return run, 2 * (p - 1) / p * 4 * x.numel()
@@ -42,12 +99,12 @@ def _op(method: str, x: torch.Tensor, p: int, block_size: Optional[int], group=N
 
         def run():
             buf.copy_(x)
-            dist.all_reduce(buf, group=group)
+            comm.sum_(buf)
             out.copy_(buf).div_(p)
 
         return run, 2 * (p - 1) / p * 2 * x.numel()
     if method == "onebit":
-        state = CompressionState(x.numel(), group=group, device=x.device, block_size=block_size)
+        state = comm.compression_state(x.numel(), x.device, block_size)
         out = torch.empty_like(x)
         return (lambda: compressed_allreduce(x, state, out=out)), state.bytes_per_call()
     raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
@@ -55,20 +112,25 @@ def _op(method: str, x: torch.Tensor, p: int, block_size: Optional[int], group=N
 
 def measure(sizes: Sequence[int], methods: Sequence[str] = METHODS, iters: int = 20, warmup: int = 3,
             block_size: Optional[int] = DEFAULT_BLOCK_SIZE, device: str = "cpu", group=None,
-            progress=None) -> List[Dict]:
-    """Time each method on each size (elements); rows carry the slowest rank's times."""
-    p = dist.get_world_size(group)
+            progress=None, comm=None) -> List[Dict]:
+    """Time each method on each size (elements); rows carry the slowest rank's times.
+
+    `progress`, if given, is called once per timed iteration; `comm` (default:
+    `TorchComm(group)`) provides the collectives."""
+    if comm is None:
+        comm = TorchComm(group)
+    p = comm.world_size
     rows = []
     for n in sizes:
-        g = torch.Generator().manual_seed(dist.get_rank(group))
+        g = torch.Generator().manual_seed(comm.rank)
         x = torch.randn(n, generator=g).to(device)
         for method in methods:
-            run, wire = _op(method, x, p, block_size, group)
+            run, wire = _op(method, x, comm, block_size)
             for _ in range(warmup):
                 run()
             times = []
             for _ in range(iters):
-                dist.barrier(group=group)
+                comm.barrier()
                 t0 = time.perf_counter()
                 run()
                 if device != "cpu":
@@ -77,7 +139,7 @@ def measure(sizes: Sequence[int], methods: Sequence[str] = METHODS, iters: int =
                 if progress is not None:
                     progress()
             slowest = torch.tensor(times, dtype=torch.float64)
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+            comm.max_(slowest)
             med, p10, p90 = _quantiles(slowest.tolist())
             nbytes = 4 * n
             rows.append(dict(size=n, bytes=nbytes, method=method, world_size=p, median_s=med, p10_s=p10, p90_s=p90,
@@ -90,12 +152,13 @@ def measure(sizes: Sequence[int], methods: Sequence[str] = METHODS, iters: int =
 
 
 def format_table(rows: List[Dict]) -> str:
-    hdr = (f"{'size':>10} {'method':>7} {'median ms':>10} {'p10 ms':>8} {'p90 ms':>8} {'algbw GB/s':>10} "
-           f"{'busbw GB/s':>10} {'wire MB/rank':>12} {'vs fp32':>8}")
+    """nccl-tests-like table: size in bytes and fp32 elements, times in ms, bandwidths in GB/s."""
+    hdr = (f"{'bytes':>10} {'elements':>9} {'method':>7} {'median ms':>10} {'p10 ms':>8} {'p90 ms':>8} "
+           f"{'algbw GB/s':>10} {'busbw GB/s':>10} {'wire B/rank':>11} {'vs fp32':>8}")
     lines = [hdr, "-" * len(hdr)]
     for r in rows:
         sp = f"{r['speedup_vs_fp32']:.2f}x" if r.get("speedup_vs_fp32") else "-"
-        lines.append(f"{r['bytes']:>10} {r['method']:>7} {r['median_s'] * 1e3:>10.2f} {r['p10_s'] * 1e3:>8.2f} "
-                     f"{r['p90_s'] * 1e3:>8.2f} {r['algbw_gbps']:>10.3f} {r['busbw_gbps']:>10.3f} "
-                     f"{r['wire_bytes'] / 1e6:>12.2f} {sp:>8}")
+        lines.append(f"{r['bytes']:>10} {r['size']:>9} {r['method']:>7} {r['median_s'] * 1e3:>10.2f} "
+                     f"{r['p10_s'] * 1e3:>8.2f} {r['p90_s'] * 1e3:>8.2f} {r['algbw_gbps']:>10.3f} "
+                     f"{r['busbw_gbps']:>10.3f} {int(r['wire_bytes']):>11} {sp:>8}")
     return "\n".join(lines)
