@@ -449,7 +449,8 @@ class FlatOptimizer(Optimizer):
             ok = bool(torch.isfinite(buf).all())
         else:
             try:  # every rank sees every server scale, so all ranks agree on the verdict
-                out = compressed_allreduce(buf, self._comp)
+                # decoded in place: a fresh model-sized output would page-fault every step
+                out = compressed_allreduce(buf, self._comp, out=buf)
                 ok = not self._comp.last_skipped
             except NonFiniteError:
                 ok = False
