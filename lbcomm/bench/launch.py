@@ -22,7 +22,6 @@ import datetime
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -32,6 +31,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from . import netem
+from .netem import kill_sessions
 
 __all__ = ["RankInfo", "launched_rank", "spawn", "run_spawned", "join", "leave", "cluster_for", "RanksFailed",
            "BACKENDS"]
@@ -171,7 +171,7 @@ def _wait(procs: List[subprocess.Popen], logs: List, timeout: Optional[float]) -
         time.sleep(0.05)
     if all(c == 0 for c in codes):
         return
-    _kill(procs)
+    kill_sessions(procs)
     what = f"rank(s) {failed} failed" if failed else f"ranks still running after the {timeout:.0f} s limit (--timeout)"
     details = []
     for r in failed or range(len(procs)):
@@ -183,14 +183,6 @@ def _wait(procs: List[subprocess.Popen], logs: List, timeout: Optional[float]) -
     raise RanksFailed(what + ("\n" + "\n".join(details) if details else " (see rank 0's output above)"))
 
 
-def _kill(procs) -> None:
-    for p in procs:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)  # its own session: pgid == pid
-            except (ProcessLookupError, PermissionError):
-                p.kill()
-            p.wait()
 
 
 def spawn(spec: Dict, world_size: int, backend: str, *, cluster: Optional[netem.EmulatedCluster] = None,
@@ -244,7 +236,7 @@ def spawn(spec: Dict, world_size: int, backend: str, *, cluster: Optional[netem.
                     logs.append(log)
             _wait(procs, logs, timeout)
         finally:
-            _kill(procs)
+            kill_sessions(procs)
             for log in logs:
                 if log is not None:
                     log.close()

@@ -360,6 +360,17 @@ def _raise_on_sigterm(signum, frame):
     raise SystemExit(128 + signum)
 
 
+def kill_sessions(procs) -> None:
+    """SIGKILL each still-running Popen started in its own session, with its children."""
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)  # its own session: pgid == pid
+            except (ProcessLookupError, PermissionError):
+                p.kill()
+            p.wait()
+
+
 class EmulatedCluster:
     r"""A bandwidth-limited cluster of ``world_size`` network namespaces on one machine.
 
@@ -701,13 +712,7 @@ class EmulatedCluster:
 
     @staticmethod
     def _kill(procs) -> None:
-        for p in procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)  # its own session: pgid == pid
-                except (ProcessLookupError, PermissionError):
-                    p.kill()
-                p.wait()
+        kill_sessions(procs)
 
     def _kill_procs(self) -> None:
         self._kill(self._procs)

@@ -1,7 +1,7 @@
 """torch.distributed transport: gloo for CPU tensors, NCCL for CUDA tensors."""
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Tuple
 
 import torch
 import torch.distributed as dist
