@@ -20,13 +20,8 @@ import torch
 
 import lbcomm
 from lbcomm import ops
+from lbcomm.bench.cli import parse_count
 from lbcomm.reference import chunk_size, num_blocks
-
-
-def parse_size(s: str) -> int:
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    s = s.strip().upper()
-    return int(float(s[:-1]) * mult[s[-1]]) if s[-1] in mult else int(s)
 
 
 def median_time(fn, reps: int, min_time: float = 0.2) -> float:
@@ -95,7 +90,7 @@ def main(argv=None):
     out = []
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
-        for n in [parse_size(s) for s in args.sizes.split(",")]:
+        for n in [parse_count(s) for s in args.sizes.split(",")]:
             for name, t, traffic, tc in bench_size(n, args.world_size, block, args.reps):
                 row = dict(op=name, elements=n, threads=threads, time_s=t, gbps=traffic / t / 1e9,
                            copy_gbps=traffic / tc / 1e9, ratio=tc / t)

@@ -21,11 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import lbcomm
-
-
-def _parse(s: str) -> int:
-    s = s.strip().upper()
-    return int(float(s[:-1]) * {"K": 1 << 10, "M": 1 << 20}[s[-1]]) if s[-1] in "KM" else int(s)
+from lbcomm.bench.cli import parse_count
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -75,8 +71,9 @@ def _rank(rank: int, p: int, numel: int, steps: int, init_file: str) -> None:
         print(f"  time ratio fp32 / 1-bit: {f / c:.2f}x (loopback: no network bottleneck, see the README for "
               f"emulated 1 Gbit/s figures)")
         print(f"  relative error of one compressed call:            {first_err:.3f}")
-        print(f"  relative error of the sum over 1, 5, {steps} calls:      "
-              f"{cum_err[0]:.3f}, {cum_err[min(4, steps - 1)]:.3f}, {cum_err[-1]:.4f}  (error feedback)")
+        mid = min(5, steps)
+        print(f"  relative error of the sum over 1, {mid}, {steps} calls:      "
+              f"{cum_err[0]:.3f}, {cum_err[mid - 1]:.3f}, {cum_err[-1]:.4f}  (error feedback)")
         print(f"  result identical on all ranks: {all(torch.equal(gathered[0], g) for g in gathered)}")
     dist.destroy_process_group()
 
@@ -88,7 +85,7 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=20)
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_rank, args=(args.world_size, _parse(args.numel), args.steps, os.path.join(d, "init")),
+        mp.spawn(_rank, args=(args.world_size, parse_count(args.numel), args.steps, os.path.join(d, "init")),
                  nprocs=args.world_size)
 
 
