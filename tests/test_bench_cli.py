@@ -260,7 +260,12 @@ def test_allreduce_emulated_cluster(tmp_path):
                  str(tmp_path / "m.json")]) == 0
     m = json.loads((tmp_path / "m.json").read_text())
     (check,) = [c for c in m["checks"] if c["method"] == "fp32"]
-    assert check["calibration"] and check["predicted_s"] == pytest.approx(check["measured_s"])
+    assert check["calibration"]
+    alpha = m["alpha_s"][str(check["world_size"])]["fp32"]
+    if alpha > 0:  # alpha is fitted on this point, so the model reproduces it
+        assert check["predicted_s"] == pytest.approx(check["measured_s"])
+    else:  # a latency cannot be negative: a run under the wire + compute floor (tbf burst) clamps it
+        assert alpha == 0.0 and check["predicted_s"] >= check["measured_s"]
     assert [(g["world_size"], g["bandwidth"]) for g in m["grid"]] == [(2, "1gbit"), (8, "1gbit")]
     assert all(g["speedup"] > 0 for g in m["grid"])
 
