@@ -436,6 +436,53 @@ def test_one_rank_past_freeze_equals_adamw_with_frozen_variance():
     assert torch.equal(opt.state[model[0].weight]["exp_avg_sq"], state[ref[0].weight][1])
 
 
+def test_past_freeze_missing_grads_and_eps_changes_match_the_formula():
+    """The compression stage reads grads straight from .grad (None counts as zero) and
+    caches sqrt(v^) + eps; a changed eps must be picked up."""
+    lr, b1, b2, wd, freeze = 3e-3, 0.9, 0.999, 0.02, 5
+    model, ref = _mlp(), _mlp()
+    opt = lbcomm.OneBitAdam(model.parameters(), lr=lr, betas=(b1, b2), eps=1e-8, weight_decay=wd, freeze_step=freeze)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr, betas=(b1, b2), eps=1e-8, weight_decay=wd)
+    _train(model, opt, freeze)
+    _train(ref, ref_opt, freeze)
+    state = {q: (ref_opt.state[q]["exp_avg"], ref_opt.state[q]["exp_avg_sq"]) for q in ref.parameters()}
+    eps = 1e-8
+    for t in range(freeze + 1, freeze + 21):
+        if t == freeze + 8:
+            eps = 1e-3
+            opt.param_groups[0]["eps"] = eps
+        for mod in (model, ref):
+            mod.zero_grad()
+            _loss(mod, 0, t - 1).backward()
+            if t % 3 == 0:
+                mod[5].bias.grad = None
+        opt.step()
+        with torch.no_grad():
+            for q in ref.parameters():
+                m, v = state[q]
+                m.lerp_(torch.zeros_like(q) if q.grad is None else q.grad, 1 - b1)
+                denom = (v.sqrt() / math.sqrt(1 - b2 ** freeze)).add_(eps)
+                q.mul_(1 - lr * wd).addcdiv_(m, denom, value=-lr / (1 - b1 ** t))
+        assert _max_diff(model, ref) == 0, t
+
+
+@pytest.mark.parametrize("fraction", [0.001, 0.5])
+def test_masked_coordinates_stay_put_past_the_freeze(fraction):
+    """Sparse masks are zeroed through an index list, dense ones with masked_fill."""
+    model = _mlp()
+    opt = lbcomm.OneBitAdam(model.parameters(), lr=1e-2, weight_decay=0.0, freeze_step=3)
+    w = model[3].weight
+    keep = torch.rand(w.shape, generator=torch.Generator().manual_seed(1)) >= fraction
+    keep.view(-1)[0] = False
+    opt.set_momentum_mask(w, keep)
+    _train(model, opt, 3)
+    before = w.detach().clone()
+    _train(model, opt, 5, start=3)
+    assert torch.equal(w[~keep], before[~keep])
+    assert bool((w[keep] != before[keep]).all())
+    assert torch.equal(opt.state[w]["exp_avg"][~keep], torch.zeros(int((~keep).sum())))
+
+
 def test_lamb_matches_the_simulation_on_one_rank():
     model = _mlp()
     params0 = [q.detach().clone() for q in model.parameters()]

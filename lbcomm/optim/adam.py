@@ -42,17 +42,21 @@ class OneBitAdam(FlatOptimizer):
         self._validate_group(defaults)
         super().__init__(params, defaults, process_group=process_group)
 
-    def _adam_update(self, L: _Layout, seg: _Segment) -> None:
+    def _adam_update(self, L: _Layout, seg: _Segment, frozen: bool = False) -> None:
         """p <- p (1 - lr wd) - lr m^ / (sqrt(v^) + eps) for one run of parameters."""
         group = self.param_groups[seg.group]
         lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
         bc1, bc2 = self._bias_corrections(group, seg)
         step_size = lr / bc1
         m, v = self._flat["exp_avg"], self._flat["exp_avg_sq"]
-        self._denominator(v[seg.lo:seg.hi], bc2, eps, out=self._grad_buf[seg.lo:seg.hi])  # g is consumed
+        if frozen:
+            d = self._frozen_denominator(L, seg, bc2, eps)
+        else:  # the gradient buffer is consumed by now
+            d = self._denominator(v[seg.lo:seg.hi], bc2, eps, out=self._grad_buf[seg.lo:seg.hi])
         for i in seg.idx:
-            self._apply(L.params[i], lambda w, m_i=L.view(m, i), d_i=L.view(self._grad_buf, i): _adamw_(
-                w, m_i, d_i, lr * wd, step_size))
+            o = L.offsets[i] - seg.lo
+            d_i = d[o:o + L.numels[i]].view(L.params[i].shape)
+            self._apply(L.params[i], lambda w, m_i=L.view(m, i), d_i=d_i: _adamw_(w, m_i, d_i, lr * wd, step_size))
 
     def _warmup_update(self, L: _Layout, active: List[bool]) -> None:
         for seg in self._segments(L, active):
@@ -60,14 +64,12 @@ class OneBitAdam(FlatOptimizer):
             self._adam_update(L, seg)
 
     def _compressed_update(self, L: _Layout) -> bool:
-        new_m = self._compress_momentum(L)
-        if new_m is None:
+        # decoded straight into m: a skipped step leaves it untouched
+        if self._compress_momentum(L, out=self._flat["exp_avg"]) is None:
             return False
-        self._flat["exp_avg"].copy_(new_m)
         for seg in self._segments(L, self._participating(L), frozen=True):
-            self._adam_update(L, seg)
+            self._adam_update(L, seg, frozen=True)
         return True
-
 
 OneBitAdam.__doc__ = r"""Implements 1-bit Adam: AdamW in the warmup, then a frozen variance
     and one 1-bit compressed allreduce of the momentum per step.

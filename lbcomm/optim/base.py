@@ -112,6 +112,8 @@ class FlatOptimizer(Optimizer):
         self._vectors: Dict[str, Tensor] = {}
         self._grad_buf: Optional[Tensor] = None
         self._zero_mask: Optional[Tensor] = None  # True where the momentum is held at zero
+        self._mask_index: Optional[tuple] = None  # (mask, its indices or None), see _mask_momentum
+        self._denom: Optional[tuple] = None  # (flat sqrt(v^)+eps after the freeze, param -> (bc2, eps))
         self._user_masks: Dict[int, Tensor] = {}  # layout index -> bool mask (True = trained)
         self._mask_counts = (0, 0)
         self._comp: Optional[CompressionState] = None
@@ -269,6 +271,7 @@ class FlatOptimizer(Optimizer):
             self._user_masks = {L.index[id(old.params[j])]: m for j, m in self._user_masks.items()
                                 if id(old.params[j]) in L.index}
         self._grad_buf = torch.empty(L.total + len(params), **f32)  # + one has-grad flag per param
+        self._denom = None
         self._layout = L
         self._layout_stale = False
         self._attach_views()
@@ -372,7 +375,7 @@ class FlatOptimizer(Optimizer):
         return True
 
     def _compression_step(self, L: _Layout) -> bool:
-        self._collect_grads(L)
+        # The gradients are read where autograd left them (see `_local_momentum`).
         return self._compressed_update(L)
 
     def _nonfinite(self, what: str) -> bool:
@@ -431,26 +434,41 @@ class FlatOptimizer(Optimizer):
         torch.sqrt(v, out=out)
         return out.div_(bc2 ** 0.5).add_(eps)
 
-    def _compress_momentum(self, L: _Layout, scale: Optional[Tensor] = None) -> Optional[Tensor]:
+    def _local_momentum(self, L: _Layout, buf: Tensor) -> None:
+        """buf = b1 m + (1-b1) g_local, per parameter straight from its .grad (no copy into
+        the flat buffer first: one pass fewer over the model per step)."""
+        m = self._flat["exp_avg"]
+        for i, p in enumerate(L.params):
+            w = 1 - self.param_groups[L.group_of[i]]["betas"][0]
+            m_i, b_i, g = L.view(m, i), L.view(buf, i), p.grad
+            if g is not None and g.is_sparse:
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+            if g is None or g.dtype != torch.float32:
+                b_i.zero_() if g is None else b_i.copy_(g)
+                g = b_i
+            torch.lerp(m_i, g, w, out=b_i)
+
+    def _compress_momentum(self, L: _Layout, scale: Optional[Tensor] = None,
+                           out: Optional[Tensor] = None) -> Optional[Tensor]:
         """The compression stage's momentum: m_new = b1 m + (1-b1) g_local, formed in the
         gradient buffer (m itself untouched), times scale[p] per parameter if given, reduced
         with one compressed allreduce, divided by scale[p], masked. Returns the new momentum
-        to commit, or None when the step is skipped (non-finite on some rank)."""
-        m = self._flat["exp_avg"]
+        (decoded into `out` if given, else into the gradient buffer), or None when the step
+        is skipped (non-finite on some rank; `out` is then unchanged)."""
         buf = self._grad_buf[:L.total]
-        for gi, _, _, lo, hi in L.group_ranges:
-            b1 = self.param_groups[gi]["betas"][0]
-            torch.lerp(m[lo:hi], buf[lo:hi], 1 - b1, out=buf[lo:hi])
+        self._local_momentum(L, buf)
         if scale is not None:
             for i in range(len(L.params)):
                 L.view(buf, i).mul_(scale[i])
+        target = buf if out is None else out
         if self._comp is None:  # one rank: nothing to reduce, nothing compressed
-            out = buf
             ok = bool(torch.isfinite(buf).all())
+            if ok and target is not buf:
+                target.copy_(buf)
         else:
             try:  # every rank sees every server scale, so all ranks agree on the verdict
                 # decoded in place: a fresh model-sized output would page-fault every step
-                out = compressed_allreduce(buf, self._comp, out=buf)
+                compressed_allreduce(buf, self._comp, out=target)
                 ok = not self._comp.last_skipped
             except NonFiniteError:
                 ok = False
@@ -459,10 +477,39 @@ class FlatOptimizer(Optimizer):
             return None
         if scale is not None:
             for i in range(len(L.params)):
-                L.view(out, i).div_(scale[i])
-        if self._zero_mask is not None:
-            out.masked_fill_(self._zero_mask, 0.0)
-        return out
+                L.view(target, i).div_(scale[i])
+        self._mask_momentum(target)
+        return target
+
+    def _mask_momentum(self, m: Tensor) -> None:
+        """Zero the masked coordinates. Usually few (unused embedding rows, key biases): then
+        an index list, built once per mask, beats a pass over the whole bool mask."""
+        mask = self._zero_mask
+        if mask is None:
+            return
+        if self._mask_index is None or self._mask_index[0] is not mask:
+            count = int(mask.sum())
+            idx = mask.nonzero().view(-1) if count * 16 < mask.numel() else None
+            self._mask_index = (mask, idx)
+        idx = self._mask_index[1]
+        if idx is None:
+            m.masked_fill_(mask, 0.0)
+        else:
+            m.index_fill_(0, idx, 0.0)
+
+    def _frozen_denominator(self, L: _Layout, seg: _Segment, bc2: float, eps: float) -> Tensor:
+        """sqrt(v^) + eps of a segment after the freeze. v and its bias correction no longer
+        change then, so it is computed once per parameter (and again only if eps changes)
+        and kept: three passes fewer per step for 4 bytes per parameter."""
+        v = self._flat["exp_avg_sq"]
+        if self._denom is None:
+            self._denom = (torch.empty_like(v), {})
+        d, valid = self._denom
+        for i in seg.idx:
+            if valid.get(i) != (bc2, eps):
+                self._denominator(L.view(v, i), bc2, eps, out=L.view(d, i))
+                valid[i] = (bc2, eps)
+        return d[seg.lo:seg.hi]
 
     @staticmethod
     def _apply(p: Tensor, fn) -> None:
@@ -497,6 +544,7 @@ class FlatOptimizer(Optimizer):
 
     def _freeze(self, L: _Layout) -> None:
         self._frozen = True
+        self._denom = None
         self._vectors["variance_step"].copy_(self._vectors["step"])
         self._build_zero_mask(L)
         for name in self._frozen_buffers:
@@ -577,6 +625,7 @@ class FlatOptimizer(Optimizer):
         self.skipped_steps = int(extra.get("skipped_steps", 0))
         self._comp = None
         self._zero_mask = None
+        self._denom = None
         self._layout = None
         self._flat, self._vectors, self._user_masks = {}, {}, {}
         if extra["layout"] is None:

@@ -221,11 +221,11 @@ class OneBitLamb(Lamb):
         for seg in self._segments(L, self._participating(L), frozen=True):
             group = self.param_groups[seg.group]
             bc1, bc2 = self._bias_corrections(group, seg)
-            d = self._denominator(v[seg.lo:seg.hi], bc2, group["eps"], out=buf[seg.lo:seg.hi])
+            d = self._frozen_denominator(L, seg, bc2, group["eps"])
             ratio = self._denominator(vf[seg.lo:seg.hi], bc2, group["eps"], out=gt[seg.lo:seg.hi])
             torch.div(d, ratio, out=ratio)
             f = torch.stack([torch.amax(L.view(gt, i)) for i in seg.idx])
-            torch.div(m[seg.lo:seg.hi] / bc1, d, out=d)  # u0
+            torch.div(m[seg.lo:seg.hi] / bc1, d, out=buf[seg.lo:seg.hi])  # u0
             if group["weight_decay"] != 0:
                 u0n = _norms([L.view(buf, i) for i in seg.idx])
                 self._add_weight_decay(L, seg)
