@@ -9,18 +9,29 @@ move bytes. Per call and rank:
     phase 3  all-gather                          every rank receives every server chunk
     decode   unpack                            -> approximate mean, bitwise equal on all ranks
 
-Wire rows: a chunk's m/8 sign bytes, its fp32 block scales, then a 16-byte header
-(numel, call count, block size), so each phase is one collective and every rank sees
-every other rank's header in the all-to-all: ranks that call with different tensors, or
-out of step, all raise the same clear error. Different row lengths would abort the
-process inside gloo, so each state first checks the layout once with a fixed-size
-all-gather (its first call). New errors are written to spare buffers and swapped in only after phase
-3, once every rank has seen every server scale: a non-finite value anywhere is detected
-identically everywhere and leaves the error state exactly as it was.
+Pipelining: with block scales, every block is independent, so each chunk is cut into
+`pieces` runs of whole blocks and the phases run piece by piece: piece s+1 is compressed
+while piece s crosses the network, and the server reduces piece s while later pieces
+travel. Results are bitwise those of one piece (tests check it); a call then costs 2 x
+pieces collectives, so only tensors of at least PIECE_MIN elements per chunk and piece
+are cut (block_size=None, one scale per tensor, is never cut).
+
+Wire rows: a piece's sign bytes, its fp32 block scales, then a 24-byte header (numel,
+call count, block size, piece, pieces), so every rank sees every other rank's header in
+the all-to-all: ranks that call with different tensors, or out of step, all raise the
+same clear error. Different row lengths would abort the process inside gloo, so each
+state first checks the layout once with a fixed-size all-gather (its first call). New
+errors are written to spare buffers and swapped in only after the last all-gather, once
+every rank has seen every server scale: a non-finite value anywhere is detected
+identically everywhere and leaves the error state exactly as it was; the output is
+decoded only then, so `out` is untouched by a skipped call.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
+import socket
 from typing import Any, Dict, Optional, Union
 
 import torch
@@ -30,7 +41,7 @@ from . import ops
 from .comm import get_transport
 from .reference import ALIGN, chunk_size, num_blocks
 
-__all__ = ["CompressionState", "compressed_allreduce", "NonFiniteError", "DEFAULT_BLOCK_SIZE"]
+__all__ = ["CompressionState", "compressed_allreduce", "NonFiniteError", "DEFAULT_BLOCK_SIZE", "PIECE_MIN"]
 
 _log = logging.getLogger(__name__)
 
@@ -39,7 +50,11 @@ _log = logging.getLogger(__name__)
 DEFAULT_BLOCK_SIZE = 2048
 _FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16)
 _NONFINITE = ("raise", "skip")
-_HEADER = 16  # int32 numel low, numel high, call count, block size (0: none)
+_HEADER = 24  # int32 numel low, numel high, call count, block size (0: none), piece, pieces
+# Automatic pipelining: pieces of at least PIECE_MIN elements of a chunk (256 KB of sign
+# bits per row), at most MAX_PIECES, unless a host runs more ranks x threads than it has cores. Measured at 1 Gbit/s, 4 ranks (README, "Pipelining").
+PIECE_MIN = 1 << 21
+MAX_PIECES = 4
 
 
 class NonFiniteError(FloatingPointError):
@@ -70,6 +85,13 @@ class CompressionState:
         backend (str, optional): "torch" (a torch.distributed group), "mpi" (mpi4py; `group`
             is then an mpi4py communicator) or "auto": torch.distributed when initialized,
             else MPI under mpirun; see `lbcomm.comm.get_transport` (default: "auto").
+        pieces (int, optional): runs of whole blocks each chunk is cut into, so that
+            compression overlaps the transfers (see the module docs); results do not
+            depend on it. Every rank must use the same value. None: one piece per
+            PIECE_MIN elements of a chunk, at most MAX_PIECES, on CPU tensors; 1 on
+            every rank if any host runs more ranks x torch threads than it has cores
+            (settled by the first call), for CUDA tensors, and for block_size=None
+            (default: None).
 
     Attributes:
         worker_error (Tensor): this rank's worker error, n (padded numel) fp32 elements.
@@ -86,6 +108,7 @@ class CompressionState:
         nonfinite: str = "raise",
         transport=None,
         backend: str = "auto",
+        pieces: Optional[int] = None,
     ):
         if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
             raise ValueError(f"Invalid numel: {numel!r} (must be a non-negative int)")
@@ -107,8 +130,8 @@ class CompressionState:
         self.block_size = block_size
         self.nonfinite = nonfinite
         self.chunk = chunk_size(numel, self.world_size)  # m: elements per rank's chunk
-        self._nb = num_blocks(self.chunk, block_size)
-        self._row = self.chunk // 8 + 4 * self._nb + _HEADER  # bytes per chunk on the wire
+        self._pieces_arg = pieces
+        self._set_pieces(self._count_pieces(pieces))  # settled by the first call's handshake
         f32 = dict(dtype=torch.float32, device=self.device)
         self._worker = torch.zeros(self.world_size, self.chunk, **f32)
         self._server = torch.zeros(self.chunk, **f32)
@@ -134,8 +157,33 @@ class CompressionState:
         return self.chunk * self.world_size
 
     def bytes_per_call(self) -> int:
-        """Bytes this rank sends per call (both collectives, own chunk excluded)."""
-        return 2 * (self.world_size - 1) * self._row if self.world_size > 1 else 0
+        """Bytes this rank sends per call (all collectives, own chunk excluded). With
+        automatic pieces the count is settled by the first call."""
+        return 2 * (self.world_size - 1) * sum(self._rows) if self.world_size > 1 else 0
+
+    def _count_pieces(self, pieces: Optional[int]) -> int:
+        """Pieces per chunk: the requested count, or automatically one per PIECE_MIN
+        elements of a chunk, at most MAX_PIECES (the handshake may lower it to 1)."""
+        if pieces is not None:
+            if isinstance(pieces, bool) or not isinstance(pieces, int) or pieces < 1:
+                raise ValueError(f"Invalid pieces: {pieces!r} (use None or a positive int)")
+            if pieces > 1 and self.block_size is None:
+                raise ValueError("pieces > 1 needs block scales: block_size=None has one scale for the whole tensor")
+            return pieces
+        if self.block_size is None or self.device.type != "cpu":  # CUDA: pipelining not measured yet
+            return 1
+        return min(MAX_PIECES, max(1, self.chunk // PIECE_MIN))
+
+    def _set_pieces(self, count: int) -> None:
+        m, block = self.chunk, self.block_size
+        if block is None or self.world_size == 1 or m <= block or count <= 1:
+            self.pieces = [(0, m)]
+        else:
+            per = -(-m // count)
+            q = -(-per // block) * block  # m / count, rounded up to whole blocks
+            self.pieces = [(lo, min(lo + q, m)) for lo in range(0, m, q)]
+        # bytes per row (one chunk's piece) on the wire
+        self._rows = [(hi - lo) // 8 + 4 * num_blocks(hi - lo, block) + _HEADER for lo, hi in self.pieces]
 
     def reset(self) -> None:
         """Zero both error buffers (e.g. after a change of world size)."""
@@ -183,14 +231,16 @@ class CompressionState:
                                "future before starting another call or touching its state")
 
     def _buffers(self):
+        """Per piece: (send [p, row], receive [p, row], server send [row], gathered [p, row])."""
         if self._bufs is None:
-            p, row, m = self.world_size, self._row, self.chunk
+            p = self.world_size
             u8 = dict(dtype=torch.uint8, device=self.device)
             self._spare = (torch.empty_like(self._worker), torch.empty_like(self._server))
-            self._bufs = (torch.empty(p, row, **u8), torch.empty(p, row, **u8), torch.empty(row, **u8),
-                          torch.empty(p * row, **u8))
+            self._bufs = [(torch.empty(p, row, **u8), torch.empty(p, row, **u8), torch.empty(row, **u8),
+                           torch.empty(p, row, **u8)) for row in self._rows]
             _log.info("lbcomm: compressed allreduce of %s elements over %s ranks: chunk %s, block_size %s, "
-                      "%s bytes sent per call", self.numel, p, m, self.block_size, self.bytes_per_call())
+                      "%s piece(s), %s bytes sent per call", self.numel, p, self.chunk, self.block_size,
+                      len(self.pieces), self.bytes_per_call())
         return self._bufs
 
 
@@ -219,70 +269,97 @@ class _Call:
                              "elements as the input, on the same device")
         state._ensure_idle()
         self.tensor, self.state, self.out = tensor, state, out
+        self.flat: Optional[Tensor] = None  # the input as one flat view (made when cut into pieces)
 
-    def _header(self) -> Tensor:
+    def _header(self, piece: int) -> Tensor:
         st = self.state
-        return torch.tensor([st.numel & 0x7FFFFFFF, st.numel >> 31, st.calls & 0x7FFFFFFF, st.block_size or 0],
-                            dtype=torch.int32)
+        return torch.tensor([st.numel & 0x7FFFFFFF, st.numel >> 31, st.calls & 0x7FFFFFFF, st.block_size or 0,
+                             piece, len(st.pieces)], dtype=torch.int32)
 
     def _handshake(self) -> None:
-        """Once per state: every rank's layout, compared before any variable-size collective."""
+        """Once per state, before any variable-size collective: every rank's layout, and
+        where this rank's host is oversubscribed. Automatic pieces become 1 on every rank
+        when any rank shares its cores with other ranks: compression then competes with the
+        transfers (and the emulated network) for the same cores, and pipelining was measured
+        slower there (README, "Pipelining")."""
         st = self.state
-        mine = torch.tensor([st.numel, st.block_size or 0, st.chunk, st.calls], dtype=torch.int64)
-        everyone = torch.empty(st.world_size * 4, dtype=torch.int64, device=st.device)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        host = int.from_bytes(hashlib.blake2b(socket.gethostname().encode(), digest_size=7).digest(), "little")
+        mine = torch.tensor([st.numel, st.block_size or 0, st.chunk, st.calls, st._pieces_arg or 0,
+                             len(st.pieces), host, cores, torch.get_num_threads()], dtype=torch.int64)
+        k = mine.numel()
+        everyone = torch.empty(st.world_size * k, dtype=torch.int64, device=st.device)
         st.transport.all_gather(everyone.view(torch.uint8), mine.to(st.device).view(torch.uint8))
-        rows = everyone.view(st.world_size, 4).cpu()
-        if not bool((rows == mine).all()):
-            desc = ", ".join(f"rank {r}: numel={int(v[0])} block_size={int(v[1]) or None} calls={int(v[3])}"
-                             for r, v in enumerate(rows))
+        rows = everyone.view(st.world_size, k).cpu()
+        if not bool((rows[:, :6] == mine[:6]).all()):
+            desc = ", ".join(f"rank {r}: numel={int(v[0])} block_size={int(v[1]) or None} calls={int(v[3])} "
+                             f"pieces={int(v[4]) or 'auto'}" for r, v in enumerate(rows))
             raise ValueError("compressed_allreduce: ranks called with different tensors or state layouts "
                              f"({desc}); every rank must reduce the same sizes in the same order")
+        if st._pieces_arg is None and len(st.pieces) > 1:
+            hosts = rows[:, 6].tolist()
+            busy = any(hosts.count(h) * int(v[8]) > int(v[7]) for h, v in zip(hosts, rows))
+            if busy:
+                st._set_pieces(1)
         st._verified = True
 
-    def _check_headers(self, rows: Tensor) -> None:
+    def _check_headers(self, rows: Tensor, piece: int) -> None:
         heads = rows[:, -_HEADER:].contiguous().view(torch.int32).cpu()
-        mine = self._header()
+        mine = self._header(piece)
         if not bool((heads == mine).all()):
             desc = ", ".join(f"rank {r}: numel={int(h[0]) + (int(h[1]) << 31)} call={int(h[2])} "
-                             f"block_size={int(h[3]) or None}" for r, h in enumerate(heads))
+                             f"block_size={int(h[3]) or None} piece={int(h[4])}/{int(h[5])}"
+                             for r, h in enumerate(heads))
             raise ValueError("compressed_allreduce: ranks called with different tensors or are out of step "
                              f"({desc}); the error buffers are unchanged")
 
-    def phase0(self) -> Tensor:
+    def _piece(self, s: int):
+        """(lo, hi, sign bytes, end of the scales) of piece s, in elements and row bytes."""
+        lo, hi = self.state.pieces[s]
+        return lo, hi, (hi - lo) // 8, self.state._rows[s] - _HEADER
+
+    def phase0(self, s: int) -> Tensor:
+        """Worker compress of piece s of every chunk into its send rows."""
         st = self.state
-        send, _, _, _ = st._buffers()
-        if not st._verified:
-            self._handshake()
+        send = st._buffers()[s][0]
         st._busy = True
-        m8, sc_end = st.chunk // 8, st._row - _HEADER
-        packed, scales = ops.worker_compress(self.tensor, st._worker, st.block_size, error_out=st._spare[0])
-        send[:, :m8].copy_(packed)
-        send[:, m8:sc_end].view(torch.float32).copy_(scales)
-        send[:, sc_end:].copy_(self._header().view(torch.uint8))
+        lo, hi, q8, sc_end = self._piece(s)
+        if len(st.pieces) == 1:  # the whole tensor (the only way with one scale for everything)
+            rows = [(ops.worker_compress(self.tensor, st._worker, st.block_size, error_out=st._spare[0]), slice(None))]
+        else:
+            if self.flat is None:
+                self.flat = self.tensor.reshape(-1)
+            m, n0 = st.chunk, st.numel
+            rows = [(ops.worker_compress(self.flat[j * m + lo:max(j * m + lo, min(j * m + hi, n0))],
+                                         st._worker[j, lo:hi], st.block_size, error_out=st._spare[0][j, lo:hi]), j)
+                    for j in range(st.world_size)]
+        for (packed, scales), j in rows:
+            send[j, :q8].copy_(packed)
+            send[j, q8:sc_end].view(torch.float32).copy_(scales)
+        send[:, sc_end:].copy_(self._header(s).view(torch.uint8))
         return send
 
-    def phase2(self) -> Tensor:
+    def phase2(self, s: int) -> Tensor:
+        """Server reduce + compress of piece s of this rank's chunk into its all-gather row."""
         st = self.state
-        _, recv, gsend, _ = st._bufs
-        self._check_headers(recv)  # every rank sees every header: all raise, or none
-        m, m8, sc_end = st.chunk, st.chunk // 8, st._row - _HEADER
-        real = min(max(st.numel - st.rank * m, 0), m)
-        packed, scales = ops.server_compress(recv[:, :m8], recv[:, m8:sc_end].view(torch.float32), st._server,
-                                             st.block_size, real, error_out=st._spare[1])
-        gsend[:m8].copy_(packed)
-        gsend[m8:sc_end].view(torch.float32).copy_(scales)
-        gsend[sc_end:].copy_(self._header().view(torch.uint8))
+        _, recv, gsend, _ = st._bufs[s]
+        self._check_headers(recv, s)  # every rank sees every header: all raise, or none
+        lo, hi, q8, sc_end = self._piece(s)
+        real = min(max(st.numel - st.rank * st.chunk - lo, 0), hi - lo)
+        packed, scales = ops.server_compress(recv[:, :q8], recv[:, q8:sc_end].view(torch.float32),
+                                             st._server[lo:hi], st.block_size, real, error_out=st._spare[1][lo:hi])
+        gsend[:q8].copy_(packed)
+        gsend[q8:sc_end].view(torch.float32).copy_(scales)
+        gsend[sc_end:].copy_(self._header(s).view(torch.uint8))
         return gsend
 
     def finish(self) -> Tensor:
         st = self.state
-        gathered = st._bufs[3].view(st.world_size, st._row)
-        m8 = st.chunk // 8
-        scales = gathered[:, m8:st._row - _HEADER].view(torch.float32)
+        pieces = [(st._bufs[s][3], *self._piece(s)) for s in range(len(st.pieces))]
         st.calls += 1
         st._busy = False
         # Every rank holds every server scale now, so all reach the same verdict.
-        if not bool(torch.isfinite(scales).all()):
+        if not all(bool(torch.isfinite(g[:, q8:end].view(torch.float32)).all()) for g, _, _, q8, end in pieces):
             st.skipped += 1
             st.last_skipped = True
             if st.nonfinite == "raise":
@@ -294,7 +371,20 @@ class _Call:
         (new_worker, new_server), st._spare = st._spare, (st._worker, st._server)
         st._worker, st._server = new_worker, new_server
         out = self.out if self.out is not None else torch.empty_like(self.tensor, memory_format=torch.contiguous_format)
-        return ops.unpack_into(gathered[:, :m8], scales, st.block_size, out)
+        if len(pieces) == 1:
+            g, _, _, q8, end = pieces[0]
+            return ops.unpack_into(g[:, :q8], g[:, q8:end].view(torch.float32), st.block_size, out)
+        direct = out.dtype == torch.float32 and out.is_contiguous()
+        flat = out.view(-1) if direct else torch.empty(st.numel, dtype=torch.float32, device=out.device)
+        m, n0 = st.chunk, st.numel
+        for g, lo, hi, q8, end in pieces:
+            for k in range(st.world_size):
+                a, b = k * m + lo, min(k * m + hi, n0)
+                if b > a:
+                    ops.unpack_into(g[k:k + 1, :q8], g[k:k + 1, q8:end].view(torch.float32), st.block_size, flat[a:b])
+        if not direct:
+            out.copy_(flat.view(out.shape))
+        return out
 
     def abort(self) -> None:
         self.state._busy = False
@@ -339,40 +429,58 @@ def compressed_allreduce(
         fut.set_result(result)
         return fut
     tr = state.transport
+    if not state._verified:
+        call._handshake()  # may settle the pieces, so before the buffers
+    bufs = state._buffers()
+    count = len(state.pieces)
+    # Every rank issues the same collectives in the same order, sync or async: the
+    # all-to-alls of all pieces (each as soon as its piece is compressed), then the
+    # all-gathers in piece order (each as soon as its all-to-all has arrived).
     if not async_op:
         try:
-            send = call.phase0()
-            tr.all_to_all(state._bufs[1], send)
-            tr.all_gather(state._bufs[3], call.phase2())
+            sent = [tr.all_to_all(bufs[s][1], call.phase0(s), async_op=True) for s in range(count)]
+            gathered = []
+            for s in range(count):
+                sent[s].wait()
+                gathered.append(tr.all_gather(bufs[s][3], call.phase2(s), async_op=True))
+            for fut in gathered:
+                fut.wait()
             return call.finish()
         except BaseException:
             call.abort()
             raise
 
     result = _future(tensor.device)
+    gathered: list = []
 
     def fail(exc: BaseException) -> None:
         call.abort()
-        result.set_exception(exc)
+        if not result.done():
+            result.set_exception(exc)
 
-    def after_gather(fut) -> None:
+    def after_gathers(_) -> None:
         try:
-            fut.value()
+            for fut in gathered:
+                fut.value()
             result.set_result(call.finish())
         except BaseException as exc:  # noqa: BLE001 - handed to the caller's future
             fail(exc)
 
-    def after_all_to_all(fut) -> None:
+    def serve(s: int, fut) -> None:
         try:
             fut.value()
-            tr.all_gather(state._bufs[3], call.phase2(), async_op=True).add_done_callback(after_gather)
+            gathered.append(tr.all_gather(bufs[s][3], call.phase2(s), async_op=True))
+            if s + 1 < count:
+                sent[s + 1].add_done_callback(lambda f: serve(s + 1, f))
+            else:
+                torch.futures.collect_all(gathered).add_done_callback(after_gathers)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller's future
             fail(exc)
 
     try:
-        send = call.phase0()
-        tr.all_to_all(state._bufs[1], send, async_op=True).add_done_callback(after_all_to_all)
+        sent = [tr.all_to_all(bufs[s][1], call.phase0(s), async_op=True) for s in range(count)]
     except BaseException:
         call.abort()
         raise
+    sent[0].add_done_callback(lambda f: serve(0, f))
     return result

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import lbcomm  # noqa: E402
 
-CASES = [(1, 2048), (1000, 64), (4099, 2048), (5003, None)]
+CASES = [(1, 2048, None), (1000, 64, None), (4099, 2048, None), (5003, None, None), (4099, 64, 3)]  # n0, block, pieces
 STEPS = 6
 
 
@@ -32,21 +32,23 @@ def inputs(rank: int, t: int, n0: int) -> torch.Tensor:
 
 
 def compute(rank: int, p: int, backend: str, concurrent: bool = False):
-    """{(n0, block): (outputs per step, worker error, server error)} on `backend`.
+    """{(n0, block, pieces): (outputs per step, worker error, server error)} on `backend`.
 
     With `concurrent`, the two largest cases are reduced with both calls in flight at once
     (each state has its own communicator on MPI); the results must not change."""
     torch.set_num_threads(1)
     results = {}
-    states = {case: lbcomm.CompressionState(case[0], block_size=case[1], backend=backend) for case in CASES}
+    states = {case: lbcomm.CompressionState(case[0], block_size=case[1], backend=backend, pieces=case[2])
+              for case in CASES}
     outs = {case: [] for case in CASES}
     for t in range(STEPS):
         pending = []
-        for n0, block in CASES:
-            st, x = states[(n0, block)], inputs(rank, t, n0)
+        for case in CASES:
+            n0 = case[0]
+            st, x = states[case], inputs(rank, t, n0)
             mode = (t + n0) % 3
             if concurrent and n0 > 4000:
-                pending.append(((n0, block), lbcomm.compressed_allreduce(x, st, async_op=True)))
+                pending.append((case, lbcomm.compressed_allreduce(x, st, async_op=True)))
                 continue
             if mode == 0:
                 out = lbcomm.compressed_allreduce(x, st)
@@ -55,7 +57,7 @@ def compute(rank: int, p: int, backend: str, concurrent: bool = False):
             else:
                 out = x.clone()
                 lbcomm.compressed_allreduce(out, st, async_op=True, out=out).wait()
-            outs[(n0, block)].append(out.clone())
+            outs[case].append(out.clone())
         for case, fut in pending:
             outs[case].append(fut.wait().clone())
     for case in CASES:

@@ -1,9 +1,12 @@
 """The compressed allreduce on real gloo process groups against the reference algorithm."""
+import os
+
 import pytest
 import torch
 
 import lbcomm
 from lbcomm import reference as R
+from lbcomm.compressed import PIECE_MIN
 from dist_util import run_ranks
 
 SIZES = [1, 7, 1000, 4099]
@@ -98,6 +101,78 @@ def test_async_matches_sync():
             assert torch.equal(a, b)
 
 
+def _run_pieces(rank, p, n0, block, pieces, steps):
+    """The same inputs through a state cut into pieces and one that is not; sync, in
+    place, async and half inputs; then a non-finite value in the last piece only."""
+    whole = lbcomm.CompressionState(n0, block_size=block, pieces=1)
+    cut = lbcomm.CompressionState(n0, block_size=block, pieces=pieces)
+    outs = []
+    for t in range(steps):
+        x = _inputs(rank, t, n0, torch.float16 if t == 3 else torch.float32)
+        a = lbcomm.compressed_allreduce(x, whole)
+        if t % 3 == 0:
+            b = lbcomm.compressed_allreduce(x, cut)
+        elif t % 3 == 1:
+            b = x.clone()
+            lbcomm.compressed_allreduce(b, cut, out=b)
+        else:
+            b = lbcomm.compressed_allreduce(x, cut, async_op=True).wait()
+        outs.append((a, b))
+    errors = [(whole.worker_error.clone(), cut.worker_error.clone()),
+              (whole.server_error.clone(), cut.server_error.clone())]
+    skip = lbcomm.CompressionState(n0, block_size=block, pieces=pieces, nonfinite="skip")
+    lbcomm.compressed_allreduce(_inputs(rank, 0, n0), skip)
+    before = (skip.worker_error.clone(), skip.server_error.clone())
+    x = _inputs(rank, 1, n0)
+    if rank == p - 1:
+        x[-1] = float("nan")
+    kept = x.clone()
+    lbcomm.compressed_allreduce(x, skip, out=x)
+    untouched = torch.equal(x[:-1], kept[:-1]) and skip.last_skipped
+    untouched = untouched and torch.equal(before[0], skip.worker_error) and torch.equal(before[1], skip.server_error)
+    return outs, errors, [hi - lo for lo, hi in cut.pieces], cut.bytes_per_call() - whole.bytes_per_call(), untouched
+
+
+@pytest.mark.parametrize("p,n0,block,pieces,lengths", [
+    (3, 4099, 64, 3, [512, 512, 352]),
+    (4, 10000, 256, 2, [1280, 1248]),
+    (2, 4000, 2048, 7, [2016]),  # a chunk of one block stays whole
+])
+def test_pieces_are_bitwise_the_whole(p, n0, block, pieces, lengths):
+    for outs, errors, got, extra, untouched in run_ranks(_run_pieces, p, n0, block, pieces, 8):
+        for t, (a, b) in enumerate(outs):
+            assert torch.equal(a, b), t
+        for a, b in errors:
+            assert torch.equal(a, b)
+        assert got == lengths
+        assert extra == 2 * (p - 1) * (len(lengths) - 1) * 24  # a header per extra piece
+        assert untouched, "a skipped call must leave out and the errors alone"
+
+
+def _auto_pieces(rank, p, threads):
+    torch.set_num_threads(threads)
+    planned = [len(lbcomm.CompressionState(n, block_size=b).pieces)
+               for n, b in ((1000, 2048), (p * PIECE_MIN, 2048), (3 * p * PIECE_MIN, 2048),
+                            (64 * p * PIECE_MIN, 2048), (64 * p * PIECE_MIN, None))]
+    auto = lbcomm.CompressionState(2 * p * PIECE_MIN)
+    forced = lbcomm.CompressionState(2 * p * PIECE_MIN, pieces=3)
+    before = len(auto.pieces)
+    for st in (auto, forced):
+        lbcomm.compressed_allreduce(torch.randn(st.numel), st)
+    return planned, before, len(auto.pieces), len(forced.pieces)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_automatic_pieces_by_size_and_not_on_busy_hosts(threads):
+    """By size before the first call; the first call's handshake makes it 1 everywhere
+    when a host runs more ranks x threads than it has cores. Explicit counts stay."""
+    cores = len(os.sched_getaffinity(0))
+    busy = 2 * threads > cores
+    for planned, before, after, forced in run_ranks(_auto_pieces, 2, threads):
+        assert planned == [1, 1, 3, 4, 1]
+        assert before == 2 and after == (1 if busy else 2) and forced == 3
+
+
 def _nonfinite_ranks(rank, p, policy):
     state = lbcomm.CompressionState(300, block_size=64, nonfinite=policy)
     lbcomm.compressed_allreduce(torch.randn(300), state)
@@ -143,6 +218,8 @@ def test_world_size_one_returns_input():
         (lambda s: lbcomm.CompressionState(10, block_size=100), ValueError, "block_size"),
         (lambda s: lbcomm.CompressionState(-1), ValueError, "numel"),
         (lambda s: lbcomm.CompressionState(10, nonfinite="ignore"), ValueError, "nonfinite"),
+        (lambda s: lbcomm.CompressionState(10, pieces=0), ValueError, "pieces"),
+        (lambda s: lbcomm.CompressionState(10, block_size=None, pieces=2), ValueError, "block scales"),
     ],
 )
 def test_bad_input_is_refused_clearly(make, exc, match):

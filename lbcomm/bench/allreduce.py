@@ -46,8 +46,9 @@ class TorchComm:
     def max_(self, t: torch.Tensor) -> None:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
 
-    def compression_state(self, numel: int, device, block_size: Optional[int]) -> CompressionState:
-        return CompressionState(numel, group=self.group, device=device, block_size=block_size, backend="torch")
+    def compression_state(self, numel: int, device, block_size: Optional[int], pieces=None) -> CompressionState:
+        return CompressionState(numel, group=self.group, device=device, block_size=block_size, backend="torch",
+                                pieces=pieces)
 
 
 class MPIComm:
@@ -77,11 +78,12 @@ class MPIComm:
     def max_(self, t: torch.Tensor) -> None:
         self._allreduce(t, self._mpi.MAX)
 
-    def compression_state(self, numel: int, device, block_size: Optional[int]) -> CompressionState:
-        return CompressionState(numel, group=self.comm, device=device, block_size=block_size, backend="mpi")
+    def compression_state(self, numel: int, device, block_size: Optional[int], pieces=None) -> CompressionState:
+        return CompressionState(numel, group=self.comm, device=device, block_size=block_size, backend="mpi",
+                                pieces=pieces)
 
 
-def _op(method: str, x: torch.Tensor, comm, block_size: Optional[int]):
+def _op(method: str, x: torch.Tensor, comm, block_size: Optional[int], pieces: Optional[int] = None):
     """A zero-argument callable doing one allreduce-to-mean of x, and its bytes sent per rank."""
     p = comm.world_size
     if method == "fp32":
@@ -104,15 +106,16 @@ def _op(method: str, x: torch.Tensor, comm, block_size: Optional[int]):
 
         return run, 2 * (p - 1) / p * 2 * x.numel()
     if method == "onebit":
-        state = comm.compression_state(x.numel(), x.device, block_size)
+        state = comm.compression_state(x.numel(), x.device, block_size, None if block_size is None else pieces)
         out = torch.empty_like(x)
-        return (lambda: compressed_allreduce(x, state, out=out)), state.bytes_per_call()
+        # wire bytes read after the runs: the first call settles automatic pieces
+        return (lambda: compressed_allreduce(x, state, out=out)), state.bytes_per_call
     raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
 
 
 def measure(sizes: Sequence[int], methods: Sequence[str] = METHODS, iters: int = 20, warmup: int = 3,
             block_size: Optional[int] = DEFAULT_BLOCK_SIZE, device: str = "cpu", group=None,
-            progress=None, comm=None) -> List[Dict]:
+            progress=None, comm=None, pieces: Optional[int] = None) -> List[Dict]:
     """Time each method on each size (elements); rows carry the slowest rank's times.
 
     `progress`, if given, is called once per timed iteration; `comm` (default:
@@ -125,7 +128,7 @@ def measure(sizes: Sequence[int], methods: Sequence[str] = METHODS, iters: int =
         g = torch.Generator().manual_seed(comm.rank)
         x = torch.randn(n, generator=g).to(device)
         for method in methods:
-            run, wire = _op(method, x, comm, block_size)
+            run, wire = _op(method, x, comm, block_size, pieces)
             for _ in range(warmup):
                 run()
             times = []
@@ -144,7 +147,7 @@ def measure(sizes: Sequence[int], methods: Sequence[str] = METHODS, iters: int =
             nbytes = 4 * n
             rows.append(dict(size=n, bytes=nbytes, method=method, world_size=p, median_s=med, p10_s=p10, p90_s=p90,
                              algbw_gbps=nbytes / med / 1e9, busbw_gbps=2 * (p - 1) / p * nbytes / med / 1e9,
-                             wire_bytes=int(wire)))
+                             wire_bytes=int(wire() if callable(wire) else wire)))
     base = {r["size"]: r["median_s"] for r in rows if r["method"] == "fp32"}
     for r in rows:
         r["speedup_vs_fp32"] = base[r["size"]] / r["median_s"] if r["size"] in base else None

@@ -64,6 +64,7 @@ ALLREDUCE_CONFIG_FIELDS = {
     "iters": (int, "timed iterations per size and method"),
     "warmup": (int, "untimed iterations first"),
     "block_size": ((int, type(None)), "elements per onebit scale block; null: one scale per chunk"),
+    "pieces": ((int, type(None)), "onebit pieces per chunk (pipelined transfers); null: automatic"),
     "bandwidth": ((str, type(None)), "emulated link rate per direction and rank (tc syntax); null: not shaped"),
     "latency": ((str, type(None)), "tbf queue latency of the emulated links; null: not shaped"),
     "burst": ((str, type(None)), "tbf burst of the emulated links; null: not shaped"),
@@ -224,7 +225,7 @@ def run_task(task: str, params: Dict, info: launch.RankInfo) -> Dict:
             labels = [f"{_human(n)} {m}" for n in sizes for m in methods]
             bar = _progress_factory(show, "allreduce ")(len(labels) * iters, iters, lambda i: labels[i])
             rows = measure(sizes, methods, iters, params["warmup"], params["block_size"], device=str(device),
-                           comm=comm, progress=bar)
+                           comm=comm, progress=bar, pieces=params.get("pieces"))
             bar.close()
             return {"rows": rows}
         if task == "train":
@@ -317,7 +318,9 @@ def allreduce_header(config: Dict) -> str:
     if config.get("bandwidth"):
         lines.append(f"# links: {config['bandwidth']} per direction and rank (tbf burst {config['burst']}, "
                      f"queue latency {config['latency']})")
-    lines.append(f"# onebit block_size {config['block_size']}; {config['iters']} timed iterations after "
+    pieces = config.get("pieces")
+    lines.append(f"# onebit block_size {config['block_size']}, pieces {'auto' if pieces is None else pieces}; "
+                 f"{config['iters']} timed iterations after "
                  f"{config['warmup']} warmup; times: slowest rank, median and p10/p90")
     lines.append("# algbw = bytes/time, busbw = algbw*2(p-1)/p (nccl-tests); wire = bytes sent per rank per call")
     return "\n".join(lines)
@@ -371,11 +374,11 @@ def run_allreduce(args, bandwidth: Optional[str] = None, world_size: Optional[in
         raise ValueError("--backend mpi cannot run in the emulated cluster (mpirun starts the ranks itself, outside "
                          "the network namespaces); use --backend gloo with --bandwidth")
     params = dict(sizes=sizes or args.sizes, methods=methods or args.methods, iters=args.iters, warmup=args.warmup,
-                  block_size=args.block_size, threads=_threads(args, world), backend=backend,
+                  block_size=args.block_size, pieces=args.pieces, threads=_threads(args, world), backend=backend,
                   progress=not args.no_progress)
     config = dict(world_size=world, backend=backend, device="cuda" if backend == "nccl" else "cpu",
                   launcher="netem" if bandwidth else "mpirun" if backend == "mpi" else "local", threads_per_rank=params["threads"], iters=args.iters,
-                  warmup=args.warmup, block_size=args.block_size, bandwidth=None, latency=None, burst=None)
+                  warmup=args.warmup, block_size=args.block_size, pieces=args.pieces, bandwidth=None, latency=None, burst=None)
     spec = {"task": "allreduce", "params": params}
     if bandwidth:
         cluster = launch.cluster_for(world, bandwidth, args.latency, args.burst)
@@ -397,14 +400,14 @@ def cmd_allreduce(args) -> int:
     if info is not None:  # one rank of torchrun / mpirun
         _check_outer_launch(args, info)
         params = dict(sizes=args.sizes, methods=args.methods, iters=args.iters, warmup=args.warmup,
-                      block_size=args.block_size, threads=_threads(args, info.world_size), backend=args.backend,
+                      block_size=args.block_size, pieces=args.pieces, threads=_threads(args, info.world_size), backend=args.backend,
                       progress=not args.no_progress)
         result = run_task("allreduce", params, info)
         if info.rank == 0:
             config = dict(world_size=info.world_size, backend=args.backend,
                           device="cuda" if args.backend == "nccl" else "cpu", launcher=info.launcher,
                           threads_per_rank=params["threads"], iters=args.iters, warmup=args.warmup,
-                          block_size=args.block_size, bandwidth=None, latency=None, burst=None)
+                          block_size=args.block_size, pieces=args.pieces, bandwidth=None, latency=None, burst=None)
             report_allreduce({"schema": "lbcomm-bench/allreduce", "version": SCHEMA_VERSION, "created": _now(),
                               "argv": sys.argv, "config": config, "host": _host(),
                               "rows": _allreduce_rows(result["rows"])}, args)
@@ -562,6 +565,9 @@ def build_parser() -> argparse.ArgumentParser:
     ar.add_argument("--warmup", type=int, default=3, help="untimed iterations first (default: 3)")
     ar.add_argument("--block-size", type=_block_size, default=2048,
                     help="onebit scale block in elements, or 'none' for one scale per chunk (default: 2048)")
+    ar.add_argument("--pieces", type=_positive, default=None,
+                    help="onebit: cut each chunk into this many pieces, pipelining compression and transfers "
+                         "(default: automatic, see lbcomm.CompressionState)")
     ar.add_argument("--bandwidth", default=None,
                     help="run the ranks in an emulated cluster with links of this rate, tc syntax: 1gbit, 100mbit "
                          "(needs root)")

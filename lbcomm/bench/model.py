@@ -51,12 +51,22 @@ class LoopTransport:
     def __init__(self, world_size: int):
         self.world_size, self.rank = world_size, 0
 
+    @staticmethod
+    def _done(async_op: bool):
+        if not async_op:
+            return None
+        fut = torch.futures.Future()
+        fut.set_result(None)
+        return fut
+
     def all_to_all(self, out, inp, async_op=False):
         out.copy_(inp)
+        return self._done(async_op)
 
     def all_gather(self, out, inp, async_op=False):
         p = self.world_size
         out.view(p, -1).copy_(inp.reshape(1, -1).expand(p, -1))
+        return self._done(async_op)
 
 
 def _median_time(fn, reps: int = 5, min_time: float = 0.3) -> float:
@@ -144,7 +154,16 @@ def compute_times(items, block_size: Optional[int], processes: int = 1) -> Dict:
     for pr in procs:
         pr.start()
     try:
-        results = [queue.get(timeout=900) for _ in procs]
+        results = []
+        deadline = time.monotonic() + 900
+        while len(results) < len(procs):
+            try:
+                results.append(queue.get(timeout=1.0))
+            except Exception:  # queue.Empty: check that no worker died before answering
+                dead = [pr.exitcode for pr in procs if pr.exitcode not in (None, 0)]
+                if dead or time.monotonic() > deadline:
+                    raise RuntimeError(f"timing processes failed (exit codes {dead or 'none: timed out'}); "
+                                       "see their traceback above") from None
     finally:
         for pr in procs:
             if pr.is_alive():
