@@ -28,10 +28,7 @@ decoded only then, so `out` is untouched by a skipped call.
 """
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
-import socket
 from typing import Any, Dict, Optional, Union
 
 import torch
@@ -52,7 +49,7 @@ _FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16)
 _NONFINITE = ("raise", "skip")
 _HEADER = 24  # int32 numel low, numel high, call count, block size (0: none), piece, pieces
 # Automatic pipelining: pieces of at least PIECE_MIN elements of a chunk (256 KB of sign
-# bits per row), at most MAX_PIECES, unless a host runs more ranks x threads than it has cores. Measured at 1 Gbit/s, 4 ranks (README, "Pipelining").
+# bits per row), at most MAX_PIECES. Measured at 1 Gbit/s (README, "Pipelining").
 PIECE_MIN = 1 << 21
 MAX_PIECES = 4
 
@@ -88,10 +85,8 @@ class CompressionState:
         pieces (int, optional): runs of whole blocks each chunk is cut into, so that
             compression overlaps the transfers (see the module docs); results do not
             depend on it. Every rank must use the same value. None: one piece per
-            PIECE_MIN elements of a chunk, at most MAX_PIECES, on CPU tensors; 1 on
-            every rank if any host runs more ranks x torch threads than it has cores
-            (settled by the first call), for CUDA tensors, and for block_size=None
-            (default: None).
+            PIECE_MIN elements of a chunk, at most MAX_PIECES, for CPU tensors; 1 for
+            CUDA tensors (not measured there yet) and for block_size=None (default: None).
 
     Attributes:
         worker_error (Tensor): this rank's worker error, n (padded numel) fp32 elements.
@@ -130,8 +125,7 @@ class CompressionState:
         self.block_size = block_size
         self.nonfinite = nonfinite
         self.chunk = chunk_size(numel, self.world_size)  # m: elements per rank's chunk
-        self._pieces_arg = pieces
-        self._set_pieces(self._count_pieces(pieces))  # settled by the first call's handshake
+        self._set_pieces(self._count_pieces(pieces))
         f32 = dict(dtype=torch.float32, device=self.device)
         self._worker = torch.zeros(self.world_size, self.chunk, **f32)
         self._server = torch.zeros(self.chunk, **f32)
@@ -157,13 +151,12 @@ class CompressionState:
         return self.chunk * self.world_size
 
     def bytes_per_call(self) -> int:
-        """Bytes this rank sends per call (all collectives, own chunk excluded). With
-        automatic pieces the count is settled by the first call."""
+        """Bytes this rank sends per call (all collectives, own chunk excluded)."""
         return 2 * (self.world_size - 1) * sum(self._rows) if self.world_size > 1 else 0
 
     def _count_pieces(self, pieces: Optional[int]) -> int:
         """Pieces per chunk: the requested count, or automatically one per PIECE_MIN
-        elements of a chunk, at most MAX_PIECES (the handshake may lower it to 1)."""
+        elements of a chunk, at most MAX_PIECES."""
         if pieces is not None:
             if isinstance(pieces, bool) or not isinstance(pieces, int) or pieces < 1:
                 raise ValueError(f"Invalid pieces: {pieces!r} (use None or a positive int)")
@@ -277,30 +270,18 @@ class _Call:
                              piece, len(st.pieces)], dtype=torch.int32)
 
     def _handshake(self) -> None:
-        """Once per state, before any variable-size collective: every rank's layout, and
-        where this rank's host is oversubscribed. Automatic pieces become 1 on every rank
-        when any rank shares its cores with other ranks: compression then competes with the
-        transfers (and the emulated network) for the same cores, and pipelining was measured
-        slower there (README, "Pipelining")."""
+        """Once per state: every rank's layout, compared before any variable-size collective."""
         st = self.state
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        host = int.from_bytes(hashlib.blake2b(socket.gethostname().encode(), digest_size=7).digest(), "little")
-        mine = torch.tensor([st.numel, st.block_size or 0, st.chunk, st.calls, st._pieces_arg or 0,
-                             len(st.pieces), host, cores, torch.get_num_threads()], dtype=torch.int64)
+        mine = torch.tensor([st.numel, st.block_size or 0, st.chunk, st.calls, len(st.pieces)], dtype=torch.int64)
         k = mine.numel()
         everyone = torch.empty(st.world_size * k, dtype=torch.int64, device=st.device)
         st.transport.all_gather(everyone.view(torch.uint8), mine.to(st.device).view(torch.uint8))
         rows = everyone.view(st.world_size, k).cpu()
-        if not bool((rows[:, :6] == mine[:6]).all()):
+        if not bool((rows == mine).all()):
             desc = ", ".join(f"rank {r}: numel={int(v[0])} block_size={int(v[1]) or None} calls={int(v[3])} "
-                             f"pieces={int(v[4]) or 'auto'}" for r, v in enumerate(rows))
+                             f"pieces={int(v[4])}" for r, v in enumerate(rows))
             raise ValueError("compressed_allreduce: ranks called with different tensors or state layouts "
                              f"({desc}); every rank must reduce the same sizes in the same order")
-        if st._pieces_arg is None and len(st.pieces) > 1:
-            hosts = rows[:, 6].tolist()
-            busy = any(hosts.count(h) * int(v[8]) > int(v[7]) for h, v in zip(hosts, rows))
-            if busy:
-                st._set_pieces(1)
         st._verified = True
 
     def _check_headers(self, rows: Tensor, piece: int) -> None:
@@ -322,6 +303,8 @@ class _Call:
         """Worker compress of piece s of every chunk into its send rows."""
         st = self.state
         send = st._buffers()[s][0]
+        if not st._verified:
+            self._handshake()
         st._busy = True
         lo, hi, q8, sc_end = self._piece(s)
         if len(st.pieces) == 1:  # the whole tensor (the only way with one scale for everything)
@@ -429,8 +412,6 @@ def compressed_allreduce(
         fut.set_result(result)
         return fut
     tr = state.transport
-    if not state._verified:
-        call._handshake()  # may settle the pieces, so before the buffers
     bufs = state._buffers()
     count = len(state.pieces)
     # Every rank issues the same collectives in the same order, sync or async: the

@@ -82,7 +82,8 @@ def _median_time(fn, reps: int = 5, min_time: float = 0.3) -> float:
 def _state(n: int, p: int, block_size: Optional[int]):
     from ..compressed import CompressionState
 
-    return CompressionState(n, transport=LoopTransport(p), block_size=block_size, device="cpu")
+    # pieces=1: the model is of the unpipelined call (README, "Pipelining")
+    return CompressionState(n, transport=LoopTransport(p), block_size=block_size, device="cpu", pieces=1)
 
 
 def wire_bytes(method: str, n: int, p: int, block_size: Optional[int] = 2048) -> int:
@@ -324,6 +325,8 @@ def add_parser(sub, add_common) -> None:
     md.add_argument("--iters", type=_positive, default=10, help="timed iterations (default: 10)")
     md.add_argument("--warmup", type=int, default=2, help="untimed iterations (default: 2)")
     md.add_argument("--block-size", type=_block_size, default=2048, help="onebit block size (default: 2048)")
+    md.add_argument("--pieces", type=_positive, default=1,
+                    help="onebit pieces of the measured runs (default: 1; the model is of the unpipelined call)")
     md.add_argument("--from-json", nargs="+", metavar="FILE",
                     help="use these `allreduce --json` results instead of measuring")
     md.add_argument("--predict-alpha", type=float, default=50e-6,

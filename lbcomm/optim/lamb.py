@@ -208,7 +208,7 @@ class OneBitLamb(Lamb):
         new_m = self._compress_momentum(L, scale=self._vectors["momentum_scale"])
         if new_m is None:
             return False
-        m, v, vf = self._flat["exp_avg"], self._flat["exp_avg_sq"], self._flat["exp_avg_sq_fresh"]
+        m, vf = self._flat["exp_avg"], self._flat["exp_avg_sq_fresh"]
         gt = torch.empty_like(m)  # the gradient the compressed momentum implies
         for gi, _, _, lo, hi in L.group_ranges:
             b1 = self.param_groups[gi]["betas"][0]
