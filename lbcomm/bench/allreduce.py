@@ -106,10 +106,9 @@ def _op(method: str, x: torch.Tensor, comm, block_size: Optional[int], pieces: O
 
         return run, 2 * (p - 1) / p * 2 * x.numel()
     if method == "onebit":
-        state = comm.compression_state(x.numel(), x.device, block_size, None if block_size is None else pieces)
+        state = comm.compression_state(x.numel(), x.device, block_size, pieces)
         out = torch.empty_like(x)
-        # wire bytes read after the runs: the first call settles automatic pieces
-        return (lambda: compressed_allreduce(x, state, out=out)), state.bytes_per_call
+        return (lambda: compressed_allreduce(x, state, out=out)), state.bytes_per_call()
     raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
 
 
@@ -147,7 +146,7 @@ def measure(sizes: Sequence[int], methods: Sequence[str] = METHODS, iters: int =
             nbytes = 4 * n
             rows.append(dict(size=n, bytes=nbytes, method=method, world_size=p, median_s=med, p10_s=p10, p90_s=p90,
                              algbw_gbps=nbytes / med / 1e9, busbw_gbps=2 * (p - 1) / p * nbytes / med / 1e9,
-                             wire_bytes=int(wire() if callable(wire) else wire)))
+                             wire_bytes=int(wire)))
     base = {r["size"]: r["median_s"] for r in rows if r["method"] == "fp32"}
     for r in rows:
         r["speedup_vs_fp32"] = base[r["size"]] / r["median_s"] if r["size"] in base else None

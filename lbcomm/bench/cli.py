@@ -378,7 +378,8 @@ def run_allreduce(args, bandwidth: Optional[str] = None, world_size: Optional[in
                   progress=not args.no_progress)
     config = dict(world_size=world, backend=backend, device="cuda" if backend == "nccl" else "cpu",
                   launcher="netem" if bandwidth else "mpirun" if backend == "mpi" else "local", threads_per_rank=params["threads"], iters=args.iters,
-                  warmup=args.warmup, block_size=args.block_size, pieces=args.pieces, bandwidth=None, latency=None, burst=None)
+                  warmup=args.warmup, block_size=args.block_size, pieces=args.pieces, bandwidth=None, latency=None,
+                  burst=None)
     spec = {"task": "allreduce", "params": params}
     if bandwidth:
         cluster = launch.cluster_for(world, bandwidth, args.latency, args.burst)
@@ -400,8 +401,8 @@ def cmd_allreduce(args) -> int:
     if info is not None:  # one rank of torchrun / mpirun
         _check_outer_launch(args, info)
         params = dict(sizes=args.sizes, methods=args.methods, iters=args.iters, warmup=args.warmup,
-                      block_size=args.block_size, pieces=args.pieces, threads=_threads(args, info.world_size), backend=args.backend,
-                      progress=not args.no_progress)
+                      block_size=args.block_size, pieces=args.pieces, threads=_threads(args, info.world_size),
+                      backend=args.backend, progress=not args.no_progress)
         result = run_task("allreduce", params, info)
         if info.rank == 0:
             config = dict(world_size=info.world_size, backend=args.backend,
