@@ -66,6 +66,43 @@ def compute(rank: int, p: int, backend: str, concurrent: bool = False):
     return results
 
 
+def transport_ops(rank: int, p: int, backend: str):
+    """The transport's all_reduce (every op, bucketed, async, half precision) and barrier on
+    integer-valued inputs, so that every backend's sums are exact and comparable bitwise."""
+    from lbcomm.comm import get_transport
+
+    tr = get_transport(None, backend=backend)
+    out = {}
+    base = torch.arange(1000, dtype=torch.float32) % 17 + rank
+    for op in ("sum", "mean", "max", "min"):
+        t = base.clone()
+        tr.all_reduce(t, op)
+        out[op] = t
+    t = base.clone()
+    assert tr.all_reduce(t, "sum", bucket_bytes=1000) is None  # 4 buckets of 250 elements
+    out["bucketed"] = t
+    t = base.clone()
+    fut = tr.all_reduce(t, "mean", async_op=True, bucket_bytes=400)
+    out["async_mean_same_tensor"] = fut.wait() is t
+    out["async_mean"] = t
+    for dtype in (torch.float16, torch.bfloat16, torch.float64, torch.int64):
+        t = base.to(dtype)
+        tr.all_reduce(t, "sum")
+        out[f"sum_{dtype}"] = t
+    tr.barrier()
+    try:
+        tr.all_reduce(base[::2], "sum")
+        out["noncontiguous"] = "no error"
+    except ValueError as exc:
+        out["noncontiguous"] = str(exc)
+    try:
+        tr.all_reduce(base.clone(), "prod")
+        out["bad_op"] = "no error"
+    except ValueError as exc:
+        out["bad_op"] = str(exc)
+    return out
+
+
 def mpi_checks(rank: int, p: int):
     """MPI-only behaviour: backend selection, non-finite input, MPI errors surfaced."""
     from mpi4py import MPI
@@ -150,7 +187,8 @@ def main(out_dir: str) -> int:
     comm = MPI.COMM_WORLD
     rank, p = comm.Get_rank(), comm.Get_size()
     try:
-        payload = {"ok": {"results": compute(rank, p, "mpi", concurrent=True), "checks": mpi_checks(rank, p)}}
+        payload = {"ok": {"results": compute(rank, p, "mpi", concurrent=True), "checks": mpi_checks(rank, p),
+                          "transport": transport_ops(rank, p, "mpi")}}
         code = 0
     except BaseException:  # noqa: BLE001 - reported to the test through the file
         payload = {"error": traceback.format_exc()}

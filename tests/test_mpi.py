@@ -98,6 +98,14 @@ def test_mpi_matches_torch_backend_bitwise(mpi_run):
 
 
 @needs_mpi
+def test_mpi_transport_all_reduce_and_barrier(mpi_run):
+    from test_transport import check_transport_results
+
+    for ranks in mpi_run:
+        check_transport_results(ranks["transport"], P)
+
+
+@needs_mpi
 def test_mpi_backend_selection_and_errors(mpi_run):
     for r, ranks in enumerate(mpi_run):
         c = ranks["checks"]

@@ -1,9 +1,17 @@
-"""Transports: the two byte collectives the compressed allreduce needs (DESIGN.md §2).
+"""Transports: the only code in lbcomm that touches the network (DESIGN.md §2).
 
-A transport moves uint8 buffers only: `all_to_all(out, inp)` where row j of `inp` [p, L]
-goes to rank j and row j of `out` came from rank j, and `all_gather(out, inp)` of a [L]
-buffer into a flat [p * L] one. With async_op=True both return a torch.futures.Future
-that completes when `out` is filled; otherwise they block and return None.
+Every transport has `world_size`, `rank`, `backend`, `check_device(device)` and:
+
+* `all_to_all(out, inp)`: uint8 buffers; row j of `inp` [p, L] goes to rank j and row j
+  of `out` came from rank j (phase 1 of the compressed allreduce);
+* `all_gather(out, inp)`: uint8; every rank's [L] `inp` into a flat [p * L] `out` (phase 3);
+* `all_reduce(tensor, op="sum", bucket_bytes=None)`: in place, op one of "sum", "mean",
+  "max", "min"; with bucket_bytes the flat tensor is cut into buckets that are all in
+  flight at once (the optimizers' warmup averaging, the hooks' full-precision start);
+* `barrier()`: blocks until every rank has called it (checkpoints).
+
+With async_op=True the collectives return a torch.futures.Future that completes when the
+output is filled (`all_reduce`'s holds the tensor); otherwise they block and return None.
 
 Collectives start in the order they are called on each rank, and every rank must call
 them in the same order (as with any collective library).
@@ -13,13 +21,18 @@ Backends (`get_transport(group, backend=...)`):
 * ``"torch"``: a torch.distributed process group (gloo for CPU tensors, NCCL for CUDA
   tensors); launch with torchrun or mp.spawn.
 * ``"mpi"``: MPI through mpi4py (`MPITransport`); launch with mpirun.
+* `LoopTransport(p)`: one process playing rank 0 of p ranks that all hold the same data
+  (no network; the cost model times the compute of a call with it).
 * ``"auto"`` (default): torch.distributed when it is initialized, else MPI when this
   process was started by an MPI launcher and mpi4py is installed, else a one-rank torch
   transport (nothing to communicate).
 """
+from .base import REDUCE_OPS
+from .loop import LoopTransport
 from .torch_dist import TorchTransport, world_info
 
-__all__ = ["TorchTransport", "MPITransport", "world_info", "get_transport", "BACKENDS"]
+__all__ = ["TorchTransport", "MPITransport", "LoopTransport", "world_info", "get_transport", "BACKENDS",
+           "REDUCE_OPS"]
 
 BACKENDS = ("auto", "torch", "mpi")
 

@@ -36,9 +36,14 @@ from typing import List, Optional
 import torch
 from torch import Tensor
 
+from .base import buckets, check_all_reduce, completed_future, finish_all_reduce
+
 __all__ = ["MPITransport", "mpi_available", "launched_by_mpirun", "cuda_aware_mpi"]
 
 _log = logging.getLogger(__name__)
+
+_MPI_OPS = {"sum": lambda MPI: MPI.SUM, "mean": lambda MPI: MPI.SUM, "max": lambda MPI: MPI.MAX,
+            "min": lambda MPI: MPI.MIN}
 
 ENV_CUDA_AWARE = "LBCOMM_MPI_CUDA_AWARE"
 # Set by the common MPI launchers (Open MPI, PMIx, MPICH/Hydra, MVAPICH, Intel MPI).
@@ -118,15 +123,20 @@ def cuda_aware_mpi() -> bool:
 class _Op:
     """One collective: waits for its input, runs on MPI, completes its future."""
 
-    __slots__ = ("transport", "kind", "out", "inp", "future", "ready_event", "request", "host_out", "stream")
+    __slots__ = ("transport", "kind", "out", "inp", "future", "ready_event", "request", "host_out", "stream",
+                 "op", "result")
 
-    def __init__(self, transport: "MPITransport", kind: str, out: Tensor, inp: Tensor):
-        self.transport, self.kind, self.out, self.inp = transport, kind, out, inp
+    def __init__(self, transport: "MPITransport", kind: str, out: Tensor, inp: Optional[Tensor],
+                 op: Optional[str] = None, result=None):
+        # kind: "all_to_all", "all_gather", "all_reduce" (in place in `out`, inp is None) or
+        # "barrier" (no buffers). `result` is what the future completes with (default [out]).
+        self.transport, self.kind, self.out, self.inp, self.op = transport, kind, out, inp, op
+        self.result = result
         self.request = None
         self.host_out: Optional[Tensor] = None
         self.ready_event = None
         self.stream = None
-        if out.device.type == "cuda":
+        if out is not None and out.device.type == "cuda":
             # The input is produced on the caller's stream: MPI may touch it once this event
             # has passed. Recording an event does not block the caller.
             self.ready_event = torch.cuda.Event()
@@ -140,22 +150,32 @@ class _Op:
 
     def start(self) -> None:
         tr, MPI = self.transport, self.transport._MPI
+        if self.kind == "barrier":
+            self.request = tr.comm.Ibarrier()
+            return
+        inp = self.out if self.inp is None else self.inp  # all_reduce works in place
         if self.out.device.type == "cpu":
-            send, recv = self.inp.numpy(), self.out.numpy()
+            send, recv = inp.numpy(), self.out.numpy()
         elif tr.cuda_aware:
-            send, recv = self.inp, self.out  # device pointers straight to MPI
+            send, recv = inp, self.out  # device pointers straight to MPI
         else:
             dev = self.out.device
             self.stream = tr._side_stream(dev)
             with torch.cuda.device(dev), torch.cuda.stream(self.stream):
-                host_in = torch.empty(self.inp.shape, dtype=torch.uint8, pin_memory=True)
-                host_in.copy_(self.inp)  # blocking copy: waits on this (side) stream only
-                self.host_out = torch.empty(self.out.shape, dtype=torch.uint8, pin_memory=True)
+                self.host_out = torch.empty(self.out.shape, dtype=self.out.dtype, pin_memory=True)
+                if self.inp is None:
+                    self.host_out.copy_(self.out)  # blocking copy: waits on this (side) stream only
+                    host_in = self.host_out
+                else:
+                    host_in = torch.empty(inp.shape, dtype=inp.dtype, pin_memory=True)
+                    host_in.copy_(inp)
             send, recv = host_in.numpy(), self.host_out.numpy()
         if self.kind == "all_to_all":
             self.request = tr.comm.Ialltoall([send, MPI.BYTE], [recv, MPI.BYTE])
-        else:
+        elif self.kind == "all_gather":
             self.request = tr.comm.Iallgather([send, MPI.BYTE], [recv, MPI.BYTE])
+        else:
+            self.request = tr.comm.Iallreduce(MPI.IN_PLACE, recv, op=_MPI_OPS[self.op](MPI))
         self.inp = send  # keep the send buffer alive while MPI reads it
 
     def test(self) -> bool:
@@ -166,18 +186,19 @@ class _Op:
 
     def complete(self) -> None:
         out, host_out = self.out, self.host_out
+        result = [out] if self.result is None else self.result
         self.inp = self.host_out = self.request = None  # the buffers may be reused from here on
-        if out.device.type == "cpu":
-            self.future.set_result([out])
+        if out is None or out.device.type == "cpu":
+            self.future.set_result(result)
             return
         with torch.cuda.device(out.device):
             if host_out is not None:
                 with torch.cuda.stream(self.stream):
                     out.copy_(host_out, non_blocking=True)  # the pinned block is held until the copy is done
                     out.record_stream(self.stream)  # not reused by the allocator before the copy ends
-                    self.future.set_result([out])  # consumers' streams wait for this one
+                    self.future.set_result(result)  # consumers' streams wait for this one
             else:
-                self.future.set_result([out])
+                self.future.set_result(result)
 
     def fail(self, exc: BaseException) -> None:
         if not self.future.done():
@@ -358,15 +379,16 @@ class MPITransport:
             return
         self._error = exc
         _log.error("lbcomm MPI transport (rank %s): %s failed: %s", self.rank, op.kind, exc)
-        wrapped = RuntimeError(f"lbcomm MPI transport (rank {self.rank}): {op.kind} of {op.out.numel()} bytes "
+        wrapped = RuntimeError(f"lbcomm MPI transport (rank {self.rank}): {op.kind} of {0 if op.out is None else op.out.nbytes} bytes "
                                f"failed: {exc}")
         wrapped.__cause__ = exc
         op.fail(wrapped)
 
     # -------------------------------------------------------------- collectives
-    def _run(self, kind: str, out: Tensor, inp: Tensor, async_op: bool):
+    def _run(self, kind: str, out: Optional[Tensor], inp: Optional[Tensor], async_op: bool,
+             reduce_op: Optional[str] = None, result=None):
         self._raise_if_broken()
-        op = _Op(self, kind, out, inp)
+        op = _Op(self, kind, out, inp, reduce_op, result)
         if self.threaded:
             if _ENGINE.in_progress_thread() and not async_op:
                 raise RuntimeError("lbcomm MPI transport: a blocking collective was called from a future callback "
@@ -402,6 +424,27 @@ class MPITransport:
             raise ValueError(f"MPITransport.all_gather: out must hold p*L bytes (p={self.world_size}, "
                              f"L={inp_b.numel()}); got {out_b.numel()}")
         return self._run("all_gather", out_b, inp_b, async_op)
+
+    def all_reduce(self, tensor: Tensor, op: str = "sum", async_op: bool = False,
+                   bucket_bytes: Optional[int] = None):
+        """In-place allreduce (see `lbcomm.comm`). fp16/bf16 tensors are summed in an fp32
+        copy (MPI has no half-precision reductions) and cast back."""
+        check_all_reduce(tensor, op, bucket_bytes)
+        if tensor.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"MPITransport.all_reduce: the tensor is on {tensor.device}; the MPI transport moves "
+                             "CPU and CUDA tensors")
+        if self.world_size == 1:
+            return completed_future(tensor, tensor.device) if async_op else None
+        work = tensor.float() if tensor.dtype in (torch.float16, torch.bfloat16) else tensor
+        futures = [self._run("all_reduce", piece, None, True, reduce_op=op, result=piece)
+                   for piece in buckets(work.view(-1), bucket_bytes)]
+        if work is not tensor:  # cast back once every bucket is in
+            futures = [torch.futures.collect_all(futures).then(lambda _: [tensor.copy_(work)])]
+        return finish_all_reduce(tensor, op, self.world_size, futures, async_op)
+
+    def barrier(self) -> None:
+        """Blocks until every rank has called it (queued behind this transport's collectives)."""
+        self._run("barrier", None, None, async_op=False)
 
 
 def _bytes(t: Tensor, name: str) -> Tensor:

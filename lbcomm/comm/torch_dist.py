@@ -1,11 +1,15 @@
 """torch.distributed transport: gloo for CPU tensors, NCCL for CUDA tensors."""
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from .base import buckets, check_all_reduce, completed_future, finish_all_reduce
+
+_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 # torch 2.13 renamed all_gather_into_tensor; keep working on older releases.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -47,3 +51,18 @@ class TorchTransport:
     def all_gather(self, out: Tensor, inp: Tensor, async_op: bool = False):
         work = _all_gather_single(out.reshape(-1), inp.reshape(-1), group=self.group, async_op=async_op)
         return work.get_future() if async_op else None
+
+    def all_reduce(self, tensor: Tensor, op: str = "sum", async_op: bool = False,
+                   bucket_bytes: Optional[int] = None):
+        """In-place allreduce of a contiguous tensor (see `lbcomm.comm`)."""
+        check_all_reduce(tensor, op, bucket_bytes)
+        if self.world_size == 1:
+            return completed_future(tensor, tensor.device) if async_op else None
+        flat = tensor.view(-1)
+        works = [dist.all_reduce(piece, op=_OPS[op], group=self.group, async_op=True)
+                 for piece in buckets(flat, bucket_bytes)]
+        return finish_all_reduce(tensor, op, self.world_size, [w.get_future() for w in works], async_op)
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier(group=self.group)
