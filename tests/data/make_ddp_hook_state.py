@@ -1,0 +1,14 @@
+"""Write tests/data/ddp_hook_state_v1/rank{r}.pt and expected{r}.pt (see tests/test_ddp_checkpoint.py).
+
+Run from the repository root with the code whose checkpoint format is to be frozen:
+    PYTHONPATH=$PWD:$PWD/tests python tests/data/make_ddp_hook_state.py
+"""
+import os
+
+from dist_util import run_ranks
+from test_ddp_checkpoint import DATA, P, generate
+
+if __name__ == "__main__":
+    os.makedirs(DATA, exist_ok=True)
+    run_ranks(generate, P, timeout=180)
+    print(f"wrote {sorted(os.listdir(DATA))} in {DATA}")
