@@ -6,7 +6,8 @@ DDP communication hooks (§4).
 from . import ddp, ops, optim, reference
 from .checkpoint import load_sharded, save_sharded, shard_path
 from .compressed import DEFAULT_BLOCK_SIZE, CompressionState, NonFiniteError, compressed_allreduce
-from .ddp import OneBitHookState, onebit_hook, onebit_optimizer_fp16_hook, onebit_optimizer_hook
+from .ddp import (OneBitHookState, onebit_hook, onebit_optimizer_bf16_hook, onebit_optimizer_fp16_hook,
+                  onebit_optimizer_hook, onebit_optimizer_hook_for)
 from .optim import Lamb, OneBitAdam, OneBitLamb
 
 __version__ = "0.1.0"
@@ -25,6 +26,8 @@ __all__ = [
     "onebit_hook",
     "onebit_optimizer_hook",
     "onebit_optimizer_fp16_hook",
+    "onebit_optimizer_bf16_hook",
+    "onebit_optimizer_hook_for",
     "ops",
     "optim",
     "ddp",

@@ -13,7 +13,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import lbcomm
 from dist_util import run_ranks
-from lbcomm.ddp import OneBitHookState, onebit_hook, onebit_optimizer_fp16_hook, onebit_optimizer_hook
+from lbcomm.ddp import (OneBitHookState, onebit_hook, onebit_optimizer_bf16_hook, onebit_optimizer_fp16_hook,
+                        onebit_optimizer_hook, onebit_optimizer_hook_for)
 
 P = 4
 BUCKET_MB = 0.01  # ~2600 fp32 elements per bucket: the model below spans several buckets
@@ -102,7 +103,7 @@ def _hook_training(rank, make_opt, steps, start_iter):
     logging.getLogger("lbcomm.ddp").removeHandler(records)
     pending = sum(1 for compressed, done in returned if compressed and not done)
     return {"before": before, "after": _eval_loss(model), "params": _flat(model), "stats": state.compression_stats(),
-            "buckets": len(state.error_dict), "log": records.messages, "pending_at_return": pending}
+            "buckets": len(state.bucket_units), "log": records.messages, "pending_at_return": pending}
 
 
 def _plain_training(rank, make_opt, steps):
@@ -149,10 +150,10 @@ def _resume(rank, ckpt_dir, total, cut, start_iter):
 
     model, ddp, opt, state = build(load=ckpt_dir)
     _train(ddp, opt, rank, 1, first=cut)
-    split = {i: len(keys) for i, keys in state.error_dict.items()}  # the initial bucket, split into saved units
+    split = {i: len(keys) for i, keys in state.bucket_units.items()}  # the initial bucket, split into saved units
     _train(ddp, opt, rank, total - cut - 1, first=cut + 1)
     return {"straight": straight, "resumed": _flat(model), "split": split,
-            "pickled": (hook_sd.iter, hook_sd.start_iter, len(hook_sd._pending))}
+            "pickled": (hook_sd.iter, hook_sd.start_iter, hook_sd.planner.num_saved())}
 
 
 def _onebit_optimizer(rank, opt_cls, lr, hook, steps, freeze_step):
@@ -198,7 +199,7 @@ def _nonfinite(rank, start_iter):
                for k in ("worker_error", "server_error"))
     return {"nan_grads": grads, "errors_kept": same and len(before["units"]) == len(after["units"]) > 0,
             "finite_after": bool(torch.isfinite(_flat(model)).all()), "skipped": state.skipped_calls,
-            "buckets": len(state.error_dict)}
+            "buckets": len(state.bucket_units)}
 
 
 def _all_scenarios(rank, p, ckpt_dir):
@@ -212,6 +213,7 @@ def _all_scenarios(rank, p, ckpt_dir):
         "onebit_adam": _onebit_optimizer(rank, lbcomm.OneBitAdam, 1e-2, onebit_optimizer_hook, 30, 5),
         "onebit_adam_alone": _onebit_adam_without_ddp(rank, 5),
         "onebit_lamb": _onebit_optimizer(rank, lbcomm.OneBitLamb, 0.1, onebit_optimizer_fp16_hook, 30, 5),
+        "onebit_adam_bf16": _onebit_optimizer(rank, lbcomm.OneBitAdam, 1e-2, onebit_optimizer_bf16_hook, 30, 5),
         "nonfinite": _nonfinite(rank, 2),
     }
 
@@ -272,7 +274,7 @@ def test_onebit_hook_nonfinite_skips_on_every_rank(ranks):
 
 
 # ---------------------------------------------------------------------- onebit_optimizer_hook
-@pytest.mark.parametrize("name", ["onebit_adam", "onebit_lamb"])
+@pytest.mark.parametrize("name", ["onebit_adam", "onebit_lamb", "onebit_adam_bf16"])
 def test_onebit_optimizer_hook_trains_and_keeps_replicas_identical(ranks, name):
     res = ranks[0][name]
     assert res["frozen"] and res["averaged_flag"]
@@ -280,7 +282,7 @@ def test_onebit_optimizer_hook_trains_and_keeps_replicas_identical(ranks, name):
     _assert_replicas_identical(ranks, name)
 
 
-@pytest.mark.parametrize("name", ["onebit_adam", "onebit_lamb"])
+@pytest.mark.parametrize("name", ["onebit_adam", "onebit_lamb", "onebit_adam_bf16"])
 def test_onebit_optimizer_hook_averages_in_warmup_only(ranks, name):
     warm = [ranks[r][name]["grads"][0] for r in range(P)]
     local = [ranks[r][name]["grads"][7] for r in range(P)]
@@ -289,6 +291,20 @@ def test_onebit_optimizer_hook_averages_in_warmup_only(ranks, name):
         assert not torch.equal(local[0], local[r]), "compression stage: the hook must not communicate"
     if name == "onebit_adam":  # fp32 warmup: the same AdamW as the optimizer averaging by itself
         torch.testing.assert_close(ranks[0][name]["warm"], ranks[0]["onebit_adam_alone"], rtol=1e-5, atol=1e-6)
+    wire = {"onebit_adam": torch.float32, "onebit_lamb": torch.float16, "onebit_adam_bf16": torch.bfloat16}[name]
+    # the warmup mean travelled in `wire`: every averaged gradient is a value of that dtype
+    assert torch.equal(warm[0].to(wire).float(), warm[0])
+    if wire != torch.float32:
+        assert not torch.equal(local[0].to(wire).float(), local[0]), "local fp32 gradients are not rounded"
+
+
+def test_onebit_optimizer_hook_for_picks_by_dtype():
+    assert onebit_optimizer_hook_for(torch.float32) is onebit_optimizer_hook
+    assert onebit_optimizer_hook_for(torch.float16) is onebit_optimizer_fp16_hook
+    assert onebit_optimizer_hook_for(torch.bfloat16) is onebit_optimizer_bf16_hook
+    assert lbcomm.onebit_optimizer_bf16_hook is onebit_optimizer_bf16_hook
+    with pytest.raises(ValueError, match="torch.bfloat16"):
+        onebit_optimizer_hook_for(torch.float64)
 
 
 # ---------------------------------------------------------------------- no ranks needed
@@ -303,10 +319,19 @@ def test_hook_state_validation():
         OneBitHookState(compression_stats_logging_frequency=0)
     with pytest.raises(TypeError, match="OneBitHookState"):
         onebit_hook(object(), None)
-    with pytest.raises(TypeError, match="lbcomm optimizer"):
-        onebit_optimizer_hook(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1), None)
+    sgd = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    for hook in (onebit_optimizer_hook, onebit_optimizer_fp16_hook, onebit_optimizer_bf16_hook):
+        with pytest.raises(TypeError, match=f"lbcomm optimizer.*lbcomm.ddp.{hook.__name__}"):
+            hook(sgd, None)
     with pytest.raises(ValueError, match="not a OneBitHookState"):
         OneBitHookState().load_state_dict({"version": 0})
+
+
+def test_error_dict_is_a_deprecated_alias_of_bucket_units():
+    state = OneBitHookState(start_iter=2)
+    state.bucket_units[3] = ((0, 1),)
+    with pytest.warns(DeprecationWarning, match="bucket_units"):
+        assert state.error_dict is state.bucket_units
 
 
 def test_hook_state_from_another_world_size_resets_with_warning(caplog):

@@ -1,0 +1,336 @@
+"""`onebit_hook`: 1-bit error-feedback compressed allreduce of every DDP bucket, for any
+optimizer, and its `OneBitHookState` (settings, iteration, error feedback, statistics).
+Which error feedback reduces which bucket and the thread that runs the compressed calls
+live in `lbcomm.ddp.buckets`.
+"""
+import functools
+import logging
+import math
+import warnings
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+from ..comm import world_info
+from ..common import FLOAT_DTYPES, NONFINITE_POLICIES, completed_future, ring_allreduce_bytes
+from ..compressed import DEFAULT_BLOCK_SIZE, CompressionState, _check_block_size
+from .buckets import BucketPlanner, BucketWorker, Plan
+
+__all__ = ["OneBitHookState", "onebit_hook"]
+
+_log = logging.getLogger(__name__)
+
+_STATE_VERSION = 1
+
+
+class OneBitHookState:
+    r"""State of `onebit_hook`: 1-bit error-feedback compressed allreduce of DDP's gradient
+    buckets, for any optimizer (SGD, momentum, AdamW, ...).
+
+    Every bucket is reduced with `lbcomm.compressed_allreduce` (DESIGN.md §1): about 1 bit
+    per gradient element instead of 32, with the rounding error of every call fed back into
+    the next one (per rank, per bucket), so that nothing is lost over time. Before
+    ``start_iter`` the buckets are averaged at full precision.
+
+    The compressed allreduces run on a background thread, one bucket after the other in
+    bucket order (so every rank issues its collectives in the same order), on a private
+    duplicate of ``process_group`` (so they never interleave with DDP's own collectives).
+    The hook returns at once with a future: compression overlaps the rest of the backward
+    pass, and nothing blocks or synchronizes a device inside a hook callback.
+
+    Results are bitwise identical on every rank, so replicas stay identical.
+
+    Checkpoints: `state_dict` holds this rank's error buffers (one shard per rank, like the
+    lbcomm optimizers; e.g. ``lbcomm.save_sharded(dir, opt, model, extra=hook_state.state_dict())``)
+    and `load_state_dict` restores them. They are stored per list of parameters rather than
+    per bucket index, because a new DDP instance runs its first iteration with its initial
+    buckets before it rebuilds them: in that iteration a bucket is split into the saved
+    ones, so that with the same world size the resumed run continues bitwise identically
+    to a run that never stopped. Another world size (or model) resets the errors with a
+    logged warning. Create the state and register the hook on a freshly built DDP model, as
+    usual, so that the parameter numbering (taken from DDP's first iteration) is stable.
+
+    Args:
+        process_group (ProcessGroup, optional): the DDP model's process group (default:
+            None, the world).
+        start_iter (int, optional): iterations averaged at full precision before
+            compression starts; must be > 1 because DDP rebuilds its buckets after
+            iteration 1 (default: 100).
+        block_size (int or None, optional): elements per scale block of the compressed
+            allreduce (multiple of 32), or None for the published single-scale algorithm
+            (default: 2048).
+        nonfinite (str, optional): what a bucket holding NaN/Inf on any rank does: "skip"
+            makes the whole bucket NaN on every rank, as a plain allreduce would (so that
+            e.g. ``torch.amp.GradScaler`` skips the step), leaving the error buffers
+            untouched; "raise" makes the backward pass raise a NonFiniteError on every rank
+            (default: "skip").
+        compression_stats_logging_frequency (int, optional): log the statistics (bytes
+            sent, compression ratio, error norm) every that many iterations once
+            compression has started, at INFO (default: 10000).
+
+    Example::
+        >>> # xdoctest: +SKIP
+        >>> state = lbcomm.ddp.OneBitHookState(process_group=None, start_iter=100)
+        >>> ddp_model.register_comm_hook(state, lbcomm.ddp.onebit_hook)
+        >>> ...
+        >>> lbcomm.save_sharded("ckpt", optimizer, ddp_model.module, extra={"hook": state.state_dict()})
+    """
+
+    __slots__ = [
+        "process_group",
+        # The settings that are tuned.
+        "start_iter",
+        "block_size",
+        # The settings that seldom change.
+        "nonfinite",
+        "compression_stats_logging_frequency",
+        # Internal state.
+        "iter",
+        "planner",  # BucketPlanner: the units of error feedback and which buckets they reduce
+        "worker",  # BucketWorker (made at the first hook call): the thread and the private process group
+        "_next_stats_report",
+        # Statistics.
+        "total_bytes_sent",
+        "total_bytes_uncompressed",
+        "compressed_calls",
+        "skipped_calls",
+        "__weakref__",
+    ]
+
+    def __init__(
+        self,
+        process_group=None,
+        start_iter: int = 100,
+        block_size: Optional[int] = DEFAULT_BLOCK_SIZE,
+        *,
+        nonfinite: str = "skip",
+        compression_stats_logging_frequency: int = 10_000,
+    ):
+        if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter <= 1:
+            raise ValueError(f"Invalid start_iter: {start_iter!r} (must be > 1 because DDP rebuilds buckets after "
+                             "iteration 1, and the error feedback belongs to the rebuilt buckets)")
+        _check_block_size(block_size)
+        if nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"Invalid nonfinite policy: {nonfinite!r} (use one of {NONFINITE_POLICIES})")
+        freq = compression_stats_logging_frequency
+        if isinstance(freq, bool) or not isinstance(freq, int) or freq < 1:
+            raise ValueError(f"Invalid compression_stats_logging_frequency: {freq!r} (must be an int >= 1)")
+        _log.info("OneBitHookState config: start_iter = %s; block_size = %s; nonfinite = %s; "
+                  "compression_stats_logging_frequency = %s", start_iter, block_size, nonfinite, freq)
+        self.process_group = process_group
+        self.start_iter = start_iter
+        self.block_size = block_size
+        self.nonfinite = nonfinite
+        self.compression_stats_logging_frequency = freq
+        self._init_internal()
+
+    def _init_internal(self) -> None:
+        self.iter = 0
+        self.planner = BucketPlanner()
+        self.worker: Optional[BucketWorker] = None
+        self._next_stats_report = self.start_iter
+        self.total_bytes_sent = 0
+        self.total_bytes_uncompressed = 0
+        self.compressed_calls = 0
+        self.skipped_calls = 0
+
+    @property
+    def bucket_units(self) -> Dict[int, Tuple[Tuple[int, ...], ...]]:
+        """bucket.index() -> the parameter keys of the units (error feedback) that reduced
+        that bucket in its last compressed iteration (several in the first iteration of a
+        resumed DDP model)."""
+        return self.planner.bucket_units
+
+    @property
+    def error_dict(self) -> Dict[int, Tuple[Tuple[int, ...], ...]]:
+        """Deprecated alias of `bucket_units` (it holds parameter keys, not errors)."""
+        warnings.warn("OneBitHookState.error_dict is deprecated: it holds parameter keys, not errors; use "
+                      "OneBitHookState.bucket_units", DeprecationWarning, stacklevel=2)
+        return self.bucket_units
+
+    # ------------------------------------------------------------------ pickling
+    _CONFIG = ("start_iter", "block_size", "nonfinite", "compression_stats_logging_frequency")
+
+    def __getstate__(self):
+        """The settings and `state_dict`; the process group is not serializable and is left out."""
+        _log.warning("NOTE: the process group is not serializable and is excluded from the saved OneBitHookState.")
+        return {**{name: getattr(self, name) for name in self._CONFIG}, "state_dict": self.state_dict()}
+
+    def __setstate__(self, state):
+        """Restore a pickled state; ``process_group`` becomes the default group (None)."""
+        self.process_group = None
+        _log.warning("NOTE: the OneBitHookState's process group is set to the default group (the world); set "
+                     "`state.process_group` before the next iteration if another group is desired.")
+        for name in self._CONFIG:
+            setattr(self, name, state[name])
+        self._init_internal()
+        self.load_state_dict(state["state_dict"])
+
+    # ------------------------------------------------------------------ iterations
+    def maybe_increase_iter(self, bucket: dist.GradBucket) -> None:
+        """Count iterations on the last bucket of each backward pass."""
+        if bucket.is_last():
+            self.iter += 1
+            if self.iter == self.start_iter:
+                _log.info("onebit_hook: 1-bit compression of the gradients starts after %s iterations", self.iter)
+
+    def bucket_worker(self) -> BucketWorker:
+        """The worker of this state, made at the first call from ``process_group`` (whose
+        ranks all make it together, as DDP's first hook call)."""
+        if self.worker is None:
+            self.worker = BucketWorker(self.process_group)
+        return self.worker
+
+    def stats_report_due(self, bucket: dist.GradBucket) -> Optional[int]:
+        """The iteration to log statistics for after this bucket, if due (every
+        ``compression_stats_logging_frequency`` iterations, on the last bucket)."""
+        if not (bucket.is_last() and self.iter >= self._next_stats_report):
+            return None
+        self._next_stats_report = self.iter + self.compression_stats_logging_frequency
+        return self.iter
+
+    def _ensure_idle(self, what: str) -> None:
+        busy = self.worker.busy() if self.worker is not None else 0
+        if busy:
+            raise RuntimeError(f"OneBitHookState.{what}: {busy} bucket(s) are still being reduced; call it after "
+                               "the backward pass (DDP waits for every bucket before backward returns)")
+
+    # ------------------------------------------------------------------ statistics
+    def error_norm(self) -> float:
+        """L2 norm of this rank's error feedback (worker and server errors of every unit).
+        Reads device memory: call it outside the backward pass."""
+        total = 0.0
+        for unit in self.planner.units():
+            st = unit.compression
+            total += float(st.worker_error.double().square().sum()) + float(st.server_error.double().square().sum())
+        return math.sqrt(total)
+
+    def compression_stats(self) -> Dict[str, Any]:
+        """Totals since the start (or since the checkpoint was taken, carried over):
+
+        * ``bytes_sent``: what this rank sent through the hook (compressed calls, and the
+          full-precision allreduces before ``start_iter`` counted as a ring allreduce);
+        * ``bytes_uncompressed``: what ring allreduces of the same buckets would have sent;
+        * ``compression_ratio``: their ratio;
+        * ``compressed_calls``, ``skipped_calls`` (non-finite buckets), ``iter``;
+        * ``error_norm``: see `error_norm`.
+        """
+        sent, full = self.total_bytes_sent, self.total_bytes_uncompressed
+        return {
+            "iter": self.iter,
+            "bytes_sent": sent,
+            "bytes_uncompressed": full,
+            "compression_ratio": full / sent if sent else 0.0,
+            "compressed_calls": self.compressed_calls,
+            "skipped_calls": self.skipped_calls,
+            "error_norm": self.error_norm(),
+        }
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> Dict[str, Any]:
+        """This rank's error feedback, iteration count and statistics (one shard per rank)."""
+        self._ensure_idle("state_dict")
+        return {
+            "version": _STATE_VERSION,
+            "iter": self.iter,
+            "start_iter": self.start_iter,
+            "block_size": self.block_size,
+            "world_size": self.worker.world_size if self.worker is not None else world_info(self.process_group)[0],
+            "units": self.planner.state_dict(),
+            "stats": {"bytes_sent": self.total_bytes_sent, "bytes_uncompressed": self.total_bytes_uncompressed,
+                      "compressed_calls": self.compressed_calls, "skipped_calls": self.skipped_calls},
+        }
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Restore a `state_dict` of this rank. The errors are attached to DDP's buckets as
+        they appear; saved for another world size, they are reset with a logged warning."""
+        self._ensure_idle("load_state_dict")
+        if not isinstance(state_dict, dict) or state_dict.get("version") != _STATE_VERSION:
+            raise ValueError("OneBitHookState.load_state_dict: not a OneBitHookState state_dict (version "
+                             f"{state_dict.get('version') if isinstance(state_dict, dict) else None!r}, expected "
+                             f"{_STATE_VERSION})")
+        world = world_info(self.process_group)[0]
+        self.iter = int(state_dict["iter"])
+        self._next_stats_report = max(self.start_iter, self.iter)
+        stats = state_dict.get("stats", {})
+        self.total_bytes_sent = int(stats.get("bytes_sent", 0))
+        self.total_bytes_uncompressed = int(stats.get("bytes_uncompressed", 0))
+        self.compressed_calls = int(stats.get("compressed_calls", 0))
+        self.skipped_calls = int(stats.get("skipped_calls", 0))
+        units = state_dict["units"]
+        if state_dict.get("world_size") != world and units:
+            _log.warning("onebit_hook: the state was saved with world size %s and this run has %s; the error feedback "
+                         "is reset to zero and training continues", state_dict.get("world_size"), world)
+            units = []
+        self.planner.load_state_dict(units)
+
+
+def _new_compression(state: OneBitHookState, numel: int, device: torch.device) -> CompressionState:
+    """The error feedback of a new unit, on the worker's private group."""
+    return CompressionState(numel, group=state.worker.group, device=device, block_size=state.block_size,
+                            nonfinite=state.nonfinite, backend="torch")
+
+
+def _reduce_bucket(state: OneBitHookState, plan: Plan, report_iter: Optional[int], buf: Tensor) -> None:
+    """The compressed allreduce of one bucket, in place, on the worker thread; counts it in
+    the statistics and logs them when `report_iter` is given."""
+    skipped = False
+    for unit, slices in plan:
+        st = unit.reduce(buf, slices)
+        skipped = skipped or st.last_skipped
+        state.compressed_calls += 1
+        state.total_bytes_sent += st.bytes_per_call()
+        state.total_bytes_uncompressed += int(ring_allreduce_bytes(st.numel * buf.element_size(),
+                                                                   state.worker.world_size))
+    if skipped:
+        state.skipped_calls += 1
+        buf.fill_(float("nan"))  # what a plain allreduce of NaN/Inf gives, on every rank
+        _log.warning("onebit_hook: a bucket held NaN or Inf on some rank at iteration %s; it is NaN on every "
+                     "rank and the error feedback is unchanged", state.iter)
+    if report_iter is not None:
+        stats = state.compression_stats()
+        _log.info("onebit_hook stats: iter %s, %s bytes sent, %s uncompressed (ratio %.2f), %s compressed calls "
+                  "(%s skipped), error norm %.6g", report_iter, stats["bytes_sent"], stats["bytes_uncompressed"],
+                  stats["compression_ratio"], stats["compressed_calls"], stats["skipped_calls"],
+                  stats["error_norm"])
+
+
+def onebit_hook(state: OneBitHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: 1-bit error-feedback compressed allreduce of every bucket.
+
+    Before ``state.start_iter`` the bucket is averaged at full precision (torch's
+    ``allreduce_hook``); from then on it is reduced with `lbcomm.compressed_allreduce` on a
+    background thread (in bucket order) and decoded in place into ``bucket.buffer()``; the
+    returned future completes then. The result, about the mean of the ranks' gradients, is
+    bitwise identical on every rank. See `OneBitHookState`.
+
+    Example::
+        >>> # xdoctest: +SKIP
+        >>> state = lbcomm.ddp.OneBitHookState(process_group=None, start_iter=100)
+        >>> ddp_model.register_comm_hook(state, lbcomm.ddp.onebit_hook)
+    """
+    if not isinstance(state, OneBitHookState):
+        raise TypeError(f"onebit_hook: the hook state must be a OneBitHookState, got {type(state).__name__}")
+    buf = bucket.buffer()
+    if buf.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"onebit_hook: buckets of {buf.dtype} cannot be compressed (float32, float16 or bfloat16); "
+                        "use torch's allreduce_hook for this model")
+    worker = state.bucket_worker()
+    if worker.world_size == 1:
+        state.maybe_increase_iter(bucket)
+        return completed_future(buf, buf.device)
+    if state.iter < state.start_iter:
+        state.planner.number(bucket)  # number the parameters in DDP's first iteration
+        nbytes = int(ring_allreduce_bytes(buf.numel() * buf.element_size(), worker.world_size))
+        state.total_bytes_sent += nbytes
+        state.total_bytes_uncompressed += nbytes
+        fut = allreduce_hook(state.process_group, bucket)
+        state.maybe_increase_iter(bucket)
+        return fut
+    plan = state.planner.plan(bucket, functools.partial(_new_compression, state))
+    fut = worker.submit(buf, functools.partial(_reduce_bucket, state, plan, state.stats_report_due(bucket)))
+    state.maybe_increase_iter(bucket)
+    return fut
