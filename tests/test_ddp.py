@@ -13,7 +13,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import lbcomm
 from dist_util import run_ranks
-from lbcomm.ddp import (OneBitHookState, onebit_hook, onebit_optimizer_bf16_hook, onebit_optimizer_fp16_hook,
+from lbcomm.ddp.claims import HOOK, claim_gradients
+from lbcomm.ddp import (DoubleCompressionError, OneBitHookState, onebit_hook, onebit_optimizer_bf16_hook, onebit_optimizer_fp16_hook,
                         onebit_optimizer_hook, onebit_optimizer_hook_for)
 
 P = 4
@@ -102,8 +103,14 @@ def _hook_training(rank, make_opt, steps, start_iter):
     _train(ddp, opt, rank, steps)
     logging.getLogger("lbcomm.ddp").removeHandler(records)
     pending = sum(1 for compressed, done in returned if compressed and not done)
+    try:  # what a 1-bit optimizer claims for the same parameters
+        claim_gradients(model.parameters(), lbcomm.OneBitAdam(model.parameters()), "OneBitAdam")
+        double = None
+    except DoubleCompressionError as exc:
+        double = str(exc)
     return {"before": before, "after": _eval_loss(model), "params": _flat(model), "stats": state.compression_stats(),
-            "buckets": len(state.bucket_units), "log": records.messages, "pending_at_return": pending}
+            "buckets": len(state.bucket_units), "log": records.messages, "pending_at_return": pending,
+            "double_compression": double}
 
 
 def _plain_training(rank, make_opt, steps):
@@ -254,6 +261,29 @@ def test_onebit_hook_stats(ranks):
     assert sum("OneBitHookState config" in m for m in log) == 1
     reports = [m for m in log if m.startswith("onebit_hook stats")]
     assert len(reports) == 6 and all("bytes sent" in m and "ratio" in m and "error norm" in m for m in reports), log
+
+
+def test_onebit_hook_claims_its_parameters(ranks):
+    # onebit_hook on a DDP model, then a 1-bit optimizer on the same parameters: refused
+    for r in range(P):
+        msg = ranks[r]["sgd"]["double_compression"]
+        assert msg is not None and "compressed twice" in msg and "onebit_optimizer_hook" in msg, msg
+
+
+def test_double_compression_is_refused_either_way():
+    params = [torch.zeros(3, requires_grad=True), torch.zeros(2, requires_grad=True)]
+    hook, opt, lamb = OneBitHookState(start_iter=2), lbcomm.OneBitAdam(params), lbcomm.OneBitLamb(params)
+    claim_gradients(params, opt, "OneBitAdam")
+    claim_gradients(params, lamb, "OneBitLamb")  # two optimizers, no hook: not this check's business
+    claim_gradients([torch.zeros(1, requires_grad=True)], hook, HOOK)  # other parameters
+    with pytest.raises(DoubleCompressionError, match="OneBitLamb compresses its momentum.*onebit_optimizer_hook"):
+        claim_gradients(params[1:], hook, HOOK)
+    fresh = [torch.zeros(4, requires_grad=True)]
+    claim_gradients(fresh, hook, HOOK)
+    with pytest.raises(DoubleCompressionError, match="already compressed by onebit_hook"):
+        claim_gradients(fresh, opt, "OneBitAdam")
+    del hook
+    claim_gradients(fresh, opt, "OneBitAdam")  # a collected hook state releases its parameters
 
 
 def test_onebit_hook_resume_is_bitwise_exact(ranks):

@@ -75,11 +75,14 @@ class BucketPlanner:
         self._saved: Dict[Key, Dict[str, Any]] = {}  # loaded entries not yet matched to a bucket
         self._numbers: Dict[int, int] = {}  # id(param) -> its number
 
-    def number(self, bucket: dist.GradBucket) -> Tuple[Key, List[Tensor]]:
-        """The key of the bucket's parameters, numbering those seen for the first time."""
+    def number(self, bucket: dist.GradBucket) -> Tuple[Key, List[Tensor], List[Tensor]]:
+        """The key of the bucket's parameters, its parameters, and those of them seen for
+        the first time (numbered now)."""
         params = bucket.parameters()
         num = self._numbers
-        return tuple(num.setdefault(id(p), len(num)) for p in params), params
+        seen = len(num)
+        key = tuple(num.setdefault(id(p), len(num)) for p in params)
+        return key, params, [p for k, p in zip(key, params) if k >= seen]
 
     def units(self) -> List[Unit]:
         return list(self._units.values())
@@ -88,11 +91,12 @@ class BucketPlanner:
         """Loaded units not matched to a bucket yet."""
         return len(self._saved)
 
-    def plan(self, bucket: dist.GradBucket, new_compression: Callable[[int, torch.device], CompressionState]) -> Plan:
+    def plan(self, bucket: dist.GradBucket, key: Key, params: List[Tensor],
+             new_compression: Callable[[int, torch.device], CompressionState]) -> Plan:
         """[(unit, None)] to reduce the whole bucket, or [(unit, slices), ...] to reduce it as
-        several saved units; `new_compression(numel, device)` makes the state of a new unit."""
+        several saved units; `key` and `params` are `number`'s, `new_compression(numel,
+        device)` makes the state of a new unit."""
         buf = bucket.buffer()
-        key, params = self.number(bucket)
         index = bucket.index()
         unit = self._units.get(key)
         if unit is None and key in self._saved:

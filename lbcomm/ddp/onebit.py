@@ -18,6 +18,7 @@ from ..comm import world_info
 from ..common import FLOAT_DTYPES, NONFINITE_POLICIES, completed_future, ring_allreduce_bytes
 from ..compressed import DEFAULT_BLOCK_SIZE, CompressionState, _check_block_size
 from .buckets import BucketPlanner, BucketWorker, Plan
+from .claims import HOOK, claim_gradients
 
 __all__ = ["OneBitHookState", "onebit_hook"]
 
@@ -318,19 +319,21 @@ def onebit_hook(state: OneBitHookState, bucket: dist.GradBucket) -> torch.future
     if buf.dtype not in FLOAT_DTYPES:
         raise TypeError(f"onebit_hook: buckets of {buf.dtype} cannot be compressed (float32, float16 or bfloat16); "
                         "use torch's allreduce_hook for this model")
+    key, params, fresh = state.planner.number(bucket)  # numbered in DDP's first iteration
+    if fresh:
+        claim_gradients(fresh, state, HOOK)  # a 1-bit optimizer on them would compress twice
     worker = state.bucket_worker()
     if worker.world_size == 1:
         state.maybe_increase_iter(bucket)
         return completed_future(buf, buf.device)
     if state.iter < state.start_iter:
-        state.planner.number(bucket)  # number the parameters in DDP's first iteration
         nbytes = int(ring_allreduce_bytes(buf.numel() * buf.element_size(), worker.world_size))
         state.total_bytes_sent += nbytes
         state.total_bytes_uncompressed += nbytes
         fut = allreduce_hook(state.process_group, bucket)
         state.maybe_increase_iter(bucket)
         return fut
-    plan = state.planner.plan(bucket, functools.partial(_new_compression, state))
+    plan = state.planner.plan(bucket, key, params, functools.partial(_new_compression, state))
     fut = worker.submit(buf, functools.partial(_reduce_bucket, state, plan, state.stats_report_due(bucket)))
     state.maybe_increase_iter(bucket)
     return fut

@@ -1,0 +1,46 @@
+"""One compressor per gradient (DESIGN.md §4, "Never silent").
+
+`onebit_hook` compresses the gradients of its DDP model; a 1-bit optimizer (OneBitAdam,
+OneBitLamb) compresses its momentum, which is formed from the same gradients. Stacked,
+the gradients would be compressed twice. Each of them claims the parameters it
+compresses with `claim_gradients`; a claim on a parameter that a live compressor of the
+other kind holds raises an error that names the fix. Claims are weak: a collected hook
+state or optimizer releases its parameters.
+"""
+import weakref
+from typing import Iterable
+
+from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
+
+__all__ = ["claim_gradients", "DoubleCompressionError", "HOOK"]
+
+HOOK = "onebit_hook"
+
+_claims = WeakIdKeyDictionary()  # parameter -> (kind, weakref to its compressor)
+
+
+class DoubleCompressionError(RuntimeError):
+    """Two lbcomm compressors (onebit_hook and a 1-bit optimizer) on the same gradients."""
+
+
+def claim_gradients(params: Iterable[Tensor], owner, kind: str) -> None:
+    """Record that `owner` compresses the communication of `params`: a `OneBitHookState`
+    (`kind` = ``HOOK``) or a 1-bit optimizer (`kind` = its class name).
+
+    Raises:
+        DoubleCompressionError: one of them is held by a live compressor such that one of
+            the two is onebit_hook and the other a 1-bit optimizer.
+    """
+    ref = weakref.ref(owner)
+    for p in params:
+        held = _claims.get(p)
+        if held is not None and (held[0] == HOOK) != (kind == HOOK) and held[1]() is not None:
+            optimizer = held[0] if kind == HOOK else kind
+            raise DoubleCompressionError(
+                f"{kind}: parameters of this model are already compressed by {held[0]}; onebit_hook compresses the "
+                f"gradients and {optimizer} compresses its momentum, so they would be compressed twice. With a 1-bit "
+                "optimizer register its own hook, ddp_model.register_comm_hook(optimizer, "
+                "lbcomm.ddp.onebit_optimizer_hook); use onebit_hook with an optimizer that does not compress (SGD, "
+                "AdamW, lbcomm.Lamb, ...).")
+        _claims[p] = (kind, ref)
