@@ -226,14 +226,9 @@ def cmd_model(args, info) -> int:
     print(grid_table(grid, args.predict_world_sizes, args.predict_bandwidths))
     doc = document("model", alpha_s=alphas, predict_alpha_s=alpha, payload_fraction=PAYLOAD_FRACTION, checks=checks,
                    grid=grid, measured=docs)
-
-    def plot(path):
-        from .plot import plot_model
-
-        plot_model(grid, [c for c in checks if c["method"] == "speedup" and c["elements"] == n], path,
-                   f"alpha-beta model, {n * 4 / 2**20:g} MiB fp32: onebit speedup over fp32")
-
-    emit(doc, args.json, args.plot, plot)
+    emit(doc, args.json, args.plot, "plot_model", grid,
+         [c for c in checks if c["method"] == "speedup" and c["elements"] == n],
+         title=f"alpha-beta model, {n * 4 / 2**20:g} MiB fp32: onebit speedup over fp32")
     return 0
 
 
@@ -261,7 +256,7 @@ def cmd_advise(args, info) -> int:
                   latency_s=args.latency, step_time_s=args.step_time, block_size=args.block_size,
                   powersgd_rank=args.powersgd_rank, width=args.width, bucket_bytes=args.bucket_size,
                   device=args.device)
-    emit(document("advise", inputs=inputs, verdict=res["verdict"], rows=res["rows"]), args.json, None, None)
+    emit(document("advise", inputs=inputs, verdict=res["verdict"], rows=res["rows"]), args.json)
     return 0
 
 

@@ -3,7 +3,7 @@ plot files they write (plots themselves: lbcomm/cli/plot.py)."""
 from __future__ import annotations
 
 import sys
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 from .schema import write_json
 from .units import parse_rate
@@ -12,14 +12,18 @@ __all__ = ["allreduce_header", "allreduce_table", "report_allreduce", "train_tab
            "grid_table", "advise_table", "emit"]
 
 
-def emit(doc: Dict, json_path: Optional[str], plot_path: Optional[str], plot: Callable[[str], None]) -> None:
-    """Flush the printed report, then write the JSON document and the plot if asked for."""
+def emit(doc: Dict, json_path: Optional[str], plot_path: Optional[str] = None, plot: str = "", *data,
+         title: str = "") -> None:
+    """Flush the printed report, then write the JSON document and, with `plot_path`, the plot
+    `lbcomm.cli.plot.<plot>(*data, plot_path, title)`."""
     sys.stdout.flush()
     if json_path:
         write_json(json_path, doc)
         print(f"# wrote {json_path}")
     if plot_path:
-        plot(plot_path)
+        from . import plot as plots
+
+        getattr(plots, plot)(*data, plot_path, title)
         print(f"# wrote {plot_path}")
 
 
@@ -69,14 +73,9 @@ def report_allreduce(doc: Dict, json_path: Optional[str] = None, plot_path: Opti
                 bits = r["busbw_GBps"] * 8e9
                 print(f"# fp32 at {r['bytes']} B: busbw {bits / 1e9:.3f} Gbit/s = {bits / parse_rate(link):.0%} of the "
                       f"{link} link")
-
-    def plot(path):
-        from .plot import plot_allreduce
-
-        plot_allreduce(doc["rows"], path, f"allreduce, {c['world_size']} ranks, {c['backend']}, "
-                                          f"{link + ' links' if link else 'loopback (no shaping)'}")
-
-    emit(doc, json_path, plot_path, plot)
+    emit(doc, json_path, plot_path, "plot_allreduce", doc["rows"],
+         title=f"allreduce, {c['world_size']} ranks, {c['backend']}, "
+               f"{link + ' links' if link else 'loopback (no shaping)'}")
 
 
 # ---------------------------------------------------------------------------- train
@@ -110,14 +109,9 @@ def report_train(doc: Dict, json_path: Optional[str] = None, plot_path: Optional
         print(f"# {run['bandwidth'] or 'loopback'}: fp32 allreduce of all {doc['params'] / 1e6:.2f}M gradients "
               f"alone {run['allreduce_s'] * 1e3:.0f} ms{frac}")
     print(train_table(doc["runs"]))
-
-    def plot(path):
-        from .plot import plot_train
-
-        plot_train(doc["runs"], path, f"training-step throughput, {c['world_size']} ranks, "
-                                      f"{doc['params'] / 1e6:.1f}M-parameter transformer LM")
-
-    emit(doc, json_path, plot_path, plot)
+    emit(doc, json_path, plot_path, "plot_train", doc["runs"],
+         title=f"training-step throughput, {c['world_size']} ranks, {doc['params'] / 1e6:.1f}M-parameter "
+               "transformer LM")
 
 
 # ---------------------------------------------------------------------------- model

@@ -40,8 +40,15 @@ def _number_unit(value, what: str, example: str, typical: str) -> tuple:
     return float(m.group(1)), m.group(2).lower()
 
 
-def _unknown_unit(what: str, value: str, unit: str, choices: str) -> ValueError:
-    return ValueError(f"Invalid {what}: {value!r}; unknown unit {unit!r}, expected one of {choices}")
+def _scaled(value, what: str, table: dict, example: str, choices: str, unit_hook=None) -> float:
+    """number * table[unit] of a string like "2.5gbit"; `unit_hook(number, unit)` may rewrite
+    or refuse the unit first."""
+    number, unit = _number_unit(value, what, example, f"expected a number and a unit, e.g. {example!r}")
+    if unit_hook is not None:
+        unit = unit_hook(value, number, unit)
+    if unit not in table:
+        raise ValueError(f"Invalid {what}: {value!r}; unknown unit {unit!r}, expected one of {choices}")
+    return number * table[unit]
 
 
 def parse_count(text: str) -> int:
@@ -66,13 +73,21 @@ def parse_count(text: str) -> int:
 
 def parse_params(text: str) -> int:
     """A parameter count: "125000000", "125M", "1.3B" (K, M, B = powers of 1000)."""
-    number, unit = _number_unit(text, "parameter count", "350M", "use a count like '350M' or '1.3B'")
-    if unit not in _PARAM_UNITS:
-        raise _unknown_unit("parameter count", text, unit, "K, M, B (powers of 1000), e.g. '350M'")
-    value = round(number * _PARAM_UNITS[unit])
+    value = round(_scaled(text, "parameter count", _PARAM_UNITS, "350M", "K, M, B (powers of 1000), e.g. '350M'"))
     if value < 1:
         raise ValueError(f"Invalid parameter count: {text!r}; must be at least 1")
     return value
+
+
+def _rate_unit(rate, number: float, unit: str) -> str:
+    unit = unit.removesuffix("/s")
+    if unit.endswith("bps"):
+        raise ValueError(
+            f"Invalid bandwidth: {rate!r} is ambiguous: tc reads 'bps' as bytes per second "
+            f"({rate!r} = {number * 8:g} {unit[:-3]}bit) while it usually means bits per second; "
+            f"write it in bits, e.g. '{number:g}{unit[:-3]}bit'"
+        )
+    return unit
 
 
 def parse_rate(rate) -> int:
@@ -86,17 +101,8 @@ def parse_rate(rate) -> int:
     if isinstance(rate, int) and not isinstance(rate, bool):
         bits = rate
     else:
-        number, unit = _number_unit(rate, "bandwidth", "1gbit", "expected a number and a unit, e.g. '1gbit'")
-        unit = unit.removesuffix("/s")
-        if unit.endswith("bps"):
-            raise ValueError(
-                f"Invalid bandwidth: {rate!r} is ambiguous: tc reads 'bps' as bytes per second "
-                f"({rate!r} = {number * 8:g} {unit[:-3]}bit) while it usually means bits per second; "
-                f"write it in bits, e.g. '{number:g}{unit[:-3]}bit'"
-            )
-        if unit not in _RATE_UNITS:
-            raise _unknown_unit("bandwidth", rate, unit, f"{', '.join(_RATE_UNITS)} (e.g. '1gbit', '100mbit')")
-        bits = round(number * _RATE_UNITS[unit])
+        bits = round(_scaled(rate, "bandwidth", _RATE_UNITS, "1gbit",
+                             f"{', '.join(_RATE_UNITS)} (e.g. '1gbit', '100mbit')", _rate_unit))
     if bits < 8:
         raise ValueError(f"Invalid bandwidth: {rate!r}; must be at least 8 bit/s")
     return bits
@@ -107,10 +113,8 @@ def parse_size(size) -> int:
     if isinstance(size, int) and not isinstance(size, bool):
         nbytes = size
     else:
-        number, unit = _number_unit(size, "size", "256kb", "expected a number and a unit, e.g. '256kb'")
-        if unit not in _SIZE_UNITS:
-            raise _unknown_unit("size", size, unit, "b, kb, mb, gb (powers of 1024, as in tc), e.g. '256kb'")
-        nbytes = round(number * _SIZE_UNITS[unit])
+        nbytes = round(_scaled(size, "size", _SIZE_UNITS, "256kb",
+                               "b, kb, mb, gb (powers of 1024, as in tc), e.g. '256kb'"))
     if nbytes < 1:
         raise ValueError(f"Invalid size: {size!r}; must be positive")
     return nbytes
@@ -124,10 +128,7 @@ def parse_time(duration) -> int:
     if isinstance(duration, (int, float)) and not isinstance(duration, bool):
         usec = round(duration * 10**6)
     else:
-        number, unit = _number_unit(duration, "time", "50ms", "expected a number and a unit, e.g. '50ms'")
-        if unit not in _TIME_UNITS:
-            raise _unknown_unit("time", duration, unit, "us, ms, s, e.g. '50ms'")
-        usec = round(number * _TIME_UNITS[unit])
+        usec = round(_scaled(duration, "time", _TIME_UNITS, "50ms", "us, ms, s, e.g. '50ms'"))
     if usec < 1:
         raise ValueError(f"Invalid time: {duration!r}; must be at least 1us")
     return usec
