@@ -20,7 +20,7 @@ import torch
 
 import lbcomm
 from lbcomm import ops
-from lbcomm.bench.cli import parse_count
+from lbcomm.cli.units import parse_count
 from lbcomm.reference import chunk_size, num_blocks
 
 

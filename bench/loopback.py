@@ -1,6 +1,6 @@
 """Compressed allreduce vs gloo fp32/fp16 allreduce on local ranks over loopback (no shaping).
 
-A thin wrapper of ``lbcomm-bench allreduce`` (lbcomm/bench/cli.py), kept for the issue 2
+A thin wrapper of ``lbcomm-bench allreduce`` (the installed CLI, lbcomm/cli/), kept for the issue 2
 target (onebit not slower than fp32 at 8M fp32 elements, 4 ranks)::
 
     python bench/loopback.py                      # = lbcomm-bench allreduce --world-size 4 --sizes 8M
@@ -10,7 +10,7 @@ Any ``lbcomm-bench allreduce`` option may be given; the defaults here are 4 rank
 """
 import sys
 
-from lbcomm.bench.cli import main
+from lbcomm.cli.commands import main
 
 if __name__ == "__main__":
     argv = sys.argv[1:]

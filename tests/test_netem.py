@@ -1,10 +1,10 @@
-"""Tests for the emulated low-bandwidth cluster (lbcomm/bench/netem.py, DESIGN.md §5).
+"""Tests for the emulated low-bandwidth cluster (lbcomm/cli/netem.py with netns.py, procs.py
+and units.py; DESIGN.md §5).
 
 Parsing and error-message tests run anywhere; the rest need root and iproute2 and are
 skipped with the reason otherwise.
 """
 
-import importlib.util
 import json
 import os
 import signal
@@ -15,16 +15,8 @@ from pathlib import Path
 
 import pytest
 
-try:
-    from lbcomm.bench import netem
-except ImportError:  # netem.py is stdlib-only; test it even while the package does not import
-    _path = Path(__file__).resolve().parents[1] / "lbcomm" / "bench" / "netem.py"
-    _spec = importlib.util.spec_from_file_location("lbcomm_bench_netem", _path)
-    netem = importlib.util.module_from_spec(_spec)
-    sys.modules[_spec.name] = netem
-    _spec.loader.exec_module(netem)
+from lbcomm.cli import netem, netns, procs
 
-NETEM_PATH = str(Path(netem.__file__).resolve())
 PREFIX = "lbctest"  # only ever touch namespaces that these tests create
 
 _ok, _why = netem.available()
@@ -124,9 +116,9 @@ def test_names_addresses_and_env():
 
 
 def test_require_names_root_and_sudo(monkeypatch):
-    monkeypatch.setattr(netem.sys, "platform", "linux")
-    monkeypatch.setattr(netem.shutil, "which", lambda tool: f"/usr/sbin/{tool}")
-    monkeypatch.setattr(netem.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(netns.sys, "platform", "linux")
+    monkeypatch.setattr(netns.shutil, "which", lambda tool: f"/usr/sbin/{tool}")
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
     with pytest.raises(RuntimeError, match=r"root.*sudo"):
         netem.require()
     with pytest.raises(RuntimeError, match="root"):
@@ -134,9 +126,9 @@ def test_require_names_root_and_sudo(monkeypatch):
 
 
 def test_require_names_iproute2(monkeypatch):
-    monkeypatch.setattr(netem.sys, "platform", "linux")
-    monkeypatch.setattr(netem.shutil, "which", lambda tool: None if tool == "tc" else f"/usr/sbin/{tool}")
-    monkeypatch.setattr(netem.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(netns.sys, "platform", "linux")
+    monkeypatch.setattr(netns.shutil, "which", lambda tool: None if tool == "tc" else f"/usr/sbin/{tool}")
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 0)
     with pytest.raises(RuntimeError, match=r"tc not found.*apt-get install iproute2"):
         netem.require()
 
@@ -257,15 +249,14 @@ def test_launch_reports_failed_rank_and_kills_the_rest():
         assert time.perf_counter() - t0 < 10
         with pytest.raises(RuntimeError, match="timed out"):
             c.launch([[sys.executable, "-c", "import time; time.sleep(60)"]] * 2, timeout=0.5)
-        assert netem._netns_pids(c.netns(1)) == []
+        assert netns.netns_pids(c.netns(1)) == []
     assert _wait_gone(c.run_id) == []
 
 
 _HOLDER = r"""
-import importlib.util, subprocess, sys, time
-spec = importlib.util.spec_from_file_location("netem", sys.argv[1])
-netem = importlib.util.module_from_spec(spec); sys.modules["netem"] = netem; spec.loader.exec_module(netem)
-with netem.EmulatedCluster(2, "1gbit", prefix=sys.argv[2]) as c:
+import sys, time
+from lbcomm.cli import netem
+with netem.EmulatedCluster(2, "1gbit", prefix=sys.argv[1]) as c:
     p = c.popen(0, [sys.executable, "-c", "import time; time.sleep(60)"])
     print(c.run_id, p.pid, flush=True)
     time.sleep(60)
@@ -273,8 +264,10 @@ with netem.EmulatedCluster(2, "1gbit", prefix=sys.argv[2]) as c:
 
 
 def _start_holder():
-    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, NETEM_PATH, PREFIX],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    root = str(Path(__file__).resolve().parents[1])  # this checkout's lbcomm
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, PREFIX],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     line = holder.stdout.readline().split()
     if not line:
         holder.kill()
@@ -294,7 +287,7 @@ def test_teardown_on_signal(sig, code):
     finally:
         holder.kill()
     assert _wait_gone(run_id) == []
-    assert not netem._pid_alive(rank_pid) or _is_zombie(rank_pid)
+    assert not procs.pid_alive(rank_pid) or _is_zombie(rank_pid)
 
 
 def _is_zombie(pid):
@@ -312,9 +305,9 @@ def test_cleanup_stale_after_sigkill():
     assert len(_netns_with(run_id)) == 3
     # The rank dies with its launcher (PR_SET_PDEATHSIG), so nothing is left in the namespace.
     deadline = time.monotonic() + 5
-    while not (not netem._pid_alive(rank_pid) or _is_zombie(rank_pid)) and time.monotonic() < deadline:
+    while not (not procs.pid_alive(rank_pid) or _is_zombie(rank_pid)) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not netem._pid_alive(rank_pid) or _is_zombie(rank_pid)
+    assert not procs.pid_alive(rank_pid) or _is_zombie(rank_pid)
     # Our own live run is not stale; the dead holder's is.
     with netem.EmulatedCluster(1, prefix=PREFIX) as live:
         removed = netem.cleanup_stale(PREFIX)

@@ -1,7 +1,7 @@
-"""``python -m lbcomm.bench`` and the ``lbcomm-bench`` console script; see lbcomm/bench/cli.py."""
+"""``python -m lbcomm.bench``: deprecated, runs ``python -m lbcomm.cli``."""
 import sys
 
-from .cli import main
+from ..cli.commands import main
 
 if __name__ == "__main__":
     sys.exit(main())

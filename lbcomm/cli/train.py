@@ -36,10 +36,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["METHODS", "TinyLM", "MODEL_PRESETS", "run_rank", "describe_model"]
+__all__ = ["METHODS", "TinyLM", "MODEL_PRESETS", "MIN_WARMUP_STEPS", "run_rank", "describe_model"]
 
 METHODS = ("none", "ddp", "fp16", "powersgd", "onebit_hook", "onebit_adam")
 COMPRESSION_START = 2  # PowerSGD's start_powerSGD_iter and onebit_hook's start_iter (DDP needs > 1)
+# Untimed steps so that every method is in its compressed stage when timing starts.
+MIN_WARMUP_STEPS = COMPRESSION_START + 2
 
 # name -> (vocab, d_model, layers, heads, seq_len, batch per rank). "small" (13.8M parameters,
 # 32 tokens per rank and step) is the communication-bound regime of the published clusters
@@ -153,17 +155,17 @@ def _tx_bytes(ifname: Optional[str]) -> Optional[int]:
     return None
 
 
-def run_rank(params: Dict, comm, device: torch.device, progress_factory: Callable = None) -> Dict:
+def run_rank(params: Dict, transport, device: torch.device, progress_factory: Callable = None) -> Dict:
     """Time every method on this rank; returns the rows (slowest rank's step times) on all ranks."""
-    from .allreduce import _quantiles, measure
+    from .allreduce import measure, quantiles
 
     cfg = dict(params["model"])
     methods: Sequence[str] = params["methods"]
     steps, rounds, warmup = params["steps"], params["rounds"], params["warmup_steps"]
-    if warmup < COMPRESSION_START + 2:
-        raise ValueError(f"--warmup-steps must be >= {COMPRESSION_START + 2} so that every method is in its "
+    if warmup < MIN_WARMUP_STEPS:
+        raise ValueError(f"--warmup-steps must be >= {MIN_WARMUP_STEPS} so that every method is in its "
                          "compressed stage when timing starts")
-    p, rank = comm.world_size, comm.rank
+    p, rank = transport.world_size, transport.rank
     gen = torch.Generator().manual_seed(1000 + rank)
     batches = [torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq_len"] + 1), generator=gen).to(device)
                for _ in range(8)]
@@ -190,7 +192,7 @@ def run_rank(params: Dict, comm, device: torch.device, progress_factory: Callabl
             for _ in range(steps):
                 tokens = batches[k % len(batches)]
                 k += 1
-                comm.barrier()
+                transport.barrier()
                 tx0 = _tx_bytes(ifname)
                 t0 = time.perf_counter()
                 losses[m] = setups[m].step(tokens)
@@ -207,7 +209,7 @@ def run_rank(params: Dict, comm, device: torch.device, progress_factory: Callabl
 
     # The regime: the fp32 allreduce of all gradients alone, in the same cluster.
     ar = measure([nparams], ["fp32"], iters=params.get("allreduce_iters", 3), warmup=1, device=str(device),
-                 comm=comm)[0]
+                 transport=transport)[0]
     progress()
     if hasattr(progress, "close"):
         progress.close()
@@ -215,10 +217,10 @@ def run_rank(params: Dict, comm, device: torch.device, progress_factory: Callabl
     rows = []
     for m in methods:
         t = torch.tensor(times[m], dtype=torch.float64)
-        comm.max_(t)
-        med, p10, p90 = _quantiles(t.tolist())
+        transport.all_reduce(t, op="max")
+        med, p10, p90 = quantiles(t.tolist())
         nb = torch.tensor([float(sent[m])], dtype=torch.float64)
-        comm.max_(nb)
+        transport.all_reduce(nb, op="max")
         rows.append(dict(method=m, median_s=med, p10_s=p10, p90_s=p90,
                          samples_per_s=p * cfg["batch"] / med,
                          tokens_per_s=p * cfg["batch"] * cfg["seq_len"] / med,

@@ -17,7 +17,9 @@ down when the ``with`` block exits, also on exceptions, Ctrl-C and SIGTERM; name
 pid so concurrent runs don't collide, and :func:`cleanup_stale` removes what a killed run
 (SIGKILL, power loss) left behind.
 
-This module imports only the standard library, so it can be used (and tested) on its own.
+Standard library only. The host-side pieces live beside it: `lbcomm.cli.netns` (the ip/tc
+runner, `probe`/`require`, `cleanup_stale`), `lbcomm.cli.procs` (supervision of the ranks)
+and `lbcomm.cli.units` (rates, sizes, times); this module re-exports their public names.
 
 Example::
 
@@ -30,14 +32,10 @@ Example::
 from __future__ import annotations
 
 import atexit
-import ctypes
-import functools
 import ipaddress
 import logging
 import os
-import re
 import secrets
-import shutil
 import signal
 import subprocess
 import sys
@@ -46,8 +44,14 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 
+from .netns import (DEFAULT_PREFIX, PREFIX_RE, NetemError, available, cleanup_stale, list_netns, netns_pids, probe,
+                    require, run)
+from .procs import die_with_parent, failure_report, kill_sessions, wait_all
+from .units import format_rate, parse_rate, parse_size, parse_time
+
 __all__ = [
     "EmulatedCluster",
+    "NetemError",
     "available",
     "cleanup_stale",
     "parse_rate",
@@ -59,316 +63,20 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_PREFIX = "lbcomm"
 # Lives only inside the namespaces a run creates (each has its own routing table), so it
 # cannot clash with the host's networks.
 DEFAULT_SUBNET = "10.213.0.0/24"
 DEFAULT_MASTER_PORT = 29500
 
 _BRIDGE = "br0"
-_PREFIX_RE = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,23}")
 _IFACE_MAX = 15  # IFNAMSIZ - 1
-
-# tc's own units (tc(8) "PARAMETERS"). Rates in bits per second, SI and IEC prefixes.
-_RATE_UNITS = {
-    "bit": 1,
-    "kbit": 10**3,
-    "mbit": 10**6,
-    "gbit": 10**9,
-    "tbit": 10**12,
-    "kibit": 2**10,
-    "mibit": 2**20,
-    "gibit": 2**30,
-    "tibit": 2**40,
-}
-# Sizes in bytes; tc reads k/kb/m/mb/g/gb as powers of 1024.
-_SIZE_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 2**10,
-    "kb": 2**10,
-    "m": 2**20,
-    "mb": 2**20,
-    "g": 2**30,
-    "gb": 2**30,
-    "kbit": 2**10 / 8,
-    "mbit": 2**20 / 8,
-    "gbit": 2**30 / 8,
-}
-# Times in microseconds.
-_TIME_UNITS = {"us": 1, "usec": 1, "ms": 10**3, "msec": 10**3, "s": 10**6, "sec": 10**6}
-_NUMBER_UNIT_RE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z/]*)\s*")
-
 # Smallest burst that lets a full 1500-byte frame (+ Ethernet header) through the bucket.
-_MIN_BURST = 1514
-
-
-# --------------------------------------------------------------------------- parsing
-
-
-def _split(value: str, what: str, example: str) -> tuple[float, str]:
-    if not isinstance(value, str):
-        raise TypeError(f"Invalid {what}: expected a string like {example!r}, got {value!r}")
-    m = _NUMBER_UNIT_RE.fullmatch(value)
-    if m is None:
-        raise ValueError(f"Invalid {what}: {value!r}; expected a number and a unit, e.g. {example!r}")
-    return float(m.group(1)), m.group(2).lower()
-
-
-def parse_rate(rate: str | int) -> int:
-    """Parse a tc-style rate such as ``"1gbit"``, ``"100mbit"`` or ``"2.5gbit"``.
-
-    Returns bits per second. Units: bit, kbit, mbit, gbit, tbit (powers of 1000) and kibit,
-    mibit, gibit, tibit (powers of 1024); a trailing ``/s`` is accepted; an int is bits/s.
-    Byte rates (``"mbps"``) are rejected on purpose: tc reads ``500mbps`` as 500 mega*bytes*
-    per second (4 Gbit/s) while most people mean megabits.
-    """
-    if isinstance(rate, bool):
-        raise TypeError(f"Invalid bandwidth: {rate!r}")
-    if isinstance(rate, int):
-        bits = rate
-    else:
-        number, unit = _split(rate, "bandwidth", "1gbit")
-        unit = unit.removesuffix("/s")
-        if unit.endswith("bps"):
-            raise ValueError(
-                f"Invalid bandwidth: {rate!r} is ambiguous: tc reads 'bps' as bytes per second "
-                f"({rate!r} = {number * 8:g} {unit[:-3]}bit) while it usually means bits per second; "
-                f"write it in bits, e.g. '{number:g}{unit[:-3]}bit'"
-            )
-        if unit not in _RATE_UNITS:
-            raise ValueError(
-                f"Invalid bandwidth: {rate!r}; unknown unit {unit!r}, expected one of "
-                f"{', '.join(_RATE_UNITS)} (e.g. '1gbit', '100mbit')"
-            )
-        bits = round(number * _RATE_UNITS[unit])
-    if bits < 8:
-        raise ValueError(f"Invalid bandwidth: {rate!r}; must be at least 8 bit/s")
-    return bits
-
-
-def parse_size(size: str | int) -> int:
-    """Parse a tc-style size such as ``"256kb"`` (kb = 1024 bytes, as in tc). Returns bytes."""
-    if isinstance(size, bool):
-        raise TypeError(f"Invalid size: {size!r}")
-    if isinstance(size, int):
-        nbytes = size
-    else:
-        number, unit = _split(size, "size", "256kb")
-        if unit not in _SIZE_UNITS:
-            raise ValueError(
-                f"Invalid size: {size!r}; unknown unit {unit!r}, expected one of "
-                f"b, kb, mb, gb (powers of 1024, as in tc), e.g. '256kb'"
-            )
-        nbytes = round(number * _SIZE_UNITS[unit])
-    if nbytes < 1:
-        raise ValueError(f"Invalid size: {size!r}; must be positive")
-    return nbytes
-
-
-def parse_time(duration: str | float) -> int:
-    """Parse a tc-style time such as ``"50ms"``, ``"1s"`` or ``"500us"``; a number is seconds.
-
-    Returns microseconds.
-    """
-    if isinstance(duration, bool):
-        raise TypeError(f"Invalid time: {duration!r}")
-    if isinstance(duration, (int, float)):
-        usec = round(duration * 10**6)
-    else:
-        number, unit = _split(duration, "time", "50ms")
-        if unit not in _TIME_UNITS:
-            raise ValueError(
-                f"Invalid time: {duration!r}; unknown unit {unit!r}, expected one of "
-                f"us, ms, s, e.g. '50ms'"
-            )
-        usec = round(number * _TIME_UNITS[unit])
-    if usec < 1:
-        raise ValueError(f"Invalid time: {duration!r}; must be at least 1us")
-    return usec
-
-
-def _format_rate(bits: int) -> str:
-    for unit, scale in (("gbit", 10**9), ("mbit", 10**6), ("kbit", 10**3)):
-        if bits >= scale and bits % scale == 0:
-            return f"{bits // scale}{unit}"
-    return f"{bits}bit"
-
-
-# --------------------------------------------------------------------------- commands
-
-
-class NetemError(RuntimeError):
-    """An ``ip``/``tc`` command failed; the message holds the command and its stderr."""
-
-
-def _run(args: Sequence[str], *, check: bool = True) -> subprocess.CompletedProcess:
-    logger.debug("netem: %s", " ".join(args))
-    try:
-        return subprocess.run(list(args), check=check, capture_output=True, text=True)
-    except subprocess.CalledProcessError as exc:
-        stderr = (exc.stderr or "").strip() or "(no stderr)"
-        raise NetemError(f"`{' '.join(args)}` failed with exit code {exc.returncode}: {stderr}") from None
-
-
-def _list_netns() -> list[str]:
-    """Names of all named network namespaces (``ip netns list``)."""
-    out = _run(["ip", "netns", "list"]).stdout
-    # Lines look like "name (id: 3)" or just "name".
-    return [line.split()[0] for line in out.splitlines() if line.strip()]
-
-
-def _netns_pids(ns: str) -> list[int]:
-    res = _run(["ip", "netns", "pids", ns], check=False)
-    return [int(p) for p in res.stdout.split() if p.isdigit()]
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _missing_requirements() -> str | None:
-    """Why the testbed cannot run here (cheap checks only), or None."""
-    if not sys.platform.startswith("linux"):
-        return f"network namespaces need Linux, this is {sys.platform}"
-    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
-    if missing:
-        return (
-            f"{' and '.join(missing)} not found on PATH; install iproute2 "
-            f"(`apt-get install iproute2`, or `dnf install iproute-tc`)"
-        )
-    if os.geteuid() != 0:
-        return (
-            "creating network namespaces needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN); "
-            "run as root, e.g. `sudo -E env PATH=$PATH python ...`"
-        )
-    return None
-
-
-@functools.lru_cache(maxsize=1)
-def probe() -> tuple[bool, str]:
-    """Try the real thing once: a namespace with a veth pair shaped by tbf, then remove it.
-
-    Returns ``(ok, reason)``; cached for the life of the process. Catches what the cheap
-    checks of :func:`available` cannot: a container without CAP_SYS_ADMIN, a kernel without
-    veth or sch_tbf.
-    """
-    reason = _missing_requirements()
-    if reason is not None:
-        return False, reason
-    # Named like a run's namespace so that cleanup_stale() finds it if we are killed here.
-    ns = f"{DEFAULT_PREFIX}-{os.getpid()}-{secrets.token_hex(3)}-br"
-    try:
-        _run(["ip", "netns", "add", ns])
-    except NetemError as exc:
-        return False, (
-            f"cannot create a network namespace ({exc}); in a container run it with "
-            f"--privileged (or --cap-add NET_ADMIN --cap-add SYS_ADMIN)"
-        )
-    try:
-        _run(["ip", "-n", ns, "link", "add", "p0", "type", "veth", "peer", "name", "p1"])
-    except NetemError as exc:
-        return False, f"cannot create a veth pair ({exc}); the kernel needs CONFIG_VETH (`modprobe veth`)"
-    else:
-        try:
-            _run(["tc", "-n", ns, "qdisc", "add", "dev", "p0", "root", "tbf",
-                  "rate", "1gbit", "burst", "256kb", "latency", "50ms"])
-        except NetemError as exc:
-            return False, f"cannot add a tbf qdisc ({exc}); the kernel needs sch_tbf (`modprobe sch_tbf`)"
-        return True, "network namespaces, veth and tbf work"
-    finally:
-        _run(["ip", "netns", "del", ns], check=False)
-
-
-def available() -> tuple[bool, str]:
-    """``(True, reason)`` if :class:`EmulatedCluster` can run here, else ``(False, why + fix)``.
-
-    Meant for tests: ``ok, why = available(); pytest.skip(why) if not ok``.
-    """
-    return probe()
-
-
-def require() -> None:
-    """Raise a RuntimeError that names the problem and the fix unless the testbed can run."""
-    reason = _missing_requirements()
-    if reason is None:
-        ok, reason = probe()
-        if ok:
-            return
-    raise RuntimeError(f"lbcomm emulated cluster unavailable: {reason}")
-
-
-# --------------------------------------------------------------------------- stale cleanup
-
-
-def _stale_re(prefix: str) -> re.Pattern:
-    return re.compile(rf"{re.escape(prefix)}-(\d+)-[0-9a-f]+-(?:br|r\d+)")
-
-
-def cleanup_stale(prefix: str = DEFAULT_PREFIX, *, force: bool = False) -> list[str]:
-    """Delete namespaces left behind by crashed runs that used ``prefix``.
-
-    A namespace belongs to a crashed run when the pid in its name is no longer alive; with
-    ``force=True`` all namespaces with the prefix are removed, also those of live runs.
-    Processes still inside a removed namespace are not killed (their pids are logged); the
-    namespace disappears once they exit. Returns the names removed.
-    """
-    if not _PREFIX_RE.fullmatch(prefix):
-        raise ValueError(f"Invalid prefix: {prefix!r}")
-    pattern = _stale_re(prefix)
-    removed = []
-    for ns in _list_netns():
-        m = pattern.fullmatch(ns)
-        if m is None:
-            continue
-        pid = int(m.group(1))
-        if not force and (pid == os.getpid() or _pid_alive(pid)):
-            continue
-        pids = _netns_pids(ns)
-        if pids:
-            logger.warning("netem: stale namespace %s still has processes %s; not killing them", ns, pids)
-        _run(["ip", "netns", "del", ns])
-        removed.append(ns)
-    if removed:
-        logger.info("netem: removed %d stale namespaces: %s", len(removed), ", ".join(removed))
-    return removed
-
-
-# --------------------------------------------------------------------------- the cluster
-
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """preexec_fn: SIGKILL the rank if the launcher dies (even by SIGKILL). Linux only."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
+MIN_BURST = 1514
 
 
 def _raise_on_sigterm(signum, frame):
     # Turns SIGTERM into an exception so that ``with`` blocks unwind and tear down.
     raise SystemExit(128 + signum)
-
-
-def kill_sessions(procs) -> None:
-    """SIGKILL each still-running Popen started in its own session, with its children."""
-    for p in procs:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)  # its own session: pgid == pid
-            except (ProcessLookupError, PermissionError):
-                p.kill()
-            p.wait()
 
 
 class EmulatedCluster:
@@ -412,7 +120,7 @@ class EmulatedCluster:
     ) -> None:
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"Invalid world_size: {world_size!r}; must be a positive int")
-        if not isinstance(prefix, str) or not _PREFIX_RE.fullmatch(prefix):
+        if not isinstance(prefix, str) or not PREFIX_RE.fullmatch(prefix):
             raise ValueError(
                 f"Invalid prefix: {prefix!r}; use 1-24 letters, digits or '_' starting with a letter "
                 f"(no '-': it separates the pid in namespace names, see cleanup_stale)"
@@ -422,9 +130,9 @@ class EmulatedCluster:
         self.rate_bits = parse_rate(bandwidth)
         self.latency_us = parse_time(latency)
         self.burst_bytes = parse_size(burst)
-        if self.burst_bytes < _MIN_BURST:
+        if self.burst_bytes < MIN_BURST:
             raise ValueError(
-                f"Invalid burst: {burst!r} = {self.burst_bytes} bytes; must be >= {_MIN_BURST} "
+                f"Invalid burst: {burst!r} = {self.burst_bytes} bytes; must be >= {MIN_BURST} "
                 f"bytes so that one full Ethernet frame fits in the bucket"
             )
         try:
@@ -443,7 +151,7 @@ class EmulatedCluster:
             raise ValueError(f"Invalid world_size: {world_size} is too large for interface names")
 
         self.world_size = world_size
-        self.bandwidth = _format_rate(self.rate_bits)
+        self.bandwidth = format_rate(self.rate_bits)
         self.subnet = net
         self.prefix = prefix
         self.master_port = master_port
@@ -540,35 +248,35 @@ class EmulatedCluster:
         return self
 
     def _add_netns(self, ns: str) -> None:
-        if ns in _list_netns():
+        if ns in list_netns():
             raise RuntimeError(f"network namespace {ns} already exists; remove it with `ip netns del {ns}`")
-        _run(["ip", "netns", "add", ns])
+        run(["ip", "netns", "add", ns])
         self._created.append(ns)
-        _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+        run(["ip", "-n", ns, "link", "set", "lo", "up"])
 
     def _tbf(self, ns: str, dev: str) -> None:
-        _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf",
+        run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf",
               "rate", f"{self.rate_bits}bit", "burst", str(self.burst_bytes),
               "latency", f"{self.latency_us}us"])
 
     def _setup(self) -> None:
         br = self.bridge_netns
         self._add_netns(br)
-        _run(["ip", "-n", br, "link", "add", _BRIDGE, "type", "bridge"])
-        _run(["ip", "-n", br, "link", "set", _BRIDGE, "up"])
+        run(["ip", "-n", br, "link", "add", _BRIDGE, "type", "bridge"])
+        run(["ip", "-n", br, "link", "set", _BRIDGE, "up"])
         prefixlen = self.subnet.prefixlen
         for rank in range(self.world_size):
             ns, dev, port = self.netns(rank), self.ifname(rank), f"port{rank}"
             self._add_netns(ns)
             # Created inside the bridge's namespace with the peer placed straight into the
             # rank's: no interface ever appears in the host's namespace.
-            _run(["ip", "-n", br, "link", "add", port, "type", "veth", "peer", "name", dev, "netns", ns])
-            _run(["ip", "-n", br, "link", "set", port, "master", _BRIDGE])
-            _run(["ip", "-n", ns, "addr", "add", f"{self.addr(rank)}/{prefixlen}", "dev", dev])
+            run(["ip", "-n", br, "link", "add", port, "type", "veth", "peer", "name", dev, "netns", ns])
+            run(["ip", "-n", br, "link", "set", port, "master", _BRIDGE])
+            run(["ip", "-n", ns, "addr", "add", f"{self.addr(rank)}/{prefixlen}", "dev", dev])
             self._tbf(ns, dev)  # rank -> switch
             self._tbf(br, port)  # switch -> rank
-            _run(["ip", "-n", br, "link", "set", port, "up"])
-            _run(["ip", "-n", ns, "link", "set", dev, "up"])
+            run(["ip", "-n", br, "link", "set", port, "up"])
+            run(["ip", "-n", ns, "link", "set", dev, "up"])
 
     def close(self) -> None:
         """Kill processes left in the namespaces and delete them. Idempotent."""
@@ -589,14 +297,14 @@ class EmulatedCluster:
             # Also names that exist but were not recorded (a signal between `ip netns add`
             # returning and the bookkeeping); ranks first, the bridge last.
             try:
-                listed = [ns for ns in _list_netns() if ns.startswith(f"{self.run_id}-")]
+                listed = [ns for ns in list_netns() if ns.startswith(f"{self.run_id}-")]
             except NetemError as exc:
                 errors.append(str(exc))
                 listed = []
             names = list(dict.fromkeys(list(reversed(self._created)) + listed))
             names.sort(key=lambda ns: ns == self.bridge_netns)
             for ns in names:
-                pids = _netns_pids(ns)
+                pids = netns_pids(ns)
                 if pids:
                     logger.warning("netem: killing processes still in %s: %s", ns, pids)
                     for pid in pids:
@@ -605,7 +313,7 @@ class EmulatedCluster:
                         except ProcessLookupError:
                             pass
                 try:
-                    _run(["ip", "netns", "del", ns])
+                    run(["ip", "netns", "del", ns])
                 except NetemError as exc:
                     errors.append(str(exc))
             self._created.clear()
@@ -616,7 +324,7 @@ class EmulatedCluster:
         if errors:
             msg = (
                 f"netem: teardown of {self.run_id} incomplete ({'; '.join(errors)}); once this "
-                f"process has exited, run lbcomm.bench.netem.cleanup_stale({self.prefix!r})"
+                f"process has exited, run lbcomm.cli.netem.cleanup_stale({self.prefix!r})"
             )
             if not raise_errors:
                 logger.error("%s", msg)
@@ -655,7 +363,7 @@ class EmulatedCluster:
             full_env.update(env)
         kwargs.setdefault("start_new_session", True)
         if sys.platform.startswith("linux"):
-            kwargs.setdefault("preexec_fn", _die_with_parent)
+            kwargs.setdefault("preexec_fn", die_with_parent)
         proc = subprocess.Popen(self.cmd_prefix(rank) + list(argv), env=full_env, **kwargs)
         self._procs.append(proc)
         return proc
@@ -677,43 +385,28 @@ class EmulatedCluster:
         if len(argvs) != self.world_size:
             raise ValueError(f"launch: got {len(argvs)} commands for world_size {self.world_size}")
         procs: list[tuple[subprocess.Popen, object, object]] = []
-        deadline = None if timeout is None else time.monotonic() + timeout
         try:
             for rank, a in enumerate(argvs):
                 out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
                 procs.append((self.popen(rank, a, env=env, stdout=out, stderr=err, text=True), out, err))
-            while True:
-                codes = [p.poll() for p, _, _ in procs]
-                failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
-                if failed or all(c == 0 for c in codes):
-                    break
-                if deadline is not None and time.monotonic() > deadline:
-                    break
-                time.sleep(0.02)
-            self._kill(p for p, _, _ in procs)
+            waited = wait_all([p for p, _, _ in procs], timeout)
+            kill_sessions(p for p, _, _ in procs)
             results = []
-            for rank, (p, out, err) in enumerate(procs):
+            for p, out, err in procs:
                 out.seek(0)
                 err.seek(0)
                 results.append(subprocess.CompletedProcess(p.args, p.returncode, out.read(), err.read()))
         finally:
-            self._kill(p for p, _, _ in procs)
+            kill_sessions(p for p, _, _ in procs)
             for _, out, err in procs:
                 out.close()
                 err.close()
-        if failed or not all(c == 0 for c in codes):
-            what = f"rank(s) {failed} failed" if failed else f"timed out after {timeout}s"
-            details = []
-            for r in failed or range(self.world_size):
-                tail = results[r].stderr.strip()[-2000:] or "(no stderr)"
-                details.append(f"--- rank {r} (exit {results[r].returncode}): {tail}")
-            raise RuntimeError(f"{self.run_id}: {what}\n" + "\n".join(details))
+        if not waited.ok:
+            shown = waited.failed or range(self.world_size)
+            report = failure_report(waited, timeout, [(r, results[r].returncode, results[r].stderr) for r in shown])
+            raise RuntimeError(f"{self.run_id}: {report}")
         return results
 
-    @staticmethod
-    def _kill(procs) -> None:
-        kill_sessions(procs)
-
     def _kill_procs(self) -> None:
-        self._kill(self._procs)
+        kill_sessions(self._procs)
         self._procs.clear()

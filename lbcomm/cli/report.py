@@ -1,0 +1,160 @@
+"""What lbcomm-bench prints: the tables and headers of every command, and the JSON and
+plot files they write (plots themselves: lbcomm/cli/plot.py)."""
+from __future__ import annotations
+
+import sys
+from typing import Dict, List, Optional, Sequence
+
+from .schema import write_json
+from .units import parse_rate
+
+__all__ = ["allreduce_header", "allreduce_table", "report_allreduce", "train_table", "report_train", "check_table",
+           "grid_table", "advise_table", "emit"]
+
+
+def emit(doc: Dict, json_path: Optional[str], plot_path: Optional[str] = None, plot: str = "", *data,
+         title: str = "") -> None:
+    """Flush the printed report, then write the JSON document and, with `plot_path`, the plot
+    `lbcomm.cli.plot.<plot>(*data, plot_path, title)`."""
+    sys.stdout.flush()
+    if json_path:
+        write_json(json_path, doc)
+        print(f"# wrote {json_path}")
+    if plot_path:
+        from . import plot as plots
+
+        getattr(plots, plot)(*data, plot_path, title)
+        print(f"# wrote {plot_path}")
+
+
+# ---------------------------------------------------------------------------- allreduce
+
+
+def allreduce_header(config: Dict) -> str:
+    where = {"local": "local processes over loopback (no shaping)", "netem": "emulated cluster (network namespaces)",
+             "torchrun": "started by torchrun", "mpirun": "started by mpirun"}.get(config["launcher"],
+                                                                                 config["launcher"])
+    lines = [f"# lbcomm-bench allreduce: {config['world_size']} ranks, {where}; backend {config['backend']}, "
+             f"device {config['device']}, {config['threads_per_rank']} thread(s) per rank"]
+    if config.get("bandwidth"):
+        lines.append(f"# links: {config['bandwidth']} per direction and rank (tbf burst {config['burst']}, "
+                     f"queue latency {config['latency']})")
+    pieces = config.get("pieces")
+    lines.append(f"# onebit block_size {config['block_size']}, pieces {'auto' if pieces is None else pieces}; "
+                 f"{config['iters']} timed iterations after "
+                 f"{config['warmup']} warmup; times: slowest rank, median and p10/p90")
+    if config["backend"] == "mpi":
+        lines.append("# mpi: fp16 is summed in an fp32 copy (MPI has no half-precision sum) and sends fp32's bytes")
+    lines.append("# algbw = bytes/time, busbw = algbw*2(p-1)/p (nccl-tests); wire = bytes sent per rank per call")
+    return "\n".join(lines)
+
+
+def allreduce_table(rows: List[Dict]) -> str:
+    """nccl-tests-like table of JSON rows: size in bytes and fp32 elements, times in ms, GB/s."""
+    hdr = (f"{'bytes':>10} {'elements':>9} {'method':>7} {'median ms':>10} {'p10 ms':>8} {'p90 ms':>8} "
+           f"{'algbw GB/s':>10} {'busbw GB/s':>10} {'wire B/rank':>11} {'vs fp32':>8}")
+    lines = [hdr, "-" * len(hdr)]
+    for r in rows:
+        sp = f"{r['speedup_vs_fp32']:.2f}x" if r.get("speedup_vs_fp32") else "-"
+        lines.append(f"{r['bytes']:>10} {r['elements']:>9} {r['method']:>7} {r['median_s'] * 1e3:>10.2f} "
+                     f"{r['p10_s'] * 1e3:>8.2f} {r['p90_s'] * 1e3:>8.2f} {r['algbw_GBps']:>10.3f} "
+                     f"{r['busbw_GBps']:>10.3f} {r['wire_bytes_per_rank']:>11} {sp:>8}")
+    return "\n".join(lines)
+
+
+def report_allreduce(doc: Dict, json_path: Optional[str] = None, plot_path: Optional[str] = None) -> None:
+    c = doc["config"]
+    print(allreduce_header(c))
+    print(allreduce_table(doc["rows"]))
+    link = c.get("bandwidth")
+    if link:
+        for r in doc["rows"]:
+            if r["method"] == "fp32":
+                bits = r["busbw_GBps"] * 8e9
+                print(f"# fp32 at {r['bytes']} B: busbw {bits / 1e9:.3f} Gbit/s = {bits / parse_rate(link):.0%} of the "
+                      f"{link} link")
+    emit(doc, json_path, plot_path, "plot_allreduce", doc["rows"],
+         title=f"allreduce, {c['world_size']} ranks, {c['backend']}, "
+               f"{link + ' links' if link else 'loopback (no shaping)'}")
+
+
+# ---------------------------------------------------------------------------- train
+
+
+def train_table(runs: List[Dict]) -> str:
+    hdr = (f"{'links':>9} {'method':>12} {'step ms':>9} {'p10 ms':>8} {'p90 ms':>8} {'samples/s':>10} "
+           f"{'vs ddp':>7} {'MB sent/step':>13} {'loss':>7}")
+    lines = [hdr, "-" * len(hdr)]
+    for run in runs:
+        for r in run["rows"]:
+            sp = f"{r['speedup_vs_ddp']:.2f}x" if r.get("speedup_vs_ddp") else "-"
+            mb = f"{r['wire_bytes_per_step'] / 1e6:.2f}" if r.get("wire_bytes_per_step") is not None else "-"
+            lines.append(f"{run['bandwidth'] or 'loopback':>9} {r['method']:>12} {r['median_s'] * 1e3:>9.1f} "
+                         f"{r['p10_s'] * 1e3:>8.1f} {r['p90_s'] * 1e3:>8.1f} {r['samples_per_s']:>10.2f} {sp:>7} "
+                         f"{mb:>13} {r['final_loss']:>7.3f}")
+    return "\n".join(lines)
+
+
+def report_train(doc: Dict, json_path: Optional[str] = None, plot_path: Optional[str] = None) -> None:
+    from .train import describe_model
+
+    c = doc["config"]
+    print(f"# lbcomm-bench train: {c['world_size']} ranks, {c['threads_per_rank']} thread(s) per rank, backend "
+          f"{c['backend']}; {describe_model(c['model'], doc['params'])}")
+    print(f"# {c['steps']} timed steps x {c['rounds']} interleaved rounds per method after {c['warmup_steps']} "
+          f"untimed; step time = slowest rank, median and p10/p90; samples/s over all ranks")
+    for run in doc["runs"]:
+        ddp = next((r for r in run["rows"] if r["method"] == "ddp"), None)
+        frac = f" = {run['allreduce_s'] / ddp['median_s']:.0%} of a DDP+AdamW step" if ddp else ""
+        print(f"# {run['bandwidth'] or 'loopback'}: fp32 allreduce of all {doc['params'] / 1e6:.2f}M gradients "
+              f"alone {run['allreduce_s'] * 1e3:.0f} ms{frac}")
+    print(train_table(doc["runs"]))
+    emit(doc, json_path, plot_path, "plot_train", doc["runs"],
+         title=f"training-step throughput, {c['world_size']} ranks, {doc['params'] / 1e6:.1f}M-parameter "
+               "transformer LM")
+
+
+# ---------------------------------------------------------------------------- model
+
+
+def check_table(checks: List[Dict]) -> str:
+    hdr = (f"{'ranks':>5} {'links':>7} {'elements':>9} {'method':>8} {'measured':>10} {'model':>10} "
+           f"{'model/meas':>10}")
+    lines = [hdr, "-" * len(hdr)]
+    for c in checks:
+        if c["method"] == "speedup":
+            a, b = c["measured_speedup"], c["predicted_speedup"]
+            lines.append(f"{c['world_size']:>5} {c['bandwidth']:>7} {c['elements']:>9} {'speedup':>8} "
+                         f"{a:>9.2f}x {b:>9.2f}x {b / a:>10.2f}{'  (calibration point)' if c['calibration'] else ''}")
+        else:
+            a, b = c["measured_s"] * 1e3, c["predicted_s"] * 1e3
+            note = "  (calibrates alpha)" if c.get("calibration") else ""
+            lines.append(f"{c['world_size']:>5} {c['bandwidth']:>7} {c['elements']:>9} {c['method']:>8} "
+                         f"{a:>8.2f}ms {b:>8.2f}ms {b / a:>10.2f}{note}")
+    return "\n".join(lines)
+
+
+def grid_table(grid: List[Dict], world_sizes: Sequence[int], bandwidths: Sequence[str]) -> str:
+    hdr = f"{'ranks':>5} " + " ".join(f"{bw:>14}" for bw in bandwidths)
+    lines = [hdr + "   (speedup; onebit ms)", "-" * len(hdr)]
+    for p in world_sizes:
+        cells = []
+        for bw in bandwidths:
+            g = next(g for g in grid if g["world_size"] == p and g["bandwidth"] == bw)
+            cells.append(f"{g['speedup']:>6.1f}x {g['onebit_s'] * 1e3:>6.1f}")
+        lines.append(f"{p:>5} " + " ".join(f"{c:>14}" for c in cells))
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- advise
+
+
+def advise_table(rows: List[Dict]) -> str:
+    hdr = (f"{'method':>14} {'step ms':>9} {'vs fp32':>8} {'comm ms':>9} {'latency':>8} {'wire':>8} "
+           f"{'compute':>8} {'MB/node/step':>13}")
+    lines = [hdr, "-" * len(hdr)]
+    for r in rows:
+        lines.append(f"{r['method']:>14} {r['step_s'] * 1e3:>9.1f} {r['speedup_vs_fp32']:>7.2f}x "
+                     f"{r['comm_s'] * 1e3:>9.1f} {r['latency_s'] * 1e3:>8.1f} {r['wire_s'] * 1e3:>8.1f} "
+                     f"{r['compute_s'] * 1e3:>8.1f} {r['node_bytes_per_step'] / 1e6:>13.2f}")
+    return "\n".join(lines)

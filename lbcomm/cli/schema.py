@@ -1,0 +1,194 @@
+"""The JSON documents lbcomm-bench writes: their fields (with the words ``--help`` shows),
+builders and checkers.
+
+``allreduce``: one object, ``schema`` = "lbcomm-bench/allreduce", ``version`` = 1,
+``created`` (UTC ISO 8601), ``argv``, ``config`` (`ALLREDUCE_CONFIG_FIELDS`), ``host``
+(`HOST_FIELDS`) and ``rows``, one per (size, method), with exactly the keys of
+`ALLREDUCE_ROW_FIELDS`. ``train`` writes "lbcomm-bench/train" (``runs``: one per bandwidth,
+each with its ``rows``, `TRAIN_ROW_FIELDS`), ``model`` "lbcomm-bench/model" and ``advise``
+"lbcomm-bench/advise" (`ADVISE_ROW_FIELDS`).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import sys
+from typing import Dict, List, Optional
+
+from .allreduce import METHODS as ALLREDUCE_METHODS
+
+__all__ = ["SCHEMA_VERSION", "ALLREDUCE_ROW_FIELDS", "ALLREDUCE_CONFIG_FIELDS", "HOST_FIELDS", "TRAIN_ROW_FIELDS",
+           "ADVISE_ROW_FIELDS", "document", "allreduce_config", "allreduce_rows", "check_allreduce_doc",
+           "check_train_doc", "host", "write_json", "describe_fields"]
+
+SCHEMA_VERSION = 1
+
+# name: (type(s), description) of each row of an allreduce JSON document.
+ALLREDUCE_ROW_FIELDS = {
+    "bytes": (int, "size of the fp32 tensor in bytes (4 * elements)"),
+    "elements": (int, "fp32 elements of the tensor"),
+    "method": (str, "fp32 | fp16 | onebit"),
+    "world_size": (int, "ranks"),
+    "median_s": (float, "median over iterations of the slowest rank's time per allreduce, seconds"),
+    "p10_s": (float, "10th percentile of the same, seconds"),
+    "p90_s": (float, "90th percentile of the same, seconds"),
+    "algbw_GBps": (float, "bytes / median_s / 1e9 (GB/s)"),
+    "busbw_GBps": (float, "algbw_GBps * 2 (p - 1) / p, as nccl-tests reports for allreduce (GB/s)"),
+    "wire_bytes_per_rank": (int, "bytes each rank sends per allreduce (ring for fp32/fp16; both collectives "
+                                 "with scales and headers for onebit)"),
+    "speedup_vs_fp32": ((float, type(None)), "fp32 median_s / this median_s at the same size; null without fp32"),
+}
+ALLREDUCE_CONFIG_FIELDS = {
+    "world_size": (int, "ranks"),
+    "backend": (str, "gloo | nccl | mpi"),
+    "device": (str, "cpu or cuda"),
+    "launcher": (str, "local (spawned over loopback) | netem (emulated cluster) | torchrun | mpirun"),
+    "threads_per_rank": (int, "torch intra-op threads per rank"),
+    "iters": (int, "timed iterations per size and method"),
+    "warmup": (int, "untimed iterations first"),
+    "block_size": ((int, type(None)), "elements per onebit scale block; null: one scale per chunk"),
+    "pieces": ((int, type(None)), "onebit pieces per chunk (pipelined transfers); null: automatic"),
+    "bandwidth": ((str, type(None)), "emulated link rate per direction and rank (tc syntax); null: not shaped"),
+    "latency": ((str, type(None)), "tbf queue latency of the emulated links; null: not shaped"),
+    "burst": ((str, type(None)), "tbf burst of the emulated links; null: not shaped"),
+}
+HOST_FIELDS = {
+    "torch": (str, "torch version"),
+    "lbcomm": (str, "lbcomm version"),
+    "python": (str, "Python version"),
+    "machine": (str, "CPU architecture, e.g. x86_64"),
+    "cpu_count": (int, "logical CPUs"),
+    "loadavg": (list, "1, 5 and 15 minute load averages when the run ended"),
+}
+TRAIN_ROW_FIELDS = {
+    "method": (str, "none | ddp | fp16 | powersgd | onebit_hook | onebit_adam"),
+    "median_s": (float, "median training-step time (slowest rank), seconds"),
+    "p10_s": (float, "10th percentile, seconds"),
+    "p90_s": (float, "90th percentile, seconds"),
+    "samples_per_s": (float, "world_size * batch / median_s"),
+    "tokens_per_s": (float, "samples_per_s * seq_len"),
+    "wire_bytes_per_step": ((float, type(None)), "bytes sent per step by the busiest rank, measured on its "
+                                                 "interface (headers included); null over loopback"),
+    "final_loss": ((float, type(None)), "loss of the last timed step on rank 0"),
+    "speedup_vs_ddp": ((float, type(None)), "ddp median_s / this median_s"),
+}
+ADVISE_ROW_FIELDS = {
+    "method": (str, "fp32 | fp16 | powersgd | onebit_warmup | onebit"),
+    "comm_s": (float, "predicted communication per step: latency_s + wire_s + compute_s, seconds"),
+    "latency_s": (float, "latency per message times the messages of one step, seconds"),
+    "wire_s": (float, "node_bytes_per_step / usable link bandwidth, seconds"),
+    "compute_s": (float, "local compute of the method's collectives per step (casts, adds, compression), s"),
+    "step_s": (float, "predicted step time: the given compute time + comm_s (no overlap), seconds"),
+    "speedup_vs_fp32": (float, "fp32 step_s / this step_s"),
+    "node_bytes_per_step": (float, "bytes each node sends over its link per step"),
+}
+
+
+def describe_fields(fields: Dict) -> str:
+    """One line per field, for --help."""
+    return "\n".join(f"  {name:<20} {desc}" for name, (_, desc) in fields.items())
+
+
+def host() -> Dict:
+    import torch
+
+    from .. import __version__
+
+    try:
+        load = [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        load = []
+    return {"torch": torch.__version__, "lbcomm": __version__, "python": platform.python_version(),
+            "machine": platform.machine(), "cpu_count": os.cpu_count() or 1, "loadavg": load}
+
+
+def document(kind: str, **fields) -> Dict:
+    """The common head of every document (schema, version, created, argv, host) and `fields`."""
+    return {"schema": f"lbcomm-bench/{kind}", "version": SCHEMA_VERSION,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "argv": sys.argv, **fields, "host": host()}
+
+
+def write_json(path: str, doc: Dict) -> None:
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+
+
+def allreduce_config(*, world_size: int, backend: str, launcher: str, threads: int, iters: int, warmup: int,
+                     block_size: Optional[int], pieces: Optional[int], bandwidth: Optional[str] = None,
+                     latency: Optional[str] = None, burst: Optional[str] = None) -> Dict:
+    return dict(world_size=world_size, backend=backend, device="cuda" if backend == "nccl" else "cpu",
+                launcher=launcher, threads_per_rank=threads, iters=iters, warmup=warmup, block_size=block_size,
+                pieces=pieces, bandwidth=bandwidth, latency=latency, burst=burst)
+
+
+def allreduce_rows(rows: List[Dict]) -> List[Dict]:
+    """The rows of `lbcomm.cli.allreduce.measure` in the JSON schema's names."""
+    return [{"bytes": int(r["bytes"]), "elements": int(r["size"]), "method": r["method"],
+             "world_size": int(r["world_size"]), "median_s": float(r["median_s"]), "p10_s": float(r["p10_s"]),
+             "p90_s": float(r["p90_s"]), "algbw_GBps": float(r["algbw_gbps"]), "busbw_GBps": float(r["busbw_gbps"]),
+             "wire_bytes_per_rank": int(r["wire_bytes"]),
+             "speedup_vs_fp32": None if r.get("speedup_vs_fp32") is None else float(r["speedup_vs_fp32"])}
+            for r in rows]
+
+
+def _type_ok(value, types) -> bool:
+    types = types if isinstance(types, tuple) else (types,)
+    if isinstance(value, bool):
+        return bool in types
+    if isinstance(value, int) and float in types:
+        return True  # a float field may hold an int (e.g. a speedup of exactly 1)
+    return isinstance(value, types)
+
+
+def _check_fields(obj, fields: Dict, where: str) -> None:
+    if not isinstance(obj, dict):
+        raise ValueError(f"{where}: expected an object, got {type(obj).__name__}")
+    missing, extra = sorted(set(fields) - set(obj)), sorted(set(obj) - set(fields))
+    if missing or extra:
+        raise ValueError(f"{where}: missing keys {missing}, unexpected keys {extra}")
+    for name, (types, _) in fields.items():
+        if not _type_ok(obj[name], types):
+            raise ValueError(f"{where}.{name}: expected {types}, got {obj[name]!r}")
+
+
+def check_allreduce_doc(doc: Dict) -> None:
+    """Raise ValueError naming the first field of `doc` that breaks the allreduce JSON schema."""
+    if not isinstance(doc, dict):
+        raise ValueError("document: expected an object")
+    top = {"schema", "version", "created", "argv", "config", "host", "rows"}
+    if set(doc) != top:
+        raise ValueError(f"document: keys {sorted(doc)}, expected {sorted(top)}")
+    if doc["schema"] != "lbcomm-bench/allreduce" or doc["version"] != SCHEMA_VERSION:
+        raise ValueError(f"document: schema {doc['schema']!r} version {doc['version']!r}, expected "
+                         f"'lbcomm-bench/allreduce' version {SCHEMA_VERSION}")
+    if not isinstance(doc["created"], str) or not isinstance(doc["argv"], list):
+        raise ValueError("document: created must be a string and argv a list")
+    _check_fields(doc["config"], ALLREDUCE_CONFIG_FIELDS, "config")
+    _check_fields(doc["host"], HOST_FIELDS, "host")
+    if not isinstance(doc["rows"], list) or not doc["rows"]:
+        raise ValueError("rows: expected a non-empty list")
+    for i, row in enumerate(doc["rows"]):
+        _check_fields(row, ALLREDUCE_ROW_FIELDS, f"rows[{i}]")
+        if row["bytes"] != 4 * row["elements"]:
+            raise ValueError(f"rows[{i}]: bytes {row['bytes']} != 4 * elements {row['elements']}")
+        if row["method"] not in ALLREDUCE_METHODS:
+            raise ValueError(f"rows[{i}].method: {row['method']!r} is not one of {ALLREDUCE_METHODS}")
+
+
+def check_train_doc(doc: Dict) -> None:
+    """Raise ValueError naming the first field of `doc` that breaks the train JSON schema."""
+    if not isinstance(doc, dict) or doc.get("schema") != "lbcomm-bench/train" or doc.get("version") != SCHEMA_VERSION:
+        raise ValueError(f"document: not an 'lbcomm-bench/train' version {SCHEMA_VERSION} document")
+    top = {"schema", "version", "created", "argv", "config", "host", "params", "runs"}
+    if set(doc) != top:
+        raise ValueError(f"document: keys {sorted(doc)}, expected {sorted(top)}")
+    _check_fields(doc["host"], HOST_FIELDS, "host")
+    for i, run in enumerate(doc["runs"]):
+        if set(run) != {"bandwidth", "allreduce_s", "rows"}:
+            raise ValueError(f"runs[{i}]: keys {sorted(run)}, expected ['allreduce_s', 'bandwidth', 'rows']")
+        for j, row in enumerate(run["rows"]):
+            _check_fields(row, TRAIN_ROW_FIELDS, f"runs[{i}].rows[{j}]")

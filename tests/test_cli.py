@@ -1,0 +1,191 @@
+"""lbcomm-bench's arguments (every one checked before anything runs, help in a user's words),
+the `advise` command, and the deprecated `lbcomm.bench` alias. The end-to-end runs of the
+benchmarks are in test_bench_cli.py."""
+import json
+import os
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from lbcomm.cli import commands
+from lbcomm.cli.schema import ADVISE_ROW_FIELDS
+from lbcomm.cli.units import parse_params
+from lbcomm.common import ring_allreduce_bytes
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _env():
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+           and not k.startswith(("OMPI_", "PMIX_", "PMI_"))}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+def _run(*args, timeout=120):
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=_env(),
+                          cwd=ROOT)
+
+
+# ------------------------------------------------------------------------------ checked up front
+
+
+def test_block_size_rejected_before_anything_runs():
+    proc = _run("-m", "lbcomm.cli", "allreduce", "--world-size", "2", "--sizes", "4K", "--block-size", "100")
+    assert proc.returncode == 2
+    assert proc.stdout == ""  # no fp32/fp16 timings first
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1
+    assert "--block-size" in errors[0] and "'100'" in errors[0]
+    assert "multiple of 32" in errors[0] and "'none'" in errors[0]
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["allreduce", "--block-size", "48"], "multiple of 32"),
+    (["allreduce", "--block-size", "0"], "multiple of 32"),
+    (["allreduce", "--sizes", "6B"], "whole number of fp32 elements"),
+    (["allreduce", "--methods", "fp64"], "choose from fp32, fp16, onebit"),
+    (["allreduce", "--bandwidth", "1gbps"], "ambiguous"),
+    (["allreduce", "--latency", "50 years"], "Invalid time"),
+    (["allreduce", "--iters", "0"], ">= 1"),
+    (["allreduce", "--warmup", "-1"], ">= 0"),
+    (["allreduce", "--world-size", "1"], ">= 2"),
+    (["allreduce", "--timeout", "0"], "> 0"),
+    (["train", "--warmup-steps", "2"], ">= 4"),
+    (["train", "--bandwidth", "fast"], "Invalid bandwidth"),
+    (["train", "--lr", "-1"], "learning rate"),
+    (["model", "--predict-bandwidths", "1gbit,10"], "Invalid bandwidth"),
+    (["model", "--predict-alpha", "soon"], "Invalid time"),
+    (["advise", "--params", "350X", "--nodes", "2", "--bandwidth", "1gbit", "--step-time", "1s"], "unknown unit"),
+    (["advise", "--params", "1M", "--nodes", "2", "--bandwidth", "1gbit"], "--step-time"),
+])
+def test_bad_value_is_a_usage_error(argv, match, capsys):
+    with pytest.raises(SystemExit) as exc:
+        commands.main(argv)
+    assert exc.value.code == 2
+    out = capsys.readouterr()
+    assert out.out == "" and match in out.err
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["allreduce", "--block-size", "none", "--pieces", "2"], "--pieces 2 needs block scales"),
+    (["train", "--d-model", "65", "--heads", "2"], "--d-model 65 must be a multiple of --heads 2"),
+    (["train", "--backend", "mpi"], "use --backend gloo or nccl"),
+    (["allreduce", "--world-size", "2", "--bandwidth", "1gbit", "--burst", "1kb"], "burst"),
+])
+def test_arguments_that_do_not_fit_together(argv, match, capsys):
+    assert commands.main(argv) == 1
+    out = capsys.readouterr()
+    assert out.out == "" and match in out.err and "Traceback" not in out.err
+
+
+@pytest.mark.parametrize("command", ["", "allreduce", "train", "model", "advise"])
+def test_help_in_a_users_words(command, capsys):
+    with pytest.raises(SystemExit) as exc:
+        commands.main([command, "--help"] if command else ["--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    assert "usage: lbcomm-bench" in text
+    # No Python a user cannot look up: dotted paths, calls, class names, constants, private
+    # names, Python's None (names of methods and units are fine).
+    words = {"PowerSGD", "AdamW", "MiB", "GiB"}
+    for pattern in (r"\b(?:lbcomm|torch)\.[a-z_]+\.\w+", r"\w\(\)", r"\b[A-Z][a-z]+[A-Z]\w*",
+                    r"\b[A-Z]+_[A-Z_]+\b", r"(?<![\w-])_\w+", r"\bNone\b", r"DESIGN\.md"):
+        found = [w for w in re.findall(pattern, text) if w not in words]
+        assert not found, f"lbcomm-bench {command} --help: {found}"
+
+
+def test_console_script_points_to_the_cli():
+    target = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]["lbcomm-bench"]
+    module, func = target.split(":")
+    assert module == "lbcomm.cli.commands" and func == "main"
+    assert getattr(__import__(module, fromlist=[func]), func) is commands.main
+
+
+# ------------------------------------------------------------------------------ deprecated alias
+
+
+def test_lbcomm_bench_imports_warn_and_alias():
+    code = ("import warnings; warnings.simplefilter('error', FutureWarning)\n"
+            "try:\n    import lbcomm.bench\nexcept FutureWarning as w:\n    print('warned:', w)\n"
+            "import sys, lbcomm.cli.units, lbcomm.cli.netem, lbcomm.cli.schema, lbcomm.cli.commands, lbcomm.comm\n"
+            "sys.modules.pop('lbcomm.bench', None)\n"
+            "warnings.simplefilter('ignore', FutureWarning)\n"
+            "from lbcomm.bench.cli import parse_count, check_allreduce_doc, main\n"
+            "from lbcomm.bench import netem\n"
+            "from lbcomm.bench.model import LoopTransport, wire_bytes\n"
+            "import lbcomm.bench.launch\n"
+            "assert parse_count is lbcomm.cli.units.parse_count and netem is lbcomm.cli.netem\n"
+            "assert check_allreduce_doc is lbcomm.cli.schema.check_allreduce_doc and main is lbcomm.cli.commands.main\n"
+            "assert LoopTransport is lbcomm.comm.LoopTransport and wire_bytes('fp32', 1024, 2) == 4096\n"
+            "print('aliases ok')\n")
+    proc = _run("-c", code)
+    assert proc.returncode == 0, proc.stderr
+    assert "warned: lbcomm.bench is deprecated" in proc.stdout and "lbcomm.cli" in proc.stdout
+    assert "aliases ok" in proc.stdout
+
+
+def test_python_m_lbcomm_bench_still_runs_with_a_warning():
+    proc = _run("-m", "lbcomm.bench", "allreduce", "--world-size", "2", "--sizes", "4K", "--iters", "1", "--warmup",
+                "0", "--methods", "fp32", "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    assert "FutureWarning: lbcomm.bench is deprecated" in proc.stderr
+    assert re.search(r"^\s+16384\s+4096\s+fp32\s", proc.stdout, re.M)
+
+
+# ------------------------------------------------------------------------------ advise
+
+
+@pytest.mark.parametrize("text, n", [("125M", 125_000_000), ("1.3B", 1_300_000_000), ("350k", 350_000),
+                                     ("7e9", 7_000_000_000), ("4096", 4096)])
+def test_parse_params(text, n):
+    assert parse_params(text) == n
+
+
+def _advise(tmp_path, *argv):
+    path = tmp_path / "advise.json"
+    assert commands.main(["advise", *argv, "--json", str(path)]) == 0
+    return json.loads(path.read_text())
+
+
+def test_advise_slow_network_big_model(tmp_path, capsys):
+    doc = _advise(tmp_path, "--params", "100M", "--nodes", "8", "--bandwidth", "1gbit", "--step-time", "200ms")
+    out = capsys.readouterr().out
+    assert doc["schema"] == "lbcomm-bench/advise"
+    rows = {r["method"]: r for r in doc["rows"]}
+    assert list(rows) == ["fp32", "fp16", "powersgd", "onebit_warmup", "onebit"]
+    for r in doc["rows"]:
+        assert set(r) == set(ADVISE_ROW_FIELDS)
+        assert r["step_s"] == pytest.approx(0.2 + r["comm_s"])
+        assert r["comm_s"] == pytest.approx(r["latency_s"] + r["wire_s"] + r["compute_s"])
+        assert r["speedup_vs_fp32"] == pytest.approx(rows["fp32"]["step_s"] / r["step_s"])
+    # a ring sends 2 (p-1)/p of the gradients through each node's link; 1-bit about 1/32 of it
+    assert rows["fp32"]["node_bytes_per_step"] == pytest.approx(ring_allreduce_bytes(4e8, 8))
+    assert rows["fp32"]["wire_s"] >= 5.6  # 5.6 GB... at 1 Gbit/s
+    assert 20 < rows["fp32"]["node_bytes_per_step"] / rows["onebit"]["node_bytes_per_step"] < 32
+    assert rows["onebit_warmup"]["step_s"] == rows["fp32"]["step_s"]
+    assert rows["onebit"]["speedup_vs_fp32"] > 3
+    assert "1-bit pays" in out and "will not pay" not in out
+
+
+def test_advise_says_when_compression_will_not_pay(tmp_path, capsys):
+    # a 1M-parameter model on 100 Gbit/s links with 100 ms of compute: nothing to gain
+    doc = _advise(tmp_path, "--params", "1M", "--nodes", "4", "--bandwidth", "100gbit", "--step-time", "100ms")
+    out = capsys.readouterr().out
+    assert any("1-bit will not pay" in line for line in doc["verdict"])
+    assert "1-bit will not pay" in out and "fast or the model small" in out
+    rows = {r["method"]: r for r in doc["rows"]}
+    assert rows["onebit"]["speedup_vs_fp32"] < 1.10
+
+
+def test_advise_one_node(tmp_path, capsys):
+    doc = _advise(tmp_path, "--params", "10M", "--nodes", "1", "--ranks-per-node", "8", "--bandwidth", "1gbit",
+                  "--step-time", "100ms")
+    assert all(r["node_bytes_per_step"] == 0 for r in doc["rows"])
+    assert any("on one node nothing crosses a network link" in line for line in doc["verdict"])
