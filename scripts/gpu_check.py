@@ -92,8 +92,8 @@ CHECKS: Dict[str, Tuple[int, str]] = {
     "allreduce_gloo_4ranks": (150, "4 ranks on one GPU through gloo CUDA staging: reference match, identical ranks"),
     "train_4ranks": (180, "DDP + onebit_hook, DDP + OneBitAdam, OneBitAdam alone on CUDA: loss falls, replicas "
                           "identical, no host sync inside hook calls"),
-    "pipelining_4ranks": (150, "pieces 1 vs automatic on CUDA tensors, 4 MPI ranks on one GPU (measurement)"),
     "pytest_cuda_rest": (120, "the rest of the suite's CUDA-eligible cases (pytest -k cuda)"),
+    "pipelining_4ranks": (150, "pieces 1 vs automatic on CUDA tensors, 4 MPI ranks on one GPU (measurement)"),
 }
 
 
@@ -149,23 +149,53 @@ def format_table(records: Sequence[Dict[str, Any]]) -> str:
 # ---------------------------------------------------------------------------- subprocesses
 
 
+_GROUPS: set = set()  # process groups this process started and has not yet reaped
+
+
+def _stop_group(pgid: int, grace: float = 5.0) -> None:
+    """SIGTERM a process group we started (mpirun forwards it to its ranks, a check process
+    stops the groups it started), then SIGKILL whatever is left after `grace` seconds."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 0.0)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        end = time.monotonic() + wait
+        while time.monotonic() < end:
+            try:
+                os.killpg(pgid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.1)
+
+
+def _stop_all_groups(signum=None, frame=None) -> None:
+    """SIGTERM handler of a check process: stop every group it started, then leave."""
+    for pgid in list(_GROUPS):
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    os._exit(124)
+
+
 def run_command(argv: Sequence[str], timeout: float, env: Optional[Dict[str, str]] = None,
                 cwd: str = ROOT) -> Tuple[Optional[int], str, float]:
     """(exit status or None on timeout, stdout+stderr, seconds). The command runs in its own
-    session; on timeout that whole process group is killed (its ranks included)."""
+    process group; on timeout that group is stopped (SIGTERM, then SIGKILL)."""
     t0 = time.monotonic()
     proc = subprocess.Popen(list(argv), cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, errors="replace", start_new_session=True)
+    _GROUPS.add(proc.pid)
     try:
         out, _ = proc.communicate(timeout=max(1.0, timeout))
         return proc.returncode, out, time.monotonic() - t0
     except subprocess.TimeoutExpired:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        _stop_group(proc.pid)
         out, _ = proc.communicate()
         return None, out or "", time.monotonic() - t0
+    finally:
+        _GROUPS.discard(proc.pid)
 
 
 def child_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
@@ -173,6 +203,7 @@ def child_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # ranks of one machine talk over loopback
+    env.setdefault("NCCL_SOCKET_IFNAME", "lo")
     env.setdefault("OMP_NUM_THREADS", "4")
     env.update(extra or {})
     return env
@@ -242,7 +273,8 @@ def check_environment(params):
     fig["capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
     fig["device_count"] = torch.cuda.device_count()
     try:
-        fig["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        v = torch.cuda.nccl.version()
+        fig["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
     except Exception as exc:  # noqa: BLE001
         fig["nccl"] = f"unavailable ({exc})"
     built_cuda = bool(ops.HAS_EXTENSION and torch.ops.lbcomm.built_with_cuda())
@@ -527,6 +559,7 @@ def _run_local_ranks(base: List[str], p: int, timeout: float, workdir: str) -> T
     logs = [open(os.path.join(workdir, f"rank{r}.log"), "w") for r in range(p)]
     procs = [subprocess.Popen(base + ["--rank", str(r), "--world", str(p)], cwd=ROOT, env=env, stdout=logs[r],
                               stderr=subprocess.STDOUT, start_new_session=True) for r in range(p)]
+    _GROUPS.update(q.pid for q in procs)
     t0, failed_at, rc = time.monotonic(), None, 0
     while any(q.poll() is None for q in procs):
         now = time.monotonic()
@@ -541,6 +574,7 @@ def _run_local_ranks(base: List[str], p: int, timeout: float, workdir: str) -> T
         time.sleep(0.1)
     for q in procs:
         q.wait()
+        _GROUPS.discard(q.pid)
         if rc is not None:
             rc = rc or q.returncode
     for f in logs:
@@ -1054,6 +1088,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument("--only", help="comma list of checks to run (the build still runs unless --skip-build)")
     ap.add_argument("--budget", type=float, default=DEFAULT_BUDGET,
                     help="seconds for the whole run; each check's timeout is cut to what is left (default: %(default)s)")
+    ap.add_argument("--build-timeout", type=float, default=CHECKS["build"][0],
+                    help="seconds for the build, within the budget (default: %(default)s)")
     ap.add_argument("--arch", help="TORCH_CUDA_ARCH_LIST for the build (default: this GPU's capability, e.g. 9.0)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="MAX_JOBS for the build (default: %(default)s)")
     ap.add_argument("--list", action="store_true", help="print the checks, their timeouts and the build command; run nothing")
@@ -1070,6 +1106,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         if unknown or not names:
             ap.error(f"--only: unknown check(s) {unknown or args.only!r}; choose from {', '.join(list(CHECKS)[1:])}")
         args.only = names
+    if args.build_timeout <= 0:
+        ap.error(f"--build-timeout must be positive, got {args.build_timeout}")
     if args.budget <= 0:
         ap.error(f"--budget must be positive, got {args.budget}")
     if args.jobs < 1:
@@ -1090,6 +1128,7 @@ def plan(args: argparse.Namespace) -> List[str]:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     if args.run_check:  # child: one check, record to the workdir
+        signal.signal(signal.SIGTERM, _stop_all_groups)  # the parent's timeout reaches our ranks too
         with open(os.path.join(args.workdir, "params.json")) as f:
             params = json.load(f)
         rec = run_check_inprocess(args.run_check, params)
@@ -1123,32 +1162,47 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "device": torch.cuda.get_device_name(0), "quick": args.quick, "budget_s": args.budget,
             "argv": list(argv) if argv is not None else sys.argv[1:]}
     arch = args.arch or default_arch()
+    print(f"gpu-check: {meta['device']}, torch {meta['torch']} (CUDA {meta['cuda']}); {len(names)} checks, "
+          f"budget {args.budget:.0f} s", flush=True)
+
+    def build(timeout: float) -> Dict[str, Any]:
+        from torch.utils.cpp_extension import CUDA_HOME
+
+        if CUDA_HOME is None:
+            return make_record("build", False, None, 0.0, "nvcc not found: torch found no CUDA_HOME; put nvcc on PATH "
+                                                          "or set CUDA_HOME")
+        argv_b, env_b = build_command(sys.executable, arch, args.jobs)
+        rec = run_build(argv_b, env_b, timeout)
+        rec["figures"]["cuda_home"] = CUDA_HOME
+        return rec
+
+    records = run_all(names, args, params_all, meta, build, run_check_subprocess)
+    print()
+    print(format_table(records))
+    print(f"\nJSON: {os.path.abspath(args.json)}")
+    return 0 if all(r["ok"] for r in records) else 1
+
+
+def run_all(names: Sequence[str], args: argparse.Namespace, params_all: Dict[str, Dict[str, Any]],
+            meta: Dict[str, Any], build: Callable[[float], Dict[str, Any]],
+            run_check: Callable[[str, Dict[str, Any], float], Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Run the plan in order within the budget; print each result and rewrite the JSON after each."""
     deadline = time.monotonic() + args.budget
     records: List[Dict[str, Any]] = []
     build_ok = True
-    print(f"gpu-check: {meta['device']}, torch {meta['torch']} (CUDA {meta['cuda']}); {len(names)} checks, "
-          f"budget {args.budget:.0f} s", flush=True)
     for name in names:
         left = deadline - time.monotonic()
-        timeout = min(CHECKS[name][0], left)
+        timeout = min(args.build_timeout if name == "build" else CHECKS[name][0], left)
         if name != "build" and not build_ok:
             rec = make_record(name, False, None, 0.0, "not run: the build failed")
         elif timeout < 10:
             rec = make_record(name, False, None, 0.0, f"not run: the time budget ({args.budget:.0f} s, --budget) "
                                                       "was used up")
         elif name == "build":
-            from torch.utils.cpp_extension import CUDA_HOME
-
-            if CUDA_HOME is None:
-                rec = make_record("build", False, None, 0.0, "nvcc not found: torch found no CUDA_HOME; put nvcc on "
-                                                             "PATH or set CUDA_HOME")
-            else:
-                argv_b, env_b = build_command(sys.executable, arch, args.jobs)
-                rec = run_build(argv_b, env_b, timeout)
-                rec["figures"]["cuda_home"] = CUDA_HOME
+            rec = build(timeout)
             build_ok = rec["ok"]
         else:
-            rec = run_check_subprocess(name, params_all[name], timeout)
+            rec = run_check(name, params_all[name], timeout)
         records.append(rec)
         status = "PASS" if rec["ok"] else "FAIL"
         print(f"[{status}] {name} ({rec['seconds']:.1f} s) {rec['figures'].get('summary', '') if rec['figures'] else ''}",
@@ -1156,10 +1210,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if rec["error"]:
             print("       " + "\n       ".join(str(rec["error"]).strip().splitlines()[:12]), flush=True)
         write_json(args.json, records, meta)
-    print()
-    print(format_table(records))
-    print(f"\nJSON: {os.path.abspath(args.json)}")
-    return 0 if all(r["ok"] for r in records) else 1
+    return records
 
 
 if __name__ == "__main__":

@@ -250,3 +250,48 @@ def test_a_failing_rank_is_reported_with_its_traceback():
     params = _allreduce_params("gloo", [[1000, 48, None, "float32"]])  # 48 is not a valid block size
     rec = G.run_check_inprocess("allreduce_gloo_4ranks", params)
     assert not rec["ok"] and "Invalid block_size" in rec["error"] and "rank 0" in rec["error"]
+
+
+def test_run_all_order_budget_and_build_failure(tmp_path, capsys):
+    """The driver's control flow, with the build and the checks replaced by recorders (no GPU
+    result is produced: the records say what the replacements returned)."""
+    calls = []
+
+    def check(name, params, timeout):
+        calls.append((name, timeout))
+        return G.make_record(name, name != "kernels", {"summary": f"ran {name}"}, 0.5,
+                             None if name != "kernels" else "below target")
+
+    args = G.parse_args(["--json", str(tmp_path / "a.json"), "--only", "environment,kernels,train_4ranks"])
+    names = G.plan(args)
+    recs = G.run_all(names, args, G.check_params(False), {"device": "test"},
+                     lambda t: G.make_record("build", True, {"summary": "built"}, 1.0), check)
+    assert [r["name"] for r in recs] == ["build", "environment", "kernels", "train_4ranks"]
+    assert [c[0] for c in calls] == ["environment", "kernels", "train_4ranks"]
+    assert calls[0][1] == G.CHECKS["environment"][0]  # a check's own timeout while the budget allows it
+    doc = json.loads((tmp_path / "a.json").read_text())
+    assert doc["ok"] is False and [c["ok"] for c in doc["checks"]] == [True, True, False, True]
+    assert "[FAIL] kernels" in capsys.readouterr().out
+
+    calls.clear()
+    args = G.parse_args(["--json", str(tmp_path / "b.json"), "--only", "environment"])
+    recs = G.run_all(G.plan(args), args, G.check_params(False), {},
+                     lambda t: G.make_record("build", False, None, 1.0, "nvcc failed"), check)
+    assert not calls and recs[1]["error"] == "not run: the build failed"
+
+    args = G.parse_args(["--json", str(tmp_path / "c.json"), "--skip-build", "--budget", "5", "--only", "kernels"])
+    recs = G.run_all(G.plan(args), args, G.check_params(False), {}, None, check)
+    assert not calls and "time budget" in recs[0]["error"] and not recs[0]["ok"]
+
+
+def test_a_check_runs_in_its_own_process_with_a_hard_timeout():
+    params = _allreduce_params("gloo", SMALL_CASES[:2], steps=1)
+    rec = G.run_check_subprocess("allreduce_gloo_4ranks", params, 240)
+    assert rec["ok"], rec["error"]
+    assert rec["name"] == "allreduce_gloo_4ranks" and "reference matched" in rec["figures"]["summary"]
+    t0 = time.monotonic()
+    rec = G.run_check_subprocess("allreduce_gloo_4ranks", params, 3)
+    assert not rec["ok"] and rec["error"].startswith("timed out after 3 s") and time.monotonic() - t0 < 30
+    time.sleep(1)
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert not [line for line in ps.splitlines() if G.SELF in line and "--rank-job" in line], "ranks left behind"
