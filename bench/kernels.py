@@ -5,8 +5,13 @@ bits: 12n + n/8 bytes for fp32) and a torch copy moving that many bytes (read + 
 is timed in the same process; the printed ratio is copy time / kernel time, so 1.0 means
 the kernel runs at copy bandwidth. Target (issue 2): >= 0.8.
 
+With --device cuda the kernels run on the GPU and the baseline is a device-to-device copy
+of the same bytes; both are timed with CUDA events over back-to-back launches (the GPU
+time per call, launch gaps included only where the GPU waits for them).
+
     python bench/kernels.py                  # 1M..64M elements, 1 thread and all threads
     python bench/kernels.py --sizes 1M,8M --threads 1 --json out.json
+    python bench/kernels.py --device cuda --sizes 16M,64M,256M --world-size 4,8
 """
 from __future__ import annotations
 
@@ -24,7 +29,30 @@ from lbcomm.cli.units import parse_count
 from lbcomm.reference import chunk_size, num_blocks
 
 
-def median_time(fn, reps: int, min_time: float = 0.2) -> float:
+def cuda_median_time(fn, reps: int, min_time: float = 0.005) -> float:
+    """Median GPU seconds per call of fn, from CUDA events around runs of back-to-back calls
+    (each run lasts about min_time, so that launch overheads overlap the kernels)."""
+    fn()  # warm up: allocator, first launch
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    inner = max(1, min(200, int(min_time / max(start.elapsed_time(end) / 1e3, 1e-7))))
+    times = []
+    for _ in range(reps):
+        start.record()
+        for _ in range(inner):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / inner)
+    return statistics.median(times)
+
+
+def median_time(fn, reps: int, min_time: float = 0.2, device: str = "cpu") -> float:
+    if device == "cuda":
+        return cuda_median_time(fn, reps)
     fn()  # warm up: page faults, thread pool start
     times = []
     start = time.perf_counter()
@@ -37,37 +65,39 @@ def median_time(fn, reps: int, min_time: float = 0.2) -> float:
     return statistics.median(times)
 
 
-def copy_time(nbytes: int, reps: int) -> float:
-    """A torch copy whose read + write traffic is nbytes."""
+def copy_time(nbytes: int, reps: int, device: str = "cpu") -> float:
+    """A torch copy whose read + write traffic is nbytes (device to device on a GPU)."""
     n = max(1, nbytes // 8)
-    src, dst = torch.ones(n, dtype=torch.float32), torch.empty(n, dtype=torch.float32)
-    return median_time(lambda: dst.copy_(src), reps)
+    src = torch.ones(n, dtype=torch.float32, device=device)
+    dst = torch.empty(n, dtype=torch.float32, device=device)
+    return median_time(lambda: dst.copy_(src), reps, device=device)
 
 
-def bench_size(n: int, p: int, block, reps: int):
+def bench_size(n: int, p: int, block, reps: int, device: str = "cpu"):
     m = chunk_size(n, p)
-    x = torch.randn(n)
-    err = torch.randn(p, m) * 0.01
+    x = torch.randn(n, device=device)
+    err = torch.randn(p, m, device=device) * 0.01
     rows = []
 
-    t = median_time(lambda: ops.worker_compress(x, err, block), reps)
+    t = median_time(lambda: ops.worker_compress(x, err, block), reps, device=device)
     traffic = 12 * n + n // 8
     rows.append(("worker_compress", t, traffic))
 
     # The server reduces one chunk of n elements (as if the tensor were p * n long).
     mc = chunk_size(n, 1)
-    packed = torch.randint(0, 256, (p, mc // 8), dtype=torch.uint8)
-    scales = torch.rand(p, num_blocks(mc, block))
-    s_err = torch.randn(mc) * 0.01
-    t = median_time(lambda: ops.server_compress(packed, scales, s_err, block), reps)
+    packed = torch.randint(0, 256, (p, mc // 8), dtype=torch.uint8, device=device)
+    scales = torch.rand(p, num_blocks(mc, block), device=device)
+    s_err = torch.randn(mc, device=device) * 0.01
+    t = median_time(lambda: ops.server_compress(packed, scales, s_err, block), reps, device=device)
     traffic = p * mc // 8 + 8 * mc + mc // 8
     rows.append((f"server_compress(p={p})", t, traffic))
 
     pk, sc = ops.worker_compress(x, err.clone(), block)
-    out = torch.empty(n)  # the allreduce decodes into a caller's buffer: no page faults
-    t = median_time(lambda: ops.unpack_into(pk, sc, block, out), reps)
+    out = torch.empty(n, device=device)  # the allreduce decodes into a caller's buffer: no page faults
+    t = median_time(lambda: ops.unpack_into(pk, sc, block, out), reps, device=device)
     rows.append(("unpack_into", t, n // 8 + 4 * n))
-    return [(name, t, traffic, copy_time(traffic, reps)) for name, t, traffic in rows]
+    del x, err, packed, scales, s_err, pk, sc, out  # free the device memory before the copies
+    return [(name, t, traffic, copy_time(traffic, reps, device)) for name, t, traffic in rows]
 
 
 def main(argv=None):
@@ -75,25 +105,39 @@ def main(argv=None):
     ap.add_argument("--sizes", default="1M,8M,64M")
     ap.add_argument("--threads", default=f"1,{os.cpu_count()}")
     ap.add_argument("--block-size", default=str(lbcomm.DEFAULT_BLOCK_SIZE), help="int or 'none'")
-    ap.add_argument("--world-size", type=int, default=4, help="p: chunks for the worker, ranks for the server")
+    ap.add_argument("--world-size", default="4", help="p, or a comma list: chunks for the worker, ranks for the server")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: GPU kernels against a device-to-device copy (--threads is then ignored)")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
     block = None if args.block_size.lower() == "none" else int(args.block_size)
+    worlds = [int(w) for w in str(args.world_size).split(",")]
     if not ops.HAS_EXTENSION:
         raise SystemExit(f"the fused kernels are not available: {ops.extension_problem()}")
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: no CUDA device is visible to torch "
+                             f"(torch {torch.__version__}, CUDA {torch.version.cuda})")
+        if not torch.ops.lbcomm.built_with_cuda():
+            raise SystemExit("--device cuda: lbcomm was built without its CUDA kernels; rebuild with a CUDA torch and "
+                             "nvcc: LBCOMM_CUDA=1 python setup.py build_ext --inplace")
+        where = f"{torch.cuda.get_device_name()}, device-to-device copy"
+    else:
+        where = f"AVX2={ops.cpu_has_avx2()}"
     print(f"lbcomm kernels vs torch copy of the same bytes; block_size={block}, p={args.world_size}, "
-          f"AVX2={ops.cpu_has_avx2()}, torch {torch.__version__}")
+          f"{where}, torch {torch.__version__}")
     hdr = f"{'op':<24}{'elements':>10}{'threads':>8}{'time ms':>10}{'GB/s':>8}{'copy GB/s':>11}{'ratio':>7}"
     print(hdr)
     print("-" * len(hdr))
     out = []
-    for threads in [int(t) for t in args.threads.split(",")]:
+    thread_counts = [torch.get_num_threads()] if args.device == "cuda" else [int(t) for t in args.threads.split(",")]
+    for threads in thread_counts:
         torch.set_num_threads(threads)
-        for n in [parse_count(s) for s in args.sizes.split(",")]:
-            for name, t, traffic, tc in bench_size(n, args.world_size, block, args.reps):
+        for n, p in [(parse_count(s), p) for s in args.sizes.split(",") for p in worlds]:
+            for name, t, traffic, tc in bench_size(n, p, block, args.reps, args.device):
                 row = dict(op=name, elements=n, threads=threads, time_s=t, gbps=traffic / t / 1e9,
-                           copy_gbps=traffic / tc / 1e9, ratio=tc / t)
+                           copy_gbps=traffic / tc / 1e9, ratio=tc / t, device=args.device, world_size=p)
                 out.append(row)
                 print(f"{name:<24}{n:>10}{threads:>8}{t * 1e3:>10.3f}{row['gbps']:>8.2f}{row['copy_gbps']:>11.2f}"
                       f"{row['ratio']:>7.2f}")
