@@ -30,7 +30,9 @@ class TorchTransport:
     def __init__(self, group=None):
         self.group = group
         self.world_size, self.rank = world_info(group)
-        self.backend = dist.get_backend(group) if self.world_size > 1 else None
+        # Kept at world size 1 too: a one-rank NCCL group still needs CUDA buffers.
+        initialized = dist.is_available() and dist.is_initialized()
+        self.backend = dist.get_backend(group) if initialized else None
 
     def check_device(self, device: torch.device) -> None:
         """Clear error for a tensor the group's backend cannot move."""
@@ -40,9 +42,9 @@ class TorchTransport:
         if backend == "nccl" and device.type != "cuda":
             raise ValueError(f"the process group uses NCCL, which needs CUDA tensors; got a tensor on {device}. "
                              "Use a gloo group for CPU tensors.")
-        if backend == "gloo" and device.type != "cpu":
-            raise ValueError(f"the process group uses gloo, which lbcomm drives with CPU tensors; got a tensor on "
-                             f"{device}. Use an NCCL group for CUDA tensors.")
+        if backend == "gloo" and device.type not in ("cpu", "cuda"):
+            raise ValueError(f"the process group uses gloo, which moves CPU tensors (and CUDA tensors through host "
+                             f"memory); got a tensor on {device}")
 
     def all_to_all(self, out: Tensor, inp: Tensor, async_op: bool = False):
         work = dist.all_to_all_single(out.reshape(-1), inp.reshape(-1), group=self.group, async_op=async_op)
