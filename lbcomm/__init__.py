@@ -3,9 +3,10 @@
 The core (DESIGN.md §1), the optimizers (§3) with their per-rank checkpoints, and the
 DDP communication hooks (§4).
 """
-from . import ddp, ops, optim, reference
+from . import ddp, ops, optim, reference, wire
 from .checkpoint import load_sharded, save_sharded, shard_path
-from .compressed import DEFAULT_BLOCK_SIZE, CompressionState, NonFiniteError, compressed_allreduce
+from .compressed import (DEFAULT_BLOCK_SIZE, CompressionState, NonFiniteError, compressed_allreduce,
+                         compressed_allreduce_)
 from .ddp import OneBitHookState, onebit_hook, onebit_optimizer_fp16_hook, onebit_optimizer_hook
 from .optim import Lamb, OneBitAdam, OneBitLamb
 
@@ -13,6 +14,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CompressionState",
     "compressed_allreduce",
+    "compressed_allreduce_",
     "NonFiniteError",
     "DEFAULT_BLOCK_SIZE",
     "OneBitAdam",
@@ -29,4 +31,5 @@ __all__ = [
     "optim",
     "ddp",
     "reference",
+    "wire",
 ]

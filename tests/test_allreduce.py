@@ -128,7 +128,7 @@ def _run_pieces(rank, p, n0, block, pieces, steps):
     lbcomm.compressed_allreduce(x, skip, out=x)
     untouched = torch.equal(x[:-1], kept[:-1]) and skip.last_skipped
     untouched = untouched and torch.equal(before[0], skip.worker_error) and torch.equal(before[1], skip.server_error)
-    return outs, errors, [hi - lo for lo, hi in cut.pieces], cut.bytes_per_call() - whole.bytes_per_call(), untouched
+    return outs, errors, [hi - lo for lo, hi in cut.piece_spans], cut.bytes_per_call() - whole.bytes_per_call(), untouched
 
 
 @pytest.mark.parametrize("p,n0,block,pieces,lengths", [
@@ -148,7 +148,7 @@ def test_pieces_are_bitwise_the_whole(p, n0, block, pieces, lengths):
 
 
 def _auto_pieces(rank, p):
-    return [len(lbcomm.CompressionState(n, block_size=b).pieces)
+    return [len(lbcomm.CompressionState(n, block_size=b).piece_spans)
             for n, b in ((1000, 2048), (p * PIECE_MIN, 2048), (3 * p * PIECE_MIN, 2048),
                          (64 * p * PIECE_MIN, 2048), (64 * p * PIECE_MIN, None))]
 
