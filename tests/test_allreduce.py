@@ -33,7 +33,10 @@ def _run_steps(rank, p, sizes, block, steps, dtype, use_async):
             elif t % 2:  # odd steps reduce in place through out=
                 out = x.clone()
                 assert lbcomm.compressed_allreduce(out, state, out=out) is out
-            else:
+            elif t % 4 == 2:  # the primary entry point: in place, no allocation
+                out = x.clone()
+                assert lbcomm.compressed_allreduce_(out, state) is out
+            else:  # the deprecated allocating form keeps working
                 out = lbcomm.compressed_allreduce(x, state)
             assert out.dtype == dtype and out.shape == x.shape
             outs.append(out.clone())
