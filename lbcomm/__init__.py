@@ -3,17 +3,20 @@
 The core (DESIGN.md §1), the optimizers (§3) with their per-rank checkpoints, and the
 DDP communication hooks (§4).
 """
-from . import ddp, ops, optim, reference
+from . import ddp, ops, optim, reference, wire
 from .checkpoint import load_sharded, save_sharded, shard_path
-from .compressed import DEFAULT_BLOCK_SIZE, CompressionState, NonFiniteError, compressed_allreduce
+from .compressed import (DEFAULT_BLOCK_SIZE, CompressionState, NonFiniteError, compressed_allreduce,
+                         compressed_allreduce_)
 from .ddp import (OneBitHookState, onebit_hook, onebit_optimizer_bf16_hook, onebit_optimizer_fp16_hook,
                   onebit_optimizer_hook, onebit_optimizer_hook_for)
+from .integrations import attach
 from .optim import Lamb, OneBitAdam, OneBitLamb
 
 __version__ = "0.1.0"
 __all__ = [
     "CompressionState",
     "compressed_allreduce",
+    "compressed_allreduce_",
     "NonFiniteError",
     "DEFAULT_BLOCK_SIZE",
     "OneBitAdam",
@@ -28,8 +31,10 @@ __all__ = [
     "onebit_optimizer_fp16_hook",
     "onebit_optimizer_bf16_hook",
     "onebit_optimizer_hook_for",
+    "attach",
     "ops",
     "optim",
     "ddp",
     "reference",
+    "wire",
 ]

@@ -1,68 +1,114 @@
 """The 1-bit compressed allreduce with two-stage error feedback (DESIGN.md §1), once.
 
-Every backend, optimizer and hook goes through `compressed_allreduce`; transports only
-move bytes. Per call and rank:
+Every entry point, optimizer and hook goes through `reduce_`; transports only move bytes.
+Per call and rank:
 
-    phase 0  worker_compress(x, e)            -> signs + block scales of x + e
+    agree    all_reduce(max) of a small vector    every rank's input finite? same call?
+    phase 0  worker_compress(x, e)            -> signs + block scales of x + e; e updated in place
     phase 1  all-to-all                          rank k receives chunk k from every rank
-    phase 2  server_compress(chunks, s)       -> signs + block scales of the chunk mean + s
+    phase 2  server_compress(chunks, s)       -> signs + block scales of the chunk mean + s; s in place
     phase 3  all-gather                          every rank receives every server chunk
     decode   unpack                            -> approximate mean, bitwise equal on all ranks
 
-Pipelining: with block scales, every block is independent, so each chunk is cut into
-`pieces` runs of whole blocks and the phases run piece by piece: piece s+1 is compressed
-while piece s crosses the network, and the server reduces piece s while later pieces
-travel. Results are bitwise those of one piece (tests check it); a call then costs 2 x
-pieces collectives, so only tensors of at least PIECE_MIN elements per chunk and piece
-are cut (block_size=None, one scale per tensor, is never cut).
+Entry points: `compressed_allreduce_(tensor, state)` reduces in place and allocates nothing
+(torch's `dist.all_reduce` convention); `compressed_allreduce(tensor, state, out=out)`
+returns the result in `out`; `reduce_(state, source, sink)` is the one call under both, and
+also takes callables that produce the input and consume the result range by range, so the
+optimizers never materialize a model-sized copy of either.
 
-Wire rows: a piece's sign bytes, its fp32 block scales, then a 24-byte header (numel,
-call count, block size, piece, pieces), so every rank sees every other rank's header in
-the all-to-all: ranks that call with different tensors, or out of step, all raise the
-same clear error. Different row lengths would abort the process inside gloo, so each
-state first checks the layout once with a fixed-size all-gather (its first call). New
-errors are written to spare buffers and swapped in only after the last all-gather, once
-every rank has seen every server scale: a non-finite value anywhere is detected
-identically everywhere and leaves the error state exactly as it was; the output is
-decoded only then, so `out` is untouched by a skipped call.
+One schedule: the collective order of a call is written once (`_Call.steps`, a generator
+that yields each future it must wait for); the sync driver waits on them in turn, the async
+driver resumes the generator from each future's callback. Every rank issues the same
+collectives in the same order either way.
+
+Pipelining: with block scales, every block is independent, so each chunk is cut into
+pieces (runs of whole blocks, `CompressionState.piece_spans`) and the phases run piece by
+piece: piece s+1 is compressed while piece s crosses the network, and the server reduces
+piece s while later pieces travel. Results are bitwise those of one piece (tests check it);
+a call then costs 2 x pieces collectives, so only tensors of at least PIECE_MIN elements
+per chunk and piece are cut (block_size=None, one scale per tensor, is never cut).
+
+Wire rows (lbcomm.wire): a piece's sign bytes, its fp32 block scales, then a 24-byte
+header (numel, call count, block size, piece, pieces), so every rank sees every other
+rank's header in the all-to-all. Different row lengths would abort the process inside
+gloo, so each state first checks the layout once with a fixed-size all-gather (its first
+call).
+
+Non-finite input and the error buffers (no spare copies: the state is 4 bytes per element
+for the worker error, 4 / p for the server error, about 0.4 for the wire buffers). Before
+phase 0 writes anything, every rank checks its own input (`isfinite(x.sum())`, an exact
+check only when that sum is not finite) and one small all_reduce(max) tells every rank
+whether any rank saw NaN/Inf, and whether every rank makes the same call (size, block
+size, call count: ranks out of step raise before any error changes). A non-finite input
+then skips (or raises) on every rank with both error buffers exactly as they were.
+Otherwise the errors are updated in place. One case is left: every input finite but x + e
+or the server's sum overflowing float32 (|values| near 3e38). Every rank holds every server
+scale after phase 3, so all see it alike; the errors have already changed, so both error
+buffers are reset to zero on every rank and the call skips or raises with a message that
+says so. A caller that has already agreed on finiteness with the other ranks passes
+`checked=True` to `reduce_` and saves the small all_reduce (every rank must then pass it).
 """
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, Optional, Union
+import warnings
+from typing import Any, Callable, Dict, Generator, List, NamedTuple, Optional, Union
 
 import torch
 from torch import Tensor
 
 from . import ops
 from .comm import get_transport
-from .reference import ALIGN, chunk_size, num_blocks
+from .common import FLOAT_DTYPES, NONFINITE_POLICIES, completed_future, new_future
+from .wire import (
+    ALIGN,
+    agreement_vector,
+    block_ranges,
+    check_block_size,
+    check_headers,
+    chunk_size,
+    encode_header,
+    piece_spans,
+    read_agreement,
+    row_layout,
+)
 
-__all__ = ["CompressionState", "compressed_allreduce", "NonFiniteError", "DEFAULT_BLOCK_SIZE", "PIECE_MIN"]
+__all__ = ["CompressionState", "compressed_allreduce_", "compressed_allreduce", "reduce_", "NonFiniteError",
+           "DEFAULT_BLOCK_SIZE", "PIECE_MIN"]
 
 _log = logging.getLogger(__name__)
 
 # Elements per scale block. Chosen by the convergence measurements in bench/convergence.py
 # (README, "Choosing the block size"); 1.6 % of the sign bits in scale overhead.
 DEFAULT_BLOCK_SIZE = 2048
-_FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16)
-_NONFINITE = ("raise", "skip")
-_HEADER = 24  # int32 numel low, numel high, call count, block size (0: none), piece, pieces
 # Automatic pipelining: pieces of at least PIECE_MIN elements of a chunk (256 KB of sign
 # bits per row), at most MAX_PIECES. Measured at 1 Gbit/s (README, "Pipelining").
 PIECE_MIN = 1 << 21
 MAX_PIECES = 4
+# Elements of the staging buffer through which callable sources and sinks run (1 MB),
+# rounded down to whole blocks (at least one block).
+STAGING_MIN = 1 << 18
+
+# The old private name, still imported by modules that have not moved to lbcomm.wire.
+_check_block_size = check_block_size
+
+Source = Union[Tensor, Callable[[int, int, Tensor], Any]]
+Sink = Union[Tensor, Callable[[int, int, Tensor], Any]]
 
 
 class NonFiniteError(FloatingPointError):
-    """A compressed allreduce saw NaN/Inf; raised on every rank, error state untouched."""
+    """A compressed allreduce saw NaN/Inf; raised on every rank (the message says whether
+    the error buffers are unchanged or were reset)."""
 
 
-def _check_block_size(block_size: Optional[int]) -> None:
-    if block_size is None:
-        return
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0 or block_size % ALIGN:
-        raise ValueError(f"Invalid block_size: {block_size!r} (use None or a positive multiple of {ALIGN})")
+class _WireBuffers(NamedTuple):
+    """The uint8 buffers of one piece: rows sent to / received from every rank in the
+    all-to-all, this rank's server row, and every rank's server row after the all-gather."""
+
+    send: Tensor  # [p, row_bytes]
+    recv: Tensor  # [p, row_bytes]
+    server_send: Tensor  # [row_bytes]
+    gathered: Tensor  # [p, row_bytes]
 
 
 class CompressionState:
@@ -76,9 +122,10 @@ class CompressionState:
         block_size (int or None, optional): elements per scale block, a multiple of 32;
             None selects the published single-scale algorithm (default: 2048).
         nonfinite (str, optional): what a call does when an input holds NaN/Inf:
-            "raise" a NonFiniteError on every rank, or "skip" (the result is all NaN,
-            ``last_skipped`` is True). Errors stay exactly as before either way.
-            (default: "raise")
+            "raise" a NonFiniteError on every rank, or "skip" (the call returns False /
+            leaves its output alone, ``last_skipped`` is True). The error buffers stay
+            exactly as before (or are reset to zero when finite inputs overflowed float32;
+            see the module docs) (default: "raise").
         backend (str, optional): "torch" (a torch.distributed group), "mpi" (mpi4py; `group`
             is then an mpi4py communicator) or "auto": torch.distributed when initialized,
             else MPI under mpirun; see `lbcomm.comm.get_transport` (default: "auto").
@@ -91,6 +138,7 @@ class CompressionState:
     Attributes:
         worker_error (Tensor): this rank's worker error, n (padded numel) fp32 elements.
         server_error (Tensor): the error of the chunk this rank serves, n / p elements.
+        piece_spans (list of (int, int)): the [lo, hi) element spans of a chunk's pieces.
     """
 
     def __init__(
@@ -107,9 +155,9 @@ class CompressionState:
     ):
         if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
             raise ValueError(f"Invalid numel: {numel!r} (must be a non-negative int)")
-        _check_block_size(block_size)
-        if nonfinite not in _NONFINITE:
-            raise ValueError(f"Invalid nonfinite policy: {nonfinite!r} (use one of {_NONFINITE})")
+        check_block_size(block_size)
+        if nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"Invalid nonfinite policy: {nonfinite!r} (use one of {NONFINITE_POLICIES})")
         self.transport = transport if transport is not None else get_transport(group, backend=backend)
         self.group = group
         self.world_size = self.transport.world_size
@@ -125,12 +173,15 @@ class CompressionState:
         self.block_size = block_size
         self.nonfinite = nonfinite
         self.chunk = chunk_size(numel, self.world_size)  # m: elements per rank's chunk
-        self._set_pieces(self._count_pieces(pieces))
+        count = self._count_pieces(pieces)
+        one = self.world_size == 1
+        self.piece_spans = [(0, self.chunk)] if one else piece_spans(self.chunk, block_size, count)
+        self._row_layouts = [row_layout(hi - lo, block_size) for lo, hi in self.piece_spans]
         f32 = dict(dtype=torch.float32, device=self.device)
-        self._worker = torch.zeros(self.world_size, self.chunk, **f32)
-        self._server = torch.zeros(self.chunk, **f32)
-        self._spare: Optional[tuple] = None  # (worker, server) receiving the next errors
-        self._bufs: Optional[tuple] = None  # wire buffers, allocated on first use
+        self._worker_error = torch.zeros(self.world_size, self.chunk, **f32)
+        self._server_error = torch.zeros(self.chunk, **f32)
+        self._wire: Optional[List[_WireBuffers]] = None  # allocated on first use
+        self._staging: Optional[Tensor] = None  # fp32, for callable sources/sinks and half outputs
         self._busy = False
         self._verified = False
         self.calls = 0
@@ -140,19 +191,27 @@ class CompressionState:
     # ------------------------------------------------------------------ state
     @property
     def worker_error(self) -> Tensor:
-        return self._worker.view(-1)
+        return self._worker_error.view(-1)
 
     @property
     def server_error(self) -> Tensor:
-        return self._server
+        return self._server_error
 
     @property
     def padded_numel(self) -> int:
         return self.chunk * self.world_size
 
+    @property
+    def pieces(self) -> list:
+        """Deprecated alias of `piece_spans` (the constructor's `pieces` is a count)."""
+        warnings.warn("CompressionState.pieces is deprecated; use CompressionState.piece_spans", DeprecationWarning,
+                      stacklevel=2)
+        return self.piece_spans
+
     def bytes_per_call(self) -> int:
-        """Bytes this rank sends per call (all collectives, own chunk excluded)."""
-        return 2 * (self.world_size - 1) * sum(self._rows) if self.world_size > 1 else 0
+        """Bytes this rank sends per call in the all-to-alls and all-gathers (own chunk
+        excluded); the finiteness agreement adds one all_reduce of 104 bytes."""
+        return 2 * (self.world_size - 1) * sum(r.row_bytes for r in self._row_layouts) if self.world_size > 1 else 0
 
     def _count_pieces(self, pieces: Optional[int]) -> int:
         """Pieces per chunk: the requested count, or automatically one per PIECE_MIN
@@ -167,21 +226,10 @@ class CompressionState:
             return 1
         return min(MAX_PIECES, max(1, self.chunk // PIECE_MIN))
 
-    def _set_pieces(self, count: int) -> None:
-        m, block = self.chunk, self.block_size
-        if block is None or self.world_size == 1 or m <= block or count <= 1:
-            self.pieces = [(0, m)]
-        else:
-            per = -(-m // count)
-            q = -(-per // block) * block  # m / count, rounded up to whole blocks
-            self.pieces = [(lo, min(lo + q, m)) for lo in range(0, m, q)]
-        # bytes per row (one chunk's piece) on the wire
-        self._rows = [(hi - lo) // 8 + 4 * num_blocks(hi - lo, block) + _HEADER for lo, hi in self.pieces]
-
     def reset(self) -> None:
         """Zero both error buffers (e.g. after a change of world size)."""
-        self._worker.zero_()
-        self._server.zero_()
+        self._worker_error.zero_()
+        self._server_error.zero_()
 
     def state_dict(self) -> Dict[str, Any]:
         """This rank's error buffers and the layout they belong to (one shard per rank)."""
@@ -190,8 +238,8 @@ class CompressionState:
             "world_size": self.world_size,
             "rank": self.rank,
             "block_size": self.block_size,
-            "worker_error": self._worker.clone(),
-            "server_error": self._server.clone(),
+            "worker_error": self._worker_error.clone(),
+            "server_error": self._server_error.clone(),
             "calls": self.calls,
             "skipped": self.skipped,
         }
@@ -214,8 +262,8 @@ class CompressionState:
             )
             self.reset()
             return False
-        self._worker.copy_(sd["worker_error"].reshape(self._worker.shape))
-        self._server.copy_(sd["server_error"].reshape(self._server.shape))
+        self._worker_error.copy_(sd["worker_error"].reshape(self._worker_error.shape))
+        self._server_error.copy_(sd["server_error"].reshape(self._server_error.shape))
         return True
 
     def _ensure_idle(self) -> None:
@@ -223,59 +271,118 @@ class CompressionState:
             raise RuntimeError("a compressed allreduce on this CompressionState is still in flight; wait for its "
                                "future before starting another call or touching its state")
 
-    def _buffers(self):
-        """Per piece: (send [p, row], receive [p, row], server send [row], gathered [p, row])."""
-        if self._bufs is None:
+    def _wire_buffers(self) -> List[_WireBuffers]:
+        if self._wire is None:
             p = self.world_size
             u8 = dict(dtype=torch.uint8, device=self.device)
-            self._spare = (torch.empty_like(self._worker), torch.empty_like(self._server))
-            self._bufs = [(torch.empty(p, row, **u8), torch.empty(p, row, **u8), torch.empty(row, **u8),
-                           torch.empty(p, row, **u8)) for row in self._rows]
+            self._wire = [_WireBuffers(torch.empty(p, r.row_bytes, **u8), torch.empty(p, r.row_bytes, **u8),
+                                       torch.empty(r.row_bytes, **u8), torch.empty(p, r.row_bytes, **u8))
+                          for r in self._row_layouts]
             _log.info("lbcomm: compressed allreduce of %s elements over %s ranks: chunk %s, block_size %s, "
                       "%s piece(s), %s bytes sent per call", self.numel, p, self.chunk, self.block_size,
-                      len(self.pieces), self.bytes_per_call())
-        return self._bufs
+                      len(self.piece_spans), self.bytes_per_call())
+        return self._wire
+
+    @property
+    def _staging_cap(self) -> int:
+        """Elements per range of a callable source or sink: whole blocks (ALIGN words
+        without block scales), about STAGING_MIN."""
+        unit = self.block_size or ALIGN
+        return max(unit, STAGING_MIN // unit * unit)
+
+    def _staging_buffer(self, n: int) -> Tensor:
+        """A reused fp32 buffer of at least n elements."""
+        if self._staging is None or self._staging.numel() < n:
+            self._staging = torch.empty(n, dtype=torch.float32, device=self.device)
+        return self._staging
 
 
 class _Call:
-    """One compressed allreduce in flight: the phases, shared by the sync and async drivers."""
+    """One compressed allreduce: validation, the schedule and the phases."""
 
-    def __init__(self, tensor: Tensor, state: CompressionState, group, out: Optional[Tensor]):
+    def __init__(self, name: str, state: CompressionState, source: Source, sink: Sink, checked: bool,
+                 result: Callable[[bool], Any]):
         if not isinstance(state, CompressionState):
-            raise TypeError(f"compressed_allreduce: state must be a CompressionState, got {type(state).__name__}")
-        if not isinstance(tensor, Tensor):
-            raise TypeError(f"compressed_allreduce: expected a tensor, got {type(tensor).__name__}")
-        if tensor.dtype not in _FLOAT_TYPES:
-            raise TypeError(f"compressed_allreduce: expected a float32/float16/bfloat16 tensor, got {tensor.dtype}")
-        if tensor.numel() != state.numel:
-            raise ValueError(f"compressed_allreduce: the tensor has {tensor.numel()} elements but the state was built "
-                             f"for {state.numel}; use one CompressionState per tensor size")
-        if tensor.device != state.device:
-            raise ValueError(f"compressed_allreduce: the tensor is on {tensor.device} but the state's error buffers "
-                             f"are on {state.device}; build the state with device={tensor.device!s}")
-        if group is not None and group is not state.group:
-            raise ValueError("compressed_allreduce: the state was built for another process group; build one "
-                             "CompressionState per group")
-        if out is not None and (not isinstance(out, Tensor) or out.dtype not in _FLOAT_TYPES
-                                or out.numel() != tensor.numel() or out.device != tensor.device):
-            raise ValueError("compressed_allreduce: out must be a float32/float16/bfloat16 tensor with as many "
-                             "elements as the input, on the same device")
+            raise TypeError(f"{name}: state must be a CompressionState, got {type(state).__name__}")
+        self.name, self.state, self.checked, self.result = name, state, bool(checked), result
+        if isinstance(source, Tensor):
+            self._check_tensor(source, "the tensor")
+        elif not callable(source):
+            raise TypeError(f"{name}: expected a tensor or a callable source(lo, hi, buf), got {type(source).__name__}")
+        elif not checked:
+            raise ValueError(f"{name}: a callable source cannot be checked for NaN/Inf before the call; agree on "
+                             "finiteness with the other ranks first and pass checked=True, or pass a tensor")
+        if isinstance(sink, Tensor):
+            self._check_tensor(sink, "the output")
+        elif not callable(sink):
+            raise TypeError(f"{name}: expected a tensor or a callable sink(lo, hi, values), got {type(sink).__name__}")
         state._ensure_idle()
-        self.tensor, self.state, self.out = tensor, state, out
-        self.flat: Optional[Tensor] = None  # the input as one flat view (made when cut into pieces)
+        self.source, self.sink = source, sink
+        self.flat_source: Optional[Tensor] = None  # the tensor source as one flat view (made on first use)
 
-    def _header(self, piece: int) -> Tensor:
+    def _check_tensor(self, t: Tensor, what: str) -> None:
         st = self.state
-        return torch.tensor([st.numel & 0x7FFFFFFF, st.numel >> 31, st.calls & 0x7FFFFFFF, st.block_size or 0,
-                             piece, len(st.pieces)], dtype=torch.int32)
+        if t.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{self.name}: expected a float32/float16/bfloat16 tensor, got {t.dtype} ({what})")
+        if t.numel() != st.numel:
+            raise ValueError(f"{self.name}: {what} has {t.numel()} elements but the state was built for {st.numel}; "
+                             "use one CompressionState per tensor size")
+        if t.device != st.device:
+            raise ValueError(f"{self.name}: {what} is on {t.device} but the state's error buffers are on "
+                             f"{st.device}; build the state with device={t.device!s}")
 
-    def _handshake(self) -> None:
+    # ---------------------------------------------------------------- schedule
+    def steps(self) -> Generator[torch.futures.Future, None, Any]:
+        """The collective order of a call, once: yields each future the call must wait for
+        and returns `result(applied)`."""
+        st, tr = self.state, self.state.transport
+        if st.world_size == 1 or st.numel == 0:  # nothing to communicate: the result is the input
+            self._copy_through()
+            return self.result(True)
+        st._busy = True
+        try:
+            if not st._verified:
+                yield from self._handshake()
+            if not self.checked:
+                vec = agreement_vector(self._header(0), not self._input_finite()).to(st.device)
+                fut = tr.all_reduce(vec, "max", async_op=True)
+                yield fut
+                fut.value()
+                if read_agreement(vec, "the error buffers are unchanged"):
+                    return self.result(self._conclude(False, errors_changed=False))
+            wire = st._wire_buffers()
+            count = len(st.piece_spans)
+            # The all-to-alls of all pieces (each as soon as its piece is compressed), then
+            # the all-gathers in piece order (each as soon as its all-to-all has arrived).
+            sent = [tr.all_to_all(wire[s].recv, self._compress_piece(s), async_op=True) for s in range(count)]
+            gathered = []
+            for s in range(count):
+                yield sent[s]
+                sent[s].value()
+                gathered.append(tr.all_gather(wire[s].gathered, self._serve_piece(s), async_op=True))
+            for fut in gathered:
+                yield fut
+                fut.value()
+            # Every rank holds every server scale now, so all reach the same verdict.
+            finite = all(bool(torch.isfinite(self._scales(w.gathered, s)).all()) for s, w in enumerate(wire))
+            if not self._conclude(finite, errors_changed=True):
+                return self.result(False)
+            self._decode()
+            return self.result(True)
+        finally:
+            st._busy = False
+
+    def _handshake(self):
         """Once per state: every rank's layout, compared before any variable-size collective."""
         st = self.state
-        mine = torch.tensor([st.numel, st.block_size or 0, st.chunk, st.calls, len(st.pieces)], dtype=torch.int64)
+        mine = torch.tensor([st.numel, st.block_size or 0, st.chunk, st.calls, len(st.piece_spans)],
+                            dtype=torch.int64)
         k = mine.numel()
         everyone = torch.empty(st.world_size * k, dtype=torch.int64, device=st.device)
-        st.transport.all_gather(everyone.view(torch.uint8), mine.to(st.device).view(torch.uint8))
+        local = mine.to(st.device)
+        fut = st.transport.all_gather(everyone.view(torch.uint8), local.view(torch.uint8), async_op=True)
+        yield fut
+        fut.value()
         rows = everyone.view(st.world_size, k).cpu()
         if not bool((rows == mine).all()):
             desc = ", ".join(f"rank {r}: numel={int(v[0])} block_size={int(v[1]) or None} calls={int(v[3])} "
@@ -284,184 +391,301 @@ class _Call:
                              f"({desc}); every rank must reduce the same sizes in the same order")
         st._verified = True
 
-    def _check_headers(self, rows: Tensor, piece: int) -> None:
-        heads = rows[:, -_HEADER:].contiguous().view(torch.int32).cpu()
-        mine = self._header(piece)
-        if not bool((heads == mine).all()):
-            desc = ", ".join(f"rank {r}: numel={int(h[0]) + (int(h[1]) << 31)} call={int(h[2])} "
-                             f"block_size={int(h[3]) or None} piece={int(h[4])}/{int(h[5])}"
-                             for r, h in enumerate(heads))
-            raise ValueError("compressed_allreduce: ranks called with different tensors or are out of step "
-                             f"({desc}); the error buffers are unchanged")
-
-    def _piece(self, s: int):
-        """(lo, hi, sign bytes, end of the scales) of piece s, in elements and row bytes."""
-        lo, hi = self.state.pieces[s]
-        return lo, hi, (hi - lo) // 8, self.state._rows[s] - _HEADER
-
-    def phase0(self, s: int) -> Tensor:
-        """Worker compress of piece s of every chunk into its send rows."""
+    def _header(self, piece: int) -> Tensor:
         st = self.state
-        send = st._buffers()[s][0]
-        if not st._verified:
-            self._handshake()
-        st._busy = True
-        lo, hi, q8, sc_end = self._piece(s)
-        if len(st.pieces) == 1:  # the whole tensor (the only way with one scale for everything)
-            rows = [(ops.worker_compress(self.tensor, st._worker, st.block_size, error_out=st._spare[0]), slice(None))]
+        return encode_header(st.numel, st.calls, st.block_size, piece, len(st.piece_spans))
+
+    def _input_finite(self) -> bool:
+        """Whether this rank's (tensor) input is all finite: one cheap pass (the sum is
+        finite only if every element is), the exact check only when the sum is not (an
+        overflowing sum of finite values must not skip a call)."""
+        if bool(torch.isfinite(self.source.sum(dtype=torch.float32))):
+            return True
+        return bool(torch.isfinite(self.source).all())
+
+    def _conclude(self, finite: bool, *, errors_changed: bool) -> bool:
+        """Count the call; for a non-finite verdict reset the errors if they changed, then
+        raise or return False per the state's policy. Every rank reaches the same verdict."""
+        st = self.state
+        st.calls += 1
+        st.last_skipped = not finite
+        if finite:
+            return True
+        st.skipped += 1
+        if errors_changed:
+            st.reset()
+            what = ("a block scale overflowed to Inf/NaN although every rank's input was checked finite: x + error "
+                    "or the server's sum went beyond the float32 range (|values| near 3e38), or an input was not "
+                    "finite under checked=True. The error feedback was reset to zero on every rank")
         else:
-            if self.flat is None:
-                self.flat = self.tensor.reshape(-1)
-            m, n0 = st.chunk, st.numel
-            rows = [(ops.worker_compress(self.flat[j * m + lo:max(j * m + lo, min(j * m + hi, n0))],
-                                         st._worker[j, lo:hi], st.block_size, error_out=st._spare[0][j, lo:hi]), j)
-                    for j in range(st.world_size)]
-        for (packed, scales), j in rows:
-            send[j, :q8].copy_(packed)
-            send[j, q8:sc_end].view(torch.float32).copy_(scales)
-        send[:, sc_end:].copy_(self._header(s).view(torch.uint8))
+            what = "the input holds NaN or Inf on at least one rank (the error buffers are unchanged)"
+        if st.nonfinite == "raise":
+            raise NonFiniteError(f"{self.name}: {what}; check for overflow, or pass nonfinite='skip' to the "
+                                 "CompressionState")
+        _log.debug("%s: skipped: %s", self.name, what)
+        return False
+
+    # ---------------------------------------------------------------- phases
+    def _input(self, lo: int, hi: int) -> Tensor:
+        """Input elements [lo, hi): a view of a tensor source, or a callable source's
+        values in the staging buffer."""
+        if isinstance(self.source, Tensor):
+            if self.flat_source is None:
+                self.flat_source = self.source.reshape(-1)
+            return self.flat_source[lo:hi]
+        buf = self.state._staging_buffer(max(hi - lo, self.state._staging_cap))[:hi - lo]
+        if hi > lo:
+            self.source(lo, hi, buf)
+        return buf
+
+    def _scales(self, rows: Tensor, s: int) -> Tensor:
+        layout = self.state._row_layouts[s]
+        return rows[..., layout.sign_bytes:layout.scales_end].view(torch.float32)
+
+    def _compress_piece(self, s: int) -> Tensor:
+        """Phase 0: worker compress of piece s of every chunk into its send rows, the
+        worker error updated in place."""
+        st = self.state
+        send, layout = st._wire[s].send, st._row_layouts[s]
+        lo, hi = st.piece_spans[s]
+        q8, block, m, n0 = layout.sign_bytes, st.block_size, st.chunk, st.numel
+        if len(st.piece_spans) == 1 and (block is None or isinstance(self.source, Tensor)):
+            # one kernel call over every chunk (the only way with one scale for everything)
+            packed, scales = ops.worker_compress(self._input(0, n0), st._worker_error, block)
+            send[:, :q8].copy_(packed)
+            self._scales(send, s).copy_(scales)
+        else:
+            cap = hi - lo if isinstance(self.source, Tensor) else st._staging_cap
+            for j in range(st.world_size):
+                for a, b in block_ranges(lo, hi, block, cap):
+                    g0 = j * m + a
+                    x = self._input(g0, max(g0, min(j * m + b, n0)))
+                    packed, scales = ops.worker_compress(x, st._worker_error[j, a:b], block)
+                    send[j, (a - lo) // 8:(b - lo) // 8].copy_(packed)
+                    first = (a - lo) // block
+                    self._scales(send[j], s)[first:first + scales.numel()].copy_(scales)
+        send[:, layout.scales_end:].copy_(self._header(s).view(torch.uint8))
         return send
 
-    def phase2(self, s: int) -> Tensor:
-        """Server reduce + compress of piece s of this rank's chunk into its all-gather row."""
+    def _serve_piece(self, s: int) -> Tensor:
+        """Phase 2: server reduce + compress of piece s of this rank's chunk into its
+        all-gather row, the server error updated in place."""
         st = self.state
-        _, recv, gsend, _ = st._bufs[s]
-        self._check_headers(recv, s)  # every rank sees every header: all raise, or none
-        lo, hi, q8, sc_end = self._piece(s)
+        wire, layout = st._wire[s], st._row_layouts[s]
+        try:  # every rank sees every header: all raise, or none
+            check_headers(wire.recv, self._header(s), "the error buffers were reset to zero on every rank")
+        except ValueError:
+            st.reset()  # phase 0 has already updated the worker error
+            raise
+        lo, hi = st.piece_spans[s]
         real = min(max(st.numel - st.rank * st.chunk - lo, 0), hi - lo)
-        packed, scales = ops.server_compress(recv[:, :q8], recv[:, q8:sc_end].view(torch.float32),
-                                             st._server[lo:hi], st.block_size, real, error_out=st._spare[1][lo:hi])
-        gsend[:q8].copy_(packed)
-        gsend[q8:sc_end].view(torch.float32).copy_(scales)
-        gsend[sc_end:].copy_(self._header(s).view(torch.uint8))
-        return gsend
+        packed, scales = ops.server_compress(wire.recv[:, :layout.sign_bytes], self._scales(wire.recv, s),
+                                             st._server_error[lo:hi], st.block_size, real)
+        wire.server_send[:layout.sign_bytes].copy_(packed)
+        self._scales(wire.server_send, s).copy_(scales)
+        wire.server_send[layout.scales_end:].copy_(self._header(s).view(torch.uint8))
+        return wire.server_send
 
-    def finish(self) -> Tensor:
-        st = self.state
-        pieces = [(st._bufs[s][3], *self._piece(s)) for s in range(len(st.pieces))]
-        st.calls += 1
-        st._busy = False
-        # Every rank holds every server scale now, so all reach the same verdict.
-        if not all(bool(torch.isfinite(g[:, q8:end].view(torch.float32)).all()) for g, _, _, q8, end in pieces):
-            st.skipped += 1
-            st.last_skipped = True
-            if st.nonfinite == "raise":
-                raise NonFiniteError(
-                    "compressed_allreduce: the input holds NaN or Inf on at least one rank (the error buffers are "
-                    "unchanged); check for overflow, or pass nonfinite='skip' to the CompressionState")
-            return self.out if self.out is not None else torch.full_like(self.tensor, float("nan"))
-        st.last_skipped = False
-        (new_worker, new_server), st._spare = st._spare, (st._worker, st._server)
-        st._worker, st._server = new_worker, new_server
-        out = self.out if self.out is not None else torch.empty_like(self.tensor, memory_format=torch.contiguous_format)
-        if len(pieces) == 1:
-            g, _, _, q8, end = pieces[0]
-            return ops.unpack_into(g[:, :q8], g[:, q8:end].view(torch.float32), st.block_size, out)
-        direct = out.dtype == torch.float32 and out.is_contiguous()
-        flat = out.view(-1) if direct else torch.empty(st.numel, dtype=torch.float32, device=out.device)
-        m, n0 = st.chunk, st.numel
-        for g, lo, hi, q8, end in pieces:
-            for k in range(st.world_size):
-                a, b = k * m + lo, min(k * m + hi, n0)
-                if b > a:
-                    ops.unpack_into(g[k:k + 1, :q8], g[k:k + 1, q8:end].view(torch.float32), st.block_size, flat[a:b])
-        if not direct:
-            out.copy_(flat.view(out.shape))
-        return out
+    def _decode(self) -> None:
+        """Decode every server chunk into the sink: straight into a contiguous float32
+        tensor, else range by range (whole blocks) through the staging buffer."""
+        st, sink = self.state, self.sink
+        block, m, n0 = st.block_size, st.chunk, st.numel
+        whole, write, copy_back = self._sink_target()
+        if whole is not None and len(st.piece_spans) == 1:
+            g = st._wire[0].gathered
+            ops.unpack_into(g[:, :st._row_layouts[0].sign_bytes], self._scales(g, 0), block, whole)
+        else:
+            for s, (lo, hi) in enumerate(st.piece_spans):
+                g = st._wire[s].gathered
+                for k in range(st.world_size):
+                    for a, b in block_ranges(lo, hi, block, hi - lo if write is None else st._staging_cap):
+                        g0, g1 = k * m + a, min(k * m + b, n0)
+                        if g1 <= g0:
+                            continue
+                        first = (a - lo) // block if block else 0
+                        count = -(-(b - a) // block) if block else 1
+                        scales = self._scales(g[k:k + 1], s)[:, first:first + count]
+                        out = whole[g0:g1] if write is None else st._staging_buffer(st._staging_cap)[:g1 - g0]
+                        ops.unpack_into(g[k:k + 1, (a - lo) // 8:(b - lo) // 8], scales, block, out)
+                        if write is not None:
+                            write(g0, g1, out)
+        if copy_back:
+            sink.copy_(whole.view(sink.shape))
 
-    def abort(self) -> None:
-        self.state._busy = False
+    def _sink_target(self):
+        """(whole, write, copy_back): a flat float32 tensor that takes the result directly
+        (the sink itself, or a temporary for a non-contiguous sink, then copy_back), or a
+        write(lo, hi, values) callback fed range by range (a callable or half sink)."""
+        sink = self.sink
+        if not isinstance(sink, Tensor):
+            return None, sink, False
+        if not sink.is_contiguous():
+            return torch.empty(self.state.numel, dtype=torch.float32, device=self.state.device), None, True
+        flat = sink.view(-1)
+        if sink.dtype == torch.float32:
+            return flat, None, False
+        return None, lambda lo, hi, values: flat[lo:hi].copy_(values), False
+
+    def _copy_through(self) -> None:
+        """One rank (or nothing to reduce): the sink receives the input unchanged."""
+        source, sink, st = self.source, self.sink, self.state
+        if isinstance(source, Tensor) and isinstance(sink, Tensor):
+            if sink is not source:
+                sink.copy_(source.reshape(sink.shape))
+            return
+        whole, write, copy_back = self._sink_target()
+        for lo, hi in block_ranges(0, st.numel, None, st._staging_cap):
+            values = self._input(lo, hi)
+            if write is None:
+                whole[lo:hi].copy_(values)
+                continue
+            buf = st._staging_buffer(st._staging_cap)[:hi - lo]
+            if buf.data_ptr() != values.data_ptr():
+                buf.copy_(values)
+            write(lo, hi, buf)
+        if copy_back:
+            sink.copy_(whole.view(sink.shape))
 
 
-def _future(device: torch.device) -> torch.futures.Future:
-    # A CUDA-aware future records the producing stream, so waiters on other streams sync.
-    return torch.futures.Future(devices=[device]) if device.type == "cuda" else torch.futures.Future()
+def _drive(call: _Call, async_op: bool):
+    """Run a call's schedule: blocking (wait on each future), or from future callbacks
+    (returns a Future of the result). Errors before the first collective raise here."""
+    steps = call.steps()
+    if not async_op:
+        try:
+            fut = next(steps)
+            while True:
+                fut.wait()
+                fut = steps.send(None)
+        except StopIteration as done:
+            return done.value
+        finally:
+            steps.close()  # a failed wait: leave the schedule (its finally marks the state idle)
+    result = new_future(call.state.device)
+    try:
+        first = next(steps)
+    except StopIteration as done:
+        result.set_result(done.value)
+        return result
+
+    def advance(_=None) -> None:
+        try:
+            fut = next(steps)
+        except StopIteration as done:
+            result.set_result(done.value)
+            return
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's future
+            steps.close()
+            result.set_exception(exc)
+            return
+        fut.add_done_callback(advance)
+
+    first.add_done_callback(advance)
+    return result
+
+
+def reduce_(state: CompressionState, source: Source, sink: Sink, *, checked: bool = False, async_op: bool = False):
+    """The compressed allreduce that every entry point, optimizer and hook goes through:
+    the approximate MEAN of `source` over the ranks of the state's group, into `sink`.
+
+    Args:
+        state (CompressionState): this rank's error feedback for this size.
+        source (Tensor or callable): a float32/float16/bfloat16 tensor of `state.numel`
+            elements on `state.device` (read before the sink is written, so it may be the
+            sink itself), or ``source(lo, hi, buf)`` that writes input elements [lo, hi)
+            (flat indices into the unpadded input) as fp32 into the 1-D fp32 tensor `buf`
+            of hi - lo elements. A callable source is called range by range (runs of whole
+            blocks, each range once) through a staging buffer of about STAGING_MIN
+            elements owned by the state, so the whole input never exists at once. With
+            block_size=None (one scale for the whole tensor) the staging buffer must hold
+            the whole input: it is allocated at full size in that case only.
+        sink (Tensor or callable): a float32/float16/bfloat16 tensor of `state.numel`
+            elements that receives the result (decoded without allocating when it is
+            contiguous float32), or ``sink(lo, hi, values)`` that receives the fp32 result
+            elements [lo, hi) range by range (whole blocks, bounded staging; `values` is
+            reused after the callback returns). Untouched (not called) by a skipped call.
+        checked (bool, optional): the caller guarantees that every rank has already
+            agreed that every rank's input is finite: the call skips its own finiteness
+            agreement (one small all_reduce). Every rank must pass the same value.
+            Required for a callable source (default: False).
+        async_op (bool, optional): return a torch.futures.Future of the result; the
+            collectives are chained through callbacks without blocking. Keep one async call
+            in flight per process group (on torch.distributed: later collectives are issued
+            from callbacks, so two concurrent calls could interleave differently on
+            different ranks; the wire headers then make every rank raise) (default: False).
+
+    Returns:
+        True when the result was written, False when the call was skipped for non-finite
+        values with ``nonfinite="skip"`` (or a Future of that bool). With
+        ``nonfinite="raise"`` a NonFiniteError is raised instead (on every rank). With one
+        rank nothing is compressed: the sink receives the input unchanged.
+    """
+    return _drive(_Call("reduce_", state, source, sink, checked, bool), async_op)
+
+
+def compressed_allreduce_(tensor: Tensor, state: CompressionState, *, async_op: bool = False):
+    """In-place approximate MEAN of `tensor` over the ranks of the state's group, in about
+    1 bit per element; allocates nothing (the primary entry point, like `dist.all_reduce`).
+
+    Args:
+        tensor (Tensor): float32/float16/bfloat16, `state.numel` elements, on
+            `state.device`; half precision is upcast into the fp32 error domain and the
+            result cast back. Left unchanged by a call skipped for non-finite input.
+        state (CompressionState): this rank's error feedback for this tensor size.
+        async_op (bool, optional): return a Future (see `reduce_`) (default: False).
+
+    Returns:
+        `tensor` (or a Future of it), bitwise identical on every rank; `state.last_skipped`
+        says whether a ``nonfinite="skip"`` call was skipped.
+
+    Example::
+
+        >>> state = lbcomm.CompressionState(grad.numel())
+        >>> lbcomm.compressed_allreduce_(grad, state)          # grad now holds the mean
+        >>> fut = lbcomm.compressed_allreduce_(grad, state, async_op=True)
+    """
+    return _drive(_Call("compressed_allreduce_", state, tensor, tensor, False, lambda applied: tensor), async_op)
 
 
 def compressed_allreduce(
     tensor: Tensor, state: CompressionState, group=None, async_op: bool = False, out: Optional[Tensor] = None
 ):
-    """Approximate MEAN of `tensor` over the ranks of the state's group, in 1 bit per element.
+    """Approximate MEAN of `tensor` over the ranks of the state's group, into `out`.
 
     Args:
         tensor (Tensor): float32/float16/bfloat16, `state.numel` elements, on `state.device`.
-            Not modified.
+            Not modified (unless it is `out`).
         state (CompressionState): this rank's error feedback for this tensor size.
         group (ProcessGroup, optional): must be the state's group if given (default: None).
-        async_op (bool, optional): return a torch.futures.Future of the result; the two
-            collectives are chained through callbacks without blocking. Keep one async
-            call in flight per process group: the second collective is issued from a
-            callback, so two concurrent calls could interleave differently on different
-            ranks (the wire headers then make every rank raise). lbcomm.ddp.onebit_hook
-            serializes its buckets on a worker thread for this reason (default: False).
-        out (Tensor, optional): receives the result (may be `tensor` itself, for an
-            in-place reduction; a float32 contiguous out is decoded without allocating).
-            Left unchanged by a call skipped for non-finite input (default: None).
+        async_op (bool, optional): return a Future of the result (see `reduce_`) (default: False).
+        out (Tensor): receives the result (may be `tensor` itself); a float32 contiguous
+            `out` is decoded without allocating. Left unchanged by a call skipped for
+            non-finite input. Leaving it out is deprecated: the call then allocates (and
+            page-faults) a new output every time; use `compressed_allreduce_` or pass out=.
 
     Returns:
-        `out`, or a new tensor of `tensor`'s shape and dtype, bitwise identical on every
-        rank (or a Future of it). With one rank nothing is compressed: the input itself
-        is returned (copied into `out` when given).
+        `out` (or a Future of it), bitwise identical on every rank. Without `out`: a new
+        tensor of `tensor`'s shape and dtype (all NaN when skipped), or with one rank the
+        input itself.
     """
-    call = _Call(tensor, state, group, out)
-    if state.world_size == 1 or state.numel == 0:
-        result = tensor if out is None else (out if out is tensor else out.copy_(tensor))
-        if not async_op:
-            return result
-        fut = _future(tensor.device)
-        fut.set_result(result)
-        return fut
-    tr = state.transport
-    bufs = state._buffers()
-    count = len(state.pieces)
-    # Every rank issues the same collectives in the same order, sync or async: the
-    # all-to-alls of all pieces (each as soon as its piece is compressed), then the
-    # all-gathers in piece order (each as soon as its all-to-all has arrived).
-    if not async_op:
-        try:
-            sent = [tr.all_to_all(bufs[s][1], call.phase0(s), async_op=True) for s in range(count)]
-            gathered = []
-            for s in range(count):
-                sent[s].wait()
-                gathered.append(tr.all_gather(bufs[s][3], call.phase2(s), async_op=True))
-            for fut in gathered:
-                fut.wait()
-            return call.finish()
-        except BaseException:
-            call.abort()
-            raise
+    if group is not None and isinstance(state, CompressionState) and group is not state.group:
+        raise ValueError("compressed_allreduce: the state was built for another process group; build one "
+                         "CompressionState per group")
+    fresh = out is None
+    if fresh:
+        warnings.warn("compressed_allreduce(tensor, state) without out= allocates a new output on every call; use "
+                      "lbcomm.compressed_allreduce_(tensor, state) (in place) or pass out=", DeprecationWarning,
+                      stacklevel=2)
+        one = isinstance(state, CompressionState) and (state.world_size == 1 or state.numel == 0)
+        if one or not isinstance(tensor, Tensor) or tensor.dtype not in FLOAT_DTYPES:
+            out = tensor  # one rank returns the input itself; bad inputs are refused by the call
+        else:
+            out = torch.empty_like(tensor, memory_format=torch.contiguous_format)
 
-    result = _future(tensor.device)
-    gathered: list = []
+    def result(applied: bool) -> Tensor:
+        if not applied and fresh and out is not tensor:
+            out.fill_(float("nan"))
+        return out
 
-    def fail(exc: BaseException) -> None:
-        call.abort()
-        if not result.done():
-            result.set_exception(exc)
-
-    def after_gathers(_) -> None:
-        try:
-            for fut in gathered:
-                fut.value()
-            result.set_result(call.finish())
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller's future
-            fail(exc)
-
-    def serve(s: int, fut) -> None:
-        try:
-            fut.value()
-            gathered.append(tr.all_gather(bufs[s][3], call.phase2(s), async_op=True))
-            if s + 1 < count:
-                sent[s + 1].add_done_callback(lambda f: serve(s + 1, f))
-            else:
-                torch.futures.collect_all(gathered).add_done_callback(after_gathers)
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller's future
-            fail(exc)
-
-    try:
-        sent = [tr.all_to_all(bufs[s][1], call.phase0(s), async_op=True) for s in range(count)]
-    except BaseException:
-        call.abort()
-        raise
-    sent[0].add_done_callback(lambda f: serve(0, f))
-    return result
+    return _drive(_Call("compressed_allreduce", state, tensor, out, False, result), async_op)

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from . import reference as _ref
+from .wire import num_blocks
 
 __all__ = ["worker_compress", "server_compress", "unpack", "unpack_into", "HAS_EXTENSION", "extension_problem", "cpu_has_avx2"]
 
@@ -134,22 +135,18 @@ def unpack_into(packed: Tensor, scales: Tensor, block_size: Optional[int], out: 
     return out
 
 
-def _nb(m: int, block_size: Optional[int]) -> int:
-    return _ref.num_blocks(m, block_size)
-
-
 if HAS_EXTENSION:
 
     @torch.library.register_fake("lbcomm::worker_compress")
     def _(x, error, block_size, error_out=None):
         m = error.shape[-1]
         lead = tuple(error.shape[:-1])
-        return error.new_empty(lead + (m // 8,), dtype=torch.uint8), error.new_empty(lead + (_nb(m, block_size),))
+        return error.new_empty(lead + (m // 8,), dtype=torch.uint8), error.new_empty(lead + (num_blocks(m, block_size),))
 
     @torch.library.register_fake("lbcomm::server_compress")
     def _(packed, scales, error, block_size, numel=None, error_out=None):
         m = error.shape[0]
-        return error.new_empty((m // 8,), dtype=torch.uint8), error.new_empty((_nb(m, block_size),))
+        return error.new_empty((m // 8,), dtype=torch.uint8), error.new_empty((num_blocks(m, block_size),))
 
     @torch.library.register_fake("lbcomm::unpack")
     def _(packed, scales, numel, block_size):

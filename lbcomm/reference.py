@@ -18,7 +18,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-ALIGN = 32  # chunk sizes and block sizes are multiples of this (one 32-bit word of bits)
+from .wire import ALIGN, chunk_size, num_blocks  # the layout math, re-exported for the tests and tools
 
 __all__ = [
     "ALIGN",
@@ -31,17 +31,6 @@ __all__ = [
     "unpack",
     "compressed_allreduce",
 ]
-
-
-def chunk_size(numel: int, world_size: int) -> int:
-    """Elements per rank's chunk: numel padded up to a multiple of ALIGN * world_size, over p."""
-    per = ALIGN * world_size
-    return ((numel + per - 1) // per) * ALIGN
-
-
-def num_blocks(m: int, block_size: Optional[int]) -> int:
-    """Scale slots per chunk of m elements (one when block_size is None)."""
-    return (m + block_size - 1) // block_size if block_size else 1
 
 
 def pack_signs(v: Tensor) -> Tensor:

@@ -50,8 +50,9 @@ def compute(rank: int, p: int, backend: str, concurrent: bool = False):
             if concurrent and n0 > 4000:
                 pending.append((case, lbcomm.compressed_allreduce(x, st, async_op=True)))
                 continue
-            if mode == 0:
-                out = lbcomm.compressed_allreduce(x, st)
+            if mode == 0:  # the primary entry point, in place
+                out = x.clone()
+                assert lbcomm.compressed_allreduce_(out, st) is out
             elif mode == 1:
                 out = lbcomm.compressed_allreduce(x, st, async_op=True).wait()
             else:

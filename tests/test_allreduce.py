@@ -33,7 +33,10 @@ def _run_steps(rank, p, sizes, block, steps, dtype, use_async):
             elif t % 2:  # odd steps reduce in place through out=
                 out = x.clone()
                 assert lbcomm.compressed_allreduce(out, state, out=out) is out
-            else:
+            elif t % 4 == 2:  # the primary entry point: in place, no allocation
+                out = x.clone()
+                assert lbcomm.compressed_allreduce_(out, state) is out
+            else:  # the deprecated allocating form keeps working
                 out = lbcomm.compressed_allreduce(x, state)
             assert out.dtype == dtype and out.shape == x.shape
             outs.append(out.clone())
@@ -128,7 +131,7 @@ def _run_pieces(rank, p, n0, block, pieces, steps):
     lbcomm.compressed_allreduce(x, skip, out=x)
     untouched = torch.equal(x[:-1], kept[:-1]) and skip.last_skipped
     untouched = untouched and torch.equal(before[0], skip.worker_error) and torch.equal(before[1], skip.server_error)
-    return outs, errors, [hi - lo for lo, hi in cut.pieces], cut.bytes_per_call() - whole.bytes_per_call(), untouched
+    return outs, errors, [hi - lo for lo, hi in cut.piece_spans], cut.bytes_per_call() - whole.bytes_per_call(), untouched
 
 
 @pytest.mark.parametrize("p,n0,block,pieces,lengths", [
@@ -148,7 +151,7 @@ def test_pieces_are_bitwise_the_whole(p, n0, block, pieces, lengths):
 
 
 def _auto_pieces(rank, p):
-    return [len(lbcomm.CompressionState(n, block_size=b).pieces)
+    return [len(lbcomm.CompressionState(n, block_size=b).piece_spans)
             for n, b in ((1000, 2048), (p * PIECE_MIN, 2048), (3 * p * PIECE_MIN, 2048),
                          (64 * p * PIECE_MIN, 2048), (64 * p * PIECE_MIN, None))]
 
