@@ -40,3 +40,23 @@ def assert_bitwise(a, b, what):
                 f"{what}{k}: differs (max abs diff {(x.double() - y.double()).abs().max()})"
         else:
             assert x == y, f"{what}{k}: {x!r} != {y!r}"
+
+
+def assert_same_shards(dir_a, dir_b, nproc=2):
+    """Every rank's lbcomm shard (model, optimizer, extra) in dir_a equals the one in dir_b bit for bit."""
+    from integrations_workers.common import tensors_of
+    from lbcomm import shard_path
+
+    for r in range(nproc):
+        a = torch.load(shard_path(dir_a, r, nproc), weights_only=False)
+        b = torch.load(shard_path(dir_b, r, nproc), weights_only=False)
+        assert_bitwise(tensors_of(a), tensors_of(b), f"rank {r} shard ")
+
+
+def run_recipe_and_resume(name, out):
+    """Run a recipe to the end, then again resuming from its mid-compression checkpoint;
+    returns both outputs. The recipes save their final state to final-<start>."""
+    script = os.path.join(RECIPES, f"recipe_{name}.py")
+    full = torchrun(script, out)
+    resumed = torchrun(script, out, "--resume")
+    return full, resumed
