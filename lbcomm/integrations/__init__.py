@@ -1,0 +1,18 @@
+"""Wiring lbcomm into training frameworks.
+
+* `attach(model, optimizer_or_hook_state)`: registers the right DDP communication hook
+  on the DistributedDataParallel inside accelerate's, Lightning's, transformers' or
+  torch.compile's wrappers (no framework needed).
+* `lbcomm.integrations.transformers.LbcommCallback` (needs ``transformers``),
+  `lbcomm.integrations.lightning.LbcommCallback` (needs ``lightning``): attach at the
+  start of training, keep every rank's lbcomm state in the framework's checkpoints and
+  restore it on resume.
+* `lbcomm.integrations.dcp.RankLocal`: every rank's lbcomm state as its own item of a
+  torch.distributed.checkpoint.
+
+The framework modules are imported only when used; lbcomm never requires the frameworks.
+"""
+from .attach import attach, find_ddp, unwrap_optimizer
+from .dcp import RankLocal
+
+__all__ = ["attach", "find_ddp", "unwrap_optimizer", "RankLocal"]

@@ -1,0 +1,213 @@
+"""`attach`: register the right lbcomm DDP communication hook on whatever wraps the model.
+
+Training frameworks wrap the `torch.nn.parallel.DistributedDataParallel` they create in
+their own objects (accelerate may compile it, Lightning keeps it in
+``trainer.strategy.model``, `torch.compile` returns an ``OptimizedModule``), so the
+usual ``ddp_model.register_comm_hook(...)`` first needs the DDP. `find_ddp` looks for it
+through these wrappers; `attach` registers
+
+* `lbcomm.onebit_optimizer_hook` with the optimizer as its state for a lbcomm optimizer
+  (`OneBitAdam`, `OneBitLamb`, `Lamb`): DDP averages the gradients during the warmup and
+  communicates nothing after the freeze, where the optimizer compresses its momentum;
+* `lbcomm.onebit_hook` for a `OneBitHookState` (any optimizer): every gradient bucket
+  goes through the 1-bit compressed allreduce.
+
+Without it, DDP's full-precision allreduce keeps running next to the optimizer's own
+communication, and nothing is saved.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from ..ddp import OneBitHookState, onebit_hook, onebit_optimizer_fp16_hook, onebit_optimizer_hook
+from ..optim import Lamb, OneBitAdam, OneBitLamb
+
+__all__ = ["attach", "find_ddp", "unwrap_optimizer", "LBCOMM_OPTIMIZERS"]
+
+_log = logging.getLogger(__name__)
+
+#: The lbcomm optimizers that pair with `onebit_optimizer_hook`.
+LBCOMM_OPTIMIZERS = (OneBitAdam, OneBitLamb, Lamb)
+
+# Attributes under which known wrappers keep the object they wrap, searched in this order:
+# torch.compile (OptimizedModule._orig_mod), Lightning Fabric (_FabricModule._forward_module),
+# accelerate/transformers/DeepSpeed-style `.module`, Lightning's wrapper of a LightningModule.
+_MODULE_ATTRS = ("_orig_mod", "_forward_module", "module", "_module")
+# Optimizer wrappers: accelerate's AcceleratedOptimizer (.optimizer), Lightning's
+# LightningOptimizer (._optimizer).
+_OPTIMIZER_ATTRS = ("optimizer", "_optimizer")
+
+
+def _is_fsdp(obj: Any) -> bool:
+    try:  # FSDP1 and FSDP2 (fully_shard); both are public torch names
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return False
+    return isinstance(obj, (FullyShardedDataParallel, FSDPModule))
+
+
+def _lightning_strategy_model(obj: Any) -> Any:
+    """A LightningModule's DDP lives in its trainer's strategy (``trainer.strategy.model``)."""
+    trainer = getattr(obj, "_trainer", None)  # LightningModule.trainer raises when detached
+    strategy = getattr(trainer, "strategy", None) if trainer is not None else None
+    return getattr(strategy, "model", None) if strategy is not None else None
+
+
+def find_ddp(model: Any) -> Optional[DistributedDataParallel]:
+    """The `DistributedDataParallel` that `model` is or wraps, or None.
+
+    Looks through torch.compile's ``OptimizedModule``, accelerate's and transformers'
+    wrappers, Lightning Fabric's ``_FabricModule``, a Lightning ``Trainer`` (its
+    ``strategy.model``) and a ``LightningModule`` attached to one.
+
+    Raises:
+        TypeError: when the model is sharded with FSDP (lbcomm's hooks are DDP hooks).
+    """
+    seen = set()
+    todo = [model]
+    while todo:
+        obj = todo.pop(0)
+        if obj is None or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, DistributedDataParallel):
+            return obj
+        if _is_fsdp(obj):
+            raise TypeError("lbcomm.attach: the model is sharded with FSDP, which reduce-scatters gradients without "
+                            "DDP communication hooks; lbcomm's 1-bit compression works with DistributedDataParallel "
+                            "(use strategy 'ddp' / no FSDP plugin)")
+        strategy = getattr(obj, "strategy", None)  # a Lightning Trainer
+        if strategy is not None and not isinstance(obj, torch.nn.Module):
+            todo.append(getattr(strategy, "model", None))
+        for name in _MODULE_ATTRS:
+            inner = obj.__dict__.get(name) if hasattr(obj, "__dict__") else None
+            if inner is None and isinstance(obj, torch.nn.Module):
+                inner = obj._modules.get(name)
+            if inner is not None:
+                todo.append(inner)
+        if isinstance(obj, torch.nn.Module):
+            todo.append(_lightning_strategy_model(obj))
+    return None
+
+
+def unwrap_optimizer(optimizer: Any) -> Any:
+    """The lbcomm optimizer inside accelerate's ``AcceleratedOptimizer`` or Lightning's
+    ``LightningOptimizer`` (or `optimizer` itself)."""
+    seen = set()
+    obj = optimizer
+    while obj is not None and id(obj) not in seen and not isinstance(obj, LBCOMM_OPTIMIZERS):
+        seen.add(id(obj))
+        inner = None
+        for name in _OPTIMIZER_ATTRS:
+            inner = obj.__dict__.get(name) if hasattr(obj, "__dict__") else None
+            if inner is not None:
+                break
+        if inner is None:
+            return optimizer
+        obj = inner
+    return obj if isinstance(obj, LBCOMM_OPTIMIZERS) else optimizer
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _same_group(a, b) -> bool:
+    """Whether two process groups (None = the default group) are the same."""
+    world = dist.group.WORLD
+    return (world if a is None else a) is (world if b is None else b)
+
+
+def attach(model: Any, optimizer_or_hook_state: Any, *, warmup_fp16: bool = False) -> Optional[DistributedDataParallel]:
+    """Register lbcomm's DDP communication hook on the DDP inside `model`.
+
+    Args:
+        model: a `DistributedDataParallel`, or anything that wraps one: what
+            ``accelerator.prepare`` returns, transformers' ``trainer.model_wrapped``,
+            Lightning's ``trainer.strategy.model`` (or the Trainer, or the LightningModule
+            it trains), ``torch.compile(ddp_model)``.
+        optimizer_or_hook_state: a lbcomm optimizer (`OneBitAdam`, `OneBitLamb`,
+            `Lamb`; also inside accelerate's/Lightning's optimizer wrappers) ->
+            `onebit_optimizer_hook`; a `OneBitHookState` (with any optimizer) -> `onebit_hook`.
+        warmup_fp16 (bool, optional): with a lbcomm optimizer, average the warmup gradients
+            in fp16 (`onebit_optimizer_fp16_hook`) (default: False).
+
+    Returns:
+        The `DistributedDataParallel` the hook was registered on, or None with one process
+        (world size 1, no DDP): there is nothing to communicate, and a lbcomm optimizer or
+        hook state then runs uncompressed (logged at INFO).
+
+    Calling it again with the same optimizer or state is a no-op (frameworks' callbacks
+    may attach a model the user already attached).
+
+    Raises:
+        ValueError: no DDP found with more than one process; a hook (another one, or this
+            one with another state) is already registered; the optimizer reduces over
+            another process group than the DDP.
+        TypeError: an object that is neither a lbcomm optimizer nor a `OneBitHookState`;
+            an FSDP model.
+
+    Example::
+
+        >>> # xdoctest: +SKIP
+        >>> model, opt = accelerator.prepare(model, lbcomm.OneBitAdam(model.parameters(), freeze_step=1000))
+        >>> lbcomm.attach(model, opt)
+    """
+    target = unwrap_optimizer(optimizer_or_hook_state)
+    if isinstance(target, LBCOMM_OPTIMIZERS):
+        hook = onebit_optimizer_fp16_hook if warmup_fp16 else onebit_optimizer_hook
+    elif isinstance(target, OneBitHookState):
+        if warmup_fp16:
+            raise ValueError("lbcomm.attach: warmup_fp16 applies to lbcomm optimizers; a OneBitHookState averages "
+                             "its first start_iter iterations at the bucket's own precision")
+        hook = onebit_hook
+    elif isinstance(target, torch.optim.Optimizer):
+        raise TypeError(f"lbcomm.attach: {type(target).__name__} is not a lbcomm optimizer, so it cannot compress "
+                        "anything itself. Either use lbcomm.OneBitAdam / lbcomm.OneBitLamb, or keep this optimizer "
+                        "and pass a hook state: lbcomm.attach(model, lbcomm.OneBitHookState(start_iter=...))")
+    else:
+        raise TypeError(f"lbcomm.attach: expected a lbcomm optimizer (OneBitAdam, OneBitLamb, Lamb) or a "
+                        f"lbcomm.OneBitHookState, got {type(optimizer_or_hook_state).__name__}")
+
+    ddp = find_ddp(model)
+    if ddp is None:
+        world = _world_size()
+        if world == 1:
+            _log.info("lbcomm.attach: one process and no DistributedDataParallel in %s; nothing to communicate, "
+                      "so nothing is attached (%s runs uncompressed)", type(model).__name__, type(target).__name__)
+            return None
+        raise ValueError(
+            f"lbcomm.attach: found no DistributedDataParallel in {type(model).__name__} (world size {world}). Pass "
+            "the wrapped model: ddp_model / accelerator.prepare(model) / trainer.model_wrapped / "
+            "trainer.strategy.model. Without DDP, a lbcomm optimizer communicates by itself and needs no attach; "
+            "a OneBitHookState needs DDP.")
+
+    if hook is not onebit_hook and not _same_group(target.process_group, ddp.process_group):
+        raise ValueError("lbcomm.attach: the optimizer reduces over another process group than the DDP model; "
+                         "build it with process_group=<the DDP's process group>")
+    if hook is onebit_hook and not _same_group(target.process_group, ddp.process_group):
+        raise ValueError("lbcomm.attach: the OneBitHookState has another process group than the DDP model; "
+                         "build it with OneBitHookState(process_group=<the DDP's process group>)")
+
+    registered = getattr(ddp, "_comm_hooks", None)  # DDP keeps [(hook, state)]; read only
+    if registered:
+        if any(h is hook and s is target for h, s in registered):
+            _log.debug("lbcomm.attach: %s is already registered with this state", hook.__name__)
+            return ddp
+        names = ", ".join(getattr(h, "__name__", repr(h)) for h, _ in registered)
+        raise ValueError(f"lbcomm.attach: the DDP model already has a communication hook ({names}); DDP takes one. "
+                         "Remove the other registration (e.g. accelerate's comm_hook setting, Lightning's "
+                         "ddp_comm_hook, an earlier register_comm_hook) and let lbcomm.attach register its hook.")
+    try:
+        ddp.register_comm_hook(target, hook)
+    except RuntimeError as exc:  # e.g. a built-in (C++) hook that `_comm_hooks` does not list
+        raise ValueError(f"lbcomm.attach: DDP refused the hook ({exc}); the model already has a communication "
+                         "hook. Remove the other registration and let lbcomm.attach register its hook.") from exc
+    _log.info("lbcomm.attach: registered %s on the DistributedDataParallel (%s ranks) with %s", hook.__name__,
+              dist.get_world_size(ddp.process_group), type(target).__name__)
+    return ddp

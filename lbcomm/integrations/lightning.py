@@ -1,0 +1,162 @@
+"""Lightning: `LbcommCallback`, a ``lightning.pytorch.Callback`` that makes the DDP strategy
+really use lbcomm and resume it exactly.
+
+* Fit start: registers the right DDP communication hook on ``trainer.strategy.model``
+  (`lbcomm.attach`): with a lbcomm optimizer returned by ``configure_optimizers`` DDP
+  stops its full-precision allreduce after the freeze; with
+  ``LbcommCallback(hook_state=lbcomm.OneBitHookState(...))`` every gradient bucket of any
+  optimizer goes through the 1-bit allreduce.
+* Every checkpoint: Lightning writes the checkpoint dict of rank 0 only. The callback
+  gathers what differs between ranks (the optimizer's compression error feedback and the
+  hook state) from every rank into that dict under ``"lbcomm"``, one entry per rank; the
+  rest of the optimizer state (moments, step counts) is identical on all ranks and is
+  Lightning's ``optimizer_states``. Top-k and ``last.ckpt`` handling stay Lightning's.
+* Resume (``trainer.fit(..., ckpt_path=...)``): after Lightning has restored the optimizer
+  (rank 0's state on every rank), every rank restores its own entry at train start, so the
+  continuation is bitwise identical to a run that never stopped (same world size).
+
+Cost: rank 0 holds every rank's error feedback while it saves (about (1 + 1/p) x the
+number of parameters in fp32 per rank).
+
+Requires ``lightning``; lbcomm itself does not.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, Optional
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+
+from ..ddp import OneBitHookState
+from .attach import LBCOMM_OPTIMIZERS, attach, unwrap_optimizer
+
+__all__ = ["LbcommCallback"]
+
+_log = logging.getLogger(__name__)
+_FORMAT = "lbcomm-lightning"
+_VERSION = 1
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+class LbcommCallback(Callback):
+    """Attach lbcomm to Lightning's DDP and keep every rank's lbcomm state in its checkpoints.
+
+    Args:
+        hook_state (OneBitHookState, optional): compress the gradients of any optimizer
+            with `lbcomm.onebit_hook`; leave it None when ``configure_optimizers`` returns a
+            lbcomm optimizer (default: None).
+        warmup_fp16 (bool, optional): average the warmup gradients of a lbcomm optimizer
+            in fp16 (default: False).
+        strict (bool, optional): resuming from a checkpoint without lbcomm entries (or
+            saved by another world size) raises; False logs a warning and continues with
+            the other ranks' error feedback reset (default: True).
+
+    Example::
+
+        >>> # xdoctest: +SKIP
+        >>> trainer = L.Trainer(strategy="ddp", devices=2, callbacks=[LbcommCallback()])
+        >>> trainer.fit(module)        # module.configure_optimizers returns lbcomm.OneBitAdam(...)
+    """
+
+    def __init__(self, hook_state: Optional[OneBitHookState] = None, *, warmup_fp16: bool = False,
+                 strict: bool = True):
+        if hook_state is not None and not isinstance(hook_state, OneBitHookState):
+            raise TypeError(f"LbcommCallback: hook_state must be a lbcomm.OneBitHookState, got "
+                            f"{type(hook_state).__name__}")
+        self.hook_state = hook_state
+        self.warmup_fp16 = warmup_fp16
+        self.strict = strict
+        self._optimizer = None
+        self._pending: Optional[Dict[str, Any]] = None
+
+    def _lbcomm_optimizer(self, trainer):
+        opts = [unwrap_optimizer(o) for o in trainer.optimizers]
+        ours = [o for o in opts if isinstance(o, LBCOMM_OPTIMIZERS)]
+        if len(ours) > 1:
+            raise ValueError("LbcommCallback: configure_optimizers returned several lbcomm optimizers; DDP takes one "
+                             "communication hook, so use one lbcomm optimizer for the whole model")
+        if ours and self.hook_state is not None:
+            raise ValueError(f"LbcommCallback: the optimizer is lbcomm.{type(ours[0]).__name__}, which communicates "
+                             "by itself, and a hook_state was given too (its gradients would be compressed twice); "
+                             "drop hook_state=")
+        if not ours and self.hook_state is None:
+            names = ", ".join(type(o).__name__ for o in opts) or "none"
+            raise ValueError(f"LbcommCallback: configure_optimizers returned {names}, not a lbcomm optimizer, and no "
+                             "hook_state was given, so nothing would be compressed. Return lbcomm.OneBitAdam(...) / "
+                             "lbcomm.OneBitLamb(...), or pass LbcommCallback(hook_state=lbcomm.OneBitHookState(...))")
+        return ours[0] if ours else None
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        self._optimizer = self._lbcomm_optimizer(trainer)
+        attach(trainer.strategy.model if trainer.strategy.model is not None else pl_module,
+               self._optimizer if self._optimizer is not None else self.hook_state, warmup_fp16=self.warmup_fp16)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _local_state(self) -> Dict[str, Any]:
+        comp = None if self._optimizer is None else self._optimizer.compression_state
+        return _to_cpu({
+            "compression": None if comp is None else comp.state_dict(),
+            "hook": None if self.hook_state is None else self.hook_state.state_dict(),
+        })
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: Dict[str, Any]) -> None:
+        local = self._local_state()
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if world > 1:
+            shards = [None] * world if dist.get_rank() == 0 else None
+            dist.gather_object(local, shards, dst=0)
+        else:
+            shards = [local]
+        if shards is not None:
+            checkpoint["lbcomm"] = {"format": _FORMAT, "version": _VERSION, "world_size": world, "ranks": shards}
+
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint: Dict[str, Any]) -> None:
+        entry = checkpoint.get("lbcomm")
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        rank = dist.get_rank() if world > 1 else 0
+        problem = None
+        if entry is None:
+            problem = "the checkpoint holds no lbcomm state (saved without LbcommCallback)"
+        elif entry.get("format") != _FORMAT or entry.get("version") != _VERSION:
+            raise ValueError(f"LbcommCallback: unsupported lbcomm entry in the checkpoint ({entry.get('format')!r} "
+                             f"version {entry.get('version')!r})")
+        elif entry["world_size"] != world:
+            problem = f"the checkpoint was saved by {entry['world_size']} ranks and this run has {world}"
+        if problem is not None:
+            msg = (f"LbcommCallback: {problem}; Lightning restores rank 0's optimizer state on every rank, so the "
+                   "other ranks' compression error feedback restarts from zero")
+            if self.strict:
+                raise ValueError(msg + ". Pass LbcommCallback(strict=False) to continue anyway")
+            _log.warning("%s", msg)
+            self._pending = None
+            return
+        self._pending = entry["ranks"][rank]  # applied once Lightning has restored the optimizer
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        if self.hook_state is not None:
+            if pending["hook"] is None:
+                raise ValueError("LbcommCallback: the checkpoint holds no OneBitHookState (saved without hook_state=)")
+            self.hook_state.load_state_dict(pending["hook"])
+        comp = None if self._optimizer is None else self._optimizer.compression_state
+        if (comp is None) != (pending["compression"] is None):
+            raise ValueError("LbcommCallback: the optimizer's compression stage does not match the checkpoint's "
+                             f"(optimizer frozen: {getattr(self._optimizer, 'frozen', None)}, saved error feedback: "
+                             f"{pending['compression'] is not None})")
+        if comp is not None and not comp.load_state_dict(pending["compression"]):
+            raise ValueError("LbcommCallback: the saved error feedback does not fit this optimizer's compression "
+                             "state (another model or layout)")
+        _log.info("LbcommCallback: rank %s restored its compression error feedback", trainer.global_rank)

@@ -1,0 +1,168 @@
+"""Hugging Face transformers: `LbcommCallback`, a ``TrainerCallback`` that makes the
+Trainer's DDP really use lbcomm and resume it exactly.
+
+* Train begin: registers the right DDP communication hook on ``trainer.model_wrapped``
+  (`lbcomm.attach`): with a lbcomm optimizer passed as ``Trainer(optimizers=(opt, sched))``
+  DDP stops its full-precision allreduce after the freeze; with
+  ``LbcommCallback(hook_state=lbcomm.OneBitHookState(...))`` every gradient bucket of any
+  optimizer goes through the 1-bit allreduce.
+* Every checkpoint: each rank writes its shard into ``checkpoint-N/``
+  (``shard-<rank>-of-<world>.pt``, `lbcomm.save_sharded`): the full optimizer state of
+  that rank (including its compression error feedback, which differs between ranks and
+  which the Trainer's rank-0 ``optimizer.pt`` cannot hold) and the hook state.
+  ``save_total_limit`` removes the shards together with their checkpoint directory.
+* Resume (``trainer.train(resume_from_checkpoint=...)``): after the Trainer has loaded
+  its own files, every rank loads its shard, so the continuation is bitwise identical to
+  a run that never stopped (same world size).
+
+Requires ``transformers``; lbcomm itself does not.
+"""
+from __future__ import annotations
+
+import gc
+import logging
+import os
+from typing import Any, Optional
+
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from transformers import TrainerCallback
+
+from ..checkpoint import load_sharded, save_sharded, shard_path
+from ..ddp import OneBitHookState
+from .attach import LBCOMM_OPTIMIZERS, attach, find_ddp, unwrap_optimizer
+
+__all__ = ["LbcommCallback"]
+
+_log = logging.getLogger(__name__)
+
+
+def _world_rank():
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
+
+
+def _ddp_of(model) -> Optional[DistributedDataParallel]:
+    """The live DistributedDataParallel whose module is `model` (Trainer hands callbacks
+    the unwrapped model, and ``trainer.model_wrapped`` is not reachable from them)."""
+    for obj in gc.get_objects():
+        if isinstance(obj, DistributedDataParallel):
+            inner = obj.module
+            inner = getattr(inner, "_orig_mod", inner)  # torch.compile inside DDP
+            if inner is model:
+                return obj
+    return None
+
+
+class LbcommCallback(TrainerCallback):
+    """Attach lbcomm to the Trainer's DDP and keep every rank's lbcomm state in its checkpoints.
+
+    Args:
+        hook_state (OneBitHookState, optional): compress the gradients of any optimizer
+            with `lbcomm.onebit_hook`; leave it None when the Trainer's optimizer is a
+            lbcomm optimizer (``optimizers=(lbcomm.OneBitAdam(...), scheduler)``) (default: None).
+        trainer (Trainer, optional): read the DDP from ``trainer.model_wrapped``; without
+            it the callback finds the live DDP that wraps the Trainer's model (default: None).
+        warmup_fp16 (bool, optional): average the warmup gradients of a lbcomm optimizer
+            in fp16 (default: False).
+        resume_from_checkpoint (str, optional): where the shards of a resumed run are;
+            default: ``args.resume_from_checkpoint`` when it is a path, else
+            ``<output_dir>/checkpoint-<global_step>`` (what ``resume_from_checkpoint=True``
+            and ``=<output_dir>/checkpoint-N`` load).
+        strict (bool, optional): a resumed run without shards raises; False logs a warning
+            and continues with the error feedback of rank 0 only (rank 0 exact, the other
+            ranks reset) (default: True).
+
+    Example::
+
+        >>> # xdoctest: +SKIP
+        >>> opt = lbcomm.OneBitAdam(model.parameters(), lr=1e-3, freeze_step=1000)
+        >>> trainer = Trainer(model=model, args=args, train_dataset=ds, optimizers=(opt, None),
+        ...                   callbacks=[LbcommCallback()])
+        >>> trainer.train()                                  # or resume_from_checkpoint=True
+    """
+
+    def __init__(self, hook_state: Optional[OneBitHookState] = None, *, trainer: Any = None,
+                 warmup_fp16: bool = False, resume_from_checkpoint: Optional[str] = None, strict: bool = True):
+        if hook_state is not None and not isinstance(hook_state, OneBitHookState):
+            raise TypeError(f"LbcommCallback: hook_state must be a lbcomm.OneBitHookState, got "
+                            f"{type(hook_state).__name__}")
+        self.hook_state = hook_state
+        self.trainer = trainer
+        self.warmup_fp16 = warmup_fp16
+        self.resume_from_checkpoint = resume_from_checkpoint
+        self.strict = strict
+        self.ddp: Optional[DistributedDataParallel] = None
+        self._optimizer = None
+
+    # ------------------------------------------------------------------ attach
+    def _lbcomm_optimizer(self, optimizer):
+        opt = unwrap_optimizer(optimizer)
+        if isinstance(opt, LBCOMM_OPTIMIZERS):
+            if self.hook_state is not None:
+                raise ValueError(f"LbcommCallback: the Trainer's optimizer is lbcomm.{type(opt).__name__}, which "
+                                 "communicates by itself, and a hook_state was given too (its gradients would be "
+                                 "compressed twice); drop hook_state=")
+            return opt
+        if self.hook_state is None:
+            raise ValueError(f"LbcommCallback: the Trainer's optimizer is {type(opt).__name__}, not a lbcomm "
+                             "optimizer, and no hook_state was given, so nothing would be compressed. Pass "
+                             "optimizers=(lbcomm.OneBitAdam(model.parameters(), ...), scheduler) to the Trainer, or "
+                             "LbcommCallback(hook_state=lbcomm.OneBitHookState(start_iter=...)) for this optimizer")
+        return None
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        self._optimizer = self._lbcomm_optimizer(optimizer)
+        wrapped = self.trainer.model_wrapped if self.trainer is not None else (_ddp_of(model) or model)
+        if self.ddp is None or find_ddp(wrapped) is not self.ddp:
+            self.ddp = attach(wrapped, self._optimizer if self._optimizer is not None else self.hook_state,
+                              warmup_fp16=self.warmup_fp16)
+        if state.global_step > 0:
+            self._restore(args, state)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _checkpoint_dirs(self, args, state):
+        dirs = []
+        if self.resume_from_checkpoint:
+            dirs.append(os.fspath(self.resume_from_checkpoint))
+        if isinstance(args.resume_from_checkpoint, str) and args.resume_from_checkpoint:
+            dirs.append(args.resume_from_checkpoint)
+        dirs.append(os.path.join(args.output_dir, f"checkpoint-{state.global_step}"))
+        return dirs
+
+    def _restore(self, args, state) -> None:
+        world, rank = _world_rank()
+        dirs = self._checkpoint_dirs(args, state)
+        found = next((d for d in dirs if os.path.exists(shard_path(d, rank, world))), None)
+        if found is None:
+            found = next((d for d in dirs if os.path.isdir(d) and any(
+                f.startswith("shard-") for f in os.listdir(d))), None)
+        if found is None:
+            msg = (f"LbcommCallback: resuming at step {state.global_step} but no lbcomm shard "
+                   f"({os.path.basename(shard_path('.', rank, world))}) in {dirs}; the Trainer's optimizer.pt holds "
+                   "rank 0's error feedback only. Pass LbcommCallback(resume_from_checkpoint=<checkpoint dir>), or "
+                   "strict=False to continue with the other ranks' error feedback reset")
+            if self.strict:
+                raise FileNotFoundError(msg)
+            _log.warning("%s", msg)
+            return
+        info = load_sharded(found, self._optimizer)
+        extra = info["extra"] or {}
+        if extra.get("global_step") != state.global_step:
+            raise ValueError(f"LbcommCallback: the lbcomm shard in {found!r} was saved at step "
+                             f"{extra.get('global_step')} but the Trainer resumes at step {state.global_step}; pass "
+                             "LbcommCallback(resume_from_checkpoint=<the checkpoint dir the Trainer resumes from>)")
+        if self.hook_state is not None:
+            if extra.get("hook") is None:
+                raise ValueError(f"LbcommCallback: the lbcomm shard in {found!r} holds no OneBitHookState (it was "
+                                 "saved without hook_state=)")
+            self.hook_state.load_state_dict(extra["hook"])
+        _log.info("LbcommCallback: rank %s restored its lbcomm state from %s (exact: %s)", rank, info["path"],
+                  info["exact"])
+
+    def on_save(self, args, state, control, **kwargs):
+        directory = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        extra = {"global_step": state.global_step,
+                 "hook": None if self.hook_state is None else self.hook_state.state_dict()}
+        save_sharded(directory, self._optimizer, extra=extra)

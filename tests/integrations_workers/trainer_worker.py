@@ -1,0 +1,102 @@
+"""transformers.Trainer + lbcomm's LbcommCallback on 2 gloo ranks (run by torchrun).
+
+argv: out_dir optimizer(onebit_adam|onebit_lamb|adamw_hook)
+Run 1 trains 9 steps (freeze / compression start after step 4, checkpoints every 3 steps,
+save_total_limit=2, gradient accumulation 2, max_grad_norm, linear schedule with warmup),
+recording per step the gradients the optimizer sees and the TCP bytes this rank sent.
+Run 2 resumes from checkpoint-6 (mid-compression) in a fresh Trainer and trains to 9.
+Both runs' final parameters and lbcomm state are saved for the test to compare.
+"""
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+import lbcomm
+from lbcomm.integrations.transformers import LbcommCallback
+from common import flat_grads, rank_world, save_result, tcp_bytes_sent, tensors_of
+
+out, kind = sys.argv[1], sys.argv[2]
+FREEZE, STEPS, SAVE = 4, 9, 3
+
+
+class Data(torch.utils.data.Dataset):
+    def __init__(self, n=64, seq=16, vocab=128):
+        g = torch.Generator().manual_seed(1234)
+        self.x = torch.randint(0, vocab, (n, seq), generator=g)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.x[i], "labels": self.x[i]}
+
+
+class Probe(TrainerCallback):
+    """What the optimizer sees (gradients after clipping) and the bytes sent per step."""
+
+    def __init__(self, hook_state=None):
+        self.hook_state = hook_state
+        self.grads, self.bytes, self.per_call, self.frozen, self.hook_sent = {}, {}, {}, {}, {}
+        self._last = None
+
+    def on_step_begin(self, args, state, control, **kw):
+        if self._last is None:
+            self._last = tcp_bytes_sent()
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kw):
+        self.grads[state.global_step + 1] = flat_grads(model.parameters())
+
+    def on_step_end(self, args, state, control, optimizer=None, **kw):
+        now = tcp_bytes_sent()
+        self.bytes[state.global_step] = now - self._last
+        self._last = now
+        opt = lbcomm.integrations.unwrap_optimizer(optimizer)
+        comp = getattr(opt, "compression_state", None)
+        self.per_call[state.global_step] = None if comp is None else comp.bytes_per_call()
+        self.frozen[state.global_step] = getattr(opt, "frozen", None)
+        if self.hook_state is not None:
+            self.hook_sent[state.global_step] = self.hook_state.compression_stats()["bytes_sent"]
+
+
+def build(output_dir, resume=None):
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=16, n_embd=32, n_layer=2, n_head=2))
+    hook_state = None
+    if kind == "onebit_adam":
+        opt = lbcomm.OneBitAdam(model.parameters(), lr=3e-3, freeze_step=FREEZE, weight_decay=0.01)
+    elif kind == "onebit_lamb":
+        opt = lbcomm.OneBitLamb(model.parameters(), lr=3e-3, freeze_step=FREEZE)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        hook_state = lbcomm.OneBitHookState(start_iter=FREEZE)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3) * (1 - s / (2 * STEPS)))
+    args = TrainingArguments(output_dir=output_dir, max_steps=STEPS, per_device_train_batch_size=2,
+                             gradient_accumulation_steps=2, max_grad_norm=0.5, save_steps=SAVE, save_total_limit=2,
+                             logging_steps=1000, report_to="none", disable_tqdm=True, use_cpu=True, seed=0,
+                             ddp_backend="gloo", dataloader_num_workers=0, ddp_find_unused_parameters=False)
+    probe = Probe(hook_state)
+    trainer = Trainer(model=model, args=args, train_dataset=Data(), optimizers=(opt, sched),
+                      callbacks=[LbcommCallback(hook_state=hook_state), probe])
+    trainer.train(resume_from_checkpoint=resume)
+    final = {"params": tensors_of(model.state_dict()), "optimizer": tensors_of(opt.state_dict()),
+             "hook": None if hook_state is None else tensors_of(hook_state.state_dict())}
+    return trainer, probe, final, hook_state
+
+
+rank, world = rank_world()
+run1 = os.path.join(out, "run")
+trainer, probe, full, hook_state = build(run1)
+ckpts = sorted(os.listdir(run1))
+hook_stats = None if hook_state is None else hook_state.compression_stats()
+dist.barrier()
+# Resume from the mid-compression checkpoint (rotation kept checkpoint-6 and -9).
+_, probe2, resumed, _ = build(run1, resume=os.path.join(run1, f"checkpoint-{2 * SAVE}"))
+save_result(out, {"numel": sum(p.numel() for p in trainer.model.parameters()), "full": full, "resumed": resumed, "grads": probe.grads, "bytes": probe.bytes,
+                  "per_call": probe.per_call, "frozen": probe.frozen, "checkpoints": ckpts,
+                  "shards": sorted(os.listdir(os.path.join(run1, f"checkpoint-{2 * SAVE}"))),
+                  "hook_stats": hook_stats, "hook_sent": probe.hook_sent, "resumed_bytes": probe2.bytes})
+dist.barrier()

@@ -1,0 +1,63 @@
+"""lbcomm.integrations.attach: finds the DDP through wrappers, registers the right hook,
+and refuses what would not compress (2 real gloo ranks; no framework needed)."""
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import lbcomm
+from dist_util import run_ranks
+from lbcomm.integrations import attach, find_ddp
+
+
+def _cases(rank, p):
+    torch.manual_seed(0)
+    out = {}
+    ddp = DDP(torch.nn.Linear(8, 8))
+    opt = lbcomm.OneBitAdam(ddp.parameters(), lr=1e-3, freeze_step=2)
+    compiled = torch.compile(ddp)  # an OptimizedModule around the DDP (nothing compiled until called)
+    out["found_through_compile"] = find_ddp(compiled) is ddp
+    out["attached"] = attach(compiled, opt) is ddp
+    out["again_is_noop"] = attach(ddp, opt) is ddp
+    for name, call in {
+        "other_state": lambda: attach(ddp, lbcomm.OneBitHookState(start_iter=2)),
+        "no_ddp": lambda: attach(torch.nn.Linear(2, 2), opt),
+        "adamw": lambda: attach(ddp, torch.optim.AdamW(ddp.parameters())),
+        "object": lambda: attach(ddp, object()),
+    }.items():
+        try:
+            call()
+            out[name] = None
+        except (TypeError, ValueError) as exc:
+            out[name] = f"{type(exc).__name__}: {exc}"
+    # A OneBitHookState on a fresh DDP: gradients go through onebit_hook, bitwise equal on every rank.
+    ddp2 = DDP(torch.nn.Linear(64, 64))
+    state = lbcomm.OneBitHookState(start_iter=2)
+    attach(ddp2, state)
+    for it in range(4):
+        ddp2.zero_grad()
+        ddp2(torch.randn(4, 64, generator=torch.Generator().manual_seed(10 * rank + it))).square().sum().backward()
+    out["hook_grad"] = ddp2.module.weight.grad.clone()
+    out["hook_calls"] = state.compression_stats()["compressed_calls"]
+    return out
+
+
+def test_attach_on_two_ranks():
+    r = run_ranks(_cases, 2)
+    for res in r:
+        assert res["found_through_compile"] and res["attached"] and res["again_is_noop"]
+        assert res["other_state"].startswith("ValueError") and "already has a communication hook" in res["other_state"]
+        assert res["no_ddp"].startswith("ValueError") and "found no DistributedDataParallel" in res["no_ddp"]
+        assert res["adamw"].startswith("TypeError") and "OneBitHookState" in res["adamw"]
+        assert res["object"].startswith("TypeError")
+        assert res["hook_calls"] == 2  # iterations 3 and 4 were compressed
+    assert torch.equal(r[0]["hook_grad"], r[1]["hook_grad"])
+
+
+def test_attach_single_process_is_a_noop(caplog):
+    model = torch.nn.Linear(4, 4)
+    opt = lbcomm.OneBitAdam(model.parameters(), lr=1e-3, freeze_step=2)
+    with caplog.at_level("INFO", logger="lbcomm.integrations.attach"):
+        assert attach(model, opt) is None
+    assert "nothing is attached" in caplog.text
+    with pytest.raises(TypeError, match="OneBitHookState"):
+        attach(model, torch.optim.SGD(model.parameters(), lr=0.1))

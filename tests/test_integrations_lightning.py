@@ -1,0 +1,52 @@
+"""Lightning (strategy "ddp" on CPU, gloo) with lbcomm.integrations.lightning.LbcommCallback:
+2 ranks under torchrun, a small MLP, synthetic data.
+
+One worker run per optimizer trains 3 epochs of 3 steps (freeze after step 4,
+accumulate_grad_batches=2, gradient_clip_val, a per-step LambdaLR), checkpointing every 3
+steps, then resumes from the step-6 checkpoint (mid-compression) in a fresh Trainer."""
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("lightning")
+
+from integrations_checks import check_resume, check_wire  # noqa: E402
+from integrations_util import WORKERS, results, torchrun  # noqa: E402
+
+FREEZE = 4
+
+
+@pytest.mark.parametrize("kind", ["onebit_lamb", "sgd_hook"])
+def test_lightning_compresses_and_resumes_bitwise(kind, tmp_path):
+    torchrun(os.path.join(WORKERS, "lightning_worker.py"), tmp_path, kind)
+    r = results(tmp_path)
+    numel = r[0]["numel"]
+    for rank in range(2):
+        res = r[rank]
+        assert res["checkpoints"] == ["epoch=0-step=3.ckpt", "epoch=1-step=6.ckpt", "epoch=2-step=9.ckpt"]
+        assert (res["saved_world"], res["saved_ranks"]) == (2, 2)  # every rank's entry in rank 0's file
+        assert res["resumed_batches"] == res["batches"][12:]  # the resumed run saw the same data
+        if kind == "onebit_lamb":
+            assert [s for s, f in res["frozen"].items() if f] == list(range(FREEZE + 1, 10))
+            per_call = res["per_call"][9]
+        else:
+            sent = res["hook_sent"]
+            per_step = {s: sent[s] - sent[s - 1] for s in range(FREEZE + 2, 10)}
+            assert len(set(per_step.values())) == 1, per_step
+            per_call = per_step[9]
+        assert 0 < per_call * 20 < numel * 4
+        # The probe reads the counters before each optimizer step: steps 8 and 9 are steady
+        # (step 7 holds the checkpoint of step 6).
+        check_wire(res["bytes"], per_call, warmup_steps=[2, 3], steady_steps=[8, 9], numel=numel, world=2)
+        check_wire({**res["bytes"], **res["resumed_bytes"]}, per_call, warmup_steps=[2, 3], steady_steps=[9],
+                   numel=numel, world=2)
+        check_resume(res["full"], res["resumed"], ["params", "optimizer"] + (["hook"] if kind == "sgd_hook" else []))
+    g0, g1 = r[0]["grads"], r[1]["grads"]
+    for step in range(1, FREEZE + 1):
+        assert torch.equal(g0[step], g1[step]), step
+    for step in range(FREEZE + 1, 10):
+        if kind == "onebit_lamb":  # DDP's allreduce is off: local gradients
+            assert not torch.equal(g0[step], g1[step]), step
+        else:
+            assert torch.equal(g0[step], g1[step]), step

@@ -1,0 +1,52 @@
+"""transformers.Trainer with lbcomm.integrations.transformers.LbcommCallback: 2 ranks
+under torchrun (gloo), a tiny GPT-2 from a config, synthetic tokens.
+
+One worker run per optimizer trains 9 steps (freeze after step 4, gradient accumulation 2,
+max_grad_norm, a warmup/decay schedule, checkpoints every 3 steps with
+save_total_limit=2), then resumes from checkpoint-6 in a fresh Trainer."""
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from integrations_checks import check_resume, check_wire  # noqa: E402
+from integrations_util import WORKERS, results, torchrun  # noqa: E402
+
+FREEZE = 4
+
+
+@pytest.mark.parametrize("kind", ["onebit_adam", "adamw_hook"])
+def test_trainer_compresses_and_resumes_bitwise(kind, tmp_path):
+    torchrun(os.path.join(WORKERS, "trainer_worker.py"), tmp_path, kind)
+    r = results(tmp_path)
+    numel = r[0]["numel"]
+    for rank in range(2):
+        res = r[rank]
+        # save_total_limit=2 removed checkpoint-3 together with its lbcomm shards.
+        assert res["checkpoints"] == ["checkpoint-6", "checkpoint-9"]
+        assert {"shard-00000-of-00002.pt", "shard-00001-of-00002.pt", "optimizer.pt"} <= set(res["shards"])
+        if kind == "onebit_adam":
+            assert [s for s, f in res["frozen"].items() if f] == list(range(FREEZE, 10))
+            per_call = res["per_call"][9]
+        else:  # the hook's own count of what it sent, per step
+            sent = res["hook_sent"]
+            per_step = {s: sent[s] - sent[s - 1] for s in range(FREEZE + 2, 10)}
+            assert len(set(per_step.values())) == 1, per_step
+            per_call = per_step[9]
+        assert 0 < per_call * 20 < numel * 4
+        # steps 8 and 9 are steady (step 5 holds the first call's layout check, step 7 the
+        # saving barrier of checkpoint-6)
+        check_wire(res["bytes"], per_call, warmup_steps=[2, 3], steady_steps=[8, 9], numel=numel, world=2)
+        check_wire({**res["bytes"], **res["resumed_bytes"]}, per_call, warmup_steps=[2, 3], steady_steps=[8, 9],
+                   numel=numel, world=2)
+        check_resume(res["full"], res["resumed"], ["params", "optimizer"] + (["hook"] if kind == "adamw_hook" else []))
+    g0, g1 = r[0]["grads"], r[1]["grads"]
+    for step in range(1, FREEZE + 1):  # warmup: DDP averaged the gradients
+        assert torch.equal(g0[step], g1[step]), step
+    for step in range(FREEZE + 1, 10):
+        if kind == "onebit_adam":  # compression stage: DDP's allreduce is off, the gradients stay local
+            assert not torch.equal(g0[step], g1[step]), step
+        else:  # onebit_hook: the 1-bit allreduce gives every rank the same (approximate) mean
+            assert torch.equal(g0[step], g1[step]), step
