@@ -16,7 +16,8 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 
 from ..comm import world_info
 from ..common import FLOAT_DTYPES, NONFINITE_POLICIES, completed_future, ring_allreduce_bytes
-from ..compressed import DEFAULT_BLOCK_SIZE, CompressionState, _check_block_size
+from ..compressed import DEFAULT_BLOCK_SIZE, CompressionState
+from ..wire import check_block_size
 from .buckets import BucketPlanner, BucketWorker, Plan
 from .claims import HOOK, claim_gradients
 
@@ -113,7 +114,7 @@ class OneBitHookState:
         if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter <= 1:
             raise ValueError(f"Invalid start_iter: {start_iter!r} (must be > 1 because DDP rebuilds buckets after "
                              "iteration 1, and the error feedback belongs to the rebuilt buckets)")
-        _check_block_size(block_size)
+        check_block_size(block_size)
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"Invalid nonfinite policy: {nonfinite!r} (use one of {NONFINITE_POLICIES})")
         freq = compression_stats_logging_frequency
