@@ -59,8 +59,9 @@ from torch import Tensor
 
 from . import ops
 from .comm import get_transport
-from .common import FLOAT_DTYPES, NONFINITE_POLICIES, completed_future, new_future
+from .common import FLOAT_DTYPES, NONFINITE_POLICIES, completed_future, new_future, ring_allreduce_bytes
 from .wire import (
+    AGREEMENT_BYTES,
     ALIGN,
     agreement_vector,
     block_ranges,
@@ -208,10 +209,14 @@ class CompressionState:
                       stacklevel=2)
         return self.piece_spans
 
-    def bytes_per_call(self) -> int:
-        """Bytes this rank sends per call in the all-to-alls and all-gathers (own chunk
-        excluded); the finiteness agreement adds one all_reduce of 104 bytes."""
-        return 2 * (self.world_size - 1) * sum(r.row_bytes for r in self._row_layouts) if self.world_size > 1 else 0
+    def bytes_per_call(self, checked: bool = False) -> int:
+        """Bytes this rank sends per call: the all-to-alls and all-gathers (own chunk
+        excluded) and, unless the caller agreed on finiteness itself (`checked`), the ring
+        allreduce of the finiteness agreement (AGREEMENT_BYTES)."""
+        if self.world_size == 1:
+            return 0
+        rows = 2 * (self.world_size - 1) * sum(r.row_bytes for r in self._row_layouts)
+        return rows + (0 if checked else int(ring_allreduce_bytes(AGREEMENT_BYTES, self.world_size)))
 
     def _count_pieces(self, pieces: Optional[int]) -> int:
         """Pieces per chunk: the requested count, or automatically one per PIECE_MIN

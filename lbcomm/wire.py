@@ -34,6 +34,7 @@ __all__ = [
     "describe_header",
     "check_headers",
     "agreement_vector",
+    "AGREEMENT_BYTES",
     "read_agreement",
 ]
 
@@ -118,6 +119,10 @@ def check_headers(rows: Tensor, expected: Tensor, consequence: str) -> None:
         desc = ", ".join(describe_header(r, h) for r, h in enumerate(heads))
         raise ValueError(f"compressed_allreduce: ranks called with different tensors or are out of step ({desc}); "
                          f"{consequence}")
+
+
+# Bytes of one agreement vector: float64 (flag, header, -header).
+AGREEMENT_BYTES = 8 * (1 + 2 * HEADER_BYTES // 4)
 
 
 def agreement_vector(header: Tensor, flag: bool) -> Tensor:
