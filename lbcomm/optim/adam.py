@@ -9,6 +9,7 @@ from torch import Tensor
 
 from ..compressed import DEFAULT_BLOCK_SIZE
 from . import functional as F
+from . import kernels
 from .flat import FlatLayout
 from .onebit import OneBitOptimizer
 
@@ -64,7 +65,7 @@ class OneBitAdam(OneBitOptimizer):
             lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
             bc1, bc2 = self._bias_corrections(group, seg)
             for i in seg.idx:
-                F.apply_fp32(L.params[i], lambda w, i=i: F.frozen_adamw_(w, L.view(m, i), L.view(v, i), bc2, eps,
+                F.apply_fp32(L.params[i], lambda w, i=i: kernels.frozen_adamw_(w, L.view(m, i), L.view(v, i), bc2, eps,
                                                                          lr * wd, lr / bc1, scratch))
         return True
 
