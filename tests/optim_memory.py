@@ -1,9 +1,9 @@
 """Resident optimizer state per parameter (README, "Optimizer memory").
 
-`resident_bytes(opt, model)` counts every tensor the optimizer holds (its flat buffers,
-views counted once per storage, scratch and staging buffers, masks) and everything its
-CompressionState holds (error buffers, their spares, wire buffers); parameters and
-gradients are excluded. Run on 4 gloo ranks, past the freeze:
+bench/convergence.py's `state_bytes(opt, model)` counts every tensor the optimizer holds
+(its flat buffers, views counted once per storage, scratch and staging buffers, masks) and
+everything its CompressionState holds (error buffers, their spares, wire buffers);
+parameters and gradients are excluded. Run on 4 gloo ranks, past the freeze:
 
     PYTHONPATH=$PWD python tests/optim_memory.py [numel [timed steps]]
 
@@ -21,40 +21,10 @@ from torch import nn
 
 import lbcomm
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+from convergence import state_bytes  # noqa: E402
+
 KINDS = ("AdamW", "OneBitAdam", "Lamb", "OneBitLamb")
-
-
-def resident_bytes(opt, model) -> int:
-    exclude = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    exclude |= {p.grad.untyped_storage().data_ptr() for p in model.parameters() if p.grad is not None}
-    seen, total = set(), 0
-
-    def visit(o, depth=0):
-        nonlocal total
-        if depth > 8:
-            return
-        if isinstance(o, torch.Tensor):
-            st = o.untyped_storage()
-            if st.data_ptr() not in exclude and st.data_ptr() not in seen:
-                seen.add(st.data_ptr())
-                total += st.nbytes()
-        elif isinstance(o, dict):
-            for v in o.values():
-                visit(v, depth + 1)
-        elif isinstance(o, (list, tuple)):
-            for v in o:
-                visit(v, depth + 1)
-        elif type(o).__module__.startswith("lbcomm") and not type(o).__name__.endswith("Transport"):
-            fields = dict(getattr(o, "__dict__", {}))
-            for cls in type(o).__mro__:
-                for name in getattr(cls, "__slots__", ()):
-                    if hasattr(o, name):
-                        fields[name] = getattr(o, name)
-            visit(fields, depth + 1)
-
-    visit({k: v for k, v in vars(opt).items() if k != "param_groups"})
-    visit(dict(opt.state))
-    return total
 
 
 def make(kind: str, params):
@@ -78,7 +48,7 @@ def measure(rank, p, numel, steps=4, timed=0):
                 q.grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(t * 10 + rank))
             opt.step()
         n = sum(q.numel() for q in net.parameters())
-        out[kind] = {"bytes": resident_bytes(opt, net) / n}
+        out[kind] = {"bytes": state_bytes(opt, net)[0] / n}
         times = []
         for t in range(timed):  # the compression stage's step (gradients already in place)
             torch.distributed.barrier()

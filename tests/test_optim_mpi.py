@@ -2,15 +2,14 @@
 compression, a sharded checkpoint and its resume, bitwise equal to the same run on gloo
 ranks (see tests/optim_mpi_worker.py for why bitwise is the right expectation)."""
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import optim_mpi_worker as W
 from dist_util import run_ranks
-from test_mpi import HERE, _mpirun, needs_mpi
+from mpi_util import run_mpi
+from test_mpi import HERE, needs_mpi
 
 P = 3
 
@@ -21,25 +20,7 @@ def _same(a, b):
 
 @pytest.fixture(scope="module")
 def mpi_ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("optim_mpi")
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
-    cmd = [_mpirun(), "--allow-run-as-root", "--oversubscribe", "-np", str(P), sys.executable,
-           os.path.join(HERE, "optim_mpi_worker.py"), str(out)]
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"mpirun did not finish in {exc.timeout} s:\n{exc.stdout}\n{exc.stderr}")
-    ranks = []
-    for r in range(P):
-        path = out / f"{r}.pt"
-        if not path.exists():
-            pytest.fail(f"mpirun exited {proc.returncode} without rank {r}'s results:\n{proc.stdout}\n{proc.stderr}")
-        payload = torch.load(path, weights_only=False)
-        if "error" in payload:
-            pytest.fail(f"MPI rank {r} failed:\n{payload['error']}")
-        ranks.append(payload["ok"])
-    assert proc.returncode == 0, proc.stderr
-    return ranks
+    return run_mpi(os.path.join(HERE, "optim_mpi_worker.py"), tmp_path_factory.mktemp("optim_mpi"), P)
 
 
 @needs_mpi

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import List, Optional, Tuple
 
 import torch
-from torch import Tensor
 
 from ..compressed import DEFAULT_BLOCK_SIZE
 from . import functional as F
@@ -143,6 +142,10 @@ OneBitAdam.__doc__ = r"""Implements 1-bit Adam: AdamW in the warmup, then a froz
             (default: 25)
         process_group (ProcessGroup, optional): the ranks to average over (default: the
             world; one rank, or no torch.distributed, means no communication)
+        backend (str, optional): "torch" (torch.distributed), "mpi" (mpi4py, launched with
+            mpirun; `process_group` is then an mpi4py communicator or None) or "auto":
+            torch.distributed when initialized, else MPI under mpirun; every collective goes
+            through `lbcomm.comm.get_transport` (default: "auto")
 
     Example::
 

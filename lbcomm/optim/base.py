@@ -83,6 +83,8 @@ class BaseOptimizer(Optimizer):
         self.last_step_skipped = False
         self.skipped_steps = 0
         self._loading: Optional[tuple] = None
+        if process_group is not None:  # a group without its backend is an error now, not at step 1
+            self.transport  # noqa: B018
         super().__init__(params, defaults)
         self.register_state_dict_post_hook(BaseOptimizer._state_dict_post_hook)
         self.register_load_state_dict_pre_hook(BaseOptimizer._load_state_dict_pre_hook)

@@ -116,6 +116,10 @@ Lamb.__doc__ = r"""Implements LAMB (layer-wise adaptive moments), the full-preci
         bias_correction (bool, optional): divide m by 1-b1^t and v by 1-b2^t (default: True)
         bucket_cap_mb (float, optional): bucket size of the gradient allreduce (default: 25)
         process_group (ProcessGroup, optional): the ranks to average over (default: the world)
+        backend (str, optional): "torch" (torch.distributed), "mpi" (mpi4py, launched with
+            mpirun; `process_group` is then an mpi4py communicator or None) or "auto":
+            torch.distributed when initialized, else MPI under mpirun; every collective goes
+            through `lbcomm.comm.get_transport` (default: "auto")
 
     Example::
 
@@ -320,6 +324,10 @@ OneBitLamb.__doc__ = r"""Implements 1-bit LAMB: LAMB in the warmup, then a froze
             (default: "raise")
         bucket_cap_mb (float, optional): bucket size of the warmup gradient allreduce (default: 25)
         process_group (ProcessGroup, optional): the ranks to average over (default: the world)
+        backend (str, optional): "torch" (torch.distributed), "mpi" (mpi4py, launched with
+            mpirun; `process_group` is then an mpi4py communicator or None) or "auto":
+            torch.distributed when initialized, else MPI under mpirun; every collective goes
+            through `lbcomm.comm.get_transport` (default: "auto")
 
     Example::
 
