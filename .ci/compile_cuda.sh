@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Compile-only check of the CUDA sources, for machines without a GPU (or a CUDA torch):
-#   1. csrc/cuda/kernels.cu with nvcc for sm_80 and sm_90, warnings as errors;
-#   2. csrc/cuda/ops_cuda.cpp with g++ -fsyntax-only against the installed torch headers.
+#   1. csrc/cuda/*.cu with nvcc for sm_80 and sm_90, warnings as errors;
+#   2. csrc/cuda/*.cpp with g++ -fsyntax-only against the installed torch headers.
 # Skips (exit 0) when nvcc is missing; fails on any compile error or warning.
 set -euo pipefail
 
@@ -20,11 +20,13 @@ trap 'rm -rf "$tmp"' EXIT
 
 echo "compile_cuda: $("$NVCC" --version | tail -n 1)"
 # Same rounding flags as setup.py (--fmad=false): the kernels must match the reference bit for bit.
-"$NVCC" -c -O3 --fmad=false -std=c++17 -I csrc -DLBCOMM_WITH_CUDA=1 \
-  -Xcompiler -Wall,-Wextra -Werror all-warnings \
-  -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 \
-  csrc/cuda/kernels.cu -o "$tmp"/kernels.o
-echo "compile_cuda: csrc/cuda/kernels.cu OK"
+for cu in csrc/cuda/*.cu; do
+  "$NVCC" -c -O3 --fmad=false -std=c++17 -I csrc -DLBCOMM_WITH_CUDA=1 \
+    -Xcompiler -Wall,-Wextra -Werror all-warnings \
+    -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 \
+    "$cu" -o "$tmp/$(basename "$cu" .cu).o"
+  echo "compile_cuda: $cu OK"
+done
 
 PYTHON="${PYTHON:-python}"
 if ! torch_inc="$("$PYTHON" -c 'from torch.utils.cpp_extension import include_paths; print(" ".join(include_paths()))' 2>/dev/null)"; then
@@ -39,7 +41,9 @@ for d in $torch_inc; do inc+=(-isystem "$d"); done
 # A CPU build of torch ships the c10/cuda headers but not the generated
 # c10/cuda/impl/cuda_cmake_macros.h (it only sets C10_CUDA_BUILD_SHARED_LIBS, which matters
 # on Windows); C10_CUDA_NO_CMAKE_CONFIGURE_FILE is the headers' own switch to skip it.
-"${CXX:-g++}" -fsyntax-only -std=c++17 -Wall -Wextra -Werror \
-  -DLBCOMM_WITH_CUDA=1 -DC10_CUDA_NO_CMAKE_CONFIGURE_FILE -DPy_LIMITED_API=0x030A0000 \
-  "${inc[@]}" csrc/cuda/ops_cuda.cpp
-echo "compile_cuda: csrc/cuda/ops_cuda.cpp syntax OK"
+for cpp in csrc/cuda/*.cpp; do
+  "${CXX:-g++}" -fsyntax-only -std=c++17 -Wall -Wextra -Werror \
+    -DLBCOMM_WITH_CUDA=1 -DC10_CUDA_NO_CMAKE_CONFIGURE_FILE -DPy_LIMITED_API=0x030A0000 \
+    "${inc[@]}" "$cpp"
+  echo "compile_cuda: $cpp syntax OK"
+done

@@ -21,9 +21,8 @@ import re
 from typing import Any, Dict, Optional
 
 import torch
-import torch.distributed as dist
 
-from .comm import world_info
+from .comm import get_transport
 
 __all__ = ["save_sharded", "load_sharded", "shard_path"]
 
@@ -39,7 +38,7 @@ def shard_path(directory: str, rank: int, world_size: int) -> str:
 
 
 def save_sharded(directory: str, optimizer=None, model: Optional[torch.nn.Module] = None, *, extra: Any = None,
-                 group=None) -> str:
+                 group=None, backend: str = "auto") -> str:
     """Save this rank's shard: the optimizer's state_dict (with its error buffers), the
     model's state_dict and any `extra` payload (e.g. step, lr scheduler, RNG states).
 
@@ -51,7 +50,10 @@ def save_sharded(directory: str, optimizer=None, model: Optional[torch.nn.Module
         model (Module, optional): its state_dict is saved in the shard too (default: None).
         extra (Any, optional): anything torch.save can write; `load_sharded` returns it
             (default: None).
-        group (ProcessGroup, optional): the group whose ranks save together (default: the world).
+        group (ProcessGroup, optional): the group whose ranks save together, a
+            torch.distributed group or an mpi4py communicator (default: the world).
+        backend (str, optional): "auto", "torch" or "mpi", as for the optimizers; see
+            `lbcomm.comm.get_transport` (default: "auto").
 
     Returns:
         The path of this rank's shard.
@@ -63,7 +65,8 @@ def save_sharded(directory: str, optimizer=None, model: Optional[torch.nn.Module
         >>> info = lbcomm.load_sharded("ckpt/step-1000", optimizer, model)
         >>> step = info["extra"]["step"]
     """
-    world, rank = world_info(group)
+    transport = get_transport(group, backend=backend)
+    world, rank = transport.world_size, transport.rank
     os.makedirs(directory, exist_ok=True)
     payload = {
         "format": _FORMAT,
@@ -78,8 +81,7 @@ def save_sharded(directory: str, optimizer=None, model: Optional[torch.nn.Module
     tmp = f"{path}.tmp-{os.getpid()}"
     torch.save(payload, tmp)
     os.replace(tmp, path)
-    if world > 1:
-        dist.barrier(group=group)
+    transport.barrier()
     return path
 
 
@@ -98,7 +100,8 @@ def _saved_world_size(directory: str) -> int:
 
 
 def load_sharded(directory: str, optimizer=None, model: Optional[torch.nn.Module] = None, *,
-                 map_location: Any = "cpu", group=None, weights_only: bool = True) -> Dict[str, Any]:
+                 map_location: Any = "cpu", group=None, backend: str = "auto",
+                 weights_only: bool = True) -> Dict[str, Any]:
     """Load this rank's shard into `optimizer` and `model` (each optional).
 
     Args:
@@ -107,7 +110,9 @@ def load_sharded(directory: str, optimizer=None, model: Optional[torch.nn.Module
         model (Module, optional): receives the saved model state (default: None).
         map_location (optional): passed to torch.load (default: "cpu"; the state is copied
             into the optimizer's own buffers on their device anyway).
-        group (ProcessGroup, optional): the group of this run (default: the world).
+        group (ProcessGroup, optional): the group of this run, a torch.distributed group
+            or an mpi4py communicator (default: the world).
+        backend (str, optional): "auto", "torch" or "mpi" (default: "auto").
         weights_only (bool, optional): passed to torch.load; set False only for trusted
             files whose `extra` holds arbitrary objects (default: True).
 
@@ -116,7 +121,8 @@ def load_sharded(directory: str, optimizer=None, model: Optional[torch.nn.Module
         saved one, so the continuation is bitwise identical), ``saved_world_size`` and
         ``path`` (the shard read).
     """
-    world, rank = world_info(group)
+    transport = get_transport(group, backend=backend)
+    world, rank = transport.world_size, transport.rank
     path = shard_path(directory, rank, world)
     saved_world = world
     if not os.path.exists(path):

@@ -10,7 +10,7 @@ from torch import nn
 
 import lbcomm
 from dist_util import run_ranks
-from test_optim import OPTS, _loss, _mlp, _same, _snapshot
+from test_optim import OPTS, _flat_state, _loss, _mlp, _same, _snapshot
 
 SAVE_AT, TOTAL, FREEZE = 8, 16, 4  # saved 4 steps into the compression stage
 
@@ -113,7 +113,7 @@ def test_resume_with_another_world_size_warns_resets_and_keeps_learning(saved):
             assert not res["exact"] and res["errors_zero"]
             # the model and the moments come back as saved (they are the same on every rank)
             saved_state = torch.load(lbcomm.shard_path(os.path.join(ckpt, name), rank % 2, 2), weights_only=True)
-            assert _same(res["loaded"]["buffers"], saved_state["optimizer"]["lbcomm"]["buffers"])
+            assert _same(res["loaded"]["buffers"], _flat_state(saved_state["optimizer"])["buffers"])
             assert res["after"]["global_step"] == SAVE_AT + 12
             assert all(torch.isfinite(q).all() for q in res["after"]["params"])
             assert res["eval_after"] < res["eval"][0], (name, res["eval"], res["eval_after"])
@@ -150,3 +150,33 @@ def test_loading_problems_are_reported(tmp_path):
     torch.save({"not": "a shard"}, lbcomm.shard_path(str(other), 0, 1))
     with pytest.raises(ValueError, match="not an lbcomm checkpoint shard"):
         lbcomm.load_sharded(str(other), opt)
+
+
+def _continue_v1(rank, p):
+    """Load the version-1 shards in tests/data (see tests/old_checkpoints.py) and continue."""
+    import old_checkpoints as V1
+
+    out = {}
+    for kind in V1.KINDS:
+        net = V1.model()
+        opt = V1.optimizer(kind, net.parameters())
+        directory = os.path.join(V1.DATA, kind)
+        info = lbcomm.load_sharded(directory, opt, net)
+        assert info["exact"] and info["extra"] == {"step": V1.SAVE_AT}
+        expected = torch.load(os.path.join(directory, f"expected-{rank}.pt"), weights_only=True)
+        got = []
+        for t in range(V1.SAVE_AT, V1.SAVE_AT + V1.NEXT):
+            V1.step(net, opt, rank, t)
+            got.append([q.detach().clone() for q in net.parameters()])
+        out[kind] = {"same": [_same(a, b) for a, b in zip(got, expected)],
+                     "moved": max((a - b).abs().max().item() for a, b in zip(got[-1], expected[0])),
+                     "frozen": kind == "Lamb" or opt.frozen}
+    return out
+
+
+def test_version_1_checkpoints_still_load_and_continue_bitwise():
+    for rank, res in enumerate(run_ranks(_continue_v1, 2, timeout=180)):
+        for kind, r in res.items():
+            assert r["frozen"], (rank, kind)
+            assert r["same"] == [True] * 4, (rank, kind, r["same"])
+            assert r["moved"] > 0, (rank, kind)  # the continuation really trains

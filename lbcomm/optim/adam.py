@@ -4,22 +4,18 @@ from __future__ import annotations
 
 from typing import List, Optional, Tuple
 
-from torch import Tensor
+import torch
 
 from ..compressed import DEFAULT_BLOCK_SIZE
-from .base import FlatOptimizer, _Layout, _Segment
+from . import functional as F
+from . import kernels
+from .flat import FlatLayout
+from .onebit import OneBitOptimizer
 
 __all__ = ["OneBitAdam"]
 
 
-def _adamw_(w: Tensor, m: Tensor, denom: Tensor, decay: float, step_size: float) -> None:
-    """w <- w (1 - decay) - step_size m / denom, in torch.optim.AdamW's order of operations."""
-    if decay != 0:
-        w.mul_(1 - decay)
-    w.addcdiv_(m, denom, value=-step_size)
-
-
-class OneBitAdam(FlatOptimizer):
+class OneBitAdam(OneBitOptimizer):
     def __init__(
         self,
         params,
@@ -35,41 +31,43 @@ class OneBitAdam(FlatOptimizer):
         nonfinite: str = "raise",
         bucket_cap_mb: float = 25.0,
         process_group=None,
+        backend: str = "auto",
     ) -> None:
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, freeze_step=freeze_step,
                         bias_correction=bias_correction, block_size=block_size, mask_threshold=mask_threshold,
                         nonfinite=nonfinite, bucket_cap_mb=bucket_cap_mb)
-        self._validate_group(defaults)
-        super().__init__(params, defaults, process_group=process_group)
+        super().__init__(params, defaults, process_group=process_group, backend=backend)
 
-    def _adam_update(self, L: _Layout, seg: _Segment, frozen: bool = False) -> None:
-        """p <- p (1 - lr wd) - lr m^ / (sqrt(v^) + eps) for one run of parameters."""
-        group = self.param_groups[seg.group]
-        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
-        bc1, bc2 = self._bias_corrections(group, seg)
-        step_size = lr / bc1
+    def _warmup_update(self, L: FlatLayout, active: List[bool]) -> None:
         m, v = self._flat["exp_avg"], self._flat["exp_avg_sq"]
-        if frozen:
-            d = self._frozen_denominator(L, seg, bc2, eps)
-        else:  # the gradient buffer is consumed by now
-            d = self._denominator(v[seg.lo:seg.hi], bc2, eps, out=self._grad_buf[seg.lo:seg.hi])
-        for i in seg.idx:
-            o = L.offsets[i] - seg.lo
-            d_i = d[o:o + L.numels[i]].view(L.params[i].shape)
-            self._apply(L.params[i], lambda w, m_i=L.view(m, i), d_i=d_i: _adamw_(w, m_i, d_i, lr * wd, step_size))
-
-    def _warmup_update(self, L: _Layout, active: List[bool]) -> None:
         for seg in self._segments(L, active):
-            self._update_moments(seg)
-            self._adam_update(L, seg)
+            self._moments(seg)
+            group = self.param_groups[seg.group]
+            lr, wd = group["lr"], group["weight_decay"]
+            bc1, bc2 = self._bias_corrections(group, seg)
+            # the gradient buffer is consumed by now: it receives sqrt(v^) + eps
+            d = F.denominator(v[seg.lo:seg.hi], bc2, group["eps"], out=self._grad_buf[seg.lo:seg.hi])
+            for i in seg.idx:
+                o = L.offsets[i] - seg.lo
+                d_i = d[o:o + L.numels[i]].view(L.params[i].shape)
+                F.apply_fp32(L.params[i], lambda w, m_i=L.view(m, i), d_i=d_i: F.adamw_(w, m_i, d_i, lr * wd,
+                                                                                        lr / bc1))
 
-    def _compressed_update(self, L: _Layout) -> bool:
-        # decoded straight into m: a skipped step leaves it untouched
-        if self._compress_momentum(L, out=self._flat["exp_avg"]) is None:
+    def _compressed_update(self, L: FlatLayout) -> bool:
+        m, v = self._flat["exp_avg"], self._flat["exp_avg_sq"]
+        # decoded straight into m, and only once every rank has the result
+        if not self._reduce_momentum(L, self._momentum_source(L), m):
             return False
-        for seg in self._segments(L, self._participating(L), frozen=True):
-            self._adam_update(L, seg, frozen=True)
+        scratch = self._stage_buffer(L)
+        for seg in self._segments(L, self._participating(L), vstep="variance_step"):
+            group = self.param_groups[seg.group]
+            lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+            bc1, bc2 = self._bias_corrections(group, seg)
+            for i in seg.idx:
+                F.apply_fp32(L.params[i], lambda w, i=i: kernels.frozen_adamw_(w, L.view(m, i), L.view(v, i), bc2, eps,
+                                                                         lr * wd, lr / bc1, scratch))
         return True
+
 
 OneBitAdam.__doc__ = r"""Implements 1-bit Adam: AdamW in the warmup, then a frozen variance
     and one 1-bit compressed allreduce of the momentum per step.
@@ -144,6 +142,10 @@ OneBitAdam.__doc__ = r"""Implements 1-bit Adam: AdamW in the warmup, then a froz
             (default: 25)
         process_group (ProcessGroup, optional): the ranks to average over (default: the
             world; one rank, or no torch.distributed, means no communication)
+        backend (str, optional): "torch" (torch.distributed), "mpi" (mpi4py, launched with
+            mpirun; `process_group` is then an mpi4py communicator or None) or "auto":
+            torch.distributed when initialized, else MPI under mpirun; every collective goes
+            through `lbcomm.comm.get_transport` (default: "auto")
 
     Example::
 

@@ -2,24 +2,23 @@
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from ..compressed import DEFAULT_BLOCK_SIZE
-from .base import FlatOptimizer, _Layout, _Segment
+from . import functional as F
+from .base import BaseOptimizer
+from .flat import FlatLayout, Segment
+from .onebit import OneBitOptimizer
 
 __all__ = ["Lamb", "OneBitLamb"]
 
 
-def _norms(tensors: List[Tensor]) -> Tensor:
-    """fp32 L2 norm of each tensor, stacked (no host synchronization)."""
-    return torch.stack([torch.linalg.vector_norm(t.float()) for t in tensors])
-
-
-class Lamb(FlatOptimizer):
-    _compresses = False
+class Lamb(BaseOptimizer):
+    # Options a subclass adds to every group (set by its __init__ before Lamb.__init__ runs).
+    _subclass_defaults: Dict[str, Any] = {}
 
     def __init__(
         self,
@@ -34,11 +33,12 @@ class Lamb(FlatOptimizer):
         bias_correction: bool = True,
         bucket_cap_mb: float = 25.0,
         process_group=None,
+        backend: str = "auto",
     ) -> None:
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, max_coeff=max_coeff,
-                        min_coeff=min_coeff, bias_correction=bias_correction, bucket_cap_mb=bucket_cap_mb)
-        self._validate_group(defaults)
-        super().__init__(params, defaults, process_group=process_group)
+                        min_coeff=min_coeff, bias_correction=bias_correction, bucket_cap_mb=bucket_cap_mb,
+                        **self._subclass_defaults)
+        super().__init__(params, defaults, process_group=process_group, backend=backend)
 
     def _validate_group(self, group) -> None:
         super()._validate_group(group)
@@ -46,45 +46,33 @@ class Lamb(FlatOptimizer):
             raise ValueError(f"Invalid min_coeff/max_coeff: {group['min_coeff']}/{group['max_coeff']} "
                              "(need 0 <= min_coeff <= max_coeff)")
 
-    # u = m^ / (sqrt(v^) + eps) [+ wd p], written into the gradient buffer (g is consumed)
-    def _direction(self, seg: _Segment, v: Tensor) -> Tensor:
-        group = self.param_groups[seg.group]
-        bc1, bc2 = self._bias_corrections(group, seg)
-        u = self._denominator(v[seg.lo:seg.hi], bc2, group["eps"], out=self._grad_buf[seg.lo:seg.hi])
-        return torch.div(self._flat["exp_avg"][seg.lo:seg.hi] / bc1, u, out=u)
+    def _track_coeff(self, seg: Segment, c: Tensor) -> None:
+        """Called with each warmup step's trust ratios (1-bit LAMB averages them)."""
 
-    def _add_weight_decay(self, L: _Layout, seg: _Segment) -> None:
-        wd = self.param_groups[seg.group]["weight_decay"]
-        if wd != 0:
-            for i in seg.idx:
-                L.view(self._grad_buf, i).add_(L.params[i], alpha=wd)
-
-    def _trust_ratio(self, L: _Layout, seg: _Segment) -> Tensor:
-        """c = clamp(||p|| / ||u||, min_coeff, max_coeff) per parameter; 1 where a norm is 0."""
-        group = self.param_groups[seg.group]
-        pn = _norms([L.params[i] for i in seg.idx])
-        un = _norms([L.view(self._grad_buf, i) for i in seg.idx])
-        c = (pn / un).clamp(group["min_coeff"], group["max_coeff"])
-        return torch.where((pn > 0) & (un > 0), c, torch.ones_like(c))
-
-    def _scaled_update(self, L: _Layout, seg: _Segment, coef: Tensor) -> None:
-        """p <- p - lr coef_p u_p."""
-        lr = self.param_groups[seg.group]["lr"]
-        for j, i in enumerate(seg.idx):
-            u = L.view(self._grad_buf, i).mul_(coef[j])
-            self._apply(L.params[i], lambda w, u=u: w.add_(u, alpha=-lr))
-
-    def _track_coeff(self, seg: _Segment, c: Tensor) -> None:
-        pass
-
-    def _warmup_update(self, L: _Layout, active: List[bool]) -> None:
+    def _warmup_update(self, L: FlatLayout, active: List[bool]) -> None:
+        m, v, buf = self._flat["exp_avg"], self._flat["exp_avg_sq"], self._grad_buf
         for seg in self._segments(L, active):
-            self._update_moments(seg)
-            self._direction(seg, self._flat["exp_avg_sq"])
-            self._add_weight_decay(L, seg)
-            c = self._trust_ratio(L, seg)
+            self._moments(seg)
+            group = self.param_groups[seg.group]
+            bc1, bc2 = self._bias_corrections(group, seg)
+            sl = slice(seg.lo, seg.hi)
+            # u = m^ / (sqrt(v^) + eps) [+ wd p], written into the gradient buffer (g is consumed)
+            F.lamb_direction(m[sl], v[sl], bc1, bc2, group["eps"], out=buf[sl])
+            us = [L.view(buf, i) for i in seg.idx]
+            if group["weight_decay"] != 0:
+                for u, i in zip(us, seg.idx):
+                    u.add_(L.params[i], alpha=group["weight_decay"])
+            c = F.trust_ratio(F.norms([L.params[i] for i in seg.idx]), F.norms(us), group["min_coeff"],
+                              group["max_coeff"])
             self._track_coeff(seg, c)
-            self._scaled_update(L, seg, c)
+            for j, (u, i) in enumerate(zip(us, seg.idx)):
+                self._lamb_step(L.params[i], u, c[j], group["lr"])
+
+    @staticmethod
+    def _lamb_step(p: Tensor, u: Tensor, coef: Tensor, lr: float) -> None:
+        """p <- p - lr coef u (u is scaled in place)."""
+        u = u.mul_(coef)
+        F.apply_fp32(p, lambda w: w.add_(u, alpha=-lr))
 
 
 Lamb.__doc__ = r"""Implements LAMB (layer-wise adaptive moments), the full-precision twin of
@@ -128,6 +116,10 @@ Lamb.__doc__ = r"""Implements LAMB (layer-wise adaptive moments), the full-preci
         bias_correction (bool, optional): divide m by 1-b1^t and v by 1-b2^t (default: True)
         bucket_cap_mb (float, optional): bucket size of the gradient allreduce (default: 25)
         process_group (ProcessGroup, optional): the ranks to average over (default: the world)
+        backend (str, optional): "torch" (torch.distributed), "mpi" (mpi4py, launched with
+            mpirun; `process_group` is then an mpi4py communicator or None) or "auto":
+            torch.distributed when initialized, else MPI under mpirun; every collective goes
+            through `lbcomm.comm.get_transport` (default: "auto")
 
     Example::
 
@@ -139,10 +131,11 @@ Lamb.__doc__ = r"""Implements LAMB (layer-wise adaptive moments), the full-preci
     """
 
 
-class OneBitLamb(Lamb):
-    _compresses = True
+class OneBitLamb(OneBitOptimizer, Lamb):
     _frozen_buffers = ("exp_avg_sq_fresh",)
-    _param_vectors = {"lamb_coeff_freeze": 0.0, "momentum_scale": 1.0, "last_factor": 1.0}
+    _scratch_u: Optional[Tensor] = None
+    _param_vectors = {**OneBitOptimizer._param_vectors, "lamb_coeff_freeze": 0.0, "momentum_scale": 1.0,
+                      "last_factor": 1.0}
 
     def __init__(
         self,
@@ -165,14 +158,14 @@ class OneBitLamb(Lamb):
         nonfinite: str = "raise",
         bucket_cap_mb: float = 25.0,
         process_group=None,
+        backend: str = "auto",
     ) -> None:
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, freeze_step=freeze_step,
-                        max_coeff=max_coeff, min_coeff=min_coeff, coeff_beta=coeff_beta, factor_max=factor_max,
-                        factor_min=factor_min, factor_threshold=factor_threshold, bias_correction=bias_correction,
-                        block_size=block_size, mask_threshold=mask_threshold, nonfinite=nonfinite,
-                        bucket_cap_mb=bucket_cap_mb)
-        self._validate_group(defaults)
-        FlatOptimizer.__init__(self, params, defaults, process_group=process_group)
+        self._subclass_defaults = dict(freeze_step=freeze_step, coeff_beta=coeff_beta, factor_max=factor_max,
+                                       factor_min=factor_min, factor_threshold=factor_threshold,
+                                       block_size=block_size, mask_threshold=mask_threshold, nonfinite=nonfinite)
+        super().__init__(params, lr, betas, eps, weight_decay, max_coeff=max_coeff, min_coeff=min_coeff,
+                         bias_correction=bias_correction, bucket_cap_mb=bucket_cap_mb, process_group=process_group,
+                         backend=backend)
 
     def _validate_group(self, group) -> None:
         super()._validate_group(group)
@@ -184,15 +177,13 @@ class OneBitLamb(Lamb):
         if not 0.0 <= group["factor_threshold"]:
             raise ValueError(f"Invalid factor_threshold: {group['factor_threshold']} (must be >= 0)")
 
-    def _track_coeff(self, seg: _Segment, c: Tensor) -> None:
+    def _track_coeff(self, seg: Segment, c: Tensor) -> None:
         """Warmup: c_frz <- coeff_beta c_frz + (1 - coeff_beta) c where c != 1."""
-        beta = self.param_groups[seg.group]["coeff_beta"]
         cf = self._vectors["lamb_coeff_freeze"]
         idx = torch.tensor(seg.idx, device=cf.device)
-        old = cf[idx]
-        cf[idx] = torch.where(c != 1, beta * old + (1 - beta) * c, old)
+        cf[idx] = F.track_coeff(cf[idx], c, self.param_groups[seg.group]["coeff_beta"])
 
-    def _on_freeze(self, L: _Layout) -> None:
+    def _on_freeze(self, L: FlatLayout) -> None:
         self._flat["exp_avg_sq_fresh"].copy_(self._flat["exp_avg_sq"])
         idx = [i for i, on in enumerate(self._participating(L)) if on]
         if idx:  # k_p = mean_q rms(m_q) / rms(m_p): momenta of similar size through one compression
@@ -204,42 +195,71 @@ class OneBitLamb(Lamb):
         cf = self._vectors["lamb_coeff_freeze"]
         cf.masked_fill_(cf == 0, 1.0)  # never tracked (c was always 1): keep the plain step
 
-    def _compressed_update(self, L: _Layout) -> bool:
-        new_m = self._compress_momentum(L, scale=self._vectors["momentum_scale"])
-        if new_m is None:
-            return False
+    def _momentum_sink(self, L: FlatLayout, scale: Tensor):
+        """sink(lo, hi, values): the reduced (scaled) momentum of [lo, hi): unscaled, masked,
+        its implied gradient folded into the fresh variance, then committed to m."""
         m, vf = self._flat["exp_avg"], self._flat["exp_avg_sq_fresh"]
-        gt = torch.empty_like(m)  # the gradient the compressed momentum implies
-        for gi, _, _, lo, hi in L.group_ranges:
-            b1 = self.param_groups[gi]["betas"][0]
-            torch.sub(new_m[lo:hi], m[lo:hi] * b1, out=gt[lo:hi]).div_(1 - b1)
-        m.copy_(new_m)
-        for gi, _, _, lo, hi in L.group_ranges:
-            b2 = self.param_groups[gi]["betas"][1]
-            vf[lo:hi].mul_(b2).addcmul_(gt[lo:hi], gt[lo:hi], value=1 - b2)
-        buf, vecs = self._grad_buf, self._vectors
-        for seg in self._segments(L, self._participating(L), frozen=True):
+
+        def sink(lo: int, hi: int, values: Tensor) -> None:
+            parts = [(i, L.offsets[i] + a, L.offsets[i] + b) for i, a, b in L.overlapping(lo, hi)]
+            for i, a, b in parts:
+                values[a - lo:b - lo].div_(scale[i])
+            self._mask_range(values, lo, hi)
+            for i, a, b in parts:
+                b1, b2 = self.param_groups[L.group_of[i]]["betas"]
+                F.implied_grad_variance_(vf[a:b], values[a - lo:b - lo], m[a:b], b1, b2)
+                m[a:b].copy_(values[a - lo:b - lo])
+
+        return sink
+
+    def _compressed_update(self, L: FlatLayout) -> bool:
+        vecs = self._vectors
+        scale = vecs["momentum_scale"]
+        if not self._reduce_momentum(L, self._momentum_source(L, scale), self._momentum_sink(L, scale)):
+            return False
+        m, v, vf = self._flat["exp_avg"], self._flat["exp_avg_sq"], self._flat["exp_avg_sq_fresh"]
+        stage = self._stage_buffer(L)
+        u_buf = self._update_buffer(L)
+        for seg in self._segments(L, self._participating(L), vstep="variance_step"):
             group = self.param_groups[seg.group]
             bc1, bc2 = self._bias_corrections(group, seg)
-            d = self._frozen_denominator(L, seg, bc2, group["eps"])
-            ratio = self._denominator(vf[seg.lo:seg.hi], bc2, group["eps"], out=gt[seg.lo:seg.hi])
-            torch.div(d, ratio, out=ratio)
-            f = torch.stack([torch.amax(L.view(gt, i)) for i in seg.idx])
-            torch.div(m[seg.lo:seg.hi] / bc1, d, out=buf[seg.lo:seg.hi])  # u0
-            if group["weight_decay"] != 0:
-                u0n = _norms([L.view(buf, i) for i in seg.idx])
-                self._add_weight_decay(L, seg)
-                un = _norms([L.view(buf, i) for i in seg.idx])
-                r = torch.where(un > 0, (u0n / un).clamp(max=1.0), torch.ones_like(un))
-                f = f * r + (1 - r)
-            f = f.clamp(group["factor_min"], group["factor_max"])
-            idx = torch.tensor(seg.idx, device=f.device)
-            last = vecs["last_factor"][idx]
-            thr = group["factor_threshold"]
-            f = torch.clamp(f, min=last * (1 - thr), max=last * (1 + thr))
-            vecs["last_factor"][idx] = f
-            self._scaled_update(L, seg, vecs["lamb_coeff_freeze"][idx] * f)
+            eps, wd = group["eps"], group["weight_decay"]
+            for i in seg.idx:
+                o, n = L.offsets[i], L.numels[i]
+                u = u_buf[:n]
+                # d = sqrt(v^) + eps, d~ likewise of the fresh variance; u0 = m^ / d; f = max(d / d~)
+                ratio_max = None
+                for lo in range(0, n, F.STAGE):
+                    hi = min(n, lo + F.STAGE)
+                    d = F.denominator(v[o + lo:o + hi], bc2, eps, out=stage[:hi - lo])
+                    r = F.denominator(vf[o + lo:o + hi], bc2, eps, out=u[lo:hi])
+                    part = torch.amax(torch.div(d, r, out=r)).reshape(1)
+                    ratio_max = part if ratio_max is None else torch.maximum(ratio_max, part)
+                    torch.div(m[o + lo:o + hi] / bc1, d, out=u[lo:hi])
+                u0n = un = None
+                u = u.view(L.params[i].shape)
+                if wd != 0:
+                    u0n = F.norms([u])
+                    u.add_(L.params[i], alpha=wd)
+                    un = F.norms([u])
+                last = vecs["last_factor"][i:i + 1]
+                f = F.onebit_lamb_factor(ratio_max, u0n, un, last, group["factor_min"], group["factor_max"],
+                                         group["factor_threshold"])
+                vecs["last_factor"][i:i + 1] = f
+                self._lamb_step(L.params[i], u, vecs["lamb_coeff_freeze"][i:i + 1] * f,
+                                group["lr"])
         return True
+
+    def _update_buffer(self, L: FlatLayout) -> Tensor:
+        """One parameter's update direction (the largest parameter's size): its norms need
+        the whole of it."""
+        if self._scratch_u is None:
+            self._scratch_u = torch.empty(max(L.numels, default=0), dtype=torch.float32, device=self._device(L))
+        return self._scratch_u
+
+    def _on_layout(self, old, new) -> None:
+        super()._on_layout(old, new)
+        self._scratch_u = None
 
 
 OneBitLamb.__doc__ = r"""Implements 1-bit LAMB: LAMB in the warmup, then a frozen variance, one
@@ -304,6 +324,10 @@ OneBitLamb.__doc__ = r"""Implements 1-bit LAMB: LAMB in the warmup, then a froze
             (default: "raise")
         bucket_cap_mb (float, optional): bucket size of the warmup gradient allreduce (default: 25)
         process_group (ProcessGroup, optional): the ranks to average over (default: the world)
+        backend (str, optional): "torch" (torch.distributed), "mpi" (mpi4py, launched with
+            mpirun; `process_group` is then an mpi4py communicator or None) or "auto":
+            torch.distributed when initialized, else MPI under mpirun; every collective goes
+            through `lbcomm.comm.get_transport` (default: "auto")
 
     Example::
 

@@ -1,0 +1,13 @@
+// Raw-pointer launcher of the CUDA body of lbcomm::frozen_adamw_ (no torch headers, so
+// that nvcc stays quick; csrc/optim.cpp has the op and its CPU body).
+#pragma once
+
+namespace lbcomm {
+namespace cuda {
+// p = fma(neg_step, m / d, p * keep) with d = r * inv_scale + eps, r = torch.sqrt(v): torch's
+// CUDA ops (a scalar divisor becomes a multiply by its reciprocal; addcdiv is
+// a + alpha * (b / c), contracted to an FMA). Returns a cudaError_t.
+int frozen_adamw(float* p, const float* m, const float* r, long long n, float inv_scale, float eps, float keep,
+                 float neg_step, void* stream);
+}  // namespace cuda
+}  // namespace lbcomm

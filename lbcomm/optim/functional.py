@@ -1,0 +1,104 @@
+"""The update math of the lbcomm optimizers (DESIGN.md §3) as functions over tensors: flat
+fp32 slices of the state and the parameters they belong to. No communication, no state
+bookkeeping (that is `base` and `onebit`); the order of operations is part of the
+contract (the warmup is bitwise torch.optim.AdamW, the tests compare bitwise against
+`lbcomm.optim.reference`).
+"""
+from __future__ import annotations
+
+from typing import Callable, List, Optional
+
+import torch
+from torch import Tensor
+
+__all__ = ["norms", "moments_", "denominator", "adamw_", "frozen_adamw_", "lamb_direction", "trust_ratio",
+           "track_coeff", "onebit_lamb_factor", "implied_grad_variance_", "apply_fp32", "STAGE"]
+
+# Elements per pass of the staged computations (4 MB of fp32: the pieces stay in cache).
+STAGE = 1 << 20
+
+
+def norms(tensors: List[Tensor]) -> Tensor:
+    """fp32 L2 norm of each tensor, stacked (no host synchronization)."""
+    return torch.stack([torch.linalg.vector_norm(t.float()) for t in tensors])
+
+
+def apply_fp32(p: Tensor, fn: Callable[[Tensor], None]) -> None:
+    """Run fn on p in fp32: in place for fp32 params, through an fp32 copy otherwise."""
+    if p.dtype == torch.float32:
+        fn(p)
+    else:
+        w = p.float()
+        fn(w)
+        p.copy_(w)
+
+
+def moments_(m: Tensor, v: Tensor, g: Tensor, b1: float, b2: float) -> None:
+    """m <- b1 m + (1-b1) g;  v <- b2 v + (1-b2) g^2 (torch.optim.AdamW's operations)."""
+    m.lerp_(g, 1 - b1)
+    v.mul_(b2).addcmul_(g, g, value=1 - b2)
+
+
+def denominator(v: Tensor, bc2: float, eps: float, out: Tensor) -> Tensor:
+    """out = sqrt(v) / sqrt(bc2) + eps, i.e. sqrt(v^) + eps."""
+    torch.sqrt(v, out=out)
+    return out.div_(bc2 ** 0.5).add_(eps)
+
+
+def adamw_(w: Tensor, m: Tensor, denom: Tensor, decay: float, step_size: float) -> None:
+    """w <- w (1 - decay) - step_size m / denom, in torch.optim.AdamW's order of operations."""
+    if decay != 0:
+        w.mul_(1 - decay)
+    w.addcdiv_(m, denom, value=-step_size)
+
+
+def frozen_adamw_(w: Tensor, m: Tensor, v: Tensor, bc2: float, eps: float, decay: float, step_size: float,
+                  scratch: Tensor) -> None:
+    """`adamw_` with denom = `denominator`(v), computed STAGE elements at a time into
+    `scratch` (at least min(STAGE, numel) fp32 elements): every element goes through the
+    same operations as with a model-sized denominator, but the denominator never leaves the
+    cache and needs no memory of its own. w, m, v: contiguous, of equal numel."""
+    w, m, v = w.view(-1), m.view(-1), v.view(-1)
+    n = w.numel()
+    for lo in range(0, n, STAGE):
+        hi = min(n, lo + STAGE)
+        d = denominator(v[lo:hi], bc2, eps, out=scratch[:hi - lo])
+        adamw_(w[lo:hi], m[lo:hi], d, decay, step_size)
+
+
+def lamb_direction(m: Tensor, v: Tensor, bc1: float, bc2: float, eps: float, out: Tensor) -> Tensor:
+    """out = m^ / (sqrt(v^) + eps)."""
+    u = denominator(v, bc2, eps, out=out)
+    return torch.div(m / bc1, u, out=u)
+
+
+def trust_ratio(pn: Tensor, un: Tensor, min_coeff: float, max_coeff: float) -> Tensor:
+    """c = clamp(||p|| / ||u||, min_coeff, max_coeff) per parameter; 1 where a norm is 0."""
+    c = (pn / un).clamp(min_coeff, max_coeff)
+    return torch.where((pn > 0) & (un > 0), c, torch.ones_like(c))
+
+
+def track_coeff(frozen_coeff: Tensor, c: Tensor, beta: float) -> Tensor:
+    """1-bit LAMB's warmup average: c_frz <- beta c_frz + (1 - beta) c where c != 1."""
+    return torch.where(c != 1, beta * frozen_coeff + (1 - beta) * c, frozen_coeff)
+
+
+def implied_grad_variance_(v_fresh: Tensor, m_new: Tensor, m_prev: Tensor, b1: float, b2: float,
+                           scratch: Optional[Tensor] = None) -> None:
+    """1-bit LAMB: g~ = (m_new - b1 m_prev) / (1 - b1), the gradient the reduced momentum
+    implies, and v_fresh <- b2 v_fresh + (1 - b2) g~^2."""
+    gt = torch.sub(m_new, m_prev * b1, out=scratch).div_(1 - b1)
+    v_fresh.mul_(b2).addcmul_(gt, gt, value=1 - b2)
+
+
+def onebit_lamb_factor(ratio_max: Tensor, u0n: Optional[Tensor], un: Optional[Tensor], last: Tensor,
+                       factor_min: float, factor_max: float, threshold: float) -> Tensor:
+    """1-bit LAMB's variance factor per parameter: f = max_i(d / d~), pulled towards 1 by
+    r = min(1, ||u0|| / ||u||) when weight decay is on (u0n/un given), clamped to
+    [factor_min, factor_max] and to within threshold of the last factor."""
+    f = ratio_max
+    if u0n is not None:
+        r = torch.where(un > 0, (u0n / un).clamp(max=1.0), torch.ones_like(un))
+        f = f * r + (1 - r)
+    f = f.clamp(factor_min, factor_max)
+    return torch.clamp(f, min=last * (1 - threshold), max=last * (1 + threshold))

@@ -1,0 +1,367 @@
+"""The 1-bit machinery (DESIGN.md §3), used only by `OneBitAdam` and `OneBitLamb`: the
+freeze, the momentum mask, the compressed momentum allreduce and its error state.
+
+* The freeze (end of step freeze_step): the variance's step count is recorded, the mask
+  of coordinates held at zero is built, the warmup's flat gradient buffer is freed and the
+  `CompressionState` (one for the whole model) is created.
+* Compression stage (steps freeze_step + 1 ..): the gradients stay local. The ranks first
+  agree that every local gradient is finite (a per-parameter sum, ONE scalar allreduce;
+  an exact count only when a sum overflows). The new momentum m' = b1 m + (1-b1) g is then
+  produced by a source callable straight from m and each ``p.grad`` and reduced with one
+  compressed allreduce; the result reaches a sink (m itself, or a callable that sees m' and
+  the old m range by range), masked. m is written only after every rank has the result, so
+  a non-finite value on any rank leaves every rank's state exactly as it was.
+
+The mask is an index list when few coordinates are masked (the usual case: unused
+embedding rows, constant features, softmax-invariant biases), a bool mask otherwise.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Dict, List, Optional, Union
+
+import torch
+from torch import Tensor
+
+from ..compressed import CompressionState, NonFiniteError, _check_block_size, compressed_allreduce
+from .base import BaseOptimizer
+from .flat import FlatLayout
+from .functional import STAGE
+
+__all__ = ["OneBitOptimizer"]
+
+_log = logging.getLogger(__name__)
+
+Source = Callable[[int, int, Tensor], None]
+Sink = Union[Tensor, Callable[[int, int, Tensor], None]]
+
+
+class OneBitOptimizer(BaseOptimizer):
+    """Base of the 1-bit optimizers: a warmup as the full-precision twin, then a frozen
+    variance and one compressed allreduce of the momentum per step.
+
+    Subclasses implement `_compressed_update` with `_reduce_momentum`, and may extend
+    `_on_freeze` and `_frozen_buffers` (flat buffers created at the freeze).
+    """
+
+    _GLOBAL_OPTIONS = BaseOptimizer._GLOBAL_OPTIONS + ("freeze_step", "block_size", "nonfinite", "mask_threshold")
+    _param_vectors: Dict[str, float] = {"step": 0.0, "variance_step": 0.0}
+    _frozen_buffers: tuple = ()
+
+    def __init__(self, *args, **kwargs):
+        self._frozen = False
+        self._comp: Optional[CompressionState] = None
+        self._mask: Optional[Tensor] = None  # int64 indices (few masked) or bool (many): momentum held at zero
+        self._mask_counts = (0, 0)
+        self._user_masks: Dict[int, Tensor] = {}  # layout index -> bool mask (True = trained)
+        self._stage: Optional[Tensor] = None  # bounded staging buffer of the one-rank path
+        self._scratch: Optional[Tensor] = None
+        super().__init__(*args, **kwargs)
+
+    def _validate_group(self, group: Dict[str, Any]) -> None:
+        super()._validate_group(group)
+        fs = group["freeze_step"]
+        if isinstance(fs, bool) or not isinstance(fs, int) or fs < 1:
+            raise ValueError(f"Invalid freeze_step: {fs!r} (must be an int >= 1: the variance is frozen after "
+                             "that many warmup steps)")
+        _check_block_size(group["block_size"])
+        if not 0.0 <= group["mask_threshold"] < 1.0:
+            raise ValueError(f"Invalid mask_threshold: {group['mask_threshold']} (need 0 <= mask_threshold < 1)")
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """Add a param group (see torch.optim.Optimizer.add_param_group). Allowed during
+        warmup; after the freeze the layout of the compressed momentum is fixed."""
+        if self._frozen:
+            raise RuntimeError(f"{type(self).__name__}: cannot add a param group after the freeze (step "
+                               f"{self._global_step}): the compressed momentum buffer has a fixed layout. Create the "
+                               "optimizer with every group from the start (params without gradients cost nothing).")
+        super().add_param_group(param_group)
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def frozen(self) -> bool:
+        """True once the variance is frozen: every following step keeps the gradients local
+        and compresses the momentum (a DDP hook must then not communicate)."""
+        return self._frozen
+
+    @property
+    def compression_state(self) -> Optional[CompressionState]:
+        """The error-feedback state of the momentum allreduce (None before the freeze or
+        with one rank)."""
+        return self._comp
+
+    @property
+    def masked_coordinates(self) -> int:
+        """How many momentum coordinates are held at zero (0 before the freeze)."""
+        m = self._mask
+        return 0 if m is None else int(m.sum()) if m.dtype == torch.bool else m.numel()
+
+    def set_momentum_mask(self, param: Tensor, mask: Optional[Tensor]) -> None:
+        """Override the automatic zero-variance mask for one parameter.
+
+        Args:
+            param (Tensor): a parameter of this optimizer.
+            mask (Tensor or None): bool tensor of param's shape, True where the parameter is
+                trained after the freeze and False where its momentum is held at zero; None
+                returns to the automatic mask (coordinates whose variance is exactly zero at
+                the freeze are held at zero).
+        """
+        L = self._prepare()
+        i = L.index.get(id(param))
+        if i is None:
+            raise ValueError("set_momentum_mask: the tensor is not a parameter of this optimizer that requires grad")
+        if mask is None:
+            self._user_masks.pop(i, None)
+        else:
+            if not isinstance(mask, Tensor) or mask.shape != param.shape:
+                raise ValueError(f"set_momentum_mask: expected a bool tensor of shape {tuple(param.shape)}, got "
+                                 f"{getattr(mask, 'shape', type(mask).__name__)}")
+            self._user_masks[i] = mask.detach().to(device=param.device, dtype=torch.bool).clone()
+        if self._frozen:
+            self._build_mask(L)
+
+    # ------------------------------------------------------------------ layout and step skeleton
+    def _buffer_names(self) -> tuple:
+        return self._flat_buffers + (self._frozen_buffers if self._frozen else ())
+
+    def _on_layout(self, old: Optional[FlatLayout], new: FlatLayout) -> None:
+        if old is not None:
+            self._user_masks = {new.index[id(old.params[j])]: m for j, m in self._user_masks.items()
+                                if id(old.params[j]) in new.index}
+        self._stage = self._scratch = None
+
+    def _check_layout_change(self) -> None:
+        if self._frozen:
+            raise RuntimeError(f"{type(self).__name__}: a parameter started requiring grad after the freeze "
+                               f"(step {self._global_step}); the compressed momentum buffer has a fixed layout. "
+                               "Unfreeze parameters during the warmup, or leave them trainable from the start.")
+
+    def _take_step(self, L: FlatLayout) -> bool:
+        if not self._frozen:
+            return self._warmup_step(L)
+        # The gradients are read where autograd left them; all ranks first agree they are finite.
+        if not self._grads_finite(L):
+            return self._nonfinite("the local gradients")
+        if not self._compressed_update(L):
+            return self._nonfinite("the new momenta")
+        return True
+
+    def _after_step(self, L: FlatLayout) -> None:
+        if not self._frozen and self._global_step >= self._option("freeze_step"):
+            self._freeze(L)
+
+    def _participating(self, L: FlatLayout) -> List[bool]:
+        """Parameters updated after the freeze: trainable ones that saw a gradient in warmup."""
+        steps = self._vectors["step"].tolist()
+        return [p.requires_grad and steps[i] > 0 for i, p in enumerate(L.params)]
+
+    def _compressed_update(self, L: FlatLayout) -> bool:
+        """Reduce the momentum and update the parameters; False when the reduction saw
+        NaN/Inf (state unchanged)."""
+        raise NotImplementedError
+
+    def _on_freeze(self, L: FlatLayout) -> None:
+        """Extra work at the freeze (after the mask, before the views are attached)."""
+
+    # ------------------------------------------------------------------ the compressed momentum
+    def _grads_finite(self, L: FlatLayout) -> bool:
+        """Whether every rank's local gradients are finite, agreed with ONE scalar allreduce
+        of the per-parameter sums (a NaN or Inf anywhere makes the sum non-finite); only when
+        a sum overflows, a second allreduce counts the non-finite elements exactly."""
+        grads = []
+        for p in L.params:
+            g = p.grad
+            if g is not None:
+                if g.is_sparse:
+                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+                grads.append(g)
+        dev = self._device(L)
+        total = torch.zeros(1, dtype=torch.float32, device=dev)
+        if grads:
+            total += torch.stack([g.sum(dtype=torch.float32) for g in grads]).sum()
+        tr = self.transport
+        tr.all_reduce(total, op="sum")
+        if bool(torch.isfinite(total).all()):
+            return True
+        bad = torch.zeros(1, dtype=torch.float64, device=dev)
+        for g in grads:
+            bad += (~torch.isfinite(g)).sum()
+        tr.all_reduce(bad, op="sum")
+        return int(bad.item()) == 0
+
+    def _momentum_source(self, L: FlatLayout, scale: Optional[Tensor] = None) -> Source:
+        """source(lo, hi, buf): buf = (b1 m + (1-b1) g_local)[lo:hi], times scale[p] per
+        parameter if given, straight from m and each parameter's .grad (None counts as zero)."""
+        m = self._flat["exp_avg"]
+        weights = [1 - self.param_groups[gi]["betas"][0] for gi in L.group_of]
+
+        def source(lo: int, hi: int, buf: Tensor) -> None:
+            for i, a, b in L.overlapping(lo, hi):
+                o = L.offsets[i]
+                out, m_i = buf[o + a - lo:o + b - lo], m[o + a:o + b]
+                g = L.params[i].grad
+                if g is not None and g.dtype == torch.float32:
+                    torch.lerp(m_i, g.reshape(-1)[a:b], weights[i], out=out)
+                else:
+                    out.zero_() if g is None else out.copy_(g.reshape(-1)[a:b])
+                    torch.lerp(m_i, out, weights[i], out=out)
+                if scale is not None:
+                    out.mul_(scale[i])
+
+        return source
+
+    def _reduce_momentum(self, L: FlatLayout, source: Source, sink: Sink) -> bool:
+        """The compressed allreduce of the new momentum, the one place that meets it: the
+        input comes from `source`, the masked result goes to `sink` (a tensor decoded into,
+        or a callable sink(lo, hi, values) called range by range in order). Returns False,
+        with `sink` untouched, when the result is non-finite (on every rank alike).
+
+        With one rank nothing is reduced and the momentum streams through a bounded
+        staging buffer. With more, the input is materialized in one model-sized scratch
+        buffer for `compressed_allreduce`."""
+        # TODO(lbcomm.compressed.reduce_): with the streaming reduce_(state, source, sink,
+        # checked=True) the p > 1 path needs no scratch either: it becomes that one call.
+        n = L.total
+        if self._comp is None:
+            stage = self._stage_buffer(L)
+            for lo in range(0, n, STAGE):
+                hi = min(n, lo + STAGE)
+                buf = stage[:hi - lo]
+                source(lo, hi, buf)
+                self._deliver(sink, lo, hi, buf)
+            return True
+        if self._scratch is None:
+            self._scratch = torch.empty(n, dtype=torch.float32, device=self._device(L))
+        buf = self._scratch
+        source(0, n, buf)
+        direct = isinstance(sink, Tensor)
+        try:  # every rank sees every server scale, so all ranks agree on the verdict
+            compressed_allreduce(buf, self._comp, out=sink if direct else buf)
+        except NonFiniteError:
+            return False
+        if direct:
+            self._mask_range(sink, 0, n)
+        else:
+            for lo in range(0, n, STAGE):
+                hi = min(n, lo + STAGE)
+                self._deliver(sink, lo, hi, buf[lo:hi])
+        return True
+
+    def _stage_buffer(self, L: FlatLayout) -> Tensor:
+        """A bounded fp32 buffer of min(numel, STAGE) elements for staged passes."""
+        if self._stage is None:
+            self._stage = torch.empty(min(L.total, STAGE), dtype=torch.float32, device=self._device(L))
+        return self._stage
+
+    def _deliver(self, sink: Sink, lo: int, hi: int, values: Tensor) -> None:
+        if isinstance(sink, Tensor):
+            self._mask_range(values, lo, hi)
+            if values.data_ptr() != sink[lo:hi].data_ptr():
+                sink[lo:hi].copy_(values)
+        else:
+            sink(lo, hi, values)
+
+    def _mask_range(self, values: Tensor, lo: int, hi: int) -> None:
+        """Zero the masked coordinates of elements [lo, hi) held in `values`."""
+        mask = self._mask
+        if mask is None:
+            return
+        if mask.dtype == torch.bool:
+            values.masked_fill_(mask[lo:hi], 0.0)
+            return
+        if lo == 0 and hi >= self._layout.total:
+            values.index_fill_(0, mask, 0.0)
+            return
+        a, b = (int(x) for x in torch.searchsorted(mask, torch.tensor([lo, hi], device=mask.device)))
+        if b > a:
+            values.index_fill_(0, mask[a:b] - lo, 0.0)
+
+    # ------------------------------------------------------------------ freeze
+    def _build_mask(self, L: FlatLayout) -> None:
+        """Hold at zero the momentum of coordinates whose frozen variance is zero, or at most
+        mask_threshold times the mean variance: they never saw a gradient, or only rounding
+        noise (e.g. attention key biases, to which softmax is invariant), and would move by
+        (compression noise) / eps after the freeze. User masks override per parameter."""
+        v = self._flat["exp_avg_sq"]
+        thr = self._option("mask_threshold") * float(v.mean()) if v.numel() else 0.0
+        zero = v <= thr
+        self._mask_counts = (int((v == 0).sum()), int(zero.sum()))
+        for i, mask in self._user_masks.items():
+            L.view(zero, i).copy_(~mask)
+        self._set_mask(zero)
+
+    def _set_mask(self, zero: Optional[Tensor]) -> None:
+        """Keep a bool mask (True = held at zero) compactly: the index list when it is at
+        most 1/16 of the coordinates (smaller, and index_fill_ is then faster)."""
+        count = 0 if zero is None else int(zero.sum())
+        if count == 0:
+            self._mask = None
+        elif count * 16 < zero.numel():
+            self._mask = zero.nonzero().view(-1)
+        else:
+            self._mask = zero
+
+    def _make_compression_state(self, L: FlatLayout) -> None:
+        self._comp = None
+        if self.transport.world_size > 1:
+            self._comp = CompressionState(L.total, group=self.process_group, device=self._device(L),
+                                          block_size=self._option("block_size"), nonfinite="raise",
+                                          transport=self.transport)
+
+    def _freeze(self, L: FlatLayout) -> None:
+        self._frozen = True
+        self._grad_buf = None  # the compression stage reads the gradients where autograd left them
+        self._vectors["variance_step"].copy_(self._vectors["step"])
+        self._build_mask(L)
+        for name in self._frozen_buffers:
+            self._flat[name] = torch.zeros_like(self._flat["exp_avg"])
+        self._make_compression_state(L)
+        self._on_freeze(L)
+        self._attach_views()
+        exact, below = self._mask_counts
+        _log.info("%s: variance frozen after step %s; from now on one compressed allreduce of %s momentum elements "
+                  "per step over %s ranks (block_size %s); %s coordinates held at zero (variance exactly zero: %s, "
+                  "at most mask_threshold x mean: %s, user masks: %s params)", type(self).__name__,
+                  self._global_step, L.total, self.transport.world_size, self._option("block_size"),
+                  self.masked_coordinates, exact, below, len(self._user_masks))
+
+    # ------------------------------------------------------------------ checkpoints
+    def _extra_state(self) -> Dict[str, Any]:
+        extra = super()._extra_state()
+        extra.update(
+            frozen=self._frozen,
+            world_size=self.transport.world_size,
+            mask=self._mask,
+            user_masks=dict(self._user_masks),
+            compression=None if self._comp is None else self._comp.state_dict(),
+        )
+        return extra
+
+    def _load_extra_state(self, state: Dict[Any, Dict[str, Tensor]], extra: Dict[str, Any]) -> None:
+        self._frozen = bool(extra["frozen"])
+        self._comp = None
+        self._mask = None
+        self._user_masks = {}
+        super()._load_extra_state(state, extra)
+        L = self._layout
+        if L is None:
+            return
+        self._user_masks = {int(i): m.to(device=L.params[int(i)].device, dtype=torch.bool).clone()
+                            for i, m in extra["user_masks"].items()}
+        device = self._device(L)
+        if extra["version"] == 1:  # a bool mask over all coordinates
+            zero = extra["zero_mask"]
+            self._set_mask(None if zero is None else zero.to(device=device, dtype=torch.bool))
+        elif extra["mask"] is not None:
+            mask = extra["mask"]
+            self._mask = mask.to(device=device, dtype=torch.bool if mask.dtype == torch.bool else torch.int64).clone()
+        if self._frozen:
+            self._grad_buf = None
+            self._make_compression_state(L)
+            saved = extra.get("compression")
+            if self._comp is not None and saved is not None:
+                self._comp.load_state_dict(saved)  # logs a warning and resets on a layout change
+            elif self._comp is not None or saved is not None:
+                _log.warning("%s: the checkpoint was saved with world size %s, this run has %s; the compression error "
+                             "buffers start from zero and training continues", type(self).__name__,
+                             extra.get("world_size"), self.transport.world_size)
