@@ -91,7 +91,6 @@ MAX_PIECES = 4
 STAGING_MIN = 1 << 18
 
 # The old private name, still imported by modules that have not moved to lbcomm.wire.
-_check_block_size = check_block_size
 
 Source = Union[Tensor, Callable[[int, int, Tensor], Any]]
 Sink = Union[Tensor, Callable[[int, int, Tensor], Any]]

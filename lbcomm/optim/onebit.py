@@ -23,7 +23,8 @@ from typing import Any, Callable, Dict, List, Optional, Union
 import torch
 from torch import Tensor
 
-from ..compressed import CompressionState, NonFiniteError, _check_block_size, compressed_allreduce
+from ..compressed import CompressionState, NonFiniteError, reduce_
+from ..wire import check_block_size
 from .base import BaseOptimizer
 from .flat import FlatLayout
 from .functional import STAGE
@@ -55,7 +56,6 @@ class OneBitOptimizer(BaseOptimizer):
         self._mask_counts = (0, 0)
         self._user_masks: Dict[int, Tensor] = {}  # layout index -> bool mask (True = trained)
         self._stage: Optional[Tensor] = None  # bounded staging buffer of the one-rank path
-        self._scratch: Optional[Tensor] = None
         super().__init__(*args, **kwargs)
 
     def _validate_group(self, group: Dict[str, Any]) -> None:
@@ -64,7 +64,7 @@ class OneBitOptimizer(BaseOptimizer):
         if isinstance(fs, bool) or not isinstance(fs, int) or fs < 1:
             raise ValueError(f"Invalid freeze_step: {fs!r} (must be an int >= 1: the variance is frozen after "
                              "that many warmup steps)")
-        _check_block_size(group["block_size"])
+        check_block_size(group["block_size"])
         if not 0.0 <= group["mask_threshold"] < 1.0:
             raise ValueError(f"Invalid mask_threshold: {group['mask_threshold']} (need 0 <= mask_threshold < 1)")
 
@@ -128,7 +128,7 @@ class OneBitOptimizer(BaseOptimizer):
         if old is not None:
             self._user_masks = {new.index[id(old.params[j])]: m for j, m in self._user_masks.items()
                                 if id(old.params[j]) in new.index}
-        self._stage = self._scratch = None
+        self._stage = None
 
     def _check_layout_change(self) -> None:
         if self._frozen:
@@ -216,11 +216,11 @@ class OneBitOptimizer(BaseOptimizer):
         or a callable sink(lo, hi, values) called range by range in order). Returns False,
         with `sink` untouched, when the result is non-finite (on every rank alike).
 
-        With one rank nothing is reduced and the momentum streams through a bounded
-        staging buffer. With more, the input is materialized in one model-sized scratch
-        buffer for `compressed_allreduce`."""
-        # TODO(lbcomm.compressed.reduce_): with the streaming reduce_(state, source, sink,
-        # checked=True) the p > 1 path needs no scratch either: it becomes that one call.
+        Nothing model-sized is allocated: the input streams from `source` and the result
+        to `sink` through bounded staging buffers (with one rank nothing is reduced). The
+        caller has agreed with every rank that the inputs are finite (`_grads_finite`), so
+        the call skips its own agreement; a result that still overflows is refused on every
+        rank (the compression errors are then reset, see lbcomm.compressed)."""
         n = L.total
         if self._comp is None:
             stage = self._stage_buffer(L)
@@ -230,21 +230,15 @@ class OneBitOptimizer(BaseOptimizer):
                 source(lo, hi, buf)
                 self._deliver(sink, lo, hi, buf)
             return True
-        if self._scratch is None:
-            self._scratch = torch.empty(n, dtype=torch.float32, device=self._device(L))
-        buf = self._scratch
-        source(0, n, buf)
         direct = isinstance(sink, Tensor)
+        target = sink if direct else (lambda lo, hi, values: self._deliver(sink, lo, hi, values))
         try:  # every rank sees every server scale, so all ranks agree on the verdict
-            compressed_allreduce(buf, self._comp, out=sink if direct else buf)
+            if not reduce_(self._comp, source, target, checked=True):
+                return False
         except NonFiniteError:
             return False
         if direct:
             self._mask_range(sink, 0, n)
-        else:
-            for lo in range(0, n, STAGE):
-                hi = min(n, lo + STAGE)
-                self._deliver(sink, lo, hi, buf[lo:hi])
         return True
 
     def _stage_buffer(self, L: FlatLayout) -> Tensor:
