@@ -22,6 +22,11 @@ m the decoded momentum, d = sqrt(v^) + eps the frozen denominator, b1c = 1 - b1^
                 update-sized numbers, so the compression noise of a coordinate is the
                 block's update RMS, never lr scale / sqrt(v)
     precond_clip  both
+    clipwarm    u = clamp(m^ / d, -U_p, U_p), U_p = max_i |m^_i / d_i| of tensor p at the freeze
+                (the largest full-precision step of that tensor in the last warmup step)
+    uclip       compress clamp(m_local / d, -1, 1) (masked coordinates 0), clamp the decoded
+                direction to +-1, m = d x decoded: a coordinate's compressed update is
+                at most its block's RMS update (and at most lr); no k_p scaling for LAMB
     meanabs     block scale mean|y| instead of rms(y) (L2-optimal scale for signs)
 
 The hook (SGD momentum on compressed gradients): scale rule, block size, start fraction.
@@ -226,7 +231,9 @@ class SimOneBit:
         keep = self.v > thr
         if self.rule == "floor":
             d = torch.maximum(d, 0.1 * _block_rms(d, self.block))
-        fz = {"d": d, "keep": keep, "comp": Compressor(self.f.n, self.p, self.block,
+        u_last = (self.m / (1 - self.b1 ** self.freeze) / d).abs()
+        umax_p = torch.cat([u_last[s].max().expand(s.stop - s.start) for s in self.f.slices()])
+        fz = {"d": d, "keep": keep, "umax_p": umax_p, "comp": Compressor(self.f.n, self.p, self.block,
                                                        "meanabs" if self.rule == "meanabs" else "rms")}
         if self.lamb:
             rms = torch.stack([self.m[s].norm() / math.sqrt(s.stop - s.start) for s in self.f.slices()])
@@ -244,7 +251,10 @@ class SimOneBit:
         d, keep = fz["d"], fz["keep"]
         local = torch.lerp(self.m.expand_as(grads), grads, 1 - b1)  # [p, n]
         precond = self.rule.startswith("precond")
-        if precond:
+        if self.rule == "uclip":  # compress the update direction, clamped to +-1 on the way in and out
+            x = torch.where(keep, local / d, 0.0).clamp_(-bc1, bc1)
+            new_m = fz["comp"](x).clamp_(-bc1, bc1) * d
+        elif precond:
             # masked coordinates enter as 0: a tiny d must not inflate its block's scale
             new_m = fz["comp"](torch.where(keep, local / d, 0.0)) * d
         elif self.lamb:
@@ -259,6 +269,8 @@ class SimOneBit:
             u0 = u0.clamp(-1.0, 1.0)
         elif "clipmax" in self.rule:
             u0 = u0.clamp(-self.umax, self.umax)
+        elif self.rule == "clipwarm":  # per tensor: the largest |u| of the last warmup step
+            u0 = torch.maximum(torch.minimum(u0, fz["umax_p"]), -fz["umax_p"])
         if not self.lamb:
             self.m = new_m
             new = theta * (1 - lr * wd) - lr * u0

@@ -13,10 +13,11 @@ integrated (first compressed update ~1e3-1e5 lr, divergence, or TypeError for th
 option) and pass once it is. ``LBCOMM_ROBUST_PROTOTYPE=1`` runs them against the prototype
 subclasses of bench/robust_optim.py instead, to check the tests themselves.
 
-Bounds (U = max_update; "auto": U = (1-b1) / sqrt((1-b2)(1-b1^2/b2)), the largest
-|m^/sqrt(v^)| Adam can produce for any gradient sequence):
-    OneBitAdam:  |dp_i| <= lr (U + wd |p_i|)
-    OneBitLamb:  |dp_i| <= lr max_coeff factor_max (U + wd |p_i|)
+Bounds at the first compressed step (proposed defaults: OneBitAdam max_update=1.0;
+OneBitLamb max_update="warmup", a per-tensor bound that never exceeds Adam's largest
+possible step U_adam = (1-b1) / sqrt((1-b2)(1-b1^2/b2)), 7.27 at betas (0.9, 0.999)):
+    OneBitAdam:  |dp_i| <= lr (1 + wd |p_i|)
+    OneBitLamb:  |dp_i| <= lr max_coeff factor_max (U_adam + wd |p_i|)
 """
 import math
 import os
@@ -30,16 +31,22 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from dist_util import run_ranks  # noqa: E402
 
 PROTOTYPE = os.environ.get("LBCOMM_ROBUST_PROTOTYPE") == "1"
-BETAS = {"rare_features": (0.9, 0.999), "zipf_embed": (0.9, 0.999)}
+BETAS = {"rare_features": (0.9, 0.999), "dead_relu": (0.9, 0.999), "zipf_embed": (0.9, 0.999)}
 # (task, method, lr, extra options): lrs at which the published rule blows up on these tasks
+# (bench/suite.py --quick on main: first compressed updates of 1e3-1e5 lr; NaN on dead_relu at
+# every lr and on zipf_embed at the largest lrs, where AdamW / Lamb do best)
 CASES = [
-    ("rare_features", "adamw", 0.03, None),
     ("rare_features", "onebit_adam", 0.03, None),
-    ("zipf_embed", "adamw", 0.01, None),
-    ("zipf_embed", "onebit_adam", 0.01, None),
-    ("rare_features", "lamb", 0.1, None),
     ("rare_features", "onebit_lamb", 0.1, None),
     ("rare_features", "onebit_adam", 0.03, {"max_update": None}),  # the published algorithm, kept as an option
+    ("dead_relu", "adamw", 0.03, None),
+    ("dead_relu", "onebit_adam", 0.03, None),
+    ("dead_relu", "lamb", 0.1, None),
+    ("dead_relu", "onebit_lamb", 0.1, None),
+    ("zipf_embed", "adamw", 0.03, None),
+    ("zipf_embed", "onebit_adam", 0.03, None),
+    ("zipf_embed", "lamb", 0.1, None),
+    ("zipf_embed", "onebit_lamb", 0.1, None),
 ]
 
 
@@ -89,12 +96,12 @@ def test_suite_tasks_are_deterministic_and_the_simulation_matches_the_reference(
     assert robust_sim.check_against_reference() < 1e-5
 
 
-@pytest.mark.parametrize("task,lr", [("rare_features", 0.03), ("zipf_embed", 0.01)])
+@pytest.mark.parametrize("task,lr", [("rare_features", 0.03), ("dead_relu", 0.03), ("zipf_embed", 0.03)])
 def test_integration_onebit_adam_first_compressed_update_is_bounded(results, task, lr):
     """INTEGRATION: fails on main (the published rule moves some coordinate by 1e3-1e5 lr)."""
     r = _get(results, task, "onebit_adam", lr)
     assert r["first_update_ratio"] is not None, r
-    bound = _adam_bound(BETAS[task]) + 0.01 * r["param_max_at_first_update"]
+    bound = 1.0 + 0.01 * r["param_max_at_first_update"]
     assert r["first_update_ratio"] <= bound * (1 + 1e-4), (
         f"a coordinate moved {r['first_update_ratio']:.3g} lr at the first compressed step (bound {bound:.3g} lr)")
 
@@ -108,9 +115,10 @@ def test_integration_onebit_lamb_first_compressed_update_is_bounded(results):
 
 
 @pytest.mark.parametrize("task,method,twin,lr", [
-    ("rare_features", "onebit_adam", "adamw", 0.03),
-    ("zipf_embed", "onebit_adam", "adamw", 0.01),
-    ("rare_features", "onebit_lamb", "lamb", 0.1),
+    ("dead_relu", "onebit_adam", "adamw", 0.03),
+    ("dead_relu", "onebit_lamb", "lamb", 0.1),
+    ("zipf_embed", "onebit_adam", "adamw", 0.03),
+    ("zipf_embed", "onebit_lamb", "lamb", 0.1),
 ])
 def test_integration_no_divergence_where_the_full_precision_twin_converges(results, task, method, twin, lr):
     """INTEGRATION: fails on main (the published rule ends above its initial loss, or NaN)."""
