@@ -1,0 +1,491 @@
+"""Single-process simulation of p ranks for the robustness study (issue 16, DESIGN.md §3).
+
+Prototype only: candidate rules that make the compression stage of the 1-bit optimizers
+and of the 1-bit gradient hook safe, measured on every task of bench/tasks.py over the lr
+grid. One model, p data shards: each step computes every rank's local gradient on its
+quarter of the global batch, then runs the optimizer math below on flat fp32 vectors with
+a vectorized compressed allreduce (DESIGN.md §1; checked against lbcomm.reference by
+``--check``). Deterministic, no processes, cheap.
+
+Rules (``rule=``) of OneBitAdam / OneBitLamb in the compression stage, with
+m the decoded momentum, d = sqrt(v^) + eps the frozen denominator, b1c = 1 - b1^t:
+
+    published   the paper (mask: v <= 1e-10 mean(v))
+    mask1e-3    the published rule with mask_threshold 1e-3 (the tuned knob of the issue)
+    clip        u = clamp(m / (b1c d), -1, 1): no coordinate moves faster than lr per step
+                (|E g| <= sqrt(E g^2): the largest stationary Adam step)
+    clipmax     u = clamp(m / (b1c d), -U, U), U = (1-b1) / sqrt((1-b2)(1-b1^2/b2)): the
+                largest |m^/sqrt(v^)| Adam can produce for any gradient sequence (7.27 at
+                betas (0.9, 0.999), 2.35 at (0.9, 0.99))
+    floor       d <- max(d, 0.1 rms_block(d)): denominator floored relative to its block
+    precond     compress m / d instead of m, decode, multiply by d: every block then holds
+                update-sized numbers, so the compression noise of a coordinate is the
+                block's update RMS, never lr scale / sqrt(v)
+    precond_clip  both
+    clipwarm    u = clamp(m^ / d, -U_p, U_p), U_p = max_i |m^_i / d_i| of tensor p at the freeze
+                (the largest full-precision step of that tensor in the last warmup step)
+    uclip       compress clamp(m_local / d, -1, 1) (masked coordinates 0), clamp the decoded
+                direction to +-1, m = d x decoded: a coordinate's compressed update is
+                at most its block's RMS update (and at most lr); no k_p scaling for LAMB
+    meanabs     block scale mean|y| instead of rms(y) (L2-optimal scale for signs)
+
+The hook (SGD momentum on compressed gradients): scale rule, block size, start fraction.
+
+    python bench/robust_sim.py --check                 # the simulated allreduce vs lbcomm.reference
+    python bench/robust_sim.py --tasks all --json out   # the whole study (minutes)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from typing import Dict, List, Optional
+
+import torch
+from torch import Tensor
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import tasks as T  # noqa: E402
+
+from lbcomm.reference import chunk_size  # noqa: E402
+
+ADAM_RULES = ["published", "mask1e-3", "clip", "clipmax", "floor", "precond", "precond_clip", "meanabs"]
+LAMB_RULES = ["published", "mask1e-3", "clip", "clipmax", "precond", "precond_clip", "precond_clipmax"]
+HOOK_RULES = ["rms", "meanabs", "rms_b256", "rms_start50", "meanabs_start50"]
+
+
+# ---------------------------------------------------------------------- compressed allreduce
+def _scales(y: Tensor, real: Tensor, block: Optional[int], rule: str) -> Tensor:
+    """Per-element scale of y [rows, m] (real: bool mask of real elements), per block or whole row."""
+    rows, m = y.shape
+    mag = y * y if rule == "rms" else y.abs()
+    mag = torch.where(real, mag, 0.0).double()
+    cnt = real.double()
+    if block is None:
+        s, c = mag.sum(1, keepdim=True), cnt.sum(1, keepdim=True)
+        val = s / c.clamp(min=1)
+        val = (val.sqrt() if rule == "rms" else val).float()
+        return val.expand(rows, m).contiguous()
+    nb = (m + block - 1) // block
+    pad = nb * block - m
+    s = torch.nn.functional.pad(mag, (0, pad)).view(rows, nb, block).sum(-1)
+    c = torch.nn.functional.pad(cnt, (0, pad)).view(rows, nb, block).sum(-1)
+    val = s / c.clamp(min=1)
+    val = (val.sqrt() if rule == "rms" else val).float()
+    return val.repeat_interleave(block, dim=1)[:, :m]
+
+
+def _code(y: Tensor, scale: Tensor) -> Tensor:
+    return torch.where(torch.signbit(y), -scale, scale)
+
+
+class Compressor:
+    """Error-feedback state of p simulated ranks for one flat tensor of n elements."""
+
+    def __init__(self, n: int, p: int, block: Optional[int], scale_rule: str = "rms"):
+        self.n, self.p, self.block, self.rule = n, p, block, scale_rule
+        self.m = chunk_size(n, p)
+        self.worker = torch.zeros(p, p * self.m)
+        self.server = torch.zeros(p, self.m)
+        self.real = (torch.arange(p * self.m) < n)
+
+    def __call__(self, xs: Tensor) -> Tensor:
+        """xs [p, n] -> approximate mean [n]."""
+        p, m, n = self.p, self.m, self.n
+        y = torch.zeros(p, p * m)
+        y[:, :n] = xs
+        y = torch.where(self.real, y + self.worker, 0.0)
+        # worker: one scale set per (rank, chunk); block None: one scale per rank over all chunks
+        if self.block is None:
+            sc = _scales(y, self.real.expand(p, -1), None, self.rule)
+        else:
+            sc = _scales(y.view(p * p, m), self.real.view(p, m).repeat(p, 1), self.block, self.rule).reshape(p, p * m)
+        dec = torch.where(self.real, _code(y, sc), 0.0)
+        self.worker = y - dec
+        real_k = self.real.view(p, m)
+        z = dec.view(p, p, m).sum(0) * (1.0 / p)  # [chunk, m]
+        z = torch.where(real_k, z + self.server, 0.0)
+        sc2 = _scales(z, real_k, self.block, self.rule)
+        out = torch.where(real_k, _code(z, sc2), 0.0)
+        self.server = z - out
+        return out.reshape(-1)[:n].clone()
+
+
+def check_against_reference(n=5000, p=4, block=256, steps=3) -> float:
+    """Largest difference of the simulated allreduce (rms) from lbcomm.reference."""
+    from lbcomm import reference as R
+    torch.manual_seed(0)
+    m = chunk_size(n, p)
+    we, se = [torch.zeros(p, m) for _ in range(p)], [torch.zeros(m) for _ in range(p)]
+    worst = 0.0
+    for blk in (block, None):
+        c = Compressor(n, p, blk)
+        we, se = [torch.zeros(p, m) for _ in range(p)], [torch.zeros(m) for _ in range(p)]
+        for _ in range(steps):
+            xs = torch.randn(p, n) * torch.rand(n) * 3
+            ref, we, se = R.compressed_allreduce(list(xs), we, se, blk)
+            worst = max(worst, float((c(xs) - ref).abs().max()))
+    return worst
+
+
+# ---------------------------------------------------------------------- the model as flat vectors
+class Flat:
+    def __init__(self, model, reverse: bool = False):
+        self.params = [p for p in model.parameters()]
+        if reverse:  # DDP buckets hold the parameters in reverse order
+            self.params = self.params[::-1]
+        self.numels = [p.numel() for p in self.params]
+        self.offsets = [sum(self.numels[:i]) for i in range(len(self.numels))]
+        self.n = sum(self.numels)
+
+    def get(self) -> Tensor:
+        return torch.cat([p.detach().reshape(-1) for p in self.params])
+
+    def set(self, flat: Tensor) -> None:
+        with torch.no_grad():
+            for p, o, k in zip(self.params, self.offsets, self.numels):
+                p.copy_(flat[o:o + k].view_as(p))
+
+    def slices(self):
+        return [slice(o, o + k) for o, k in zip(self.offsets, self.numels)]
+
+
+def rank_grads(task, model, flat: Flat, step: int, p: int) -> Tensor:
+    """[p, n]: every rank's gradient on its share of the global batch of this step."""
+    batch = task.batch(step)
+    per = batch[0].shape[0] // p
+    out = torch.empty(p, flat.n)
+    losses = []
+    for r in range(p):
+        part = tuple(t[r * per:(r + 1) * per] for t in batch)
+        model.zero_grad(set_to_none=False)
+        loss = task.loss(model, part)
+        loss.backward()
+        losses.append(float(loss))
+        out[r] = torch.cat([q.grad.reshape(-1) if q.grad is not None else torch.zeros(q.numel())
+                            for q in flat.params])
+    return out, sum(losses) / p
+
+
+# ---------------------------------------------------------------------- optimizers
+class SimOneBit:
+    """OneBitAdam (lamb=False) or OneBitLamb (lamb=True) on flat vectors, with a rule.
+    freeze=None: the full-precision twin (AdamW / Lamb) on averaged gradients."""
+
+    def __init__(self, flat: Flat, p: int, *, lr, lamb: bool, freeze: Optional[int], rule="published",
+                 betas=(0.9, 0.999), eps=1e-8, wd=0.01, block=2048, max_coeff=10.0, min_coeff=0.01,
+                 coeff_beta=0.9, factor_max=4.0, factor_min=0.5, factor_threshold=0.1):
+        self.f, self.p, self.lr, self.lamb, self.freeze, self.rule = flat, p, lr, lamb, freeze, rule
+        self.b1, self.b2 = betas
+        self.eps, self.wd, self.block = eps, wd, block
+        n = flat.n
+        self.m, self.v = torch.zeros(n), torch.zeros(n)
+        self.t = 0
+        self.lamb_kw = (max_coeff, min_coeff, coeff_beta, factor_max, factor_min, factor_threshold)
+        self.c_frz = torch.zeros(len(flat.numels))
+        self.frozen = None
+        self.first_update_ratio = None  # max |update| / lr at the first compressed step
+        self.umax = adam_bound(betas, None)
+
+    def _lamb_step(self, theta, u0s, cs):
+        pass
+
+    def step(self, theta: Tensor, grads: Tensor, lr: float) -> Tensor:
+        b1, b2, eps, wd = self.b1, self.b2, self.eps, self.wd
+        self.t += 1
+        t = self.t
+        bc1 = 1 - b1 ** t
+        sl = self.f.slices()
+        if self.freeze is None or t <= self.freeze:
+            g = grads.mean(0)
+            self.m.lerp_(g, 1 - b1)
+            self.v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            d = self.v.sqrt() / math.sqrt(1 - b2 ** t) + eps
+            u = self.m / bc1 / d
+            if not self.lamb:
+                theta = theta * (1 - lr * wd) - lr * u
+            else:
+                maxc, minc, cb = self.lamb_kw[:3]
+                u = u + wd * theta
+                new = theta.clone()
+                for i, s in enumerate(sl):
+                    pn, un = theta[s].norm(), u[s].norm()
+                    c = (pn / un).clamp(minc, maxc) if pn > 0 and un > 0 else torch.tensor(1.0)
+                    if c != 1:
+                        self.c_frz[i] = cb * self.c_frz[i] + (1 - cb) * c
+                    new[s] = theta[s] - lr * c * u[s]
+                theta = new
+            if self.freeze is not None and t == self.freeze:
+                self._on_freeze()
+            return theta
+        return self._compressed(theta, grads, lr)
+
+    def _on_freeze(self):
+        b2, eps = self.b2, self.eps
+        d = self.v.sqrt() / math.sqrt(1 - b2 ** self.freeze) + eps
+        thr = {"mask1e-3": 1e-3}.get(self.rule, 1e-10) * float(self.v.mean())
+        keep = self.v > thr
+        if self.rule == "floor":
+            d = torch.maximum(d, 0.1 * _block_rms(d, self.block))
+        u_last = (self.m / (1 - self.b1 ** self.freeze) / d).abs()
+        umax_p = torch.cat([u_last[s].max().expand(s.stop - s.start) for s in self.f.slices()])
+        fz = {"d": d, "keep": keep, "umax_p": umax_p, "comp": Compressor(self.f.n, self.p, self.block,
+                                                       "meanabs" if self.rule == "meanabs" else "rms")}
+        if self.lamb:
+            rms = torch.stack([self.m[s].norm() / math.sqrt(s.stop - s.start) for s in self.f.slices()])
+            k = torch.where(rms > 0, rms.mean() / rms, torch.ones_like(rms))
+            fz["k"] = torch.cat([torch.full((s.stop - s.start,), float(k[i])) for i, s in enumerate(self.f.slices())])
+            fz["v_fresh"] = self.v.clone()
+            fz["f_last"] = torch.ones(len(self.f.numels))
+            fz["c"] = torch.where(self.c_frz == 0, torch.ones_like(self.c_frz), self.c_frz)
+        self.frozen = fz
+
+    def _compressed(self, theta, grads, lr):
+        b1, b2, eps, wd = self.b1, self.b2, self.eps, self.wd
+        fz = self.frozen
+        t, bc1 = self.t, 1 - b1 ** self.t
+        d, keep = fz["d"], fz["keep"]
+        local = torch.lerp(self.m.expand_as(grads), grads, 1 - b1)  # [p, n]
+        precond = self.rule.startswith("precond")
+        if self.rule == "uclip":  # compress the update direction, clamped to +-1 on the way in and out
+            x = torch.where(keep, local / d, 0.0).clamp_(-bc1, bc1)
+            new_m = fz["comp"](x).clamp_(-bc1, bc1) * d
+        elif precond:
+            # masked coordinates enter as 0: a tiny d must not inflate its block's scale
+            new_m = fz["comp"](torch.where(keep, local / d, 0.0)) * d
+        elif self.lamb:
+            new_m = fz["comp"](local * fz["k"]) / fz["k"]
+        else:
+            new_m = fz["comp"](local)
+        new_m = torch.where(keep, new_m, 0.0)
+        if not torch.isfinite(new_m).all():
+            raise FloatingPointError("non-finite momentum")
+        u0 = new_m / bc1 / d
+        if self.rule.endswith("clip") or "clip_" in self.rule:
+            u0 = u0.clamp(-1.0, 1.0)
+        elif "clipmax" in self.rule:
+            u0 = u0.clamp(-self.umax, self.umax)
+        elif self.rule == "clipwarm":  # per tensor: the largest |u| of the last warmup step
+            u0 = torch.maximum(torch.minimum(u0, fz["umax_p"]), -fz["umax_p"])
+        if not self.lamb:
+            self.m = new_m
+            new = theta * (1 - lr * wd) - lr * u0
+        else:
+            maxc, minc, cb, fmax, fmin, fthr = self.lamb_kw
+            gt = (new_m - b1 * self.m) / (1 - b1)
+            self.m = new_m
+            fz["v_fresh"].mul_(b2).addcmul_(gt, gt, value=1 - b2)
+            d_fresh = fz["v_fresh"].sqrt() / math.sqrt(1 - b2 ** self.freeze) + eps
+            ratio = d / d_fresh
+            new = theta.clone()
+            for i, s in enumerate(self.f.slices()):
+                f = ratio[s].max()
+                u = u0[s] + wd * theta[s]
+                if wd != 0:
+                    u0n, un = u0[s].norm(), u.norm()
+                    r = (u0n / un).clamp(max=1.0) if un > 0 else torch.tensor(1.0)
+                    f = f * r + (1 - r)
+                f = f.clamp(fmin, fmax)
+                last = fz["f_last"][i]
+                f = torch.clamp(f, min=last * (1 - fthr), max=last * (1 + fthr))
+                fz["f_last"][i] = f
+                coef = fz["c"][i] * f
+                if "trust" in self.rule:  # never a longer layer step than LAMB's own trust ratio gives
+                    pn, un = theta[s].norm(), u.norm()
+                    if pn > 0 and un > 0:
+                        coef = torch.minimum(coef, (pn / un).clamp(minc, maxc))
+                new[s] = theta[s] - lr * coef * u
+        if self.first_update_ratio is None:
+            dw = (new - theta * (1 - lr * wd)) if not self.lamb else (new - theta)
+            self.first_update_ratio = float(dw.abs().max()) / lr
+        return new
+
+
+def adam_bound(betas, t: Optional[int]) -> float:
+    """The largest |m^ / sqrt(v^)| Adam can produce for any gradient sequence (Cauchy-Schwarz):
+    (1-b1)/sqrt(1-b2) / sqrt(1 - b1^2/b2), times sqrt(1-b2^t)/(1-b1^t) for the bias
+    corrections at the freeze (t); b1^2 >= b2 has no bound (inf)."""
+    b1, b2 = betas
+    if b1 * b1 >= b2:
+        return math.inf
+    bound = (1 - b1) / math.sqrt((1 - b2) * (1 - b1 * b1 / b2))
+    if t:
+        bound *= math.sqrt(1 - b2 ** t) / (1 - b1 ** t)
+    return bound
+
+
+def _block_rms(x: Tensor, block: Optional[int]) -> Tensor:
+    n = x.numel()
+    if block is None:
+        return x.pow(2).mean().sqrt().expand(n)
+    nb = (n + block - 1) // block
+    xp = torch.nn.functional.pad(x, (0, nb * block - n))
+    cnt = torch.nn.functional.pad(torch.ones(n), (0, nb * block - n)).view(nb, block).sum(1)
+    r = (xp.view(nb, block).pow(2).sum(1) / cnt).sqrt()
+    return r.repeat_interleave(block)[:n]
+
+
+class SimSGD:
+    """torch.optim.SGD(momentum=0.9, weight decay wd) on averaged gradients; with hook=True,
+    averaged by the 1-bit error-feedback allreduce from step `start` on."""
+
+    def __init__(self, flat: Flat, p: int, *, lr, hook: bool, rule="rms", start=None, block=2048, mu=0.9, wd=0.0):
+        self.f, self.p, self.hook, self.start, self.mu, self.wd = flat, p, hook, start, mu, wd
+        self.rule = rule
+        scale = "meanabs" if rule.startswith("meanabs") else "rms"
+        if "_b" in rule:
+            block = int(rule.split("_b")[1])
+        self.comp = Compressor(flat.n, p, block, scale) if hook else None
+        self.buf = None
+        self.t = 0
+        self.first_update_ratio = None
+
+    def step(self, theta, grads, lr):
+        self.t += 1
+        if self.hook and self.t > self.start:
+            g = self.comp(grads)
+        else:
+            g = grads.mean(0)
+        if not torch.isfinite(g).all():
+            raise FloatingPointError("non-finite gradient")
+        if self.wd:
+            g = g + self.wd * theta
+        self.buf = g.clone() if self.buf is None else self.buf.mul_(self.mu).add_(g)
+        return theta - lr * self.buf
+
+
+# ---------------------------------------------------------------------- one run
+FAMILY = {"adamw": "adam", "onebit_adam": "adam", "lamb": "lamb", "onebit_lamb": "lamb", "sgd": "sgd",
+          "sgd_hook": "sgd"}
+TWIN = {"onebit_adam": "adamw", "onebit_lamb": "lamb", "sgd_hook": "sgd"}
+
+
+def run(task, method: str, lr: float, rule: str = "published", p: int = 4, freeze_frac: float = 0.25,
+        eval_every: int = 0) -> Dict:
+    model = task.make_model()
+    flat = Flat(model, reverse=method.startswith("sgd"))
+    steps = task.steps
+    freeze = max(2, round(freeze_frac * steps))
+    kw = dict(betas=(0.9, task.beta2), wd=task.weight_decay)
+    if method in ("adamw", "onebit_adam", "lamb", "onebit_lamb"):
+        opt = SimOneBit(flat, p, lr=lr, lamb="lamb" in method, freeze=freeze if "onebit" in method else None,
+                        rule=rule, **kw)
+    else:
+        start = freeze
+        if "start50" in rule:
+            start = round(0.5 * steps)
+        opt = SimSGD(flat, p, lr=lr, hook=method == "sgd_hook", rule=rule, start=start)
+    theta = flat.get()
+    init = T.evaluate(task, model)
+    curve, diverged = [(0, init)], None
+    warm = max(1, steps // 10)
+    for step in range(steps):
+        grads, _ = rank_grads(task, model, flat, step, p)
+        try:
+            theta = opt.step(theta, grads, lr * T.lr_factor(step, steps, warm))
+        except FloatingPointError:
+            diverged = step + 1
+            break
+        if not torch.isfinite(theta).all():
+            diverged = step + 1
+            break
+        flat.set(theta)
+        if eval_every and (step + 1) % eval_every == 0:
+            curve.append((step + 1, T.evaluate(task, model)))
+    final = float("nan") if diverged else T.evaluate(task, model)
+    if not math.isfinite(final):
+        diverged = diverged or steps
+    return {"task": task.name, "method": method, "lr": lr, "rule": rule, "final": final, "init": init,
+            "diverged": diverged, "curve": curve, "max_param": float(theta.abs().max()) if not diverged else None,
+            "first_update_ratio": getattr(opt, "first_update_ratio", None)}
+
+
+def study(task_names: List[str], quick: bool, rules: Dict[str, List[str]], out: Optional[str]) -> List[Dict]:
+    results = []
+    for name in task_names:
+        task = T.make_task(name, quick=quick)
+        for method in ("adamw", "onebit_adam", "lamb", "onebit_lamb", "sgd", "sgd_hook"):
+            for rule in rules.get(method, []):
+                for lr in task.grids[FAMILY[method]]:
+                    t0 = time.perf_counter()
+                    r = run(task, method, lr, rule)
+                    r["seconds"] = time.perf_counter() - t0
+                    results.append(r)
+                    print(f"{name:<14}{method:<12}{rule:<16}lr {lr:<7g} final {r['final']:.4f}"
+                          f"{'  DIVERGED@' + str(r['diverged']) if r['diverged'] else ''}"
+                          f"  first-upd/lr {r['first_update_ratio'] if r['first_update_ratio'] is not None else '-'}"
+                          f"  ({r['seconds']:.1f}s)", flush=True)
+                    if out:
+                        with open(out, "w") as f:
+                            json.dump(results, f)
+    return results
+
+
+def diverged(r) -> bool:
+    """Diverged: non-finite, or ended worse than the initial model."""
+    return bool(r["diverged"]) or not math.isfinite(r["final"]) or r["final"] > r["init"]
+
+
+def table(results: List[Dict]) -> str:
+    """Best-of-grid ratio of each 1-bit method and rule to its full-precision twin, and the
+    lrs at which the 1-bit method diverged while the twin did not."""
+    lines = []
+    tasks_ = sorted({r["task"] for r in results}, key=list(T.TASKS).index)
+    combos = []
+    for r in results:
+        if r["method"] in TWIN and (r["method"], r["rule"]) not in combos:
+            combos.append((r["method"], r["rule"]))
+    lines.append(f"{'method':<12}{'rule':<17}" + "".join(f"{t:>15}" for t in tasks_))
+    for method, rule in combos:
+        cells = []
+        for t in tasks_:
+            mine = [r for r in results if r["task"] == t and r["method"] == method and r["rule"] == rule]
+            twin = [r for r in results if r["task"] == t and r["method"] == TWIN[method]]
+            if not mine or not twin:
+                cells.append("-")
+                continue
+            best = min((r["final"] for r in mine if not diverged(r)), default=float("inf"))
+            best0 = min((r["final"] for r in twin if not diverged(r)), default=float("inf"))
+            tw = {r["lr"]: diverged(r) for r in twin}
+            bad = sum(1 for r in mine if diverged(r) and not tw.get(r["lr"], True))
+            cells.append(f"{best / best0:.4f}" + (f" d{bad}" if bad else "") if math.isfinite(best) else "all-div")
+        lines.append(f"{method:<12}{rule:<17}" + "".join(f"{c:>15}" for c in cells))
+    lines.append("(ratio: best-of-grid final val loss / twin's; dN: N lrs diverged where the twin did not)")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true")
+    ap.add_argument("--tasks", default="all")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--adam-rules", default=",".join(ADAM_RULES))
+    ap.add_argument("--lamb-rules", default=",".join(LAMB_RULES))
+    ap.add_argument("--hook-rules", default=",".join(HOOK_RULES))
+    ap.add_argument("--json", default="")
+    ap.add_argument("--table-only", default="", help="print the table of a saved --json")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    if a.check:
+        print(f"simulated allreduce vs lbcomm.reference: max abs difference {check_against_reference():.3g}")
+        return
+    if a.table_only:
+        with open(a.table_only) as f:
+            print(table(json.load(f)))
+        return
+    names = list(T.TASKS) if a.tasks == "all" else a.tasks.split(",")
+    split = lambda s: [x for x in s.split(",") if x]  # noqa: E731
+    rules = {"adamw": ["-"], "lamb": ["-"], "sgd": ["-"], "onebit_adam": split(a.adam_rules),
+             "onebit_lamb": split(a.lamb_rules), "sgd_hook": split(a.hook_rules)}
+    rules = {k: v for k, v in rules.items() if v}
+    results = study(names, a.quick, rules, a.json)
+    print()
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()

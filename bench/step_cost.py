@@ -1,0 +1,95 @@
+"""Cost of the max_update rule (issue 16) in the compression-stage step, measured side by side.
+
+2 gloo ranks, a model of --numel parameters (8 equal Linear weights), fixed random local
+gradients; after the freeze, rounds of --steps steps alternate between the published
+rule (max_update=None) and max_update="auto" on twin optimizers, so machine noise hits
+both alike. Printed: median step time of each and their ratio (target: within 3 %).
+
+    python bench/step_cost.py --prototype   # before the integration (bench/robust_optim.py)
+    python bench/step_cost.py               # lbcomm.OneBitAdam / OneBitLamb(max_update=...)
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import lbcomm  # noqa: E402
+
+
+def make(kind, params, max_update, prototype):
+    kw = dict(lr=1e-3, freeze_step=2)
+    if prototype:
+        from robust_optim import RobustOneBitAdam, RobustOneBitLamb
+        cls = {"adam": RobustOneBitAdam, "lamb": RobustOneBitLamb}[kind]
+    else:
+        cls = {"adam": lbcomm.OneBitAdam, "lamb": lbcomm.OneBitLamb}[kind]
+    return cls(params, max_update=max_update, **kw)
+
+
+def rank_main(rank, world, a, init_file, out):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=600))
+    per = a.numel // 8
+    side = int(per ** 0.5)
+    g = torch.Generator().manual_seed(rank)
+    times = {}
+    for kind in a.kinds:
+        twins = {}
+        for mu in (None, "auto"):
+            torch.manual_seed(0)
+            params = [torch.nn.Parameter(torch.randn(side, side) * 0.02) for _ in range(8)]
+            for p in params:
+                p.grad = torch.randn(side, side, generator=g) * 1e-3
+            opt = make(kind, params, mu, a.prototype)
+            for _ in range(3):  # warmup, freeze, first compressed step
+                opt.step()
+            twins[mu] = opt
+        t = {None: [], "auto": []}
+        for r in range(a.rounds):
+            for mu in ((None, "auto") if r % 2 == 0 else ("auto", None)):  # neither always goes first
+                dist.barrier()
+                t0 = time.perf_counter()
+                for _ in range(a.steps):
+                    twins[mu].step()
+                t[mu].append((time.perf_counter() - t0) / a.steps)
+        times[kind] = t
+    if rank == 0:
+        torch.save(times, out)
+    dist.destroy_process_group()
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--numel", type=int, default=2**22)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=9)
+    p.add_argument("--kinds", default="adam,lamb")
+    p.add_argument("--prototype", action="store_true")
+    a = p.parse_args(argv)
+    a.kinds = a.kinds.split(",")
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "t.pt")
+        mp.start_processes(rank_main, args=(2, a, os.path.join(d, "init"), out), nprocs=2, start_method="spawn")
+        times = torch.load(out)
+    print(f"compression-stage step, {a.numel:,} parameters, 2 gloo ranks, median of {a.rounds} alternating rounds "
+          f"of {a.steps} steps")
+    for kind, t in times.items():
+        m0, m1 = statistics.median(t[None]), statistics.median(t["auto"])
+        print(f"  OneBit{kind.capitalize():<5} max_update=None {m0 * 1e3:8.2f} ms   max_update='auto' {m1 * 1e3:8.2f} ms"
+              f"   ratio {m1 / m0:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,268 @@
+"""Convergence suite: every task of bench/tasks.py, real optimizers on real gloo ranks.
+
+For each task and each pair (full precision vs 1-bit)
+
+    AdamW (gradients allreduced)          vs  lbcomm.OneBitAdam
+    lbcomm.Lamb                           vs  lbcomm.OneBitLamb
+    DDP + torch.optim.SGD(momentum 0.9)   vs  DDP + lbcomm.onebit_hook + the same SGD
+
+every lr of the task's small grid is run from the same initial weights on the same samples
+(4 gloo ranks, each its quarter of the global batch; variance frozen / compression started
+after 25 % of the steps). Printed: best-of-grid final validation loss per method, the
+ratio of each 1-bit method to its twin (target: within 5 %, 1 % on the byte LM), the lrs
+at which a 1-bit method diverged while its twin did not (target: none), and the largest
+first compressed update per coordinate in units of lr. Written: a PNG of the ratios.
+
+    python bench/suite.py                     # all tasks, whole grids: several minutes on 2 cores
+    python bench/suite.py --quick             # 3 tasks, short runs: the regression guard
+    python bench/suite.py --onebit-options '{"mask_threshold": 1e-3}'   # options of both 1-bit optimizers
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import lbcomm  # noqa: E402
+import tasks as T  # noqa: E402
+from convergence import average_grads  # noqa: E402
+
+METHODS = ("adamw", "onebit_adam", "lamb", "onebit_lamb", "sgd", "sgd_hook")
+TWIN = {"onebit_adam": "adamw", "onebit_lamb": "lamb", "sgd_hook": "sgd"}
+FAMILY = {"adamw": "adam", "onebit_adam": "adam", "lamb": "lamb", "onebit_lamb": "lamb", "sgd": "sgd",
+          "sgd_hook": "sgd"}
+LABEL = {"adamw": "AdamW", "onebit_adam": "OneBitAdam", "lamb": "Lamb", "onebit_lamb": "OneBitLamb",
+         "sgd": "SGD+DDP", "sgd_hook": "SGD+onebit_hook"}
+QUICK_TASKS = ("rare_features", "dead_relu", "zipf_embed")
+
+
+def freeze_of(task) -> int:
+    return max(2, round(0.25 * task.steps))
+
+
+def build(method, model, lr, task, world, a):
+    """(model to call, optimizer, ddp state) for one run."""
+    betas, wd = (0.9, task.beta2), task.weight_decay
+    extra = json.loads(a.onebit_options) if a.onebit_options else {}
+    adam_cls, lamb_cls = lbcomm.OneBitAdam, lbcomm.OneBitLamb
+    if a.prototype:  # issue 16's rule before its integration (bench/robust_optim.py)
+        from robust_optim import RobustOneBitAdam as adam_cls, RobustOneBitLamb as lamb_cls
+    if method == "adamw":
+        return model, torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=wd)
+    if method == "onebit_adam":
+        return model, adam_cls(model.parameters(), lr=lr, betas=betas, weight_decay=wd,
+                                        freeze_step=freeze_of(task), **extra)
+    if method == "lamb":
+        return model, lbcomm.Lamb(model.parameters(), lr=lr, betas=betas, weight_decay=wd)
+    if method == "onebit_lamb":
+        return model, lamb_cls(model.parameters(), lr=lr, betas=betas, weight_decay=wd,
+                                        freeze_step=freeze_of(task), **extra)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    if method == "sgd_hook":
+        extra = json.loads(a.hook_options) if a.hook_options else {}
+        ddp.register_comm_hook(lbcomm.OneBitHookState(start_iter=freeze_of(task), **extra), lbcomm.onebit_hook)
+    return ddp, torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+
+
+def one_run(rank, world, task, method, lr, a):
+    model = task.make_model()
+    net, opt = build(method, model, lr, task, world, a)
+    init = T.evaluate(task, model)
+    steps, warm, freeze = task.steps, max(1, task.steps // 10), freeze_of(task)
+    diverged, first_ratio, first_pmax = None, None, None
+    for step in range(steps):
+        cur = lr * T.lr_factor(step, steps, warm)
+        for g in opt.param_groups:
+            g["lr"] = cur
+        batch = task.batch(step)
+        per = batch[0].shape[0] // world
+        part = tuple(t[rank * per:(rank + 1) * per] for t in batch)
+        opt.zero_grad(set_to_none=True)
+        loss = task.loss(net, part)
+        loss.backward()
+        if method in ("adamw",):
+            average_grads(model, world)
+        before = [p.detach().clone() for p in model.parameters()] if step == freeze else None
+        if before is not None:
+            first_pmax = max(float(b.abs().max()) for b in before)
+        try:
+            opt.step()
+        except lbcomm.NonFiniteError:
+            diverged = step + 1
+            break
+        if before is not None:  # the first compressed step: largest |update| per coordinate / lr
+            first_ratio = max(float((p.detach() - b).abs().max()) for p, b in zip(model.parameters(), before)) / cur
+        if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
+            diverged = step + 1
+            break
+    final = float("nan") if diverged else T.evaluate(task, model)
+    return {"task": task.name, "method": method, "lr": lr, "final": final, "init": init, "diverged": diverged,
+            "first_update_ratio": first_ratio, "param_max_at_first_update": first_pmax,
+            "max_param": None if diverged else max(float(p.detach().abs().max()) for p in model.parameters())}
+
+
+def rank_main(rank, world, a, out_path, init_file):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=600))
+    results = []
+    for name in a.tasks:
+        task = T.make_task(name, quick=a.quick)
+        for method in a.methods:
+            for lr in task.grids[FAMILY[method]]:
+                t0 = time.perf_counter()
+                r = one_run(rank, world, task, method, lr, a)
+                r["seconds"] = time.perf_counter() - t0
+                results.append(r)
+                if rank == 0:
+                    print(f"  {name:<14}{LABEL[method]:<16}lr {lr:<7g} final {r['final']:.4f}"
+                          + (f"  DIVERGED at step {r['diverged']}" if r["diverged"] else "")
+                          + (f"  first compressed update {r['first_update_ratio']:.3g} lr"
+                             if r["first_update_ratio"] is not None else "")
+                          + f"  ({r['seconds']:.1f} s)", flush=True)
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def is_diverged(r) -> bool:
+    """Non-finite, or the run ended worse than the initial model."""
+    return bool(r["diverged"]) or not math.isfinite(r["final"]) or r["final"] > r["init"]
+
+
+def summarize(results):
+    """{task: {method: (best final, lr, [lrs diverged while the twin did not])}}."""
+    out = {}
+    for t in dict.fromkeys(r["task"] for r in results):
+        out[t] = {}
+        for m in dict.fromkeys(r["method"] for r in results):
+            rs = [r for r in results if r["task"] == t and r["method"] == m]
+            ok = [r for r in rs if not is_diverged(r)]
+            best = min(ok, key=lambda r: r["final"]) if ok else None
+            twin = {r["lr"]: is_diverged(r) for r in results if r["task"] == t and r["method"] == TWIN.get(m)}
+            bad = [r["lr"] for r in rs if is_diverged(r) and m in TWIN and not twin.get(r["lr"], True)]
+            first = max((r["first_update_ratio"] for r in rs if r["first_update_ratio"] is not None), default=None)
+            out[t][m] = (best["final"] if best else float("inf"), best["lr"] if best else None, bad, first)
+    return out
+
+
+def report(results, a):
+    s = summarize(results)
+    tasks_ = list(s)
+    print(f"\nbest-of-grid final validation loss, {a.ranks} gloo ranks; ratio = 1-bit / its full-precision twin")
+    print(f"{'pair':<30}" + "".join(f"{t:>16}" for t in tasks_))
+    failures = []
+    for m, base in TWIN.items():
+        if m not in a.methods or base not in a.methods:
+            continue
+        cells = []
+        for t in tasks_:
+            mine, twin = s[t][m], s[t][base]
+            ratio = mine[0] / twin[0]
+            target = 1.01 if t == "byte_lm" else 1.05
+            cell = f"{ratio:.3f}" if math.isfinite(ratio) else "all-div"
+            if mine[2]:
+                cell += f" d{len(mine[2])}"
+            if not ratio <= target or mine[2]:
+                failures.append(f"{LABEL[m]} on {t}: ratio {ratio:.3f} (target {target})"
+                                + (f", diverged at lr {mine[2]} where {LABEL[base]} did not" if mine[2] else ""))
+            cells.append(cell)
+        print(f"{LABEL[m] + ' / ' + LABEL[base]:<30}" + "".join(f"{c:>16}" for c in cells))
+    print("(dN: diverged at N lrs of the grid where the twin did not; diverged = non-finite or worse than at init)")
+    print("\nlargest first compressed update of one coordinate over the grid, in units of the current lr")
+    for m in ("onebit_adam", "onebit_lamb", "sgd_hook"):
+        if m in a.methods:
+            print(f"  {LABEL[m]:<16}" + "".join(
+                f"{(format(s[t][m][3], '.3g') if s[t][m][3] is not None else '-'):>16}" for t in tasks_))
+    print("\nbest lr per method: " + "; ".join(
+        f"{t}: " + ", ".join(f"{LABEL[m]} {s[t][m][1]}" for m in a.methods) for t in tasks_))
+    if failures:
+        print("\nMISSED TARGETS:\n  " + "\n  ".join(failures))
+    else:
+        print("\nevery 1-bit method meets its targets on every task")
+    return failures
+
+
+def plot(results, a, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib is not installed; no plot written to {path}")
+        return
+    s = summarize(results)
+    tasks_ = list(s)
+    pairs = [(m, b) for m, b in TWIN.items() if m in a.methods and b in a.methods]
+    fig, ax = plt.subplots(figsize=(9, 4), layout="constrained")
+    w = 0.8 / max(1, len(pairs))
+    for j, (m, b) in enumerate(pairs):
+        ys = [min(s[t][m][0] / s[t][b][0], 3.0) for t in tasks_]
+        ax.bar([i + j * w for i in range(len(tasks_))], ys, w, label=f"{LABEL[m]} / {LABEL[b]}")
+    ax.axhline(1.05, color="grey", ls=":", lw=1)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks([i + w * (len(pairs) - 1) / 2 for i in range(len(tasks_))], tasks_)
+    ax.set_ylabel("best-of-grid val loss ratio (capped at 3)")
+    ax.set_ylim(0.9, max(1.2, ax.get_ylim()[1]))
+    ax.legend(fontsize=8)
+    ax.set_title(f"1-bit / full precision, {a.ranks} gloo ranks" + (f", options {a.onebit_options}"
+                                                                    if a.onebit_options else ""))
+    fig.savefig(path, dpi=110)
+    print(f"ratio plot written to {path}")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--quick", action="store_true", help=f"tasks {', '.join(QUICK_TASKS)} with short runs")
+    p.add_argument("--tasks", default="", help=f"comma list of {', '.join(T.TASKS)} (default: all)")
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--onebit-options", default="", help="JSON dict of extra OneBitAdam/OneBitLamb options")
+    p.add_argument("--prototype", action="store_true",
+                   help="1-bit optimizers with the max_update rule of bench/robust_optim.py (before integration)")
+    p.add_argument("--hook-options", default="", help="JSON dict of extra OneBitHookState options")
+    p.add_argument("--json", default="", help="write the raw results here")
+    p.add_argument("--plot", default="", help="PNG of the ratio table")
+    a = p.parse_args(argv)
+    a.tasks = a.tasks.split(",") if a.tasks else list(QUICK_TASKS if a.quick else T.TASKS)
+    a.methods = [m for m in a.methods.split(",") if m]
+    unknown = [m for m in a.methods if m not in METHODS] + [t for t in a.tasks if t not in T.TASKS]
+    if unknown:
+        p.error(f"unknown method or task: {unknown}")
+    return a
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "results.json")
+        mp.start_processes(rank_main, args=(a.ranks, a, out, os.path.join(d, "init")), nprocs=a.ranks,
+                           start_method="spawn")
+        with open(out) as f:
+            results = json.load(f)
+    failures = report(results, a)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"args": vars(a), "results": results}, f)
+    if a.plot:
+        plot(results, a, a.plot)
+    print(f"\ntotal {time.perf_counter() - t0:.0f} s")
+    return results, failures
+
+
+if __name__ == "__main__":
+    main()
