@@ -5,8 +5,9 @@ from integrations_util import assert_bitwise
 # Besides the gradient communication, a training step of the frameworks sends a little:
 # their own scalar collectives (loss / token counts) and gloo's message headers. It is
 # measured in the warmup (step bytes minus the fp32 ring volume); the compressed call's
-# two collectives may add their headers on top, at most this many bytes.
-HEADER_SLACK = 512
+# collectives (all-to-all, all-gather and the small finiteness agreement, whose payload
+# bytes_per_call() counts) may add gloo's message headers on top, at most this many bytes.
+HEADER_SLACK = 1024
 
 
 def ring_bytes(numel, world):
