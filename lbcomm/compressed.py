@@ -184,6 +184,7 @@ class CompressionState:
         self._staging: Optional[Tensor] = None  # fp32, for callable sources/sinks and half outputs
         self._busy = False
         self._verified = False
+        self._foreign_shard: Optional[str] = None  # why the errors were reset at a load (warned at the next call)
         self.calls = 0
         self.skipped = 0
         self.last_skipped = False
@@ -249,22 +250,37 @@ class CompressionState:
         }
 
     def load_state_dict(self, sd: Dict[str, Any]) -> bool:
-        """Restore error buffers saved by `state_dict`. Returns False, with a logged
-        warning and zeroed errors, when they were saved for another world size, rank,
-        size or block size (they cannot be mapped onto this layout)."""
+        """Restore error buffers saved by `state_dict`. Returns False, with zeroed errors,
+        when they were saved for another world size, rank, size or block size (they cannot
+        be mapped onto this layout; see `redistribute_errors` for another world size).
+
+        A shard of another rank of the same world is what frameworks hand every rank when
+        they save the optimizer of rank 0 only: that reset is logged at INFO and becomes a
+        WARNING at the next call, unless this rank's own shard is loaded before it (as the
+        integrations do right after the framework's load)."""
         self._ensure_idle()
         layout = (sd.get("numel"), sd.get("world_size"), sd.get("rank"), sd.get("block_size"))
         mine = (self.numel, self.world_size, self.rank, self.block_size)
         self.calls = int(sd.get("calls", 0))
         self.skipped = int(sd.get("skipped", 0))
+        self._foreign_shard = None
         if layout != mine:
-            _log.warning(
-                "lbcomm: compression error buffers were saved for (numel, world_size, rank, block_size)=%s "
-                "but this run has %s; resetting them to zero and continuing",
-                layout,
-                mine,
-            )
             self.reset()
+            if layout[:2] + layout[3:] == mine[:2] + mine[3:]:
+                self._foreign_shard = (
+                    f"lbcomm: rank {self.rank} of {self.world_size} was given the compression error buffers that "
+                    f"rank {layout[2]} saved; error feedback differs between ranks, so this rank's was reset to zero. "
+                    "Cause: frameworks (Hugging Face Trainer, Lightning, accelerate's save_state) save the optimizer "
+                    "of rank 0 only and load it on every rank. Fix: keep every rank's own shard with "
+                    "lbcomm.integrations.transformers.LbcommCallback / lbcomm.integrations.lightning.LbcommCallback, "
+                    "lbcomm.save_sharded / lbcomm.load_sharded, or lbcomm.integrations.dcp.RankLocal with "
+                    "torch.distributed.checkpoint")
+                _log.info("%s (warned again at the next call unless this rank's own shard is loaded first)",
+                          self._foreign_shard)
+            else:
+                _log.warning("lbcomm: compression error buffers were saved for (numel, world_size, rank, block_size)="
+                             "%s but this run has %s; resetting them to zero and continuing (another world size: "
+                             "lbcomm.load_sharded redistributes them exactly)", layout, mine)
             return False
         self._worker_error.copy_(sd["worker_error"].reshape(self._worker_error.shape))
         self._server_error.copy_(sd["server_error"].reshape(self._server_error.shape))
@@ -340,6 +356,9 @@ class _Call:
         """The collective order of a call, once: yields each future the call must wait for
         and returns `result(applied)`."""
         st, tr = self.state, self.state.transport
+        if st._foreign_shard is not None:  # no rank-own shard followed the foreign one
+            _log.warning("%s", st._foreign_shard)
+            st._foreign_shard = None
         if st.world_size == 1 or st.numel == 0:  # nothing to communicate: the result is the input
             self._copy_through()
             return self.result(True)
