@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Any, Callable, Dict, Generator, List, NamedTuple, Optional, Union
+from typing import Any, Callable, Dict, Generator, List, NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -75,7 +75,7 @@ from .wire import (
 )
 
 __all__ = ["CompressionState", "compressed_allreduce_", "compressed_allreduce", "reduce_", "NonFiniteError",
-           "DEFAULT_BLOCK_SIZE", "PIECE_MIN"]
+           "DEFAULT_BLOCK_SIZE", "PIECE_MIN", "redistribute_errors"]
 
 _log = logging.getLogger(__name__)
 
@@ -315,6 +315,46 @@ class CompressionState:
         if self._staging is None or self._staging.numel() < n:
             self._staging = torch.empty(n, dtype=torch.float32, device=self.device)
         return self._staging
+
+
+def redistribute_errors(saved: Sequence[Dict[str, Any]], world_size: int, rank: int) -> Dict[str, Any]:
+    """The error feedback of a resume with another world size (elastic resume), as a
+    `CompressionState.state_dict` of `rank` in a world of `world_size` ranks.
+
+    `saved` holds the `CompressionState.state_dict` of every rank of the old world, in rank
+    order. What the invariant of DESIGN.md §1 carries into the next call is the total error
+    mean_r(worker error r) + concat_k(server error k). It is preserved (up to the rounding
+    of the mean): every new rank's worker error is the mean of the saved worker errors, and
+    the concatenated server errors are cut into the new chunks; pad slots hold zero.
+
+    Raises:
+        ValueError: the shards are not one complete world of one tensor size and block size.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"redistribute_errors: invalid world_size {world_size!r}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"redistribute_errors: rank {rank} is not in a world of {world_size}")
+    old = len(saved)
+    if old == 0:
+        raise ValueError("redistribute_errors: no saved shards")
+    first = saved[0]
+    numel, block = first["numel"], first["block_size"]
+    for r, sd in enumerate(saved):
+        if (sd["world_size"], sd["rank"]) != (old, r) or (sd["numel"], sd["block_size"]) != (numel, block):
+            raise ValueError(f"redistribute_errors: shard {r} was saved for (numel, world_size, rank, block_size)="
+                             f"{(sd['numel'], sd['world_size'], sd['rank'], sd['block_size'])}; expected "
+                             f"{(numel, old, r, block)} (pass every rank's shard of one checkpoint, in rank order)")
+    worker = torch.stack([sd["worker_error"].reshape(-1)[:numel].double() for sd in saved]).mean(0)
+    server = torch.cat([sd["server_error"].reshape(-1) for sd in saved])[:numel]
+    chunk = chunk_size(numel, world_size)
+    new_worker = torch.zeros(world_size * chunk, dtype=torch.float32)
+    new_worker[:numel] = worker.float()
+    new_server = torch.zeros(world_size * chunk, dtype=torch.float32)
+    new_server[:numel] = server.float()
+    return {"numel": numel, "world_size": world_size, "rank": rank, "block_size": block,
+            "worker_error": new_worker.view(world_size, chunk),
+            "server_error": new_server[rank * chunk:(rank + 1) * chunk].clone(),
+            "calls": int(first.get("calls", 0)), "skipped": int(first.get("skipped", 0))}
 
 
 class _Call:
