@@ -185,6 +185,54 @@ class BaseOptimizer(Optimizer):
             self._transport = get_transport(self.process_group, backend=self.backend)
         return self._transport
 
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> Tensor:
+        """Clip the gradients of this optimizer's parameters by a norm that is the same on
+        every rank, with at most one scalar allreduce; call it between backward and `step`
+        instead of ``torch.nn.utils.clip_grad_norm_``.
+
+        * Gradients already averaged over the ranks (warmup with lbcomm's DDP hook, or one
+          rank): exactly ``torch.nn.utils.clip_grad_norm_`` (the norm of the averaged
+          gradient; no communication).
+        * Local gradients (the compression stage of the 1-bit optimizers, or a warmup
+          that the optimizer averages itself): N = sqrt(mean_r ||g_r||^2), one scalar
+          allreduce, and every rank scales by the same min(1, max_norm / (N + 1e-6)). N
+          bounds the norm of the averaged gradient from above (it adds the spread of the
+          ranks' gradients), so the gradient that the optimizer effectively averages keeps
+          its direction and its norm stays at most max_norm. Clipping each rank's local
+          gradient by its own norm instead (what frameworks do) also keeps the mean within
+          max_norm, but weighs the ranks unequally and reports rank 0's local norm.
+
+        Args:
+            max_norm (float): max norm of the gradients.
+            norm_type (float, optional): only 2.0 is supported (default: 2.0).
+            error_if_nonfinite (bool, optional): raise if the norm is NaN/Inf (on every
+                rank alike) (default: False).
+
+        Returns:
+            The norm used (a 0-dim fp32 tensor, identical on every rank): log it as the
+            gradient norm.
+        """
+        if float(norm_type) != 2.0:
+            raise ValueError(f"{type(self).__name__}.clip_grad_norm_: only norm_type=2.0 is supported, got {norm_type}")
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        tr = self.transport
+        if params:
+            local = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+        else:
+            local = torch.zeros((), dtype=torch.float32)
+        total = local
+        if tr.world_size > 1 and (self.frozen or not self._grads_averaged):
+            sq = local.float().square().reshape(1)
+            tr.all_reduce(sq, op="mean")
+            total = sq.sqrt().reshape(())
+        if error_if_nonfinite and not bool(torch.isfinite(total)):
+            raise RuntimeError(f"{type(self).__name__}.clip_grad_norm_: the total gradient norm is {float(total)} "
+                               "(NaN/Inf on at least one rank); the gradients were not clipped")
+        if params:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return total
+
     # ------------------------------------------------------------------ layout
     def _select_params(self, order: Optional[Sequence[int]] = None):
         flat = [(gi, p) for gi, g in enumerate(self.param_groups) for p in g["params"]]
