@@ -15,6 +15,7 @@ from integrations_checks import check_resume, check_wire  # noqa: E402
 from integrations_util import WORKERS, results, torchrun  # noqa: E402
 
 FREEZE = 4
+CLIP = 0.05  # trainer_worker.py's CLIP
 
 
 @pytest.mark.parametrize("kind", ["onebit_adam", "adamw_hook"])
@@ -50,3 +51,33 @@ def test_trainer_compresses_and_resumes_bitwise(kind, tmp_path):
             assert not torch.equal(g0[step], g1[step]), step
         else:  # onebit_hook: the 1-bit allreduce gives every rank the same (approximate) mean
             assert torch.equal(g0[step], g1[step]), step
+
+
+def test_trainer_clips_by_one_norm_with_the_callback(tmp_path):
+    """LbcommCallback(max_grad_norm=CLIP), Trainer's own clipping off: warmup gradients
+    (averaged by the hook) are clipped as torch would; compression-stage gradients (local)
+    by one coefficient on both ranks, so sqrt(mean_r ||g_r||^2) == CLIP; resume stays bitwise."""
+    torchrun(os.path.join(WORKERS, "trainer_worker.py"), tmp_path, "onebit_adam_clip")
+    r = results(tmp_path)
+    for rank in range(2):
+        check_resume(r[rank]["full"], r[rank]["resumed"], ["params", "optimizer"])
+    g0, g1 = r[0]["grads"], r[1]["grads"]
+    for step in range(1, FREEZE + 1):
+        assert torch.equal(g0[step], g1[step]) and float(g0[step].norm()) <= CLIP * (1 + 1e-5), step
+    for step in range(FREEZE + 1, 10):
+        assert not torch.equal(g0[step], g1[step]), step
+        shared = ((g0[step].norm() ** 2 + g1[step].norm() ** 2) / 2).sqrt()
+        assert abs(float(shared) - CLIP) <= CLIP * 1e-4, (step, float(shared))
+
+
+def test_callback_logs_its_norm_and_refuses_bad_settings():
+    from lbcomm.integrations.transformers import LbcommCallback
+    cb = LbcommCallback(max_grad_norm=1.0)
+    logs = {"loss": 1.0}
+    cb.on_log(None, None, None, logs=logs)
+    assert logs == {"loss": 1.0}  # nothing clipped yet
+    cb.grad_norm = 0.25
+    cb.on_log(None, None, None, logs=logs)
+    assert logs["lbcomm_grad_norm"] == 0.25
+    with pytest.raises(ValueError, match="invalid max_grad_norm"):
+        LbcommCallback(max_grad_norm=0)
