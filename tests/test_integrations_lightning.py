@@ -50,3 +50,23 @@ def test_lightning_compresses_and_resumes_bitwise(kind, tmp_path):
             assert not torch.equal(g0[step], g1[step]), step
         else:
             assert torch.equal(g0[step], g1[step]), step
+
+
+CLIP = 0.02  # lightning_worker.py's CLIP
+
+
+def test_lightning_clips_by_one_norm_with_the_callback(tmp_path):
+    """LbcommCallback(max_grad_norm=CLIP), gradient_clip_val unset: warmup gradients (averaged
+    by the hook) clipped as torch would, compression-stage gradients (local) by one
+    coefficient on both ranks, so sqrt(mean_r ||g_r||^2) == CLIP; resume stays bitwise."""
+    torchrun(os.path.join(WORKERS, "lightning_worker.py"), tmp_path, "onebit_lamb_clip")
+    r = results(tmp_path)
+    for rank in range(2):
+        check_resume(r[rank]["full"], r[rank]["resumed"], ["params", "optimizer"])
+    g0, g1 = r[0]["grads"], r[1]["grads"]
+    for step in range(1, FREEZE + 1):
+        assert torch.equal(g0[step], g1[step]) and float(g0[step].norm()) <= CLIP * (1 + 1e-5), step
+    for step in range(FREEZE + 1, 10):
+        assert not torch.equal(g0[step], g1[step]), step
+        shared = ((g0[step].norm() ** 2 + g1[step].norm() ** 2) / 2).sqrt()
+        assert abs(float(shared) - CLIP) <= CLIP * 1e-4, (step, float(shared))
