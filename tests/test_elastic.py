@@ -103,7 +103,8 @@ def _resume(rank, p, ckpt):
             opt.zero_grad()
             _loss(model, rank, t).backward()
             opt.step()
-        out[name] = {"exact": info["exact"], "loaded": loaded, "params": [q.detach().clone() for q in model.parameters()]}
+        out[name] = {"exact": info["exact"], "loaded": loaded,
+                     "params": [q.detach().clone() for q in model.parameters()]}
     return out
 
 

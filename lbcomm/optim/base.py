@@ -349,10 +349,9 @@ class BaseOptimizer(Optimizer):
         """Copy every gradient into the flat fp32 buffer (zeros where a parameter has none)
         and set the has-grad flags after it. Returns buffer and flags (the buffer holds
         2 x world_size more slots for `replica_slots`)."""
-        if self._grad_buf is None:  # + one has-grad flag per param + the checksum slots
-            extra = 2 * self.transport.world_size if self._detecting() else 0
-            self._grad_buf = torch.empty(L.total + len(L.params) + extra, dtype=torch.float32,
-                                         device=self._device(L))
+        size = L.total + len(L.params) + (2 * self.transport.world_size if self._detecting() else 0)
+        if self._grad_buf is None or self._grad_buf.numel() != size:  # + has-grad flags + checksum slots
+            self._grad_buf = torch.empty(size, dtype=torch.float32, device=self._device(L))
         buf = self._grad_buf[:L.total + len(L.params)]
         flags = []
         for i, p in enumerate(L.params):

@@ -9,7 +9,8 @@ freeze, the momentum mask, the compressed momentum allreduce and its error state
   an exact count only when a sum overflows). At the first compression step of an
   optimizer instance the same allreduce also carries every rank's gradient checksum
   (`replica_slots`): identical gradients on every rank mean that a DDP without lbcomm's
-  hook is still averaging them at full precision (`AveragedGradientsError`). The new momentum m' = b1 m + (1-b1) g is then
+  hook is still averaging them at full precision (`AveragedGradientsError`). The new
+  momentum m' = b1 m + (1-b1) g is then
   produced by a source callable straight from m and each ``p.grad`` and reduced with one
   compressed allreduce; the result reaches a sink (m itself, or a callable that sees m' and
   the old m range by range), masked. m is written only after every rank has the result, so
