@@ -11,6 +11,7 @@ from .ddp import (OneBitHookState, onebit_hook, onebit_optimizer_bf16_hook, oneb
                   onebit_optimizer_hook, onebit_optimizer_hook_for)
 from .integrations import attach
 from .optim import Lamb, OneBitAdam, OneBitLamb
+from .topology import HierarchicalState, Topology, hierarchical_allreduce_
 
 __version__ = "0.1.0"
 __all__ = [
@@ -19,6 +20,9 @@ __all__ = [
     "compressed_allreduce_",
     "NonFiniteError",
     "DEFAULT_BLOCK_SIZE",
+    "Topology",
+    "HierarchicalState",
+    "hierarchical_allreduce_",
     "OneBitAdam",
     "OneBitLamb",
     "Lamb",

@@ -181,6 +181,37 @@ class Topology:
                 cross_group = g
         return cls(local_group, cross_group, backend="torch")
 
+    def private(self) -> "Topology":
+        """A copy on new process groups of the same ranks, so that its collectives never
+        interleave with those of other users of these groups (the DDP hook runs its calls
+        on a background thread). torch.distributed only; every rank of the default group
+        must call it, in the same order as its other collectives."""
+        import torch.distributed as dist
+
+        if self.backend == "mpi" or not dist.is_initialized():
+            raise ValueError("Topology.private needs torch.distributed process groups")
+        world = dist.get_world_size()
+        if self.world_size != world:
+            raise ValueError(f"Topology.private: the topology spans {self.world_size} ranks but the default group has "
+                             f"{world}; hierarchical groups inside a subgroup are not supported here, pass a topology "
+                             "of the whole world")
+        mine = (dist.get_rank(), self.node, self.local_rank)
+        everyone: List[Any] = [None] * world
+        dist.all_gather_object(everyone, mine)
+        nodes = [[r for r, a, _ in sorted(everyone, key=lambda v: v[2]) if a == node] for node in range(self.nodes)]
+        cross = [[r for r, _, l in sorted(everyone, key=lambda v: v[1]) if l == local]
+                 for local in range(self.local_size)]
+        local_group = cross_group = None
+        for node, ranks in enumerate(nodes):  # every rank creates every group, in the same order
+            g = dist.new_group(ranks)
+            if node == self.node:
+                local_group = g
+        for local, ranks in enumerate(cross):
+            g = dist.new_group(ranks)
+            if local == self.local_rank:
+                cross_group = g
+        return Topology(local_group, cross_group, backend="torch")
+
     @classmethod
     def auto(cls) -> Optional["Topology"]:
         """`from_env()` under torchrun with more than one node (LOCAL_WORLD_SIZE < WORLD_SIZE),
