@@ -169,6 +169,19 @@ class Topology:
         if local_rank != rank % G:
             raise ValueError(f"Topology.from_env: rank {rank} has LOCAL_RANK={local_rank}, but ranks are expected "
                              f"node by node (rank % LOCAL_WORLD_SIZE = {rank % G}); pass explicit groups instead")
+        return cls.node_by_node(G)
+
+    @classmethod
+    def node_by_node(cls, ranks_per_node: int) -> "Topology":
+        """Nodes of `ranks_per_node` consecutive ranks of the world (rank = node x G + local
+        index). Creates N + G new process groups: every rank of the world must call it, in
+        the same order as its other collectives."""
+        import torch.distributed as dist
+
+        world, rank, G = dist.get_world_size(), dist.get_rank(), ranks_per_node
+        if isinstance(G, bool) or not isinstance(G, int) or G < 1 or world % G:
+            raise ValueError(f"Topology.node_by_node: {G!r} ranks per node does not divide the world size {world}")
+        local_rank = rank % G
         N = world // G
         local_group = cross_group = None
         for a in range(N):  # every rank creates every group, in the same order
