@@ -67,18 +67,39 @@ from typing import Any, Dict, List, Optional, Union
 import torch
 from torch import Tensor
 
-from .comm import get_transport
+from .comm import TorchTransport, get_transport
+from .comm.shm import ShmTransport
 from .common import FLOAT_DTYPES, NONFINITE_POLICIES
 from .compressed import DEFAULT_BLOCK_SIZE, CompressionState, NonFiniteError, compressed_allreduce_, reduce_
 from .wire import chunk_size
 
-__all__ = ["Topology", "HierarchicalState", "hierarchical_allreduce_", "slice_spans"]
+__all__ = ["Topology", "HierarchicalState", "hierarchical_allreduce_", "slice_spans", "INTRA_NODE"]
+
+INTRA_NODE = ("auto", "shm", "group")
 
 _log = logging.getLogger(__name__)
 
 # Status of a rank's slice after the 1-bit stage, carried in its all-gather row.
 _APPLIED, _SKIPPED, _EMPTY = 1, 2, 3
 _FLAG_BYTES = 4
+
+
+def _intra_node_transport(group, backend: str, intra_node: str):
+    """The transport that moves slices inside the node (see Topology's intra_node)."""
+    tr = get_transport(group, backend=backend)
+    if intra_node == "group" or tr.world_size == 1:
+        return tr
+    if intra_node == "auto" and not (isinstance(tr, TorchTransport) and str(tr.backend).lower() == "gloo"):
+        return tr
+    if not isinstance(tr, TorchTransport):
+        raise ValueError("Topology: intra_node='shm' needs a torch.distributed local group (it synchronizes over it)")
+    try:
+        return ShmTransport(group)
+    except ValueError:
+        if intra_node == "shm":
+            raise
+        _log.info("Topology: the ranks of the local group are on different hosts; slices go through the group")
+        return tr
 
 
 def slice_spans(numel: int, local_size: int) -> List[tuple]:
@@ -99,23 +120,31 @@ class Topology:
             in node order (N ranks).
         backend (str, optional): transport backend of both groups, see
             `lbcomm.comm.get_transport` (default: "auto").
+        intra_node (str, optional): how slices move inside a node: "shm" (shared memory,
+            `lbcomm.comm.shm.ShmTransport`: CPU tensors, every rank of the node on this
+            host), "group" (the local group's own transport: gloo's sockets, NCCL, MPI) or
+            "auto": "shm" for a gloo local group whose ranks share a host, else "group".
+            Collective over the local group (default: "auto").
 
     Build it with `from_mesh`, `from_env` or `auto` rather than by hand.
     """
 
-    __slots__ = ("local_group", "cross_group", "backend", "local", "cross", "nodes", "local_size", "node",
-                 "local_rank")
+    __slots__ = ("local_group", "cross_group", "backend", "intra_node", "local", "cross", "nodes", "local_size",
+                 "node", "local_rank")
 
-    def __init__(self, local_group, cross_group, *, backend: str = "auto"):
+    def __init__(self, local_group, cross_group, *, backend: str = "auto", intra_node: str = "auto"):
+        if intra_node not in INTRA_NODE:
+            raise ValueError(f"Invalid intra_node: {intra_node!r} (use one of {INTRA_NODE})")
         self.local_group, self.cross_group, self.backend = local_group, cross_group, backend
-        self.local = get_transport(local_group, backend=backend)
+        self.local = _intra_node_transport(local_group, backend, intra_node)
+        self.intra_node = "shm" if isinstance(self.local, ShmTransport) else "group"
         self.cross = get_transport(cross_group, backend=backend)
         self.local_size, self.local_rank = self.local.world_size, self.local.rank
         self.nodes, self.node = self.cross.world_size, self.cross.rank
 
     def __repr__(self) -> str:
         return (f"Topology(nodes={self.nodes}, local_size={self.local_size}, node={self.node}, "
-                f"local_rank={self.local_rank})")
+                f"local_rank={self.local_rank}, intra_node={self.intra_node!r})")
 
     @property
     def world_size(self) -> int:
@@ -132,7 +161,8 @@ class Topology:
         return self.cross_group if self.local_size == 1 else self.local_group
 
     @classmethod
-    def from_mesh(cls, mesh, node_dim: str = "node", local_dim: str = "local") -> "Topology":
+    def from_mesh(cls, mesh, node_dim: str = "node", local_dim: str = "local", *,
+                  intra_node: str = "auto") -> "Topology":
         """From a 2-D DeviceMesh, e.g. ``init_device_mesh("cpu", (N, G), mesh_dim_names=("node", "local"))``:
         the groups along `local_dim` are the nodes, those along `node_dim` the cross groups."""
         names = getattr(mesh, "mesh_dim_names", None) or ()
@@ -141,7 +171,7 @@ class Topology:
                              f"{local_dim!r}), got {mesh.ndim} dimension(s) named {names}; build it with "
                              f"init_device_mesh(device, (nodes, ranks_per_node), mesh_dim_names=({node_dim!r}, "
                              f"{local_dim!r}))")
-        return cls(mesh.get_group(local_dim), mesh.get_group(node_dim), backend="torch")
+        return cls(mesh.get_group(local_dim), mesh.get_group(node_dim), backend="torch", intra_node=intra_node)
 
     @classmethod
     def from_env(cls, group=None) -> "Topology":
@@ -172,7 +202,7 @@ class Topology:
         return cls.node_by_node(G)
 
     @classmethod
-    def node_by_node(cls, ranks_per_node: int) -> "Topology":
+    def node_by_node(cls, ranks_per_node: int, *, intra_node: str = "auto") -> "Topology":
         """Nodes of `ranks_per_node` consecutive ranks of the world (rank = node x G + local
         index). Creates N + G new process groups: every rank of the world must call it, in
         the same order as its other collectives."""
@@ -192,7 +222,7 @@ class Topology:
             g = dist.new_group(list(range(l, world, G)))
             if l == local_rank:
                 cross_group = g
-        return cls(local_group, cross_group, backend="torch")
+        return cls(local_group, cross_group, backend="torch", intra_node=intra_node)
 
     def private(self) -> "Topology":
         """A copy on new process groups of the same ranks, so that its collectives never
@@ -223,7 +253,7 @@ class Topology:
             g = dist.new_group(ranks)
             if local == self.local_rank:
                 cross_group = g
-        return Topology(local_group, cross_group, backend="torch")
+        return Topology(local_group, cross_group, backend="torch", intra_node=self.intra_node)
 
     @classmethod
     def auto(cls) -> Optional["Topology"]:
@@ -290,6 +320,8 @@ class HierarchicalState:
                                             pieces=pieces)
         self.device = self.compression.device
         topology.local.check_device(self.device)
+        if isinstance(topology.local, ShmTransport):
+            return  # slices move through the transport's shared buffers
         row = 4 * self.slice_len + _FLAG_BYTES
         u8 = dict(dtype=torch.uint8, device=self.device)
         self._send = torch.zeros(G, row, **u8)  # pad elements past numel stay zero
@@ -319,7 +351,7 @@ class HierarchicalState:
         """Bytes this rank sends per call inside its node (full-precision slices and results)."""
         if self.topology.flat:
             return 0
-        return 2 * (self.topology.local_size - 1) * self._send.shape[1]
+        return 2 * (self.topology.local_size - 1) * (4 * self.slice_len + _FLAG_BYTES)
 
     def reset(self) -> None:
         self.compression.reset()
@@ -406,32 +438,49 @@ def hierarchical_allreduce_(tensor: Tensor, state: HierarchicalState) -> Tensor:
         _handshake(state)
     G, L, n0 = t.local_size, state.slice_len, state.numel
     x = tensor.reshape(-1)
-    # Reduce-scatter inside the node: row j = slice j of this rank's input (fp32) + a flag.
-    send_f = state._send[:, :4 * L].view(torch.float32)
-    for j, (lo, hi) in enumerate(state._spans):
-        send_f[j, :hi - lo].copy_(x[lo:hi])
     finite = bool(torch.isfinite(x.sum(dtype=torch.float32))) or bool(torch.isfinite(x).all())
-    state._send[:, 4 * L:].view(torch.int32).fill_(0 if finite else 1)
-    t.local.all_to_all(state._recv, state._send)
-    recv_f = state._recv[:, :4 * L].view(torch.float32)
-    node_bad = bool(state._recv[:, 4 * L:].view(torch.int32).any())
-    acc = state._mine[:4 * L].view(torch.float32)
-    acc.copy_(recv_f[0])
-    for j in range(1, G):  # fp32, local rank order: the recipe of lbcomm.reference.hierarchical_allreduce
-        acc.add_(recv_f[j])
-    acc.div_(G)
-    real = state.span[1] - state.span[0]
+    lo, hi = state.span
+    real = hi - lo
+    shm = isinstance(t.local, ShmTransport)
+    # Reduce-scatter inside the node: slice l of every rank's input (fp32) and its flag
+    # (input not finite) reach local rank l.
+    if shm:  # every rank's whole input in shared memory, read in place by the slice owners
+        buf = t.local.stage(4 * G * L + _FLAG_BYTES)
+        buf[:4 * n0].view(torch.float32).copy_(x)
+        buf[4 * G * L:].view(torch.int32).fill_(0 if finite else 1)
+        views = t.local.publish()
+        rows = [v[4 * lo:4 * hi].view(torch.float32) for v in views]
+        node_bad = any(bool(v[4 * G * L:].view(torch.int32)) for v in views)
+        mine = t.local.stage(4 * L + _FLAG_BYTES)  # the all-gather row, filled in place below
+    else:
+        send_f = state._send[:, :4 * L].view(torch.float32)
+        for j, (a, b) in enumerate(state._spans):
+            send_f[j, :b - a].copy_(x[a:b])
+        state._send[:, 4 * L:].view(torch.int32).fill_(0 if finite else 1)
+        t.local.all_to_all(state._recv, state._send)
+        rows = [r[:real] for r in state._recv[:, :4 * L].view(torch.float32)]
+        node_bad = bool(state._recv[:, 4 * L:].view(torch.int32).any())
+        mine = state._mine
+    acc = mine[:4 * L].view(torch.float32)[:real]
+    if real:
+        acc.copy_(rows[0])
+        for j in range(1, G):  # fp32, local rank order: the recipe of lbcomm.reference.hierarchical_allreduce
+            acc.add_(rows[j])
+        acc.div_(G)
     if real == 0:
         status = _EMPTY
     else:
         if node_bad:
             acc[0] = float("nan")  # every cross group then agrees on "skip", errors untouched
-        mine = acc[:real]
-        status = _APPLIED if reduce_(state.compression, mine, mine) else _SKIPPED
-    state._mine[4 * L:].view(torch.int32).fill_(status)
+        status = _APPLIED if reduce_(state.compression, acc, acc) else _SKIPPED
+    mine[4 * L:].view(torch.int32).fill_(status)
     # All-gather inside the node: every slice's result and status.
-    t.local.all_gather(state._gathered.view(-1), state._mine)
-    statuses = state._gathered[:, 4 * L:].view(torch.int32)[:, 0].tolist()
+    if shm:
+        views = t.local.publish()
+    else:
+        t.local.all_gather(state._gathered.view(-1), state._mine)
+        views = list(state._gathered)
+    statuses = [int(v[4 * L:].view(torch.int32)) for v in views]
     state.calls += 1
     skipped = _SKIPPED in statuses
     state.last_skipped = skipped
@@ -448,12 +497,11 @@ def hierarchical_allreduce_(tensor: Tensor, state: HierarchicalState) -> Tensor:
             raise NonFiniteError(f"hierarchical_allreduce_: {what}; check for overflow, or pass nonfinite='skip'")
         _log.debug("hierarchical_allreduce_: skipped: %s", what)
         return tensor
-    out = state._gathered[:, :4 * L].view(torch.float32)
     flat = tensor.view(-1) if tensor.is_contiguous() else None
     if flat is None:
         flat = torch.empty(n0, dtype=tensor.dtype, device=tensor.device)
-    for j, (lo, hi) in enumerate(state._spans):
-        flat[lo:hi].copy_(out[j, :hi - lo])
+    for j, (a, b) in enumerate(state._spans):
+        flat[a:b].copy_(views[j][:4 * (b - a)].view(torch.float32))
     if not tensor.is_contiguous():
         tensor.copy_(flat.view(tensor.shape))
     return tensor

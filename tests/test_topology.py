@@ -43,7 +43,7 @@ def _explicit_topology(rank, p):
         g = dist.new_group(list(range(l, p, G)))
         if l == rank % G:
             cross_group = g
-    return Topology(local_group, cross_group)
+    return Topology(local_group, cross_group, intra_node="group")  # slices through gloo's sockets
 
 
 def _run_steps(rank, p, n, block, dtype, how):
@@ -55,6 +55,7 @@ def _run_steps(rank, p, n, block, dtype, how):
     else:
         topo = _explicit_topology(rank, p)
     assert (topo.nodes, topo.local_size, topo.node, topo.local_rank) == (N, G, rank // G, rank % G)
+    assert topo.intra_node == ("group" if how == "explicit" else "shm")
     st = HierarchicalState(n, topo, block_size=block)
     steps = []
     for t in range(STEPS):
