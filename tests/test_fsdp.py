@@ -5,7 +5,6 @@ compressed allreduce step by step (error feedback included), the hook's input is
 node's mean gradient shard of a pure-torch replica, replicas stay identical, loss falls."""
 import pytest
 import torch
-import torch.distributed as dist
 
 from dist_util import run_ranks
 from lbcomm import reference

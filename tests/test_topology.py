@@ -266,3 +266,53 @@ def test_onebit_hook_with_topology(how):
     # bytes_sent counts the inter-node 1-bit stage: 18 compressed calls, 2 full-precision ones
     full = res[0]["stats"]["bytes_uncompressed"] / 20
     assert res[0]["stats"]["bytes_sent"] == 2 * full + 18 * res[0]["bytes"]
+
+
+# ------------------------------------------------------------------ emulated nodes (CLI)
+
+def _bench_env():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    return env, root
+
+
+def test_bench_nodes_arguments(capsys):
+    from lbcomm.cli.commands import main
+
+    assert main(["allreduce", "--nodes", "2", "--ranks-per-node", "2", "--world-size", "3", "--sizes", "4K"]) == 1
+    assert "--nodes 2 x --ranks-per-node 2 = 4" in capsys.readouterr().err
+    assert main(["allreduce", "--world-size", "3", "--ranks-per-node", "2", "--sizes", "4K"]) == 1
+    assert "does not divide" in capsys.readouterr().err
+
+
+def test_bench_emulated_nodes_count_inter_node_bytes(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from lbcomm.cli import netem
+    from lbcomm.cli.schema import check_allreduce_doc
+
+    ok, why = netem.available()
+    if not ok:
+        pytest.skip(f"emulated cluster unavailable: {why}")
+    env, root = _bench_env()
+    out = tmp_path / "n.json"
+    proc = subprocess.run([sys.executable, "-m", "lbcomm.cli", "allreduce", "--nodes", "2", "--ranks-per-node", "2",
+                           "--bandwidth", "1gbit", "--sizes", "1M", "--iters", "3", "--warmup", "1",
+                           "--methods", "onebit,hier", "--no-progress", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=root)
+    assert proc.returncode == 0, proc.stderr
+    assert "across the links between the 2 emulated nodes of 2 ranks" in proc.stdout
+    doc = json.loads(out.read_text())
+    check_allreduce_doc(doc)
+    assert doc["config"]["ranks_per_node"] == 2
+    rows = {r["method"]: r for r in doc["rows"]}
+    hier, flat = rows["hier"], rows["onebit"]
+    # what crossed the links: the 1-bit stage of all 4 ranks plus TCP/IP framing (< 10 %)
+    assert 4 * hier["wire_bytes_per_rank"] <= hier["inter_node_bytes"] < 1.1 * 4 * hier["wire_bytes_per_rank"]
+    assert flat["inter_node_bytes"] > 1.5 * hier["inter_node_bytes"], (flat, hier)

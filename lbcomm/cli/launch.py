@@ -209,7 +209,8 @@ def spawn(spec: Dict, world_size: int, backend: str, *, cluster: Optional[netem.
                     renv[ENV_SPAWNED] = "netem" if cluster is not None else "local"
                     if cluster is not None and cluster.ranks_per_node > 1:  # emulated nodes
                         renv.update(LOCAL_RANK=str(rank % cluster.ranks_per_node),
-                                    LOCAL_WORLD_SIZE=str(cluster.ranks_per_node), LBCOMM_NODE_IFACE=cluster.ifname(rank))
+                                    LOCAL_WORLD_SIZE=str(cluster.ranks_per_node),
+                                    LBCOMM_NODE_IFACE=cluster.ifname(rank))
                     if cluster is not None and backend == "nccl":
                         # Force NCCL onto the shaped interface: sockets only, no shared memory or P2P.
                         renv.update(NCCL_SOCKET_IFNAME=cluster.ifname(rank), NCCL_P2P_DISABLE="1",

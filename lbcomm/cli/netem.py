@@ -231,7 +231,8 @@ class EmulatedCluster:
 
     def __repr__(self) -> str:
         return (
-            f"EmulatedCluster(world_size={self.world_size}, ranks_per_node={self.ranks_per_node}, bandwidth={self.bandwidth!r}, "
+            f"EmulatedCluster(world_size={self.world_size}, ranks_per_node={self.ranks_per_node}, "
+            f"bandwidth={self.bandwidth!r}, "
             f"latency='{self.latency_us}us', burst={self.burst_bytes}, run_id={self.run_id!r})"
         )
 
