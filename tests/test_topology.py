@@ -316,3 +316,42 @@ def test_bench_emulated_nodes_count_inter_node_bytes(tmp_path):
     # what crossed the links: the 1-bit stage of all 4 ranks plus TCP/IP framing (< 10 %)
     assert 4 * hier["wire_bytes_per_rank"] <= hier["inter_node_bytes"] < 1.1 * 4 * hier["wire_bytes_per_rank"]
     assert flat["inter_node_bytes"] > 1.5 * hier["inter_node_bytes"], (flat, hier)
+
+
+def _hook_resume(rank, p):
+    """onebit_hook with a topology: a run resumed from every rank's hook state_dict
+    continues bitwise as the run that never stopped."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import lbcomm
+
+    def run(steps, saved=None, save_at=None):
+        torch.manual_seed(0)
+        model = DDP(torch.nn.Sequential(torch.nn.Linear(13, 40), torch.nn.Tanh(), torch.nn.Linear(40, 5)))
+        if saved is not None:
+            model.module.load_state_dict(saved["model"])
+        state = lbcomm.OneBitHookState(start_iter=2, block_size=32, topology=_mesh_topology(N, G))
+        if saved is not None:
+            state.load_state_dict(saved["hook"])
+        model.register_comm_hook(state, lbcomm.onebit_hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        first = 0 if saved is None else saved["step"]
+        snapshot = None
+        for step in range(first, steps):
+            x = torch.randn(8, 13, generator=torch.Generator().manual_seed(50 * rank + step))
+            loss = torch.nn.functional.mse_loss(model(x), torch.tanh(x[:, :5]))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()  # plain SGD: no optimizer state to carry
+            if step + 1 == save_at:
+                snapshot = {"model": {k: v.clone() for k, v in model.module.state_dict().items()},
+                            "hook": state.state_dict(), "step": save_at}
+        return {k: v.clone() for k, v in model.module.state_dict().items()}, snapshot
+
+    whole, snap = run(8, save_at=4)
+    resumed, _ = run(8, saved=snap)
+    return all(torch.equal(whole[k], resumed[k]) for k in whole)
+
+
+def test_onebit_hook_with_topology_resumes_bitwise():
+    assert all(run_ranks(_hook_resume, 4, timeout=300))

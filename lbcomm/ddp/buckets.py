@@ -55,7 +55,6 @@ class Unit:
             at += n
         return self.compression
 
-
     def _allreduce(self, t: Tensor) -> None:
         if isinstance(self.compression, HierarchicalState):
             hierarchical_allreduce_(t, self.compression)

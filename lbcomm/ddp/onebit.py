@@ -17,8 +17,8 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from ..comm import world_info
 from ..common import FLOAT_DTYPES, NONFINITE_POLICIES, completed_future, ring_allreduce_bytes
 from ..compressed import DEFAULT_BLOCK_SIZE, CompressionState
-from ..wire import check_block_size
 from ..topology import HierarchicalState, Topology
+from ..wire import check_block_size
 from .buckets import BucketPlanner, BucketWorker, Plan
 from .claims import HOOK, claim_gradients
 
@@ -143,7 +143,7 @@ class OneBitHookState:
         if not (topology is None or topology == "auto" or isinstance(topology, Topology)):
             raise ValueError(f"Invalid topology: {topology!r} (use None for the flat call, 'auto', or a "
                              "lbcomm.topology.Topology)")
-        if isinstance(topology, Topology) and process_group is not None:
+        if topology is not None and process_group is not None:
             raise ValueError("OneBitHookState: a topology spans the whole world; leave process_group=None with it")
         self.topology = topology
         self._init_internal()
