@@ -342,10 +342,11 @@ class HierarchicalState:
     def server_error(self) -> Tensor:
         return self.compression.server_error
 
-    def bytes_per_call(self) -> int:
-        """Bytes this rank sends per call over the network between nodes (the 1-bit stage);
-        for a flat topology, what the flat call sends."""
-        return self.compression.bytes_per_call()
+    def bytes_per_call(self, checked: bool = False) -> int:
+        """Bytes this rank sends per call over the network between nodes (the 1-bit stage,
+        its finiteness agreement included unless `checked`, see
+        CompressionState.bytes_per_call); for a flat topology, what the flat call sends."""
+        return self.compression.bytes_per_call(checked)
 
     def intra_node_bytes_per_call(self) -> int:
         """Bytes this rank sends per call inside its node (full-precision slices and results)."""

@@ -64,8 +64,9 @@ def _run_steps(rank, p, n, block, dtype, how):
         assert hierarchical_allreduce_(y, st) is y and not st.last_skipped
         steps.append({"out": y.clone(), "worker": st.worker_error.clone(), "server": st.server_error.clone()})
     flat = CompressionState(n, block_size=block)  # layout only: what the flat call would send
-    return {"steps": steps, "span": st.span, "bytes": st.bytes_per_call(), "intra": st.intra_node_bytes_per_call(),
-            "flat_bytes": flat.bytes_per_call()}
+    # rows only (checked=True): the finiteness agreement is one small allreduce per call either way
+    return {"steps": steps, "span": st.span, "bytes": st.bytes_per_call(checked=True),
+            "intra": st.intra_node_bytes_per_call(), "flat_bytes": flat.bytes_per_call(checked=True)}
 
 
 @pytest.mark.parametrize("n,block,dtype,how", [
