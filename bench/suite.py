@@ -56,8 +56,6 @@ def build(method, model, lr, task, world, a):
     betas, wd = (0.9, task.beta2), task.weight_decay
     extra = json.loads(a.onebit_options) if a.onebit_options else {}
     adam_cls, lamb_cls = lbcomm.OneBitAdam, lbcomm.OneBitLamb
-    if a.prototype:  # issue 16's rule before its integration (bench/robust_optim.py)
-        from robust_optim import RobustOneBitAdam as adam_cls, RobustOneBitLamb as lamb_cls
     if method == "adamw":
         return model, torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=wd)
     if method == "onebit_adam":
@@ -231,8 +229,6 @@ def parse_args(argv=None):
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--onebit-options", default="", help="JSON dict of extra OneBitAdam/OneBitLamb options")
-    p.add_argument("--prototype", action="store_true",
-                   help="1-bit optimizers with the max_update rule of bench/robust_optim.py (before integration)")
     p.add_argument("--hook-options", default="", help="JSON dict of extra OneBitHookState options")
     p.add_argument("--json", default="", help="write the raw results here")
     p.add_argument("--plot", default="", help="PNG of the ratio table")

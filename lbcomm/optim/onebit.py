@@ -26,6 +26,7 @@ from torch import Tensor
 from ..compressed import CompressionState, NonFiniteError, reduce_
 from ..wire import check_block_size
 from .base import BaseOptimizer
+from . import functional as F
 from .flat import FlatLayout
 from .functional import STAGE
 
@@ -46,7 +47,9 @@ class OneBitOptimizer(BaseOptimizer):
     """
 
     _GLOBAL_OPTIONS = BaseOptimizer._GLOBAL_OPTIONS + ("freeze_step", "block_size", "nonfinite", "mask_threshold")
-    _param_vectors: Dict[str, float] = {"step": 0.0, "variance_step": 0.0}
+    # max_update_bound: max_update="warmup"'s U_p, recorded at the freeze; -1 = not recorded
+    # (before the freeze, and in checkpoints saved before it existed: unbounded, as they were)
+    _param_vectors: Dict[str, float] = {"step": 0.0, "variance_step": 0.0, "max_update_bound": -1.0}
     _frozen_buffers: tuple = ()
 
     def __init__(self, *args, **kwargs):
@@ -67,6 +70,7 @@ class OneBitOptimizer(BaseOptimizer):
         check_block_size(group["block_size"])
         if not 0.0 <= group["mask_threshold"] < 1.0:
             raise ValueError(f"Invalid mask_threshold: {group['mask_threshold']} (need 0 <= mask_threshold < 1)")
+        F.resolve_max_update(group["max_update"], group["betas"])
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """Add a param group (see torch.optim.Optimizer.add_param_group). Allowed during
@@ -162,6 +166,36 @@ class OneBitOptimizer(BaseOptimizer):
 
     def _on_freeze(self, L: FlatLayout) -> None:
         """Extra work at the freeze (after the mask, before the views are attached)."""
+
+    def _record_update_bounds(self, L: FlatLayout) -> None:
+        """At the freeze, for max_update="warmup": U_p = max_i |m^_i / (sqrt(v^_i) + eps)| of
+        each parameter after its last warmup step (its largest full-precision step, in units
+        of lr), kept in fp32 per parameter so that a resumed run uses the same bound; 0 for
+        parameters that never had a gradient (they are not updated)."""
+        m, v, stage = self._flat["exp_avg"], self._flat["exp_avg_sq"], self._stage_buffer(L)
+        bound, steps = self._vectors["max_update_bound"], self._vectors["step"].tolist()
+        for i, gi in enumerate(L.group_of):
+            group = self.param_groups[gi]
+            if steps[i] == 0:
+                bound[i] = 0.0
+                continue
+            b1, b2 = group["betas"]
+            bc1, bc2 = (1 - b1 ** steps[i], 1 - b2 ** steps[i]) if group["bias_correction"] else (1.0, 1.0)
+            bound[i:i + 1] = F.max_abs_update(L.view(m, i), L.view(v, i), bc1, bc2, group["eps"], stage)
+
+    def _update_bounds(self, L: FlatLayout) -> List[Optional[float]]:
+        """Per parameter, this step's bound U on |m^ / (sqrt(v^) + eps)| (max_update of its
+        group; None: unbounded, the published update)."""
+        recorded, out = None, []
+        for i, gi in enumerate(L.group_of):
+            group = self.param_groups[gi]
+            u = F.resolve_max_update(group["max_update"], group["betas"])
+            if u == "warmup":
+                if recorded is None:
+                    recorded = self._vectors["max_update_bound"].tolist()
+                u = recorded[i] if recorded[i] >= 0 else None
+            out.append(u)
+        return out
 
     # ------------------------------------------------------------------ the compressed momentum
     def _grads_finite(self, L: FlatLayout) -> bool:
@@ -307,6 +341,7 @@ class OneBitOptimizer(BaseOptimizer):
         self._grad_buf = None  # the compression stage reads the gradients where autograd left them
         self._vectors["variance_step"].copy_(self._vectors["step"])
         self._build_mask(L)
+        self._record_update_bounds(L)
         for name in self._frozen_buffers:
             self._flat[name] = torch.zeros_like(self._flat["exp_avg"])
         self._make_compression_state(L)
