@@ -675,3 +675,32 @@ def test_freeze_is_logged(caplog):
     with caplog.at_level(logging.INFO, logger="lbcomm"):
         _train(model, opt, 3)
     assert any("variance frozen after step 2" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("name", ["adam", "lamb"])
+def test_warmup_bound_is_recorded_at_the_freeze_and_checkpointed(name):
+    """max_update="warmup": U_p = max |m^ / (sqrt(v^) + eps)| of each tensor after the last
+    warmup step, kept per parameter; a resumed optimizer continues bitwise with it."""
+    b1, b2, eps, freeze = 0.9, 0.999, 1e-8, 3
+    kw = dict(lr=1e-2, betas=(b1, b2), eps=eps, freeze_step=freeze, max_update="warmup")
+    model = _mlp()
+    opt = OPTS[name](model.parameters(), **kw)
+    _train(model, opt, freeze - 1)
+    assert all(float(opt.state[q]["max_update_bound"]) == -1.0 for q in model.parameters())  # not recorded yet
+    _train(model, opt, 1, start=freeze - 1)
+    assert opt.frozen
+    for q in model.parameters():
+        st = opt.state[q]
+        d = (st["exp_avg_sq"].sqrt() / math.sqrt(1 - b2 ** freeze)).add_(eps)
+        expected = ((st["exp_avg"] / (1 - b1 ** freeze)) / d).abs().max()
+        assert torch.equal(st["max_update_bound"], expected)
+        assert 0 < float(expected) < 7.3  # below Adam's largest possible |m^ / sqrt(v^)| at these betas
+    sd = copy.deepcopy(opt.state_dict())
+    twin = copy.deepcopy(model)
+    twin_opt = OPTS[name](twin.parameters(), **kw)
+    twin_opt.load_state_dict(sd)
+    _train(model, opt, 4, start=freeze)
+    _train(twin, twin_opt, 4, start=freeze)
+    assert _max_diff(model, twin) == 0.0
+    for q, t in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(opt.state[q]["max_update_bound"], twin_opt.state[t]["max_update_bound"])

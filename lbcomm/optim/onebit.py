@@ -367,6 +367,13 @@ class OneBitOptimizer(BaseOptimizer):
         return extra
 
     def _load_extra_state(self, state: Dict[Any, Dict[str, Tensor]], extra: Dict[str, Any]) -> None:
+        old = [g for g in self.param_groups if "max_update" not in g]
+        for g in old:  # saved before max_update existed: go on with the update it was trained with
+            g["max_update"] = None
+        if old:
+            _log.warning("%s: the checkpoint predates max_update; its %s param group(s) continue with the published, "
+                         "unbounded update (max_update=None) as they were trained; set param_group['max_update'] to "
+                         "bound the compression stage", type(self).__name__, len(old))
         self._frozen = bool(extra["frozen"])
         self._comp = None
         self._mask = None
