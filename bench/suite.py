@@ -16,6 +16,8 @@ first compressed update per coordinate in units of lr. Written: a PNG of the rat
     python bench/suite.py                     # all tasks, whole grids: several minutes on 2 cores
     python bench/suite.py --quick             # 3 tasks, short runs: the regression guard
     python bench/suite.py --onebit-options '{"mask_threshold": 1e-3}'   # options of both 1-bit optimizers
+    python bench/suite.py --report bench/results/suite_quick_before.json bench/results/suite_quick_after.json
+                                              # the tables of saved runs (--json), without running
 """
 from __future__ import annotations
 
@@ -232,6 +234,8 @@ def parse_args(argv=None):
     p.add_argument("--hook-options", default="", help="JSON dict of extra OneBitHookState options")
     p.add_argument("--json", default="", help="write the raw results here")
     p.add_argument("--plot", default="", help="PNG of the ratio table")
+    p.add_argument("--report", nargs="+", default=[], metavar="JSON",
+                   help="print the tables of runs saved with --json instead of running")
     a = p.parse_args(argv)
     a.tasks = a.tasks.split(",") if a.tasks else list(QUICK_TASKS if a.quick else T.TASKS)
     a.methods = [m for m in a.methods.split(",") if m]
@@ -243,6 +247,13 @@ def parse_args(argv=None):
 
 def main(argv=None):
     a = parse_args(argv)
+    if a.report:
+        for path in a.report:
+            with open(path) as f:
+                saved = json.load(f)
+            print(f"\n== {path} ({saved['args'].get('onebit_options') or 'default options'})")
+            report(saved["results"], argparse.Namespace(**{**vars(a), **saved["args"]}))
+        return None, None
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "results.json")
