@@ -133,12 +133,14 @@ def track_coeff(frozen_coeff: Tensor, c: Tensor, beta: float) -> Tensor:
     return torch.where(c != 1, beta * frozen_coeff + (1 - beta) * c, frozen_coeff)
 
 
-def implied_grad_variance_(v_fresh: Tensor, m_new: Tensor, m_prev: Tensor, b1: float, b2: float,
-                           scratch: Optional[Tensor] = None) -> None:
-    """1-bit LAMB: g~ = (m_new - b1 m_prev) / (1 - b1), the gradient the reduced momentum
-    implies, and v_fresh <- b2 v_fresh + (1 - b2) g~^2."""
-    gt = torch.sub(m_new, m_prev * b1, out=scratch).div_(1 - b1)
+def implied_grad_variance_(v_fresh: Tensor, m_new: Tensor, m: Tensor, b1: float, b2: float) -> None:
+    """1-bit LAMB: g~ = (m_new - b1 m) / (1 - b1), the gradient the reduced momentum
+    implies, v_fresh <- b2 v_fresh + (1 - b2) g~^2, then m <- m_new. g~ is formed in m
+    itself (the same roundings as with a temporary), so nothing is allocated."""
+    m.mul_(b1)
+    gt = torch.sub(m_new, m, out=m).div_(1 - b1)
     v_fresh.mul_(b2).addcmul_(gt, gt, value=1 - b2)
+    m.copy_(m_new)
 
 
 def onebit_lamb_factor(ratio_max: Tensor, u0n: Optional[Tensor], un: Optional[Tensor], last: Tensor,

@@ -209,8 +209,7 @@ class OneBitLamb(OneBitOptimizer, Lamb):
             self._mask_range(values, lo, hi)
             for i, a, b in parts:
                 b1, b2 = self.param_groups[L.group_of[i]]["betas"]
-                F.implied_grad_variance_(vf[a:b], values[a - lo:b - lo], m[a:b], b1, b2)
-                m[a:b].copy_(values[a - lo:b - lo])
+                F.implied_grad_variance_(vf[a:b], values[a - lo:b - lo], m[a:b], b1, b2)  # commits m too
 
         return sink
 
