@@ -186,10 +186,10 @@ class OneBitOptimizer(BaseOptimizer):
     def _update_bounds(self, L: FlatLayout) -> List[Optional[float]]:
         """Per parameter, this step's bound U on |m^ / (sqrt(v^) + eps)| (max_update of its
         group; None: unbounded, the published update)."""
+        per_group = [F.resolve_max_update(g["max_update"], g["betas"]) for g in self.param_groups]
         recorded, out = None, []
         for i, gi in enumerate(L.group_of):
-            group = self.param_groups[gi]
-            u = F.resolve_max_update(group["max_update"], group["betas"])
+            u = per_group[gi]
             if u == "warmup":
                 if recorded is None:
                     recorded = self._vectors["max_update_bound"].tolist()
