@@ -3,7 +3,7 @@
 The core (DESIGN.md §1), the optimizers (§3) with their per-rank checkpoints, and the
 DDP communication hooks (§4).
 """
-from . import ddp, ops, optim, reference, wire
+from . import ddp, fsdp, ops, optim, reference, topology, wire
 from .checkpoint import load_sharded, save_sharded, shard_path
 from .compressed import (DEFAULT_BLOCK_SIZE, CompressionState, NonFiniteError, compressed_allreduce,
                          compressed_allreduce_)
@@ -11,6 +11,7 @@ from .ddp import (OneBitHookState, onebit_hook, onebit_optimizer_bf16_hook, oneb
                   onebit_optimizer_hook, onebit_optimizer_hook_for)
 from .integrations import attach
 from .optim import Lamb, OneBitAdam, OneBitLamb
+from .topology import HierarchicalState, Topology, hierarchical_allreduce_
 
 __version__ = "0.1.0"
 __all__ = [
@@ -19,6 +20,9 @@ __all__ = [
     "compressed_allreduce_",
     "NonFiniteError",
     "DEFAULT_BLOCK_SIZE",
+    "Topology",
+    "HierarchicalState",
+    "hierarchical_allreduce_",
     "OneBitAdam",
     "OneBitLamb",
     "Lamb",
@@ -35,6 +39,8 @@ __all__ = [
     "ops",
     "optim",
     "ddp",
+    "fsdp",
+    "topology",
     "reference",
     "wire",
 ]

@@ -7,10 +7,12 @@ worker and server error buffers), so every rank saves and loads its own file:
 
 `save_sharded` writes this rank's shard (atomically, then a barrier so that every shard
 exists when it returns); `load_sharded` reads it back. With the same world size the
-resume is bitwise identical to a run that never stopped. With another world size every
-rank reads shard ``rank % saved_world_size`` (the model and the optimizer moments are
-identical on all ranks), and the optimizer resets the error buffers with a logged
-warning.
+resume is bitwise identical to a run that never stopped. With another world size (elastic
+resume) every rank reads shard ``rank % saved_world_size`` (the model and the optimizer
+moments are identical on all ranks) and the compression error feedback of every saved
+rank, which `lbcomm.compressed.redistribute_errors` maps onto the new world with its total
+(the carried error of DESIGN.md §1's invariant) preserved; ``elastic=False`` resets it
+instead, with a logged warning.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from .comm import get_transport
+from .compressed import redistribute_errors
 
 __all__ = ["save_sharded", "load_sharded", "shard_path"]
 
@@ -101,7 +104,7 @@ def _saved_world_size(directory: str) -> int:
 
 def load_sharded(directory: str, optimizer=None, model: Optional[torch.nn.Module] = None, *,
                  map_location: Any = "cpu", group=None, backend: str = "auto",
-                 weights_only: bool = True) -> Dict[str, Any]:
+                 weights_only: bool = True, elastic: bool = True) -> Dict[str, Any]:
     """Load this rank's shard into `optimizer` and `model` (each optional).
 
     Args:
@@ -115,6 +118,10 @@ def load_sharded(directory: str, optimizer=None, model: Optional[torch.nn.Module
         backend (str, optional): "auto", "torch" or "mpi" (default: "auto").
         weights_only (bool, optional): passed to torch.load; set False only for trusted
             files whose `extra` holds arbitrary objects (default: True).
+        elastic (bool, optional): with another world size than the saved one, give every
+            rank the saved error feedback redistributed onto the new world (every rank
+            reads the compression state of every saved shard, memory-mapped; see
+            `lbcomm.compressed.redistribute_errors`); False resets it to zero (default: True).
 
     Returns:
         A dict: ``extra`` (the saved payload), ``exact`` (True when the world size is the
@@ -130,20 +137,55 @@ def load_sharded(directory: str, optimizer=None, model: Optional[torch.nn.Module
         if saved_world == world:
             raise FileNotFoundError(f"load_sharded: shard {path!r} of rank {rank} is missing")
         path = shard_path(directory, rank % saved_world, saved_world)
-        _log.warning("lbcomm.load_sharded: %s was saved by %s ranks and this run has %s; rank %s reads shard %s. "
-                     "Model and optimizer moments are restored; the compression error buffers are reset.",
-                     directory, saved_world, world, rank, rank % saved_world)
-    payload = torch.load(path, map_location=map_location, weights_only=weights_only)
-    if not isinstance(payload, dict) or payload.get("format") != _FORMAT:
-        raise ValueError(f"load_sharded: {path!r} is not an lbcomm checkpoint shard")
-    if payload.get("version") != _VERSION:
-        raise ValueError(f"load_sharded: {path!r} has shard version {payload.get('version')!r}; this lbcomm reads "
-                         f"{_VERSION}")
+        if not elastic:
+            _log.warning("lbcomm.load_sharded: %s was saved by %s ranks and this run has %s; rank %s reads shard %s. "
+                         "Model and optimizer moments are restored; the compression error buffers are reset "
+                         "(elastic=False).", directory, saved_world, world, rank, rank % saved_world)
+    payload = _read(path, map_location, weights_only)
     for name, obj in (("model", model), ("optimizer", optimizer)):
         if obj is not None and payload[name] is None:
             raise ValueError(f"load_sharded: {path!r} holds no {name} state (it was saved without one)")
     if model is not None:
         model.load_state_dict(payload["model"])
     if optimizer is not None:
+        if saved_world != world and elastic:
+            _redistribute(directory, payload["optimizer"], saved_world, world, rank, map_location, weights_only)
         optimizer.load_state_dict(payload["optimizer"])
     return {"extra": payload["extra"], "exact": saved_world == world, "saved_world_size": saved_world, "path": path}
+
+
+def _read(path: str, map_location: Any, weights_only: bool, mmap: bool = False) -> Dict[str, Any]:
+    payload = torch.load(path, map_location=map_location, weights_only=weights_only, mmap=mmap)
+    if not isinstance(payload, dict) or payload.get("format") != _FORMAT:
+        raise ValueError(f"load_sharded: {path!r} is not an lbcomm checkpoint shard")
+    if payload.get("version") != _VERSION:
+        raise ValueError(f"load_sharded: {path!r} has shard version {payload.get('version')!r}; this lbcomm reads "
+                         f"{_VERSION}")
+    return payload
+
+
+def _redistribute(directory: str, opt_state: Dict[str, Any], saved_world: int, world: int, rank: int,
+                  map_location: Any, weights_only: bool) -> None:
+    """Elastic resume: replace the compression state in `opt_state` (a lbcomm 1-bit
+    optimizer's state dict read from one saved shard) by every saved rank's error feedback
+    redistributed onto this world (`redistribute_errors`)."""
+    extra = opt_state.get("lbcomm") if isinstance(opt_state, dict) else None
+    if not isinstance(extra, dict) or extra.get("compression") is None:
+        return  # not a 1-bit optimizer in its compression stage: nothing rank-local to map
+    if world == 1:
+        _log.warning("lbcomm.load_sharded: %s was saved by %s ranks; with one rank nothing is compressed, so the "
+                     "saved error feedback is dropped", directory, saved_world)
+        return
+    shards = []
+    for r in range(saved_world):
+        other = _read(shard_path(directory, r, saved_world), map_location, weights_only, mmap=True)
+        comp = ((other.get("optimizer") or {}).get("lbcomm") or {}).get("compression")
+        if comp is None:
+            raise ValueError(f"load_sharded: shard {r} of {directory!r} holds no compression state, unlike the others; "
+                             "the checkpoint is inconsistent (pass elastic=False to reset the error feedback)")
+        shards.append(comp)
+    extra["compression"] = redistribute_errors(shards, world, rank)
+    extra["world_size"] = world
+    _log.info("lbcomm.load_sharded: %s was saved by %s ranks and this run has %s; the compression error feedback of "
+              "all %s saved ranks was redistributed onto this world (its total is preserved)", directory,
+              saved_world, world, saved_world)

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Any, Callable, Dict, Generator, List, NamedTuple, Optional, Union
+from typing import Any, Callable, Dict, Generator, List, NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -75,7 +75,7 @@ from .wire import (
 )
 
 __all__ = ["CompressionState", "compressed_allreduce_", "compressed_allreduce", "reduce_", "NonFiniteError",
-           "DEFAULT_BLOCK_SIZE", "PIECE_MIN"]
+           "DEFAULT_BLOCK_SIZE", "PIECE_MIN", "redistribute_errors"]
 
 _log = logging.getLogger(__name__)
 
@@ -184,6 +184,7 @@ class CompressionState:
         self._staging: Optional[Tensor] = None  # fp32, for callable sources/sinks and half outputs
         self._busy = False
         self._verified = False
+        self._foreign_shard: Optional[str] = None  # why the errors were reset at a load (warned at the next call)
         self.calls = 0
         self.skipped = 0
         self.last_skipped = False
@@ -249,22 +250,37 @@ class CompressionState:
         }
 
     def load_state_dict(self, sd: Dict[str, Any]) -> bool:
-        """Restore error buffers saved by `state_dict`. Returns False, with a logged
-        warning and zeroed errors, when they were saved for another world size, rank,
-        size or block size (they cannot be mapped onto this layout)."""
+        """Restore error buffers saved by `state_dict`. Returns False, with zeroed errors,
+        when they were saved for another world size, rank, size or block size (they cannot
+        be mapped onto this layout; see `redistribute_errors` for another world size).
+
+        A shard of another rank of the same world is what frameworks hand every rank when
+        they save the optimizer of rank 0 only: that reset is logged at INFO and becomes a
+        WARNING at the next call, unless this rank's own shard is loaded before it (as the
+        integrations do right after the framework's load)."""
         self._ensure_idle()
         layout = (sd.get("numel"), sd.get("world_size"), sd.get("rank"), sd.get("block_size"))
         mine = (self.numel, self.world_size, self.rank, self.block_size)
         self.calls = int(sd.get("calls", 0))
         self.skipped = int(sd.get("skipped", 0))
+        self._foreign_shard = None
         if layout != mine:
-            _log.warning(
-                "lbcomm: compression error buffers were saved for (numel, world_size, rank, block_size)=%s "
-                "but this run has %s; resetting them to zero and continuing",
-                layout,
-                mine,
-            )
             self.reset()
+            if layout[:2] + layout[3:] == mine[:2] + mine[3:]:
+                self._foreign_shard = (
+                    f"lbcomm: rank {self.rank} of {self.world_size} was given the compression error buffers that "
+                    f"rank {layout[2]} saved; error feedback differs between ranks, so this rank's was reset to zero. "
+                    "Cause: frameworks (Hugging Face Trainer, Lightning, accelerate's save_state) save the optimizer "
+                    "of rank 0 only and load it on every rank. Fix: keep every rank's own shard with "
+                    "lbcomm.integrations.transformers.LbcommCallback / lbcomm.integrations.lightning.LbcommCallback, "
+                    "lbcomm.save_sharded / lbcomm.load_sharded, or lbcomm.integrations.dcp.RankLocal with "
+                    "torch.distributed.checkpoint")
+                _log.info("%s (warned again at the next call unless this rank's own shard is loaded first)",
+                          self._foreign_shard)
+            else:
+                _log.warning("lbcomm: compression error buffers were saved for (numel, world_size, rank, block_size)="
+                             "%s but this run has %s; resetting them to zero and continuing (another world size: "
+                             "lbcomm.load_sharded redistributes them exactly)", layout, mine)
             return False
         self._worker_error.copy_(sd["worker_error"].reshape(self._worker_error.shape))
         self._server_error.copy_(sd["server_error"].reshape(self._server_error.shape))
@@ -299,6 +315,46 @@ class CompressionState:
         if self._staging is None or self._staging.numel() < n:
             self._staging = torch.empty(n, dtype=torch.float32, device=self.device)
         return self._staging
+
+
+def redistribute_errors(saved: Sequence[Dict[str, Any]], world_size: int, rank: int) -> Dict[str, Any]:
+    """The error feedback of a resume with another world size (elastic resume), as a
+    `CompressionState.state_dict` of `rank` in a world of `world_size` ranks.
+
+    `saved` holds the `CompressionState.state_dict` of every rank of the old world, in rank
+    order. What the invariant of DESIGN.md §1 carries into the next call is the total error
+    mean_r(worker error r) + concat_k(server error k). It is preserved (up to the rounding
+    of the mean): every new rank's worker error is the mean of the saved worker errors, and
+    the concatenated server errors are cut into the new chunks; pad slots hold zero.
+
+    Raises:
+        ValueError: the shards are not one complete world of one tensor size and block size.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"redistribute_errors: invalid world_size {world_size!r}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"redistribute_errors: rank {rank} is not in a world of {world_size}")
+    old = len(saved)
+    if old == 0:
+        raise ValueError("redistribute_errors: no saved shards")
+    first = saved[0]
+    numel, block = first["numel"], first["block_size"]
+    for r, sd in enumerate(saved):
+        if (sd["world_size"], sd["rank"]) != (old, r) or (sd["numel"], sd["block_size"]) != (numel, block):
+            raise ValueError(f"redistribute_errors: shard {r} was saved for (numel, world_size, rank, block_size)="
+                             f"{(sd['numel'], sd['world_size'], sd['rank'], sd['block_size'])}; expected "
+                             f"{(numel, old, r, block)} (pass every rank's shard of one checkpoint, in rank order)")
+    worker = torch.stack([sd["worker_error"].reshape(-1)[:numel].double() for sd in saved]).mean(0)
+    server = torch.cat([sd["server_error"].reshape(-1) for sd in saved])[:numel]
+    chunk = chunk_size(numel, world_size)
+    new_worker = torch.zeros(world_size * chunk, dtype=torch.float32)
+    new_worker[:numel] = worker.float()
+    new_server = torch.zeros(world_size * chunk, dtype=torch.float32)
+    new_server[:numel] = server.float()
+    return {"numel": numel, "world_size": world_size, "rank": rank, "block_size": block,
+            "worker_error": new_worker.view(world_size, chunk),
+            "server_error": new_server[rank * chunk:(rank + 1) * chunk].clone(),
+            "calls": int(first.get("calls", 0)), "skipped": int(first.get("skipped", 0))}
 
 
 class _Call:
@@ -340,6 +396,9 @@ class _Call:
         """The collective order of a call, once: yields each future the call must wait for
         and returns `result(applied)`."""
         st, tr = self.state, self.state.transport
+        if st._foreign_shard is not None:  # no rank-own shard followed the foreign one
+            _log.warning("%s", st._foreign_shard)
+            st._foreign_shard = None
         if st.world_size == 1 or st.numel == 0:  # nothing to communicate: the result is the input
             self._copy_through()
             return self.result(True)

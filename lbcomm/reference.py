@@ -30,6 +30,7 @@ __all__ = [
     "server_compress",
     "unpack",
     "compressed_allreduce",
+    "hierarchical_allreduce",
 ]
 
 
@@ -176,4 +177,46 @@ def compressed_allreduce(
         scales_out.append(ss)
         new_server.append(se)
     out = unpack(torch.stack(packed_out), torch.stack(scales_out), n0, block_size)
+    return out, new_worker, new_server
+
+
+def hierarchical_allreduce(
+    xs: Sequence[Sequence[Tensor]],
+    worker_errors: Sequence[Sequence[Tensor]],
+    server_errors: Sequence[Sequence[Tensor]],
+    block_size: Optional[int],
+) -> Tuple[Tensor, List[List[Tensor]], List[List[Tensor]]]:
+    """The hierarchical call (lbcomm.topology) for N nodes x G ranks (N, G > 1) simulated
+    in one process: the mean of each slice inside each node, then the flat algorithm above
+    on every slice across the nodes.
+
+    xs[a][l]: the input of local rank l on node a (n0 elements). worker_errors[l][a] and
+    server_errors[l][a]: the errors of rank (a, l), i.e. of node a in cross group l (for a
+    slice of L_l elements: [N, chunk_size(L_l, N)] and [chunk_size(L_l, N)]). Slice l is
+    [l L, (l + 1) L) cut to n0, L = chunk_size(n0, G). The intra-node mean is
+    (x_0 + x_1 + ... + x_{G-1}) / G in fp32, added in local rank order.
+    Returns (out [n0] fp32, new worker errors, new server errors), indexed like the inputs.
+    """
+    N, G = len(xs), len(xs[0])
+    n0 = xs[0][0].numel()
+    L = chunk_size(n0, G)
+    out = torch.zeros(n0, dtype=torch.float32, device=xs[0][0].device)
+    new_worker: List[List[Tensor]] = []
+    new_server: List[List[Tensor]] = []
+    for l in range(G):
+        lo, hi = min(l * L, n0), min((l + 1) * L, n0)
+        if hi == lo:
+            new_worker.append(list(worker_errors[l]))
+            new_server.append(list(server_errors[l]))
+            continue
+        ys = []
+        for a in range(N):
+            acc = xs[a][0].reshape(-1)[lo:hi].to(torch.float32)
+            for j in range(1, G):
+                acc = acc + xs[a][j].reshape(-1)[lo:hi].to(torch.float32)
+            ys.append(acc / G)
+        piece, we, se = compressed_allreduce(ys, worker_errors[l], server_errors[l], block_size)
+        out[lo:hi] = piece
+        new_worker.append(we)
+        new_server.append(se)
     return out, new_worker, new_server

@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("lightning")
 
-from integrations_checks import check_resume, check_wire  # noqa: E402
+from integrations_checks import check_resume, check_shared_clipping, check_wire  # noqa: E402
 from integrations_util import WORKERS, results, torchrun  # noqa: E402
 
 FREEZE = 4
@@ -50,3 +50,17 @@ def test_lightning_compresses_and_resumes_bitwise(kind, tmp_path):
             assert not torch.equal(g0[step], g1[step]), step
         else:
             assert torch.equal(g0[step], g1[step]), step
+
+
+CLIP = 0.02  # lightning_worker.py's CLIP
+
+
+def test_lightning_clips_by_one_norm_with_the_callback(tmp_path):
+    """LbcommCallback(max_grad_norm=CLIP), gradient_clip_val unset: warmup gradients (averaged
+    by the hook) clipped as torch would, compression-stage gradients (local) by one
+    coefficient on both ranks, so sqrt(mean_r ||g_r||^2) == CLIP; resume stays bitwise."""
+    torchrun(os.path.join(WORKERS, "lightning_worker.py"), tmp_path, "onebit_lamb_clip")
+    r = results(tmp_path)
+    for rank in range(2):
+        check_resume(r[rank]["full"], r[rank]["resumed"], ["params", "optimizer"])
+    check_shared_clipping(r[0]["grads"], r[1]["grads"], FREEZE, CLIP)

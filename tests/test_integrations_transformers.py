@@ -11,10 +11,11 @@ import torch
 
 pytest.importorskip("transformers")
 
-from integrations_checks import check_resume, check_wire  # noqa: E402
+from integrations_checks import check_resume, check_shared_clipping, check_wire  # noqa: E402
 from integrations_util import WORKERS, results, torchrun  # noqa: E402
 
 FREEZE = 4
+CLIP = 0.05  # trainer_worker.py's CLIP
 
 
 @pytest.mark.parametrize("kind", ["onebit_adam", "adamw_hook"])
@@ -50,3 +51,27 @@ def test_trainer_compresses_and_resumes_bitwise(kind, tmp_path):
             assert not torch.equal(g0[step], g1[step]), step
         else:  # onebit_hook: the 1-bit allreduce gives every rank the same (approximate) mean
             assert torch.equal(g0[step], g1[step]), step
+
+
+def test_trainer_clips_by_one_norm_with_the_callback(tmp_path):
+    """LbcommCallback(max_grad_norm=CLIP), Trainer's own clipping off: warmup gradients
+    (averaged by the hook) are clipped as torch would; compression-stage gradients (local)
+    by one coefficient on both ranks, so sqrt(mean_r ||g_r||^2) == CLIP; resume stays bitwise."""
+    torchrun(os.path.join(WORKERS, "trainer_worker.py"), tmp_path, "onebit_adam_clip")
+    r = results(tmp_path)
+    for rank in range(2):
+        check_resume(r[rank]["full"], r[rank]["resumed"], ["params", "optimizer"])
+    check_shared_clipping(r[0]["grads"], r[1]["grads"], FREEZE, CLIP)
+
+
+def test_callback_logs_its_norm_and_refuses_bad_settings():
+    from lbcomm.integrations.transformers import LbcommCallback
+    cb = LbcommCallback(max_grad_norm=1.0)
+    logs = {"loss": 1.0}
+    cb.on_log(None, None, None, logs=logs)
+    assert logs == {"loss": 1.0}  # nothing clipped yet
+    cb.grad_norm = 0.25
+    cb.on_log(None, None, None, logs=logs)
+    assert logs["lbcomm_grad_norm"] == 0.25
+    with pytest.raises(ValueError, match="invalid max_grad_norm"):
+        LbcommCallback(max_grad_norm=0)

@@ -11,9 +11,18 @@ onebit through lbcomm's compressed allreduce on the same transport. MPI has no
 half-precision reductions, so the MPI transport sums an fp16 tensor in an fp32 copy and
 casts back: its fp16 rows time those casts too and send as many bytes as fp32 (their
 wire_bytes say so).
+
+``hier`` is the hierarchical call (lbcomm.topology) on nodes of `ranks_per_node`
+consecutive ranks: fp32 inside a node, 1 bit between nodes; its wire_bytes are the bytes
+a rank sends between nodes. On emulated nodes (`lbcomm.cli.netem` with ranks_per_node,
+which names the node's link in LBCOMM_NODE_IFACE) the bytes that really crossed the
+links are read from the interface counters: the sum over nodes of what each node's link
+transmitted during the timed iterations, per call (the per-iteration barriers included,
+a few hundred bytes).
 """
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from typing import Dict, List, Optional, Sequence
@@ -23,7 +32,9 @@ import torch
 from ..common import ring_allreduce_bytes
 from ..compressed import DEFAULT_BLOCK_SIZE, CompressionState, compressed_allreduce
 
-METHODS = ("fp32", "fp16", "onebit")
+METHODS = ("fp32", "fp16", "onebit", "hier")
+DEFAULT_METHODS = ("fp32", "fp16", "onebit")
+ENV_NODE_IFACE = "LBCOMM_NODE_IFACE"
 
 
 def quantiles(v: Sequence[float]):
@@ -33,7 +44,8 @@ def quantiles(v: Sequence[float]):
     return statistics.median(s), q(0.1), q(0.9)
 
 
-def _op(method: str, x: torch.Tensor, transport, block_size: Optional[int], pieces: Optional[int] = None):
+def _op(method: str, x: torch.Tensor, transport, block_size: Optional[int], pieces: Optional[int] = None,
+        topology=None):
     """A zero-argument callable doing one allreduce-to-mean of x, and its bytes sent per rank."""
     p = transport.world_size
     if method == "fp32":
@@ -60,12 +72,33 @@ def _op(method: str, x: torch.Tensor, transport, block_size: Optional[int], piec
                                  pieces=pieces)
         out = torch.empty_like(x)
         return (lambda: compressed_allreduce(x, state, out=out)), state.bytes_per_call()
+    if method == "hier":
+        from ..topology import HierarchicalState, hierarchical_allreduce_
+
+        state = HierarchicalState(x.numel(), topology, device=x.device, block_size=block_size, pieces=pieces)
+        buf = torch.empty_like(x)
+
+        def run():
+            buf.copy_(x)
+            hierarchical_allreduce_(buf, state)
+
+        return run, state.bytes_per_call()
     raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
+
+
+def _link_tx_bytes() -> Optional[int]:
+    """Bytes this emulated node's link has transmitted (None when not on an emulated node)."""
+    iface = os.environ.get(ENV_NODE_IFACE)
+    if not iface:
+        return None
+    with open(f"/sys/class/net/{iface}/statistics/tx_bytes") as f:
+        return int(f.read())
 
 
 def measure(sizes: Sequence[int], methods: Sequence[str] = METHODS, iters: int = 20, warmup: int = 3,
             block_size: Optional[int] = DEFAULT_BLOCK_SIZE, device: str = "cpu", group=None,
-            progress=None, transport=None, pieces: Optional[int] = None) -> List[Dict]:
+            progress=None, transport=None, pieces: Optional[int] = None,
+            ranks_per_node: int = 1) -> List[Dict]:
     """Time each method on each size (elements); rows carry the slowest rank's times.
 
     `progress`, if given, is called once per timed iteration; `transport` (default: the
@@ -75,14 +108,24 @@ def measure(sizes: Sequence[int], methods: Sequence[str] = METHODS, iters: int =
 
         transport = get_transport(group, backend="torch")
     p = transport.world_size
+    topology = None
+    if "hier" in methods:
+        from ..topology import Topology
+
+        topology = Topology.node_by_node(ranks_per_node)
+    # one reader of the link counters per emulated node
+    reader = _link_tx_bytes() is not None and transport.rank % ranks_per_node == 0
+    counted = _link_tx_bytes() is not None
     rows = []
     for n in sizes:
         g = torch.Generator().manual_seed(transport.rank)
         x = torch.randn(n, generator=g).to(device)
         for method in methods:
-            run, wire = _op(method, x, transport, block_size, pieces)
+            run, wire = _op(method, x, transport, block_size, pieces, topology)
             for _ in range(warmup):
                 run()
+            transport.barrier()
+            tx0 = _link_tx_bytes() if reader else 0
             times = []
             for _ in range(iters):
                 transport.barrier()
@@ -93,13 +136,18 @@ def measure(sizes: Sequence[int], methods: Sequence[str] = METHODS, iters: int =
                 times.append(time.perf_counter() - t0)
                 if progress is not None:
                     progress()
+            transport.barrier()  # every packet of the timed calls has arrived
+            sent = torch.tensor([float(_link_tx_bytes() - tx0) if reader else 0.0], dtype=torch.float64)
+            if counted:
+                transport.all_reduce(sent, op="sum")
             slowest = torch.tensor(times, dtype=torch.float64)
             transport.all_reduce(slowest, op="max")
             med, p10, p90 = quantiles(slowest.tolist())
             nbytes = 4 * n
             rows.append(dict(size=n, bytes=nbytes, method=method, world_size=p, median_s=med, p10_s=p10, p90_s=p90,
                              algbw_gbps=nbytes / med / 1e9, busbw_gbps=ring_allreduce_bytes(nbytes, p) / med / 1e9,
-                             wire_bytes=int(wire)))
+                             wire_bytes=int(wire),
+                             inter_node_bytes=int(sent.item() / iters) if counted else None))
     base = {r["size"]: r["median_s"] for r in rows if r["method"] == "fp32"}
     for r in rows:
         r["speedup_vs_fp32"] = base[r["size"]] / r["median_s"] if r["size"] in base else None

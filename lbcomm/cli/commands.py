@@ -34,11 +34,13 @@ def _progress_factory(enabled: bool, title: str):
 
 
 def _run(spec: Dict, world: int, backend: str, bandwidth: Optional[str], args):
-    """Run `spec` on `world` new ranks, in an emulated cluster when `bandwidth` is given;
-    returns (rank 0's result, the cluster's rate or None)."""
+    """Run `spec` on `world` new ranks, in an emulated cluster when `bandwidth` is given
+    (one namespace per node of ``args.ranks_per_node`` ranks); returns (rank 0's result,
+    the cluster's rate or None)."""
     if not bandwidth:
         return launch.spawn(spec, world, backend, timeout=args.timeout), None
-    cluster = launch.cluster_for(world, bandwidth, args.latency, args.burst)
+    cluster = launch.cluster_for(world, bandwidth, args.latency, args.burst,
+                                 ranks_per_node=getattr(args, "ranks_per_node", None) or 1)
     with cluster:
         return launch.spawn(spec, world, backend, cluster=cluster, timeout=args.timeout), cluster.bandwidth
 
@@ -61,7 +63,8 @@ def run_task(task: str, params: Dict, info: launch.RankInfo) -> Dict:
             labels = [f"{format_count(n)} {m}" for n in sizes for m in methods]
             bar = _progress_factory(show, "allreduce ")(len(labels) * iters, iters, lambda i: labels[i])
             rows = measure(sizes, methods, iters, params["warmup"], params["block_size"], device=str(device),
-                           transport=transport, progress=bar, pieces=params.get("pieces"))
+                           transport=transport, progress=bar, pieces=params.get("pieces"),
+                           ranks_per_node=params.get("ranks_per_node", 1))
             bar.close()
             return {"rows": rows}
         if task == "train":
@@ -79,7 +82,8 @@ def run_task(task: str, params: Dict, info: launch.RankInfo) -> Dict:
 def _allreduce_params(args, world: int, sizes=None, methods=None) -> Dict:
     return dict(sizes=sizes or args.sizes, methods=methods or args.methods, iters=args.iters, warmup=args.warmup,
                 block_size=args.block_size, pieces=args.pieces, threads=_threads(args, world),
-                backend=args.backend, progress=not args.no_progress)
+                backend=args.backend, progress=not args.no_progress,
+                ranks_per_node=getattr(args, "ranks_per_node", None) or 1)
 
 
 def run_allreduce(args, bandwidth: Optional[str] = None, world_size: Optional[int] = None,
@@ -92,7 +96,7 @@ def run_allreduce(args, bandwidth: Optional[str] = None, world_size: Optional[in
     shaping = dict(bandwidth=rate, latency=args.latency, burst=args.burst) if bandwidth else {}
     config = allreduce_config(world_size=world, backend=args.backend, launcher=launcher, threads=params["threads"],
                               iters=args.iters, warmup=args.warmup, block_size=args.block_size, pieces=args.pieces,
-                              **shaping)
+                              ranks_per_node=params["ranks_per_node"], **shaping)
     return document("allreduce", config=config, rows=allreduce_rows(result["rows"]))
 
 
@@ -105,7 +109,8 @@ def cmd_allreduce(args, info: Optional[launch.RankInfo]) -> int:
     if info.rank == 0:
         config = allreduce_config(world_size=info.world_size, backend=args.backend, launcher=info.launcher,
                                   threads=params["threads"], iters=args.iters, warmup=args.warmup,
-                                  block_size=args.block_size, pieces=args.pieces)
+                                  block_size=args.block_size, pieces=args.pieces,
+                                  ranks_per_node=params["ranks_per_node"])
         report_allreduce(document("allreduce", config=config, rows=allreduce_rows(result["rows"])), args.json,
                          args.plot)
     return 0

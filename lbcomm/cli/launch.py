@@ -207,6 +207,10 @@ def spawn(spec: Dict, world_size: int, backend: str, *, cluster: Optional[netem.
                     renv = dict(env, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                                 LOCAL_WORLD_SIZE=str(world_size), MASTER_PORT=port)
                     renv[ENV_SPAWNED] = "netem" if cluster is not None else "local"
+                    if cluster is not None and cluster.ranks_per_node > 1:  # emulated nodes
+                        renv.update(LOCAL_RANK=str(rank % cluster.ranks_per_node),
+                                    LOCAL_WORLD_SIZE=str(cluster.ranks_per_node),
+                                    LBCOMM_NODE_IFACE=cluster.ifname(rank))
                     if cluster is not None and backend == "nccl":
                         # Force NCCL onto the shaped interface: sockets only, no shared memory or P2P.
                         renv.update(NCCL_SOCKET_IFNAME=cluster.ifname(rank), NCCL_P2P_DISABLE="1",
@@ -251,9 +255,11 @@ def run_spawned(spec_path: str, run_task) -> int:
     return 0
 
 
-def cluster_for(world_size: int, bandwidth: str, latency: str, burst: str) -> netem.EmulatedCluster:
+def cluster_for(world_size: int, bandwidth: str, latency: str, burst: str,
+                ranks_per_node: int = 1) -> netem.EmulatedCluster:
     """An EmulatedCluster, or a RuntimeError that says why it cannot run here and how to fix it."""
-    cluster = netem.EmulatedCluster(world_size, bandwidth, latency=latency, burst=burst)  # ValueError: bad rate
+    cluster = netem.EmulatedCluster(world_size, bandwidth, latency=latency, burst=burst,
+                                    ranks_per_node=ranks_per_node)  # ValueError: bad rate
     netns.require()
     return cluster
 

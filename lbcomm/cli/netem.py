@@ -95,6 +95,10 @@ class EmulatedCluster:
             ``{prefix}-{pid}-{token}-r{rank}`` and ``...-br`` for the bridge. (default: ``"lbcomm"``)
         master_port (int, optional): ``MASTER_PORT`` given to the ranks; the namespaces are
             fresh, so no other program can hold it. (default: 29500)
+        ranks_per_node (int, optional): ranks that share one namespace (an emulated node):
+            they talk to each other over its loopback, unshaped, and to other nodes through
+            its one shaped veth. ``world_size`` must be a multiple of it; rank r lives on
+            node r // ranks_per_node. (default: 1, one namespace per rank)
 
     Use as a context manager; :meth:`start` / :meth:`close` do the same by hand.
 
@@ -117,6 +121,7 @@ class EmulatedCluster:
         subnet: str = DEFAULT_SUBNET,
         prefix: str = DEFAULT_PREFIX,
         master_port: int = DEFAULT_MASTER_PORT,
+        ranks_per_node: int = 1,
     ) -> None:
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"Invalid world_size: {world_size!r}; must be a positive int")
@@ -125,6 +130,10 @@ class EmulatedCluster:
                 f"Invalid prefix: {prefix!r}; use 1-24 letters, digits or '_' starting with a letter "
                 f"(no '-': it separates the pid in namespace names, see cleanup_stale)"
             )
+        if (isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1
+                or world_size % ranks_per_node):
+            raise ValueError(f"Invalid ranks_per_node: {ranks_per_node!r}; must be a positive int that divides "
+                             f"world_size {world_size}")
         if not 1 <= master_port <= 65535:
             raise ValueError(f"Invalid master_port: {master_port}")
         self.rate_bits = parse_rate(bandwidth)
@@ -142,7 +151,7 @@ class EmulatedCluster:
         if not net.is_private:
             raise ValueError(f"Invalid subnet: {subnet!r} is not a private range; e.g. '10.213.0.0/24'")
         n_hosts = net.num_addresses - 2 if net.prefixlen < 31 else net.num_addresses
-        if n_hosts < world_size:
+        if n_hosts < world_size // ranks_per_node:
             raise ValueError(
                 f"Invalid subnet: {subnet!r} has {n_hosts} host addresses, world_size {world_size} "
                 f"needs one per rank; use a larger subnet"
@@ -151,6 +160,8 @@ class EmulatedCluster:
             raise ValueError(f"Invalid world_size: {world_size} is too large for interface names")
 
         self.world_size = world_size
+        self.ranks_per_node = ranks_per_node
+        self.nodes = world_size // ranks_per_node
         self.bandwidth = format_rate(self.rate_bits)
         self.subnet = net
         self.prefix = prefix
@@ -158,7 +169,7 @@ class EmulatedCluster:
         self.run_id = f"{prefix}-{os.getpid()}-{secrets.token_hex(3)}"
         self.bridge_netns = f"{self.run_id}-br"
         first = 1 if net.prefixlen < 31 else 0
-        self._addrs = [str(net[first + r]) for r in range(world_size)]
+        self._addrs = [str(net[first + a]) for a in range(self.nodes)]
         self._created: list[str] = []  # namespaces, in creation order
         self._procs: list[subprocess.Popen] = []
         self._started = False
@@ -172,17 +183,22 @@ class EmulatedCluster:
             raise IndexError(f"rank {rank} out of range for world_size {self.world_size}")
         return rank
 
+    def node(self, rank: int) -> int:
+        """The node (namespace index) that holds rank."""
+        return self._check_rank(rank) // self.ranks_per_node
+
     def netns(self, rank: int) -> str:
-        """Name of rank's network namespace."""
-        return f"{self.run_id}-r{self._check_rank(rank)}"
+        """Name of rank's network namespace (its node's)."""
+        return f"{self.run_id}-r{self.node(rank)}"
 
     def ifname(self, rank: int) -> str:
-        """Rank's interface inside its namespace (what GLOO_SOCKET_IFNAME must name)."""
-        return f"veth{self._check_rank(rank)}"
+        """Rank's interface inside its namespace (what GLOO_SOCKET_IFNAME must name); the
+        ranks of one node share it, and their traffic to each other stays on loopback."""
+        return f"veth{self.node(rank)}"
 
     def addr(self, rank: int) -> str:
-        """Rank's IPv4 address."""
-        return self._addrs[self._check_rank(rank)]
+        """Rank's IPv4 address (its node's)."""
+        return self._addrs[self.node(rank)]
 
     @property
     def master_addr(self) -> str:
@@ -192,7 +208,7 @@ class EmulatedCluster:
     @property
     def netns_names(self) -> list[str]:
         """All namespaces of this run: the ranks' and the bridge's."""
-        return [self.netns(r) for r in range(self.world_size)] + [self.bridge_netns]
+        return [self.netns(a * self.ranks_per_node) for a in range(self.nodes)] + [self.bridge_netns]
 
     def cmd_prefix(self, rank: int) -> list[str]:
         """``['ip', 'netns', 'exec', NS]``: prepend to a command to run it as ``rank``."""
@@ -201,7 +217,7 @@ class EmulatedCluster:
     def env(self, rank: int) -> dict[str, str]:
         """Environment for ``rank``: interface, rendezvous and rank for ``init_method='env://'``."""
         ifname = self.ifname(rank)
-        return {
+        env = {
             "GLOO_SOCKET_IFNAME": ifname,
             "TP_SOCKET_IFNAME": ifname,
             "MASTER_ADDR": self.master_addr,
@@ -209,10 +225,14 @@ class EmulatedCluster:
             "RANK": str(rank),
             "WORLD_SIZE": str(self.world_size),
         }
+        if self.ranks_per_node > 1:  # torchrun's view of a node: what Topology.from_env reads
+            env.update(LOCAL_RANK=str(rank % self.ranks_per_node), LOCAL_WORLD_SIZE=str(self.ranks_per_node))
+        return env
 
     def __repr__(self) -> str:
         return (
-            f"EmulatedCluster(world_size={self.world_size}, bandwidth={self.bandwidth!r}, "
+            f"EmulatedCluster(world_size={self.world_size}, ranks_per_node={self.ranks_per_node}, "
+            f"bandwidth={self.bandwidth!r}, "
             f"latency='{self.latency_us}us', burst={self.burst_bytes}, run_id={self.run_id!r})"
         )
 
@@ -265,8 +285,9 @@ class EmulatedCluster:
         run(["ip", "-n", br, "link", "add", _BRIDGE, "type", "bridge"])
         run(["ip", "-n", br, "link", "set", _BRIDGE, "up"])
         prefixlen = self.subnet.prefixlen
-        for rank in range(self.world_size):
-            ns, dev, port = self.netns(rank), self.ifname(rank), f"port{rank}"
+        for node in range(self.nodes):
+            rank = node * self.ranks_per_node
+            ns, dev, port = self.netns(rank), self.ifname(rank), f"port{node}"
             self._add_netns(ns)
             # Created inside the bridge's namespace with the peer placed straight into the
             # rank's: no interface ever appears in the host's namespace.

@@ -73,6 +73,26 @@ def report_allreduce(doc: Dict, json_path: Optional[str] = None, plot_path: Opti
                 bits = r["busbw_GBps"] * 8e9
                 print(f"# fp32 at {r['bytes']} B: busbw {bits / 1e9:.3f} Gbit/s = {bits / parse_rate(link):.0%} of the "
                       f"{link} link")
+    counted = [r for r in doc["rows"] if r.get("inter_node_bytes") is not None]
+    if counted:
+        G = c.get("ranks_per_node", 1)
+        print(f"# bytes per call across the links between the {c['world_size'] // G} emulated nodes of {G} ranks "
+              "(interface counters, all nodes):")
+        by_size: Dict[int, Dict[str, Dict]] = {}
+        for r in counted:
+            by_size.setdefault(r["elements"], {})[r["method"]] = r
+        for n, rows in by_size.items():
+            parts = []
+            for m, r in rows.items():
+                parts.append(f"{m} {r['inter_node_bytes'] / 1e6:.3f} MB")
+            line = f"#   {n} elements: " + ", ".join(parts)
+            if "hier" in rows:
+                h = rows["hier"]
+                for m in ("onebit", "fp32"):
+                    if m in rows and h["inter_node_bytes"]:
+                        line += (f"; {m}/hier bytes {rows[m]['inter_node_bytes'] / h['inter_node_bytes']:.1f}x, "
+                                 f"time {rows[m]['median_s'] / h['median_s']:.2f}x")
+            print(line)
     emit(doc, json_path, plot_path, "plot_allreduce", doc["rows"],
          title=f"allreduce, {c['world_size']} ranks, {c['backend']}, "
                f"{link + ' links' if link else 'loopback (no shaping)'}")

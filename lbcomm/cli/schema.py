@@ -29,7 +29,7 @@ SCHEMA_VERSION = 1
 ALLREDUCE_ROW_FIELDS = {
     "bytes": (int, "size of the fp32 tensor in bytes (4 * elements)"),
     "elements": (int, "fp32 elements of the tensor"),
-    "method": (str, "fp32 | fp16 | onebit"),
+    "method": (str, "fp32 | fp16 | onebit | hier (fp32 inside a node, 1 bit between nodes)"),
     "world_size": (int, "ranks"),
     "median_s": (float, "median over iterations of the slowest rank's time per allreduce, seconds"),
     "p10_s": (float, "10th percentile of the same, seconds"),
@@ -39,6 +39,8 @@ ALLREDUCE_ROW_FIELDS = {
     "wire_bytes_per_rank": (int, "bytes each rank sends per allreduce (ring for fp32/fp16; both collectives "
                                  "with scales and headers for onebit)"),
     "speedup_vs_fp32": ((float, type(None)), "fp32 median_s / this median_s at the same size; null without fp32"),
+    "inter_node_bytes": ((int, type(None)), "bytes per call that crossed the links between emulated nodes, read "
+                                            "from the interface counters (all nodes); null: not on emulated nodes"),
 }
 ALLREDUCE_CONFIG_FIELDS = {
     "world_size": (int, "ranks"),
@@ -53,7 +55,10 @@ ALLREDUCE_CONFIG_FIELDS = {
     "bandwidth": ((str, type(None)), "emulated link rate per direction and rank (tc syntax); null: not shaped"),
     "latency": ((str, type(None)), "tbf queue latency of the emulated links; null: not shaped"),
     "burst": ((str, type(None)), "tbf burst of the emulated links; null: not shaped"),
+    "ranks_per_node": (int, "ranks per (emulated) node; 1: one namespace per rank"),
 }
+# Fields added after version 1 was published: documents written before may lack them.
+OPTIONAL_FIELDS = {"inter_node_bytes", "ranks_per_node"}
 HOST_FIELDS = {
     "torch": (str, "torch version"),
     "lbcomm": (str, "lbcomm version"),
@@ -119,10 +124,10 @@ def write_json(path: str, doc: Dict) -> None:
 
 def allreduce_config(*, world_size: int, backend: str, launcher: str, threads: int, iters: int, warmup: int,
                      block_size: Optional[int], pieces: Optional[int], bandwidth: Optional[str] = None,
-                     latency: Optional[str] = None, burst: Optional[str] = None) -> Dict:
+                     latency: Optional[str] = None, burst: Optional[str] = None, ranks_per_node: int = 1) -> Dict:
     return dict(world_size=world_size, backend=backend, device="cuda" if backend == "nccl" else "cpu",
                 launcher=launcher, threads_per_rank=threads, iters=iters, warmup=warmup, block_size=block_size,
-                pieces=pieces, bandwidth=bandwidth, latency=latency, burst=burst)
+                pieces=pieces, bandwidth=bandwidth, latency=latency, burst=burst, ranks_per_node=ranks_per_node)
 
 
 def allreduce_rows(rows: List[Dict]) -> List[Dict]:
@@ -131,7 +136,8 @@ def allreduce_rows(rows: List[Dict]) -> List[Dict]:
              "world_size": int(r["world_size"]), "median_s": float(r["median_s"]), "p10_s": float(r["p10_s"]),
              "p90_s": float(r["p90_s"]), "algbw_GBps": float(r["algbw_gbps"]), "busbw_GBps": float(r["busbw_gbps"]),
              "wire_bytes_per_rank": int(r["wire_bytes"]),
-             "speedup_vs_fp32": None if r.get("speedup_vs_fp32") is None else float(r["speedup_vs_fp32"])}
+             "speedup_vs_fp32": None if r.get("speedup_vs_fp32") is None else float(r["speedup_vs_fp32"]),
+             "inter_node_bytes": None if r.get("inter_node_bytes") is None else int(r["inter_node_bytes"])}
             for r in rows]
 
 
@@ -147,10 +153,12 @@ def _type_ok(value, types) -> bool:
 def _check_fields(obj, fields: Dict, where: str) -> None:
     if not isinstance(obj, dict):
         raise ValueError(f"{where}: expected an object, got {type(obj).__name__}")
-    missing, extra = sorted(set(fields) - set(obj)), sorted(set(obj) - set(fields))
+    missing, extra = sorted(set(fields) - set(obj) - OPTIONAL_FIELDS), sorted(set(obj) - set(fields))
     if missing or extra:
         raise ValueError(f"{where}: missing keys {missing}, unexpected keys {extra}")
     for name, (types, _) in fields.items():
+        if name not in obj:
+            continue
         if not _type_ok(obj[name], types):
             raise ValueError(f"{where}.{name}: expected {types}, got {obj[name]!r}")
 

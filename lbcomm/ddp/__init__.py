@@ -10,7 +10,8 @@
   allreduce of every bucket, for any optimizer; which error feedback reduces which bucket
   and the thread that runs the compressed calls are in `buckets.py`.
 * `claims.py`: one compressor per gradient; `onebit_hook` together with a 1-bit optimizer
-  on the same parameters raises `DoubleCompressionError`.
+  on the same parameters raises `DoubleCompressionError`; a 1-bit optimizer whose
+  gradients arrive averaged by a DDP without lbcomm's hook raises `AveragedGradientsError`.
 
 Example::
 
@@ -22,10 +23,11 @@ Example::
     >>> state = lbcomm.ddp.OneBitHookState(process_group=None, start_iter=100)
     >>> model.register_comm_hook(state, lbcomm.ddp.onebit_hook)
 """
-from .claims import DoubleCompressionError
+from .claims import AveragedGradientsError, DoubleCompressionError
 from .onebit import OneBitHookState, onebit_hook
 from .optimizer_hooks import (onebit_optimizer_bf16_hook, onebit_optimizer_fp16_hook, onebit_optimizer_hook,
                               onebit_optimizer_hook_for)
 
 __all__ = ["onebit_optimizer_hook", "onebit_optimizer_fp16_hook", "onebit_optimizer_bf16_hook",
-           "onebit_optimizer_hook_for", "OneBitHookState", "onebit_hook", "DoubleCompressionError"]
+           "onebit_optimizer_hook_for", "OneBitHookState", "onebit_hook", "DoubleCompressionError",
+           "AveragedGradientsError"]

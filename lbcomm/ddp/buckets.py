@@ -20,6 +20,7 @@ from torch import Tensor
 from ..comm import world_info
 from ..common import new_future
 from ..compressed import CompressionState, compressed_allreduce
+from ..topology import HierarchicalState, hierarchical_allreduce_
 
 __all__ = ["Unit", "BucketPlanner", "BucketWorker"]
 
@@ -44,15 +45,21 @@ class Unit:
         """Compressed allreduce of this unit's gradients in `buf`, in place: all of `buf`
         (slices None) or the given slices of it."""
         if slices is None:
-            compressed_allreduce(buf, self.compression, out=buf)
+            self._allreduce(buf)
             return self.compression
         flat = torch.cat([buf[o:o + n] for o, n in slices])
-        compressed_allreduce(flat, self.compression, out=flat)
+        self._allreduce(flat)
         at = 0
         for o, n in slices:
             buf[o:o + n].copy_(flat[at:at + n])
             at += n
         return self.compression
+
+    def _allreduce(self, t: Tensor) -> None:
+        if isinstance(self.compression, HierarchicalState):
+            hierarchical_allreduce_(t, self.compression)
+        else:
+            compressed_allreduce(t, self.compression, out=t)
 
 
 class BucketPlanner:

@@ -6,6 +6,10 @@ the gradients would be compressed twice. Each of them claims the parameters it
 compresses with `claim_gradients`; a claim on a parameter that a live compressor of the
 other kind holds raises an error that names the fix. Claims are weak: a collected hook
 state or optimizer releases its parameters.
+
+`AveragedGradientsError` is the other half of the rule, raised by the 1-bit optimizers:
+gradients that reach them already averaged by a DDP without lbcomm's hook (DDP's
+full-precision allreduce would run next to the optimizer's own communication).
 """
 import weakref
 from typing import Iterable
@@ -13,7 +17,7 @@ from typing import Iterable
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["claim_gradients", "DoubleCompressionError", "HOOK"]
+__all__ = ["claim_gradients", "DoubleCompressionError", "AveragedGradientsError", "HOOK"]
 
 HOOK = "onebit_hook"
 
@@ -22,6 +26,11 @@ _claims = WeakIdKeyDictionary()  # parameter -> (kind, weakref to its compressor
 
 class DoubleCompressionError(RuntimeError):
     """Two lbcomm compressors (onebit_hook and a 1-bit optimizer) on the same gradients."""
+
+
+class AveragedGradientsError(RuntimeError):
+    """A 1-bit optimizer received gradients that are identical on every rank: a DDP without
+    lbcomm's hook has already averaged them at full precision."""
 
 
 def claim_gradients(params: Iterable[Tensor], owner, kind: str) -> None:

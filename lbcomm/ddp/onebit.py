@@ -17,6 +17,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from ..comm import world_info
 from ..common import FLOAT_DTYPES, NONFINITE_POLICIES, completed_future, ring_allreduce_bytes
 from ..compressed import DEFAULT_BLOCK_SIZE, CompressionState
+from ..topology import HierarchicalState, Topology
 from ..wire import check_block_size
 from .buckets import BucketPlanner, BucketWorker, Plan
 from .claims import HOOK, claim_gradients
@@ -72,6 +73,15 @@ class OneBitHookState:
         compression_stats_logging_frequency (int, optional): log the statistics (bytes
             sent, compression ratio, error norm) every that many iterations once
             compression has started, at INFO (default: 10000).
+        topology (Topology or str or None, optional): nodes of fast-linked ranks
+            (`lbcomm.topology`): each bucket is then averaged in full precision inside the
+            node and 1-bit compressed only between nodes (`hierarchical_allreduce_`), G
+            times less inter-node traffic. A `Topology` of the whole world (the hook runs
+            it on private copies of its groups), ``"auto"`` (`Topology.auto()` at the
+            first hook call: hierarchical under torchrun with more than one node,
+            LOCAL_WORLD_SIZE < WORLD_SIZE, else flat), or None: the flat call over
+            ``process_group`` (default: None). With a topology, ``bytes_sent`` counts the
+            inter-node bytes only.
 
     Example::
         >>> # xdoctest: +SKIP
@@ -89,7 +99,9 @@ class OneBitHookState:
         # The settings that seldom change.
         "nonfinite",
         "compression_stats_logging_frequency",
+        "topology",
         # Internal state.
+        "hier_topology",  # the private Topology the hierarchical calls run on (None: flat)
         "iter",
         "planner",  # BucketPlanner: the units of error feedback and which buckets they reduce
         "worker",  # BucketWorker (made at the first hook call): the thread and the private process group
@@ -110,6 +122,7 @@ class OneBitHookState:
         *,
         nonfinite: str = "skip",
         compression_stats_logging_frequency: int = 10_000,
+        topology=None,
     ):
         if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter <= 1:
             raise ValueError(f"Invalid start_iter: {start_iter!r} (must be > 1 because DDP rebuilds buckets after "
@@ -127,12 +140,19 @@ class OneBitHookState:
         self.block_size = block_size
         self.nonfinite = nonfinite
         self.compression_stats_logging_frequency = freq
+        if not (topology is None or topology == "auto" or isinstance(topology, Topology)):
+            raise ValueError(f"Invalid topology: {topology!r} (use None for the flat call, 'auto', or a "
+                             "lbcomm.topology.Topology)")
+        if topology is not None and process_group is not None:
+            raise ValueError("OneBitHookState: a topology spans the whole world; leave process_group=None with it")
+        self.topology = topology
         self._init_internal()
 
     def _init_internal(self) -> None:
         self.iter = 0
         self.planner = BucketPlanner()
         self.worker: Optional[BucketWorker] = None
+        self.hier_topology: Optional[Topology] = None
         self._next_stats_report = self.start_iter
         self.total_bytes_sent = 0
         self.total_bytes_uncompressed = 0
@@ -164,6 +184,7 @@ class OneBitHookState:
     def __setstate__(self, state):
         """Restore a pickled state; ``process_group`` becomes the default group (None)."""
         self.process_group = None
+        self.topology = None
         _log.warning("NOTE: the OneBitHookState's process group is set to the default group (the world); set "
                      "`state.process_group` before the next iteration if another group is desired.")
         for name in self._CONFIG:
@@ -184,6 +205,10 @@ class OneBitHookState:
         ranks all make it together, as DDP's first hook call)."""
         if self.worker is None:
             self.worker = BucketWorker(self.process_group)
+            topo = Topology.auto() if self.topology == "auto" else self.topology
+            if topo is not None and not topo.flat:
+                self.hier_topology = topo.private()
+                _log.info("onebit_hook: hierarchical compression, %s", self.hier_topology)
         return self.worker
 
     def stats_report_due(self, bucket: dist.GradBucket) -> Optional[int]:
@@ -270,8 +295,11 @@ class OneBitHookState:
         self.planner.load_state_dict(units)
 
 
-def _new_compression(state: OneBitHookState, numel: int, device: torch.device) -> CompressionState:
-    """The error feedback of a new unit, on the worker's private group."""
+def _new_compression(state: OneBitHookState, numel: int, device: torch.device):
+    """The error feedback of a new unit, on the worker's private group (or topology)."""
+    if state.hier_topology is not None:
+        return HierarchicalState(numel, state.hier_topology, device=device, block_size=state.block_size,
+                                 nonfinite=state.nonfinite)
     return CompressionState(numel, group=state.worker.group, device=device, block_size=state.block_size,
                             nonfinite=state.nonfinite, backend="torch")
 

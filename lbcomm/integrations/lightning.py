@@ -15,6 +15,11 @@ really use lbcomm and resume it exactly.
   (rank 0's state on every rank), every rank restores its own entry at train start, so the
   continuation is bitwise identical to a run that never stopped (same world size).
 
+* Clipping (``LbcommCallback(max_grad_norm=x)`` with the Trainer's ``gradient_clip_val``
+  left unset): Lightning clips each rank's local gradient by its own norm after the freeze;
+  the callback instead clips with the optimizer's `clip_grad_norm_` (one norm for every
+  rank) in ``on_before_optimizer_step`` and logs that norm as ``lbcomm_grad_norm``.
+
 Cost: rank 0 holds every rank's error feedback while it saves (about (1 + 1/p) x the
 number of parameters in fp32 per rank).
 
@@ -61,6 +66,10 @@ class LbcommCallback(Callback):
         strict (bool, optional): resuming from a checkpoint without lbcomm entries (or
             saved by another world size) raises; False logs a warning and continues with
             the other ranks' error feedback reset (default: True).
+        max_grad_norm (float, optional): clip the gradients of the lbcomm optimizer by one
+            norm shared by all ranks (`lbcomm.optim.BaseOptimizer.clip_grad_norm_`) before
+            every optimizer step and log it as ``lbcomm_grad_norm``; leave the Trainer's
+            ``gradient_clip_val`` unset (default: None, no clipping here).
 
     Example::
 
@@ -70,13 +79,17 @@ class LbcommCallback(Callback):
     """
 
     def __init__(self, hook_state: Optional[OneBitHookState] = None, *, warmup_fp16: bool = False,
-                 strict: bool = True):
+                 strict: bool = True, max_grad_norm: Optional[float] = None):
         if hook_state is not None and not isinstance(hook_state, OneBitHookState):
             raise TypeError(f"LbcommCallback: hook_state must be a lbcomm.OneBitHookState, got "
                             f"{type(hook_state).__name__}")
         self.hook_state = hook_state
         self.warmup_fp16 = warmup_fp16
         self.strict = strict
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"LbcommCallback: invalid max_grad_norm {max_grad_norm!r} (must be > 0, or None)")
+        self.max_grad_norm = max_grad_norm
+        self.grad_norm: Optional[float] = None  # the last norm clip_grad_norm_ returned
         self._optimizer = None
         self._pending: Optional[Dict[str, Any]] = None
 
@@ -99,8 +112,21 @@ class LbcommCallback(Callback):
 
     def on_fit_start(self, trainer, pl_module) -> None:
         self._optimizer = self._lbcomm_optimizer(trainer)
+        if self.max_grad_norm is not None:
+            if self._optimizer is None:
+                raise ValueError("LbcommCallback: max_grad_norm clips with a lbcomm optimizer's clip_grad_norm_; with "
+                                 "hook_state= the gradients are averaged by the hook, so use gradient_clip_val instead")
+            if trainer.gradient_clip_val:
+                raise ValueError(f"LbcommCallback(max_grad_norm={self.max_grad_norm}) clips by one norm for all "
+                                 f"ranks, and Trainer(gradient_clip_val={trainer.gradient_clip_val}) would also clip "
+                                 "each rank's local gradient by its own norm; leave gradient_clip_val unset")
         attach(trainer.strategy.model if trainer.strategy.model is not None else pl_module,
                self._optimizer if self._optimizer is not None else self.hook_state, warmup_fp16=self.warmup_fp16)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if self.max_grad_norm is not None:
+            self.grad_norm = float(self._optimizer.clip_grad_norm_(self.max_grad_norm))
+            pl_module.log("lbcomm_grad_norm", self.grad_norm, on_step=True, on_epoch=False)
 
     # ------------------------------------------------------------------ checkpoints
     def _local_state(self) -> Dict[str, Any]:

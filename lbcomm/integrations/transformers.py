@@ -14,6 +14,10 @@ Trainer's DDP really use lbcomm and resume it exactly.
 * Resume (``trainer.train(resume_from_checkpoint=...)``): after the Trainer has loaded
   its own files, every rank loads its shard, so the continuation is bitwise identical to
   a run that never stopped (same world size).
+* Clipping (``LbcommCallback(max_grad_norm=x)`` with ``TrainingArguments(max_grad_norm=0)``):
+  the Trainer clips each rank's local gradient by its own norm and logs rank 0's; the
+  callback instead clips with the optimizer's `clip_grad_norm_` (one norm for every rank)
+  right before ``optimizer.step()`` and logs that norm as ``lbcomm_grad_norm``.
 
 Requires ``transformers``; lbcomm itself does not.
 """
@@ -73,6 +77,10 @@ class LbcommCallback(TrainerCallback):
         strict (bool, optional): a resumed run without shards raises; False logs a warning
             and continues with the error feedback of rank 0 only (rank 0 exact, the other
             ranks reset) (default: True).
+        max_grad_norm (float, optional): clip the gradients of the lbcomm optimizer by one
+            norm shared by all ranks (`lbcomm.optim.BaseOptimizer.clip_grad_norm_`) before
+            every optimizer step and log it as ``lbcomm_grad_norm``; needs
+            ``TrainingArguments(max_grad_norm=0)`` (default: None, no clipping here).
 
     Example::
 
@@ -84,7 +92,8 @@ class LbcommCallback(TrainerCallback):
     """
 
     def __init__(self, hook_state: Optional[OneBitHookState] = None, *, trainer: Any = None,
-                 warmup_fp16: bool = False, resume_from_checkpoint: Optional[str] = None, strict: bool = True):
+                 warmup_fp16: bool = False, resume_from_checkpoint: Optional[str] = None, strict: bool = True,
+                 max_grad_norm: Optional[float] = None):
         if hook_state is not None and not isinstance(hook_state, OneBitHookState):
             raise TypeError(f"LbcommCallback: hook_state must be a lbcomm.OneBitHookState, got "
                             f"{type(hook_state).__name__}")
@@ -93,6 +102,10 @@ class LbcommCallback(TrainerCallback):
         self.warmup_fp16 = warmup_fp16
         self.resume_from_checkpoint = resume_from_checkpoint
         self.strict = strict
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"LbcommCallback: invalid max_grad_norm {max_grad_norm!r} (must be > 0, or None)")
+        self.max_grad_norm = max_grad_norm
+        self.grad_norm: Optional[float] = None  # the last norm clip_grad_norm_ returned
         self.ddp: Optional[DistributedDataParallel] = None
         self._optimizer = None
 
@@ -114,6 +127,15 @@ class LbcommCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         self._optimizer = self._lbcomm_optimizer(optimizer)
+        if self.max_grad_norm is not None:
+            if self._optimizer is None:
+                raise ValueError("LbcommCallback: max_grad_norm clips with a lbcomm optimizer's clip_grad_norm_; with "
+                                 "hook_state= the gradients are averaged by the hook, so use the Trainer's "
+                                 "max_grad_norm instead")
+            if args.max_grad_norm and args.max_grad_norm > 0:
+                raise ValueError(f"LbcommCallback(max_grad_norm={self.max_grad_norm}) clips by one norm for all "
+                                 f"ranks, and TrainingArguments(max_grad_norm={args.max_grad_norm}) would first clip "
+                                 "each rank's local gradient by its own norm; set TrainingArguments(max_grad_norm=0)")
         wrapped = self.trainer.model_wrapped if self.trainer is not None else (_ddp_of(model) or model)
         if self.ddp is None or find_ddp(wrapped) is not self.ddp:
             self.ddp = attach(wrapped, self._optimizer if self._optimizer is not None else self.hook_state,
@@ -160,6 +182,14 @@ class LbcommCallback(TrainerCallback):
             self.hook_state.load_state_dict(extra["hook"])
         _log.info("LbcommCallback: rank %s restored its lbcomm state from %s (exact: %s)", rank, info["path"],
                   info["exact"])
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if self.max_grad_norm is not None:
+            self.grad_norm = float(self._optimizer.clip_grad_norm_(self.max_grad_norm))
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.grad_norm is not None and logs is not None:
+            logs["lbcomm_grad_norm"] = self.grad_norm
 
     def on_save(self, args, state, control, **kwargs):
         directory = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")

@@ -31,12 +31,14 @@ class OneBitAdam(OneBitOptimizer):
         max_update: Union[float, str, None] = 1.0,
         nonfinite: str = "raise",
         bucket_cap_mb: float = 25.0,
+        detect_averaged_grads: bool = True,
         process_group=None,
         backend: str = "auto",
     ) -> None:
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, freeze_step=freeze_step,
                         bias_correction=bias_correction, block_size=block_size, mask_threshold=mask_threshold,
-                        max_update=max_update, nonfinite=nonfinite, bucket_cap_mb=bucket_cap_mb)
+                        max_update=max_update, nonfinite=nonfinite, bucket_cap_mb=bucket_cap_mb,
+                        detect_averaged_grads=detect_averaged_grads)
         super().__init__(params, defaults, process_group=process_group, backend=backend)
 
     def _warmup_update(self, L: FlatLayout, active: List[bool]) -> None:
@@ -165,6 +167,12 @@ OneBitAdam.__doc__ = r"""Implements 1-bit Adam: AdamW in the warmup, then a froz
             e.g. for fp16 loss scaling). The state is unchanged either way (default: "raise")
         bucket_cap_mb (float, optional): bucket size of the warmup gradient allreduce
             (default: 25)
+        detect_averaged_grads (bool, optional): with several ranks, raise
+            `lbcomm.ddp.AveragedGradientsError` when the gradients are identical on every
+            rank at the first warmup step or the first compression step (a DDP without
+            lbcomm's hook averaged them); costs 2 floats per rank in collectives the
+            optimizer makes anyway, twice. Set False only when every rank really trains on
+            the same batch (default: True)
         process_group (ProcessGroup, optional): the ranks to average over (default: the
             world; one rank, or no torch.distributed, means no communication)
         backend (str, optional): "torch" (torch.distributed), "mpi" (mpi4py, launched with

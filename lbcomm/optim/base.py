@@ -12,6 +12,12 @@ the step skeleton and the checkpoint format.
   parameters (`_warmup_update`, math in `functional`). A DDP communication hook that has
   already averaged the gradients sets `grads_averaged` and the optimizer does not
   communicate.
+* Never silent (DESIGN.md §4), for optimizers with the ``detect_averaged_grads`` option:
+  until it is decided, a per-rank checksum of the local gradients (their sum and sum of
+  squares) rides along the warmup allreduce in slots of its own (2 floats per rank); if
+  every rank sent the same checksum, a DDP without lbcomm's hook has averaged the
+  gradients already and `AveragedGradientsError` names the fix. The compression stage
+  repeats the check once inside its finiteness agreement (`onebit`).
 * `_after_step`: what follows a successful step (the 1-bit optimizers freeze here).
 
 The compression stage of the 1-bit optimizers lives in `onebit`.
@@ -35,6 +41,7 @@ from torch.optim import Optimizer
 from ..comm import BACKENDS, get_transport
 from ..common import FLOAT_DTYPES, NONFINITE_POLICIES
 from ..compressed import NonFiniteError
+from ..ddp.claims import AveragedGradientsError
 from . import functional as F
 from .flat import FlatLayout, Segment, segments
 
@@ -43,6 +50,26 @@ __all__ = ["BaseOptimizer", "STATE_VERSION"]
 _log = logging.getLogger(__name__)
 
 STATE_VERSION = 2  # 1: flat buffers under "lbcomm" (still read); 2: torch's per-parameter state
+
+
+def replica_slots(tensors: Sequence[Tensor], rank: int, world_size: int, device: torch.device) -> Tensor:
+    """2 x world_size fp32 zeros with this rank's checksum of `tensors` (their sum and their
+    sum of squares, in fp32) in slots 2 rank, 2 rank + 1. Summed (or averaged) over the
+    ranks, slot pair r holds rank r's checksum exactly (x + 0 is exact)."""
+    slots = torch.zeros(2 * world_size, dtype=torch.float32, device=device)
+    for t in tensors:
+        slots[2 * rank] += t.sum(dtype=torch.float32)
+        slots[2 * rank + 1] += torch.linalg.vector_norm(t, dtype=torch.float32).square()
+    return slots
+
+
+def replicas_identical(slots: Tensor) -> Optional[bool]:
+    """From reduced `replica_slots`: True when every rank's checksum is the same, False when
+    they differ, None when undecided (a rank's gradients are all zero or not finite)."""
+    rows = slots.view(-1, 2)
+    if not bool(torch.isfinite(rows).all()) or not bool((rows[:, 1] > 0).all()):
+        return None
+    return bool((rows == rows[0]).all())
 
 
 class BaseOptimizer(Optimizer):
@@ -83,6 +110,7 @@ class BaseOptimizer(Optimizer):
         self.last_step_skipped = False
         self.skipped_steps = 0
         self._loading: Optional[tuple] = None
+        self._probe_warmup = True  # the warmup check for averaged gradients is still to be decided
         if process_group is not None:  # a group without its backend is an error now, not at step 1
             self.transport  # noqa: B018
         super().__init__(params, defaults)
@@ -156,6 +184,54 @@ class BaseOptimizer(Optimizer):
         if self._transport is None:
             self._transport = get_transport(self.process_group, backend=self.backend)
         return self._transport
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> Tensor:
+        """Clip the gradients of this optimizer's parameters by a norm that is the same on
+        every rank, with at most one scalar allreduce; call it between backward and `step`
+        instead of ``torch.nn.utils.clip_grad_norm_``.
+
+        * Gradients already averaged over the ranks (warmup with lbcomm's DDP hook, or one
+          rank): exactly ``torch.nn.utils.clip_grad_norm_`` (the norm of the averaged
+          gradient; no communication).
+        * Local gradients (the compression stage of the 1-bit optimizers, or a warmup
+          that the optimizer averages itself): N = sqrt(mean_r ||g_r||^2), one scalar
+          allreduce, and every rank scales by the same min(1, max_norm / (N + 1e-6)). N
+          bounds the norm of the averaged gradient from above (it adds the spread of the
+          ranks' gradients), so the gradient that the optimizer effectively averages keeps
+          its direction and its norm stays at most max_norm. Clipping each rank's local
+          gradient by its own norm instead (what frameworks do) also keeps the mean within
+          max_norm, but weighs the ranks unequally and reports rank 0's local norm.
+
+        Args:
+            max_norm (float): max norm of the gradients.
+            norm_type (float, optional): only 2.0 is supported (default: 2.0).
+            error_if_nonfinite (bool, optional): raise if the norm is NaN/Inf (on every
+                rank alike) (default: False).
+
+        Returns:
+            The norm used (a 0-dim fp32 tensor, identical on every rank): log it as the
+            gradient norm.
+        """
+        if float(norm_type) != 2.0:
+            raise ValueError(f"{type(self).__name__}.clip_grad_norm_: only norm_type=2.0 is supported, got {norm_type}")
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        tr = self.transport
+        if params:
+            local = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+        else:
+            local = torch.zeros((), dtype=torch.float32)
+        total = local
+        if tr.world_size > 1 and (self.frozen or not self._grads_averaged):
+            sq = local.float().square().reshape(1)
+            tr.all_reduce(sq, op="mean")
+            total = sq.sqrt().reshape(())
+        if error_if_nonfinite and not bool(torch.isfinite(total)):
+            raise RuntimeError(f"{type(self).__name__}.clip_grad_norm_: the total gradient norm is {float(total)} "
+                               "(NaN/Inf on at least one rank); the gradients were not clipped")
+        if params:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return total
 
     # ------------------------------------------------------------------ layout
     def _select_params(self, order: Optional[Sequence[int]] = None):
@@ -271,10 +347,12 @@ class BaseOptimizer(Optimizer):
 
     def _collect_grads(self, L: FlatLayout) -> Tensor:
         """Copy every gradient into the flat fp32 buffer (zeros where a parameter has none)
-        and set the has-grad flags after it. Returns the whole buffer."""
-        if self._grad_buf is None:  # + one has-grad flag per param
-            self._grad_buf = torch.empty(L.total + len(L.params), dtype=torch.float32, device=self._device(L))
-        buf = self._grad_buf
+        and set the has-grad flags after it. Returns buffer and flags (the buffer holds
+        2 x world_size more slots for `replica_slots`)."""
+        size = L.total + len(L.params) + (2 * self.transport.world_size if self._detecting() else 0)
+        if self._grad_buf is None or self._grad_buf.numel() != size:  # + has-grad flags + checksum slots
+            self._grad_buf = torch.empty(size, dtype=torch.float32, device=self._device(L))
+        buf = self._grad_buf[:L.total + len(L.params)]
         flags = []
         for i, p in enumerate(L.params):
             view = L.view(buf, i)
@@ -299,8 +377,16 @@ class BaseOptimizer(Optimizer):
         buf = self._collect_grads(L)
         tr = self.transport
         if tr.world_size > 1 and not self._grads_averaged:
+            probe = self._probe_warmup and self._detecting()
+            width = buf.numel()
+            if probe:  # the checksum slots ride along (undecided steps only)
+                self._grad_buf[width:].copy_(replica_slots([buf[:L.total]], tr.rank, tr.world_size, buf.device))
+                width = self._grad_buf.numel()
             # sum in buckets, all in flight at once, then divide by the world size
-            tr.all_reduce(buf, op="mean", bucket_bytes=max(1, int(self._option("bucket_cap_mb") * 2**20)))
+            tr.all_reduce(self._grad_buf[:width], op="mean",
+                          bucket_bytes=max(1, int(self._option("bucket_cap_mb") * 2**20)))
+            if probe:
+                self._probe_warmup = not self._check_replicas(self._grad_buf[buf.numel():], "warmup")
         # Every rank holds the same average (or, with a DDP hook, the same averaged grads),
         # so every rank reaches the same verdict here.
         if not bool(torch.isfinite(buf).all()):
@@ -308,6 +394,36 @@ class BaseOptimizer(Optimizer):
         active = (buf[L.total:] > 0).tolist()
         self._warmup_update(L, active)
         return True
+
+    def _detecting(self) -> bool:
+        """Whether this optimizer checks for gradients averaged by a DDP without lbcomm's hook
+        (the detect_averaged_grads option; groups loaded from older checkpoints lack it)."""
+        if "detect_averaged_grads" not in self.defaults or self.transport.world_size == 1:
+            return False
+        groups = self.param_groups
+        return bool(groups[0].get("detect_averaged_grads", True) if groups else self.defaults["detect_averaged_grads"])
+
+    def _check_replicas(self, slots: Tensor, stage: str) -> bool:
+        """Raise `AveragedGradientsError` when the reduced `replica_slots` say that every rank
+        holds the same gradients; return whether the check was decided."""
+        same = replicas_identical(slots)
+        if same:
+            p, name = self.transport.world_size, type(self).__name__
+            if stage == "warmup":
+                why = ("the optimizer averages them a second time (twice AdamW's traffic), and after the freeze "
+                       "DDP's allreduce would keep running next to the compressed one")
+            else:
+                why = "DDP's fp32 allreduce runs next to the optimizer's compressed allreduce, so nothing is saved"
+            raise AveragedGradientsError(
+                f"{name}: at step {self._global_step + 1} ({stage}) the gradients are identical on all {p} ranks: a "
+                f"DistributedDataParallel without lbcomm's communication hook has already averaged them at full "
+                f"precision; {why}. Register lbcomm's hook: lbcomm.attach(ddp_model, optimizer) (it finds the DDP "
+                "inside accelerate, Lightning and torch.compile wrappers) or ddp_model.register_comm_hook(optimizer, "
+                "lbcomm.onebit_optimizer_hook); with the Hugging Face Trainer add callbacks=[lbcomm.integrations."
+                "transformers.LbcommCallback()], with Lightning callbacks=[lbcomm.integrations.lightning."
+                f"LbcommCallback()]. If every rank really computes the same gradients (the same batch on every "
+                f"rank), pass {name}(..., detect_averaged_grads=False).")
+        return same is not None
 
     def _nonfinite(self, what: str) -> bool:
         msg = (f"{type(self).__name__}: {what} hold NaN or Inf at step {self._global_step + 1} (on at least one "

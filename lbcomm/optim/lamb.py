@@ -158,13 +158,14 @@ class OneBitLamb(OneBitOptimizer, Lamb):
         max_update: Union[float, str, None] = "warmup",
         nonfinite: str = "raise",
         bucket_cap_mb: float = 25.0,
+        detect_averaged_grads: bool = True,
         process_group=None,
         backend: str = "auto",
     ) -> None:
         self._subclass_defaults = dict(freeze_step=freeze_step, coeff_beta=coeff_beta, factor_max=factor_max,
                                        factor_min=factor_min, factor_threshold=factor_threshold,
                                        block_size=block_size, mask_threshold=mask_threshold, max_update=max_update,
-                                       nonfinite=nonfinite)
+                                       nonfinite=nonfinite, detect_averaged_grads=detect_averaged_grads)
         super().__init__(params, lr, betas, eps, weight_decay, max_coeff=max_coeff, min_coeff=min_coeff,
                          bias_correction=bias_correction, bucket_cap_mb=bucket_cap_mb, process_group=process_group,
                          backend=backend)
@@ -338,6 +339,10 @@ OneBitLamb.__doc__ = r"""Implements 1-bit LAMB: LAMB in the warmup, then a froze
         nonfinite (str, optional): "raise" or "skip" a step with NaN/Inf, state unchanged
             (default: "raise")
         bucket_cap_mb (float, optional): bucket size of the warmup gradient allreduce (default: 25)
+        detect_averaged_grads (bool, optional): raise `lbcomm.ddp.AveragedGradientsError`
+            when the gradients are identical on every rank at the first warmup or compression
+            step (a DDP without lbcomm's hook); False only when every rank really trains on
+            the same batch (default: True)
         process_group (ProcessGroup, optional): the ranks to average over (default: the world)
         backend (str, optional): "torch" (torch.distributed), "mpi" (mpi4py, launched with
             mpirun; `process_group` is then an mpi4py communicator or None) or "auto":

@@ -6,7 +6,11 @@ freeze, the momentum mask, the compressed momentum allreduce and its error state
   `CompressionState` (one for the whole model) is created.
 * Compression stage (steps freeze_step + 1 ..): the gradients stay local. The ranks first
   agree that every local gradient is finite (a per-parameter sum, ONE scalar allreduce;
-  an exact count only when a sum overflows). The new momentum m' = b1 m + (1-b1) g is then
+  an exact count only when a sum overflows). At the first compression step of an
+  optimizer instance the same allreduce also carries every rank's gradient checksum
+  (`replica_slots`): identical gradients on every rank mean that a DDP without lbcomm's
+  hook is still averaging them at full precision (`AveragedGradientsError`). The new
+  momentum m' = b1 m + (1-b1) g is then
   produced by a source callable straight from m and each ``p.grad`` and reduced with one
   compressed allreduce; the result reaches a sink (m itself, or a callable that sees m' and
   the old m range by range), masked. m is written only after every rank has the result, so
@@ -23,10 +27,12 @@ from typing import Any, Callable, Dict, List, Optional, Union
 import torch
 from torch import Tensor
 
+from ..common import ring_allreduce_bytes
 from ..compressed import CompressionState, NonFiniteError, reduce_
+from ..ddp.claims import claim_gradients
 from ..wire import check_block_size
-from .base import BaseOptimizer
 from . import functional as F
+from .base import BaseOptimizer, replica_slots
 from .flat import FlatLayout
 from .functional import STAGE
 
@@ -59,7 +65,10 @@ class OneBitOptimizer(BaseOptimizer):
         self._mask_counts = (0, 0)
         self._user_masks: Dict[int, Tensor] = {}  # layout index -> bool mask (True = trained)
         self._stage: Optional[Tensor] = None  # bounded staging buffer of the one-rank path
+        self._probe_compression = True  # the compression stage's check for averaged gradients is undecided
         super().__init__(*args, **kwargs)
+        # onebit_hook on the same parameters would compress them a second time
+        claim_gradients([p for g in self.param_groups for p in g["params"]], self, type(self).__name__)
 
     def _validate_group(self, group: Dict[str, Any]) -> None:
         super()._validate_group(group)
@@ -210,12 +219,17 @@ class OneBitOptimizer(BaseOptimizer):
                     raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
                 grads.append(g)
         dev = self._device(L)
-        total = torch.zeros(1, dtype=torch.float32, device=dev)
-        if grads:
-            total += torch.stack([g.sum(dtype=torch.float32) for g in grads]).sum()
         tr = self.transport
+        probe = self._probe_compression and self._detecting()
+        total = torch.zeros(1 + (2 * tr.world_size if probe else 0), dtype=torch.float32, device=dev)
+        if grads:
+            total[:1] += torch.stack([g.sum(dtype=torch.float32) for g in grads]).sum()
+        if probe:  # the first compression step: every rank's checksum rides along
+            total[1:] = replica_slots(grads, tr.rank, tr.world_size, dev)
         tr.all_reduce(total, op="sum")
-        if bool(torch.isfinite(total).all()):
+        if bool(torch.isfinite(total[:1]).all()):
+            if probe:
+                self._probe_compression = not self._check_replicas(total[1:], "compression")
             return True
         bad = torch.zeros(1, dtype=torch.float64, device=dev)
         for g in grads:
@@ -348,6 +362,14 @@ class OneBitOptimizer(BaseOptimizer):
         self._on_freeze(L)
         self._attach_views()
         exact, below = self._mask_counts
+        if self._comp is not None:
+            p = self.transport.world_size
+            agreement = int(ring_allreduce_bytes(4, p))  # the finiteness agreement, one fp32 scalar
+            sent = self._comp.bytes_per_call(checked=True) + agreement
+            fp32 = ring_allreduce_bytes(4 * L.total, p)
+            _log.info("%s: the compression stage sends %s bytes per step and rank (compressed allreduce %s + "
+                      "finiteness agreement %s) against %d for an fp32 ring allreduce of the gradients: %.1fx less",
+                      type(self).__name__, sent, sent - agreement, agreement, fp32, fp32 / sent)
         _log.info("%s: variance frozen after step %s; from now on one compressed allreduce of %s momentum elements "
                   "per step over %s ranks (block_size %s); %s coordinates held at zero (variance exactly zero: %s, "
                   "at most mask_threshold x mean: %s, user masks: %s params)", type(self).__name__,

@@ -1,6 +1,6 @@
 """Lightning (strategy "ddp", CPU, gloo) + lbcomm's LbcommCallback on 2 ranks (run by torchrun).
 
-argv: out_dir optimizer(onebit_lamb|sgd_hook)
+argv: out_dir optimizer(onebit_lamb|sgd_hook|onebit_lamb_clip)
 Run 1 trains 3 epochs of 3 optimizer steps (freeze / compression start after step 4,
 accumulate_grad_batches=2, gradient_clip_val, a LambdaLR schedule), checkpointing every
 epoch; it records per step the gradients the optimizer sees and the TCP bytes this rank
@@ -21,6 +21,7 @@ from common import flat_grads, rank_world, save_result, tcp_bytes_sent, tensors_
 
 out, kind = sys.argv[1], sys.argv[2]
 FREEZE, STEPS = 4, 9
+CLIP = 0.02  # onebit_lamb_clip: LbcommCallback(max_grad_norm=CLIP), Lightning's clipping off
 
 
 class Net(pl.LightningModule):
@@ -35,7 +36,7 @@ class Net(pl.LightningModule):
         return torch.nn.functional.mse_loss(self.net(x), y)
 
     def configure_optimizers(self):
-        if kind == "onebit_lamb":
+        if kind in ("onebit_lamb", "onebit_lamb_clip"):
             opt = lbcomm.OneBitLamb(self.parameters(), lr=1e-2, freeze_step=FREEZE, weight_decay=0.01)
         else:
             opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
@@ -74,13 +75,16 @@ class Probe(Callback):
 
 
 def run(ckpt_path=None):
-    hook_state = None if kind == "onebit_lamb" else lbcomm.OneBitHookState(start_iter=FREEZE)
+    hook_state = None if kind in ("onebit_lamb", "onebit_lamb_clip") else lbcomm.OneBitHookState(start_iter=FREEZE)
+    clip = kind == "onebit_lamb_clip"
     module = Net(hook_state)
     probe = Probe(hook_state)
     ckpt = ModelCheckpoint(dirpath=os.path.join(out, "ckpt"), filename="{epoch}-{step}", save_top_k=-1,
                            every_n_train_steps=3)
     trainer = pl.Trainer(accelerator="cpu", strategy="ddp", devices=2, max_steps=STEPS, accumulate_grad_batches=2,
-                         gradient_clip_val=0.5, callbacks=[LbcommCallback(hook_state=hook_state), probe, ckpt],
+                         gradient_clip_val=None if clip else 0.5,
+                         callbacks=[LbcommCallback(hook_state=hook_state, max_grad_norm=CLIP if clip else None), probe,
+                                    ckpt],
                          logger=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0)
     trainer.fit(module, ckpt_path=ckpt_path)

@@ -1,6 +1,6 @@
 """transformers.Trainer + lbcomm's LbcommCallback on 2 gloo ranks (run by torchrun).
 
-argv: out_dir optimizer(onebit_adam|onebit_lamb|adamw_hook)
+argv: out_dir optimizer(onebit_adam|onebit_lamb|adamw_hook|onebit_adam_clip)
 Run 1 trains 9 steps (freeze / compression start after step 4, checkpoints every 3 steps,
 save_total_limit=2, gradient accumulation 2, max_grad_norm, linear schedule with warmup),
 recording per step the gradients the optimizer sees and the TCP bytes this rank sent.
@@ -21,6 +21,7 @@ from common import flat_grads, rank_world, save_result, tcp_bytes_sent, tensors_
 
 out, kind = sys.argv[1], sys.argv[2]
 FREEZE, STEPS, SAVE = 4, 9, 3
+CLIP = 0.05  # onebit_adam_clip: LbcommCallback(max_grad_norm=CLIP), the Trainer's clipping off
 
 
 class Data(torch.utils.data.Dataset):
@@ -66,7 +67,7 @@ def build(output_dir, resume=None):
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=16, n_embd=32, n_layer=2, n_head=2))
     hook_state = None
-    if kind == "onebit_adam":
+    if kind in ("onebit_adam", "onebit_adam_clip"):
         opt = lbcomm.OneBitAdam(model.parameters(), lr=3e-3, freeze_step=FREEZE, weight_decay=0.01)
     elif kind == "onebit_lamb":
         opt = lbcomm.OneBitLamb(model.parameters(), lr=3e-3, freeze_step=FREEZE)
@@ -75,12 +76,14 @@ def build(output_dir, resume=None):
         hook_state = lbcomm.OneBitHookState(start_iter=FREEZE)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3) * (1 - s / (2 * STEPS)))
     args = TrainingArguments(output_dir=output_dir, max_steps=STEPS, per_device_train_batch_size=2,
-                             gradient_accumulation_steps=2, max_grad_norm=0.5, save_steps=SAVE, save_total_limit=2,
+                             gradient_accumulation_steps=2, max_grad_norm=0 if kind == "onebit_adam_clip" else 0.5,
+                             save_steps=SAVE, save_total_limit=2,
                              logging_steps=1000, report_to="none", disable_tqdm=True, use_cpu=True, seed=0,
                              ddp_backend="gloo", dataloader_num_workers=0, ddp_find_unused_parameters=False)
     probe = Probe(hook_state)
     trainer = Trainer(model=model, args=args, train_dataset=Data(), optimizers=(opt, sched),
-                      callbacks=[LbcommCallback(hook_state=hook_state), probe])
+                      callbacks=[LbcommCallback(hook_state=hook_state,
+                                                max_grad_norm=CLIP if kind == "onebit_adam_clip" else None), probe])
     trainer.train(resume_from_checkpoint=resume)
     final = {"params": tensors_of(model.state_dict()), "optimizer": tensors_of(opt.state_dict()),
              "hook": None if hook_state is None else tensors_of(hook_state.state_dict())}

@@ -1,0 +1,131 @@
+"""HSDP with 1 bit across nodes (lbcomm.fsdp) on 4 real gloo ranks as 2 nodes x 2: FSDP2
+shards inside the node; the all-reduce hook compresses each parameter group's gradient
+shard across the nodes. Checked: every hook call equals the plain-torch reference of the
+compressed allreduce step by step (error feedback included), the hook's input is the
+node's mean gradient shard of a pure-torch replica, replicas stay identical, loss falls."""
+import pytest
+import torch
+
+from dist_util import run_ranks
+from lbcomm import reference
+
+N, G = 2, 2
+STEPS = 20
+BLOCK = 64
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 48), torch.nn.Tanh(), torch.nn.Linear(48, 8))
+
+
+def _batch(rank, step):
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    x = torch.randn(8, 16, generator=g)
+    return x, torch.sin(x[:, :8] * 2)
+
+
+def _train(rank, p):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from lbcomm import fsdp
+
+    mesh = init_device_mesh("cpu", (N, G), mesh_dim_names=("node", "local"))
+    model, replica = _model(), _model()
+    fully_shard(model[0], mesh=mesh["local"])
+    fully_shard(model[2], mesh=mesh["local"])
+    fully_shard(model, mesh=mesh["local"])
+    state = fsdp.onebit_hsdp(model, mesh, block_size=BLOCK)
+    records = {}
+
+    def recording(key):
+        def hook(out):
+            before = out.clone()
+            fsdp._hook(state, key, out)  # what onebit_hsdp registered, with the inputs recorded
+            st = state.states[key]
+            records.setdefault(key, []).append((before, out.clone(), st.worker_error.clone(), st.server_error.clone()))
+        return hook
+
+    for name in ("0", "2"):
+        model.get_submodule(name).set_all_reduce_hook(recording(name))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    ropt = torch.optim.SGD(replica.parameters(), lr=0.5)
+    losses, local_grads = [], []
+    for step in range(STEPS):
+        x, y = _batch(rank, step)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        # the replica: this rank's local gradient of the same parameters (pure torch)
+        ropt.zero_grad()
+        torch.nn.functional.mse_loss(replica(x), y).backward()
+        local_grads.append({name: replica.get_submodule(name).weight.grad.clone() for name in ("0", "2")})
+        opt.step()
+        with torch.no_grad():  # keep the replica on the FSDP parameters
+            for name in ("0", "2"):
+                for pname in ("weight", "bias"):
+                    full = getattr(model.get_submodule(name), pname).full_tensor()
+                    getattr(replica.get_submodule(name), pname).copy_(full)
+        losses.append(loss.item())
+    shards = {n: t.to_local().clone() for n, t in model.state_dict().items()}
+    full = {n: t.full_tensor().clone() for n, t in model.state_dict().items()}
+    return {"records": records, "losses": losses, "shards": shards, "full": full, "local_grads": local_grads,
+            "calls": dict(state.calls)}
+
+
+def test_onebit_hsdp_equals_reference_and_keeps_replicas_identical():
+    p = N * G
+    res = run_ranks(_train, p, timeout=600)
+    for r in range(p):  # parameters identical everywhere (full) and across nodes (shards)
+        for n in res[0]["full"]:
+            assert torch.equal(res[r]["full"][n], res[0]["full"][n]), n
+            assert torch.equal(res[r]["shards"][n], res[r % G]["shards"][n]), n
+    mean_loss = [sum(r["losses"][t] for r in res) / p for t in range(STEPS)]
+    assert mean_loss[-1] < 0.7 * mean_loss[0], mean_loss
+    for key in ("0", "2"):
+        assert all(r["calls"][key] == STEPS for r in res)
+        for l in range(G):  # cross group l: ranks l and G + l hold the same shard
+            ranks = [a * G + l for a in range(N)]
+            m = res[ranks[0]]["records"][key][0][2].numel() // N
+            we = [torch.zeros(N, m) for _ in ranks]
+            se = [torch.zeros(m) for _ in ranks]
+            ratios = []
+            for t in range(STEPS):
+                inputs = [res[r]["records"][key][t][0] for r in ranks]
+                want, we, se = reference.compressed_allreduce(inputs, we, se, BLOCK)
+                for i, r in enumerate(ranks):
+                    _, out, e, s = res[r]["records"][key][t]
+                    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+                    torch.testing.assert_close(e, we[i].reshape(-1), rtol=1e-5, atol=1e-6)
+                    torch.testing.assert_close(s, se[i], rtol=1e-5, atol=1e-6)
+                # the hook's input is the node's mean of this shard of the local gradients
+                # (FSDP's reduce-scatter; its scaling is one constant factor)
+                for a, r in enumerate(ranks):
+                    node = [res[a * G + j]["local_grads"][t][key] for j in range(G)]
+                    mean = torch.stack(node).mean(0).reshape(-1)
+                    shard = mean.numel() // G
+                    sim = mean[l * shard:(l + 1) * shard]
+                    got = inputs[a][:shard]
+                    ratios.append((got.double().norm() / sim.double().norm()).item())
+                    torch.testing.assert_close(got / ratios[-1], sim, rtol=1e-4, atol=1e-6)
+            assert max(ratios) - min(ratios) < 1e-4 * max(ratios), ratios
+
+
+def _refused(rank, p):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from lbcomm import fsdp
+
+    mesh = init_device_mesh("cpu", (N, G), mesh_dim_names=("node", "local"))
+    model = fully_shard(_model(), mesh=mesh)  # native HSDP: full-precision all-reduce of its own
+    with pytest.raises(ValueError, match="native HSDP"):
+        fsdp.onebit_hsdp(model, mesh)
+    with pytest.raises(ValueError, match="no FSDP module"):
+        fsdp.onebit_hsdp(_model(), mesh)
+    return True
+
+
+def test_onebit_hsdp_refuses_native_hsdp():
+    assert all(run_ranks(_refused, N * G, timeout=300))
