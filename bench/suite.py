@@ -16,6 +16,8 @@ first compressed update per coordinate in units of lr. Written: a PNG of the rat
     python bench/suite.py                     # all tasks, whole grids: several minutes on 2 cores
     python bench/suite.py --quick             # 3 tasks, short runs: the regression guard
     python bench/suite.py --onebit-options '{"mask_threshold": 1e-3}'   # options of both 1-bit optimizers
+    python bench/suite.py --report bench/results/suite_quick_before.json bench/results/suite_quick_after.json
+                                              # the tables of saved runs (--json), without running
 """
 from __future__ import annotations
 
@@ -56,8 +58,6 @@ def build(method, model, lr, task, world, a):
     betas, wd = (0.9, task.beta2), task.weight_decay
     extra = json.loads(a.onebit_options) if a.onebit_options else {}
     adam_cls, lamb_cls = lbcomm.OneBitAdam, lbcomm.OneBitLamb
-    if a.prototype:  # issue 16's rule before its integration (bench/robust_optim.py)
-        from robust_optim import RobustOneBitAdam as adam_cls, RobustOneBitLamb as lamb_cls
     if method == "adamw":
         return model, torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=wd)
     if method == "onebit_adam":
@@ -231,11 +231,11 @@ def parse_args(argv=None):
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--onebit-options", default="", help="JSON dict of extra OneBitAdam/OneBitLamb options")
-    p.add_argument("--prototype", action="store_true",
-                   help="1-bit optimizers with the max_update rule of bench/robust_optim.py (before integration)")
     p.add_argument("--hook-options", default="", help="JSON dict of extra OneBitHookState options")
     p.add_argument("--json", default="", help="write the raw results here")
     p.add_argument("--plot", default="", help="PNG of the ratio table")
+    p.add_argument("--report", nargs="+", default=[], metavar="JSON",
+                   help="print the tables of runs saved with --json instead of running")
     a = p.parse_args(argv)
     a.tasks = a.tasks.split(",") if a.tasks else list(QUICK_TASKS if a.quick else T.TASKS)
     a.methods = [m for m in a.methods.split(",") if m]
@@ -247,6 +247,13 @@ def parse_args(argv=None):
 
 def main(argv=None):
     a = parse_args(argv)
+    if a.report:
+        for path in a.report:
+            with open(path) as f:
+                saved = json.load(f)
+            print(f"\n== {path} ({saved['args'].get('onebit_options') or 'default options'})")
+            report(saved["results"], argparse.Namespace(**{**vars(a), **saved["args"]}))
+        return None, None
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "results.json")

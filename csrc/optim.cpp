@@ -4,9 +4,15 @@
 //
 //   d = r / denom_scale + eps;  p = p * keep;  p = p + (neg_step * m) / d
 //
+// and with a bound B (max_update, DESIGN.md §3 "Robustness"), the step of each coordinate
+// clamped to [-B, B] before it is added:
+//
+//   q = (neg_step * m) / d;  q = clamp(q, -B, B);  p = p * keep + q
+//
 // one pass that reads p, m, r and writes p, with exactly the rounding of torch's CPU ops
 // (div by a scalar, add of a scalar, mul by a scalar, addcdiv: (value * m) / d, then the
-// add; all correctly rounded IEEE operations). The square root stays torch's: its
+// add; mul, div_, clamp_, add_; all correctly rounded IEEE operations, so an unclamped
+// coordinate gets bitwise the unbounded update). The square root stays torch's: its
 // vectorized CPU sqrt is not correctly rounded on every ISA (AVX-512 here differs from
 // IEEE sqrt by 1 ulp on ~18 % of inputs), so no kernel of ours could match it everywhere.
 // Built with -ffp-contract=off so that nothing is fused into an FMA.
@@ -18,8 +24,11 @@
 
 namespace lbcomm {
 
-void check_frozen_adamw(const at::Tensor& param, const at::Tensor& exp_avg, const at::Tensor& sqrt_v) {
+void check_frozen_adamw(const at::Tensor& param, const at::Tensor& exp_avg, const at::Tensor& sqrt_v,
+                        std::optional<double> bound) {
   const char* op = "lbcomm::frozen_adamw_";
+  TORCH_CHECK_VALUE(!bound.has_value() || *bound >= 0.0, op, ": bound must be >= 0 (or None), got ",
+                    bound.value_or(0.0));
   for (const auto* t : {&param, &exp_avg, &sqrt_v}) {
     TORCH_CHECK_TYPE(t->scalar_type() == at::kFloat, op, ": expected float32 tensors, got ", t->scalar_type());
     TORCH_CHECK_VALUE(t->is_contiguous(), op, ": expected contiguous tensors, got strides ", t->strides());
@@ -44,15 +53,32 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void frozen_adamw_r
   }
 }
 
+// The same with the step clamped to [-b, b] (a NaN step stays NaN, as torch.clamp_ keeps it).
+__attribute__((target_clones("avx512f", "avx2", "default"))) void frozen_adamw_bounded_range(
+    float* p, const float* m, const float* r, int64_t lo, int64_t hi, float s, float e, float k, float a, float b) {
+  for (int64_t i = lo; i < hi; ++i) {
+    const float d = r[i] / s + e;
+    float q = (a * m[i]) / d;
+    q = q > b ? b : (q < -b ? -b : q);
+    p[i] = p[i] * k + q;
+  }
+}
+
 void frozen_adamw_cpu(at::Tensor& param, const at::Tensor& exp_avg, const at::Tensor& sqrt_v,
-                      double denom_scale, double eps, double keep, double neg_step) {
-  check_frozen_adamw(param, exp_avg, sqrt_v);
+                      double denom_scale, double eps, double keep, double neg_step, std::optional<double> bound) {
+  check_frozen_adamw(param, exp_avg, sqrt_v, bound);
   float* p = param.data_ptr<float>();
   const float* m = exp_avg.data_ptr<float>();
   const float* r = sqrt_v.data_ptr<float>();
   // torch turns each Python float into the tensor's dtype before the elementwise op
   const float s = static_cast<float>(denom_scale), e = static_cast<float>(eps);
   const float k = static_cast<float>(keep), a = static_cast<float>(neg_step);
+  if (bound.has_value()) {
+    const float b = static_cast<float>(*bound);
+    at::parallel_for(0, param.numel(), 1 << 15,
+                     [&](int64_t lo, int64_t hi) { frozen_adamw_bounded_range(p, m, r, lo, hi, s, e, k, a, b); });
+    return;
+  }
   at::parallel_for(0, param.numel(), 1 << 15,
                    [&](int64_t lo, int64_t hi) { frozen_adamw_range(p, m, r, lo, hi, s, e, k, a); });
 }
@@ -61,7 +87,7 @@ void frozen_adamw_cpu(at::Tensor& param, const at::Tensor& exp_avg, const at::Te
 
 TORCH_LIBRARY_FRAGMENT(lbcomm, m) {
   m.def("frozen_adamw_(Tensor(a!) param, Tensor exp_avg, Tensor sqrt_v, float denom_scale, float eps, "
-        "float keep, float neg_step) -> ()");
+        "float keep, float neg_step, float? bound=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(lbcomm, CPU, m) { m.impl("frozen_adamw_", &frozen_adamw_cpu); }

@@ -158,13 +158,27 @@ SIM_RUNS = {
                  kw=dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01, block_size=64)),
     "lamb_single_scale": dict(name="lamb", steps=16, freeze=4,
                               kw=dict(lr=2e-2, weight_decay=0.0, block_size=None)),
+    # max_update (DESIGN.md §3 "Robustness"): the defaults above are 1.0 (Adam) and "warmup"
+    # (LAMB); these pin the other forms, and a bound tight enough to clamp many coordinates
+    "adam_published": dict(name="adam", steps=16, freeze=4,
+                           kw=dict(lr=1e-2, weight_decay=0.01, block_size=64, max_update=None)),
+    "adam_tight": dict(name="adam", steps=16, freeze=4,
+                       kw=dict(lr=1e-2, weight_decay=0.01, block_size=64, max_update=0.05)),
+    "adam_warmup": dict(name="adam", steps=16, freeze=4,
+                        kw=dict(lr=1e-2, weight_decay=0.01, block_size=64, max_update="warmup")),
+    "lamb_published": dict(name="lamb", steps=16, freeze=4,
+                           kw=dict(lr=1e-2, weight_decay=0.01, block_size=64, max_update=None)),
+    "lamb_tight": dict(name="lamb", steps=16, freeze=4,
+                       kw=dict(lr=1e-2, weight_decay=0.01, block_size=64, max_update=0.05)),
 }
 
 
-def _masking(rank, p, override, threshold=1e-10):
+def _masking(rank, p, override, threshold=1e-10, max_update=None):
+    """max_update=None by default: the mask is what keeps the published update safe."""
     model = _SparseNet()
     init = {k: v.clone() for k, v in model.state_dict().items()}
-    opt = lbcomm.OneBitAdam(model.parameters(), lr=1e-2, weight_decay=0.0, freeze_step=4, mask_threshold=threshold)
+    opt = lbcomm.OneBitAdam(model.parameters(), lr=1e-2, weight_decay=0.0, freeze_step=4, mask_threshold=threshold,
+                            max_update=max_update)
     if override:  # train every coordinate: the mask that the automatic one replaces
         for q in model.parameters():
             opt.set_momentum_mask(q, torch.ones_like(q, dtype=torch.bool))
@@ -241,6 +255,7 @@ def _four_rank_suite(rank, p):
         "warmup": _warmup_vs_full_precision(rank, p),
         "sim": {k: _record(rank, p, r["name"], r["steps"], r["freeze"], r["kw"]) for k, r in SIM_RUNS.items()},
         "mask": {"auto": _masking(rank, p, False), "override": _masking(rank, p, True),
+                 "override_bounded": _masking(rank, p, True, max_update=1.0),
                  "exact_zero_only": _masking(rank, p, False, threshold=0.0)},
         "nonfinite": {pol: _nonfinite(rank, p, pol) for pol in ("skip", "raise")},
         "hook": _hook_style(rank, p),
@@ -282,6 +297,26 @@ def test_four_ranks_match_the_simulation_bitwise(four_ranks, run):
     # the compression stage really moved the parameters, differently from the warmup alone
     last_warm = recs[0]["params"][cfg["freeze"] - 1]
     assert max((a - b).abs().max().item() for a, b in zip(recs[0]["params"][-1], last_warm)) > 1e-3
+
+
+@pytest.mark.parametrize("name", ["adam", "lamb"])
+def test_a_tight_max_update_changes_the_run(four_ranks, name):
+    """The bitwise comparison above covers clamped coordinates: with max_update=0.05 the
+    parameters end elsewhere than with the published rule, on every rank alike."""
+    tight, published = four_ranks[0]["sim"][f"{name}_tight"], four_ranks[0]["sim"][f"{name}_published"]
+    assert max((a - b).abs().max().item() for a, b in zip(tight["params"][-1], published["params"][-1])) > 1e-4
+    freeze = SIM_RUNS[f"{name}_tight"]["freeze"]  # the warmup is not affected
+    assert _same(tight["params"][freeze - 1], published["params"][freeze - 1])
+
+
+def test_max_update_keeps_unmasked_zero_variance_coordinates_in_place(four_ranks):
+    """Without the mask the published update moves never-seen coordinates by m / eps; with
+    max_update=1.0 no coordinate moves more than lr per compressed step (8 steps, lr 1e-2)."""
+    for res in four_ranks:
+        bounded = res["mask"]["override_bounded"]
+        assert bounded["finite"]
+        assert bounded["unused_rows_moved"] <= 8 * 1e-2 * (1 + 1e-5)
+        assert bounded["zero_feature_moved"] <= 8 * 1e-2 * (1 + 1e-5)
 
 
 def test_simulation_detects_a_wrong_block_size(four_ranks):
@@ -425,7 +460,8 @@ def test_low_precision_params_keep_fp32_state(dtype, name):
 def test_one_rank_past_freeze_equals_adamw_with_frozen_variance():
     lr, b1, b2, eps, wd, freeze = 3e-3, 0.9, 0.999, 1e-8, 0.02, 12
     model, ref = _mlp(), _mlp()
-    opt = lbcomm.OneBitAdam(model.parameters(), lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd, freeze_step=freeze)
+    opt = lbcomm.OneBitAdam(model.parameters(), lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd, freeze_step=freeze,
+                            max_update=None)  # the published update (the formula below)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd)
     _train(model, opt, freeze)
     _train(ref, ref_opt, freeze)
@@ -450,7 +486,8 @@ def test_past_freeze_missing_grads_and_eps_changes_match_the_formula():
     caches sqrt(v^) + eps; a changed eps must be picked up."""
     lr, b1, b2, wd, freeze = 3e-3, 0.9, 0.999, 0.02, 5
     model, ref = _mlp(), _mlp()
-    opt = lbcomm.OneBitAdam(model.parameters(), lr=lr, betas=(b1, b2), eps=1e-8, weight_decay=wd, freeze_step=freeze)
+    opt = lbcomm.OneBitAdam(model.parameters(), lr=lr, betas=(b1, b2), eps=1e-8, weight_decay=wd, freeze_step=freeze,
+                            max_update=None)  # the published update (the formula below)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr, betas=(b1, b2), eps=1e-8, weight_decay=wd)
     _train(model, opt, freeze)
     _train(ref, ref_opt, freeze)
@@ -594,6 +631,12 @@ def test_state_dict_before_the_first_step_and_add_param_group():
     (dict(freeze_step=0), "Invalid freeze_step"),
     (dict(block_size=100), "Invalid block_size"),
     (dict(nonfinite="ignore"), "Invalid nonfinite policy"),
+    (dict(max_update=0.0), "Invalid max_update: 0.0"),
+    (dict(max_update=-1.0), "Invalid max_update"),
+    (dict(max_update=float("nan")), "Invalid max_update"),
+    (dict(max_update=True), "Invalid max_update"),
+    (dict(max_update="warm"), "Invalid max_update"),
+    (dict(max_update="auto", betas=(0.9, 0.5)), "Invalid max_update: 'auto' needs beta1\\*\\*2 < beta2"),
 ])
 def test_invalid_options_are_refused(kwargs, match):
     for cls in (lbcomm.OneBitAdam, lbcomm.OneBitLamb):
@@ -612,7 +655,7 @@ def test_every_option_round_trips_through_the_state_dict():
     group = opt.state_dict()["param_groups"][0]
     for key in ("lr", "betas", "eps", "weight_decay", "freeze_step", "max_coeff", "min_coeff", "coeff_beta",
                 "factor_max", "factor_min", "factor_threshold", "bias_correction", "block_size", "nonfinite",
-                "bucket_cap_mb"):
+                "bucket_cap_mb", "max_update"):
         assert key in group, key
     assert group["block_size"] is None and group["nonfinite"] == "skip"
 
@@ -632,3 +675,32 @@ def test_freeze_is_logged(caplog):
     with caplog.at_level(logging.INFO, logger="lbcomm"):
         _train(model, opt, 3)
     assert any("variance frozen after step 2" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("name", ["adam", "lamb"])
+def test_warmup_bound_is_recorded_at_the_freeze_and_checkpointed(name):
+    """max_update="warmup": U_p = max |m^ / (sqrt(v^) + eps)| of each tensor after the last
+    warmup step, kept per parameter; a resumed optimizer continues bitwise with it."""
+    b1, b2, eps, freeze = 0.9, 0.999, 1e-8, 3
+    kw = dict(lr=1e-2, betas=(b1, b2), eps=eps, freeze_step=freeze, max_update="warmup")
+    model = _mlp()
+    opt = OPTS[name](model.parameters(), **kw)
+    _train(model, opt, freeze - 1)
+    assert all(float(opt.state[q]["max_update_bound"]) == -1.0 for q in model.parameters())  # not recorded yet
+    _train(model, opt, 1, start=freeze - 1)
+    assert opt.frozen
+    for q in model.parameters():
+        st = opt.state[q]
+        d = (st["exp_avg_sq"].sqrt() / math.sqrt(1 - b2 ** freeze)).add_(eps)
+        expected = ((st["exp_avg"] / (1 - b1 ** freeze)) / d).abs().max()
+        assert torch.equal(st["max_update_bound"], expected)
+        assert 0 < float(expected) < 7.3  # below Adam's largest possible |m^ / sqrt(v^)| at these betas
+    sd = copy.deepcopy(opt.state_dict())
+    twin = copy.deepcopy(model)
+    twin_opt = OPTS[name](twin.parameters(), **kw)
+    twin_opt.load_state_dict(sd)
+    _train(model, opt, 4, start=freeze)
+    _train(twin, twin_opt, 4, start=freeze)
+    assert _max_diff(model, twin) == 0.0
+    for q, t in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(opt.state[q]["max_update_bound"], twin_opt.state[t]["max_update_bound"])

@@ -26,11 +26,14 @@ def _inputs(n, device="cpu", seed=0):
     return w.to(device), m.to(device), v.to(device)
 
 
-def _torch_sequence(w, m, v, bc2, eps, decay, step_size):
+def _torch_sequence(w, m, v, bc2, eps, decay, step_size, bound=None):
     d = torch.sqrt(v).div_(bc2 ** 0.5).add_(eps)
     if decay != 0:
         w.mul_(1 - decay)
-    w.addcdiv_(m, d, value=-step_size)
+    if bound is None:
+        w.addcdiv_(m, d, value=-step_size)
+    else:  # max_update: each coordinate's step clamped
+        w.add_(torch.mul(m, -step_size).div_(d).clamp_(-bound, bound))
 
 
 CASES = [(0, 0.0), (1, 0.0), (31, 1e-4), (1000, 0.0), (100003, 3e-5), ((1 << 20) + 7, 1e-4)]
@@ -53,9 +56,34 @@ def test_fused_op_equals_the_torch_sequence_bitwise(n, decay):
 
 
 @needs_op
+@pytest.mark.parametrize("n, decay", CASES)
+@pytest.mark.parametrize("bound", [0.0, 3e-4, math.inf])
+def test_bounded_fused_op_equals_the_torch_sequence_bitwise(n, decay, bound):
+    bc2, eps, step_size = 1 - 0.999 ** 37, 1e-8, 1e-3 / (1 - 0.9 ** 51)
+    w, m, v = _inputs(n)
+    ref = w.clone()
+    _torch_sequence(ref, m, v, bc2, eps, decay, step_size, bound)
+    staged = w.clone()
+    F.frozen_adamw_(staged, m, v, bc2, eps, decay, step_size, torch.empty(min(n, F.STAGE)), bound)
+    fused = w.clone()
+    K.frozen_adamw_(fused, m, v, bc2, eps, decay, step_size, torch.empty(min(n, F.STAGE)), bound)
+    assert torch.equal(staged, ref) and torch.equal(fused, ref)
+    if n > 4:
+        step = fused - w * (1 - decay)
+        assert float(step.abs().max()) <= bound * (1 + 1e-6) + 1e-6 * float(w.abs().max())
+        unbounded = w.clone()
+        _torch_sequence(unbounded, m, v, bc2, eps, decay, step_size)
+        # the clamp is active at 3e-4, and an inactive bound is bitwise the unbounded update
+        assert torch.equal(fused, unbounded) == (bound == math.inf)
+
+
+@needs_op
 def test_fused_op_opcheck_and_errors():
     w, m, v = _inputs(257)
     torch.library.opcheck(torch.ops.lbcomm.frozen_adamw_, (w, m, v.sqrt(), math.sqrt(0.5), 1e-8, 0.999, -1e-3))
+    torch.library.opcheck(torch.ops.lbcomm.frozen_adamw_, (w, m, v.sqrt(), math.sqrt(0.5), 1e-8, 0.999, -1e-3, 1e-4))
+    with pytest.raises(ValueError, match="frozen_adamw_: bound must be >= 0"):
+        torch.ops.lbcomm.frozen_adamw_(w, m, v, 1.0, 1e-8, 1.0, -1e-3, -1.0)
     with pytest.raises(TypeError, match="frozen_adamw_: expected float32"):
         torch.ops.lbcomm.frozen_adamw_(w.double(), m, v, 1.0, 1e-8, 1.0, -1e-3)
     with pytest.raises(ValueError, match="frozen_adamw_: expected contiguous"):
@@ -71,6 +99,10 @@ def test_wrapper_falls_back_for_non_fp32():
     ref = w.double()
     _torch_sequence(ref, m.double(), v.double(), 0.5, 1e-8, 0.0, 1e-3)
     assert torch.equal(w64, ref)
+    w64, ref = w.double(), w.double()
+    K.frozen_adamw_(w64, m.double(), v.double(), 0.5, 1e-8, 0.0, 1e-3, torch.empty(100, dtype=torch.float64), 1e-4)
+    _torch_sequence(ref, m.double(), v.double(), 0.5, 1e-8, 0.0, 1e-3, 1e-4)
+    assert torch.equal(w64, ref)
 
 
 @needs_op
@@ -85,4 +117,9 @@ def test_cuda_fused_op_equals_the_cuda_torch_sequence_bitwise(n, decay):
     _torch_sequence(ref, m, v, bc2, eps, decay, step_size)
     fused = w.clone()
     torch.ops.lbcomm.frozen_adamw_(fused, m, v.sqrt(), bc2 ** 0.5, eps, 1 - decay if decay else 1.0, -step_size)
+    assert torch.equal(fused, ref)
+    ref, fused = w.clone(), w.clone()
+    _torch_sequence(ref, m, v, bc2, eps, decay, step_size, 3e-4)
+    torch.ops.lbcomm.frozen_adamw_(fused, m, v.sqrt(), bc2 ** 0.5, eps, 1 - decay if decay else 1.0, -step_size,
+                                   3e-4)
     assert torch.equal(fused, ref)

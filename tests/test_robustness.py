@@ -6,16 +6,14 @@ converge: coordinates of rarely active input features and of rarely seen embeddi
 have a frozen variance far below their block's, and sign compression gives them the
 block's magnitude.
 
-Tests named ``test_integration_*`` check the proposed rule through the PUBLIC optimizer API
-(``lbcomm.OneBitAdam(..., max_update="auto")``, ``lbcomm.OneBitLamb(..., max_update="auto")``,
-default "auto", None = the published algorithm): they FAIL on main before the rule is
-integrated (first compressed update ~1e3-1e5 lr, divergence, or TypeError for the new
-option) and pass once it is. ``LBCOMM_ROBUST_PROTOTYPE=1`` runs them against the prototype
-subclasses of bench/robust_optim.py instead, to check the tests themselves.
+Tests named ``test_integration_*`` check the rule (``max_update``) through the PUBLIC
+optimizer API, with the defaults (``lbcomm.OneBitAdam``: max_update=1.0,
+``lbcomm.OneBitLamb``: max_update="warmup") and with max_update=None, the published
+algorithm, whose blow-up they must still see (so the guard can fail).
 
-Bounds at the first compressed step (proposed defaults: OneBitAdam max_update=1.0;
-OneBitLamb max_update="warmup", a per-tensor bound that never exceeds Adam's largest
-possible step U_adam = (1-b1) / sqrt((1-b2)(1-b1^2/b2)), 7.27 at betas (0.9, 0.999)):
+Bounds at the first compressed step (OneBitLamb's "warmup" bound is a per-tensor bound that
+never exceeds Adam's largest possible step U_adam = (1-b1) / sqrt((1-b2)(1-b1^2/b2)), 7.27
+at betas (0.9, 0.999)):
     OneBitAdam:  |dp_i| <= lr (1 + wd |p_i|)
     OneBitLamb:  |dp_i| <= lr max_coeff factor_max (U_adam + wd |p_i|)
 """
@@ -30,7 +28,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 from dist_util import run_ranks  # noqa: E402
 
-PROTOTYPE = os.environ.get("LBCOMM_ROBUST_PROTOTYPE") == "1"
 BETAS = {"rare_features": (0.9, 0.999), "dead_relu": (0.9, 0.999), "zipf_embed": (0.9, 0.999)}
 # (task, method, lr, extra options): lrs at which the published rule blows up on these tasks
 # (bench/suite.py --quick on main: first compressed updates of 1e3-1e5 lr; NaN on dead_relu at
@@ -55,7 +52,7 @@ def _adam_bound(betas):
     return (1 - b1) / math.sqrt((1 - b2) * (1 - b1 * b1 / b2))
 
 
-def _runs(rank, world, cases, prototype):
+def _runs(rank, world, cases):
     import json
 
     import suite
@@ -64,25 +61,19 @@ def _runs(rank, world, cases, prototype):
     out = []
     for name, method, lr, extra in cases:
         task = T.make_task(name, quick=True)
-        a = SimpleNamespace(onebit_options=json.dumps(extra) if extra else "", hook_options="", prototype=prototype)
-        try:
-            out.append(suite.one_run(rank, world, task, method, lr, a))
-        except TypeError as e:  # an option this lbcomm does not know yet (before the integration)
-            out.append({"task": name, "method": method, "lr": lr, "error": f"{type(e).__name__}: {e}"})
-            # the other ranks hit the same error before any collective: nothing is left in flight
+        a = SimpleNamespace(onebit_options=json.dumps(extra) if extra else "", hook_options="")
+        out.append(suite.one_run(rank, world, task, method, lr, a))
     return out
 
 
 @pytest.fixture(scope="module")
 def results():
-    res = run_ranks(_runs, 4, CASES, PROTOTYPE, timeout=300)
+    res = run_ranks(_runs, 4, CASES, timeout=300)
     return {(c[0], c[1], c[2], str(c[3])): r for c, r in zip(CASES, res[0])}
 
 
 def _get(results, task, method, lr, extra=None):
-    r = results[(task, method, lr, str(extra))]
-    assert "error" not in r, f"{method} on {task}: {r['error']} (the max_update option is not integrated yet)"
-    return r
+    return results[(task, method, lr, str(extra))]
 
 
 def test_suite_tasks_are_deterministic_and_the_simulation_matches_the_reference():
@@ -98,7 +89,7 @@ def test_suite_tasks_are_deterministic_and_the_simulation_matches_the_reference(
 
 @pytest.mark.parametrize("task,lr", [("rare_features", 0.03), ("dead_relu", 0.03), ("zipf_embed", 0.03)])
 def test_integration_onebit_adam_first_compressed_update_is_bounded(results, task, lr):
-    """INTEGRATION: fails on main (the published rule moves some coordinate by 1e3-1e5 lr)."""
+    """The published rule moves some coordinate by 1e3-1e5 lr here."""
     r = _get(results, task, "onebit_adam", lr)
     assert r["first_update_ratio"] is not None, r
     bound = 1.0 + 0.01 * r["param_max_at_first_update"]
@@ -107,7 +98,7 @@ def test_integration_onebit_adam_first_compressed_update_is_bounded(results, tas
 
 
 def test_integration_onebit_lamb_first_compressed_update_is_bounded(results):
-    """INTEGRATION: fails on main."""
+    """The published rule moves some coordinate by orders of magnitude more here."""
     r = _get(results, "rare_features", "onebit_lamb", 0.1)
     bound = 10.0 * 4.0 * (_adam_bound(BETAS["rare_features"]) + 0.01 * r["param_max_at_first_update"])
     assert r["first_update_ratio"] <= bound * (1 + 1e-4), (
@@ -121,7 +112,7 @@ def test_integration_onebit_lamb_first_compressed_update_is_bounded(results):
     ("zipf_embed", "onebit_lamb", "lamb", 0.1),
 ])
 def test_integration_no_divergence_where_the_full_precision_twin_converges(results, task, method, twin, lr):
-    """INTEGRATION: fails on main (the published rule ends above its initial loss, or NaN)."""
+    """The published rule ends above its initial loss, or in NaN, here."""
     base = _get(results, task, twin, lr)
     assert not base["diverged"] and base["final"] < base["init"], f"{twin} itself diverged: {base}"
     r = _get(results, task, method, lr)
@@ -132,7 +123,7 @@ def test_integration_no_divergence_where_the_full_precision_twin_converges(resul
 
 
 def test_integration_the_published_rule_stays_available(results):
-    """INTEGRATION: max_update=None is the published algorithm, blow-up included (the
-    failure mode this guard is about, so the guard itself can fail)."""
+    """max_update=None is the published algorithm, blow-up included (the failure mode this
+    guard is about, so the guard itself can fail)."""
     r = _get(results, "rare_features", "onebit_adam", 0.03, {"max_update": None})
     assert r["first_update_ratio"] > 100, r

@@ -2,7 +2,7 @@
 1-bit compressed allreduce of the momentum."""
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import List, Optional, Tuple, Union
 
 import torch
 
@@ -28,6 +28,7 @@ class OneBitAdam(OneBitOptimizer):
         bias_correction: bool = True,
         block_size: Optional[int] = DEFAULT_BLOCK_SIZE,
         mask_threshold: float = 1e-10,
+        max_update: Union[float, str, None] = 1.0,
         nonfinite: str = "raise",
         bucket_cap_mb: float = 25.0,
         detect_averaged_grads: bool = True,
@@ -36,7 +37,8 @@ class OneBitAdam(OneBitOptimizer):
     ) -> None:
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, freeze_step=freeze_step,
                         bias_correction=bias_correction, block_size=block_size, mask_threshold=mask_threshold,
-                        nonfinite=nonfinite, bucket_cap_mb=bucket_cap_mb, detect_averaged_grads=detect_averaged_grads)
+                        max_update=max_update, nonfinite=nonfinite, bucket_cap_mb=bucket_cap_mb,
+                        detect_averaged_grads=detect_averaged_grads)
         super().__init__(params, defaults, process_group=process_group, backend=backend)
 
     def _warmup_update(self, L: FlatLayout, active: List[bool]) -> None:
@@ -60,13 +62,16 @@ class OneBitAdam(OneBitOptimizer):
         if not self._reduce_momentum(L, self._momentum_source(L), m):
             return False
         scratch = self._stage_buffer(L)
+        bounds = self._update_bounds(L)
         for seg in self._segments(L, self._participating(L), vstep="variance_step"):
             group = self.param_groups[seg.group]
             lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
             bc1, bc2 = self._bias_corrections(group, seg)
             for i in seg.idx:
-                F.apply_fp32(L.params[i], lambda w, i=i: kernels.frozen_adamw_(w, L.view(m, i), L.view(v, i), bc2, eps,
-                                                                         lr * wd, lr / bc1, scratch))
+                # max_update U: |lr m^ / (sqrt(v^) + eps)| <= lr U for every coordinate
+                step_bound = None if bounds[i] is None else lr * bounds[i]
+                F.apply_fp32(L.params[i], lambda w, i=i, b=step_bound: kernels.frozen_adamw_(
+                    w, L.view(m, i), L.view(v, i), bc2, eps, lr * wd, lr / bc1, scratch, b))
         return True
 
 
@@ -97,9 +102,13 @@ OneBitAdam.__doc__ = r"""Implements 1-bit Adam: AdamW in the warmup, then a froz
             &\hspace{10mm} \hat{v} \leftarrow v_{T_w} / (1-\beta_2^{T_w}) \text{ (frozen)}         \\
             &\hspace{10mm} \mathrm{mask} = [v_{T_w} > \tau \, \mathrm{mean}(v_{T_w})]
                 \text{ (}\tau\text{: mask\_threshold; or set by the user)}                    \\
-            &\hspace{5mm}\hat{m} \leftarrow m_t / (1-\beta_1^t)                                   \\
+            &\hspace{5mm}\hat{m} \leftarrow m_t / (1-\beta_1^t), \:
+                u \leftarrow \hat{m} / (\sqrt{\hat{v}} + \epsilon)                                \\
+            &\hspace{5mm}\textbf{if} \: t > T_w \textbf{ and } U \neq \text{None}:
+                u \leftarrow \mathrm{clamp}(u, -U, U) \text{ (per coordinate; } U
+                \text{: max\_update)}                                                            \\
             &\hspace{5mm}\theta_t \leftarrow \theta_{t-1} - \gamma \lambda \theta_{t-1}
-                - \gamma \hat{m} / (\sqrt{\hat{v}} + \epsilon)                                   \\
+                - \gamma u                                                                       \\
             &\rule{110mm}{0.4pt}                                                          \\[-1.ex]
        \end{aligned}
 
@@ -109,7 +118,16 @@ OneBitAdam.__doc__ = r"""Implements 1-bit Adam: AdamW in the warmup, then a froz
     variance is zero (or negligible, see mask_threshold) at the freeze: they never saw a
     gradient (unused embedding rows, constant input features), and the compression noise
     in their momentum would move them by noise / eps. Override it per parameter with
-    :meth:`set_momentum_mask`. All momenta live in one flat fp32 buffer, so
+    :meth:`set_momentum_mask`.
+
+    max_update makes the compression stage safe by construction: sign compression gives
+    every coordinate of a block the block's magnitude, so a coordinate whose frozen variance
+    is far below its block's (a nearly dead unit, a rarely active feature, a rarely seen
+    embedding row) would get a step of lr x scale / sqrt(v), orders of magnitude above any
+    full-precision step, and oscillate into divergence. With U = 1 no coordinate moves more
+    than lr per step (plus weight decay): the most a coordinate with steady gradients gets
+    from Adam with a frozen variance, since |E g| <= sqrt(E g^2). An unclamped coordinate gets
+    bitwise the unbounded update. All momenta live in one flat fp32 buffer, so
     one compressed allreduce serves the whole model; optimizer state is fp32 for
     fp16/bf16 parameters too. Parameters that never received a gradient during the warmup
     are not updated after the freeze.
@@ -135,6 +153,14 @@ OneBitAdam.__doc__ = r"""Implements 1-bit Adam: AdamW in the warmup, then a froz
             held at zero; 0 masks exactly the coordinates with zero variance. The default
             also catches variances made of rounding noise only (attention key biases, to which
             softmax is invariant, measure ~1e-14 of the mean) (default: 1e-10)
+        max_update (float, str or None, optional): in the compression stage, the bound U on
+            each coordinate's |m^ / (sqrt(v^) + eps)|, so that no coordinate moves more than
+            lr U per step (plus weight decay). A number > 0; "warmup": per parameter tensor,
+            its largest |m^ / (sqrt(v^) + eps)| after the last warmup step (recorded at the
+            freeze, saved in checkpoints); "auto": (1-b1) / sqrt((1-b2)(1-b1^2/b2)), the
+            largest value Adam's update can take (7.27 at betas (0.9, 0.999), needs
+            b1^2 < b2); None: the published, unbounded update (with block_size=None, exactly
+            the published algorithm) (default: 1.0)
         nonfinite (str, optional): what a step does when the averaged gradients (warmup) or
             the momenta of any rank (compression) hold NaN/Inf: "raise" a NonFiniteError
             on every rank, or "skip" the step on every rank (``last_step_skipped`` is set,

@@ -6,13 +6,15 @@ contract (the warmup is bitwise torch.optim.AdamW, the tests compare bitwise aga
 """
 from __future__ import annotations
 
-from typing import Callable, List, Optional
+import math
+from typing import Callable, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
 __all__ = ["norms", "moments_", "denominator", "adamw_", "frozen_adamw_", "lamb_direction", "trust_ratio",
-           "track_coeff", "onebit_lamb_factor", "implied_grad_variance_", "apply_fp32", "STAGE"]
+           "track_coeff", "onebit_lamb_factor", "implied_grad_variance_", "apply_fp32", "adam_update_bound",
+           "resolve_max_update", "max_abs_update", "STAGE"]
 
 # Elements per pass of the staged computations (4 MB of fp32: the pieces stay in cache).
 STAGE = 1 << 20
@@ -45,15 +47,23 @@ def denominator(v: Tensor, bc2: float, eps: float, out: Tensor) -> Tensor:
     return out.div_(bc2 ** 0.5).add_(eps)
 
 
-def adamw_(w: Tensor, m: Tensor, denom: Tensor, decay: float, step_size: float) -> None:
-    """w <- w (1 - decay) - step_size m / denom, in torch.optim.AdamW's order of operations."""
+def adamw_(w: Tensor, m: Tensor, denom: Tensor, decay: float, step_size: float,
+           bound: Optional[float] = None) -> None:
+    """w <- w (1 - decay) - step_size m / denom, in torch.optim.AdamW's order of operations.
+
+    With `bound`, each coordinate's step q = (-step_size m) / denom is clamped to
+    [-bound, bound] before it is added (max_update): the same roundings as addcdiv's
+    (value * m) / denom and its add, so an unclamped coordinate gets bitwise AdamW's update."""
     if decay != 0:
         w.mul_(1 - decay)
-    w.addcdiv_(m, denom, value=-step_size)
+    if bound is None:
+        w.addcdiv_(m, denom, value=-step_size)
+    else:
+        w.add_(torch.mul(m, -step_size).div_(denom).clamp_(-bound, bound))
 
 
 def frozen_adamw_(w: Tensor, m: Tensor, v: Tensor, bc2: float, eps: float, decay: float, step_size: float,
-                  scratch: Tensor) -> None:
+                  scratch: Tensor, bound: Optional[float] = None) -> None:
     """`adamw_` with denom = `denominator`(v), computed STAGE elements at a time into
     `scratch` (at least min(STAGE, numel) fp32 elements): every element goes through the
     same operations as with a model-sized denominator, but the denominator never leaves the
@@ -63,11 +73,51 @@ def frozen_adamw_(w: Tensor, m: Tensor, v: Tensor, bc2: float, eps: float, decay
     for lo in range(0, n, STAGE):
         hi = min(n, lo + STAGE)
         d = denominator(v[lo:hi], bc2, eps, out=scratch[:hi - lo])
-        adamw_(w[lo:hi], m[lo:hi], d, decay, step_size)
+        adamw_(w[lo:hi], m[lo:hi], d, decay, step_size, bound)
+
+
+def adam_update_bound(betas: Tuple[float, float]) -> float:
+    """The largest |m^ / sqrt(v^)| Adam can produce for any gradient sequence (bias-corrected,
+    eps = 0): (1 - b1) / sqrt((1 - b2) (1 - b1^2 / b2)); 7.27 at betas (0.9, 0.999). Finite
+    only when b1^2 < b2 (Cauchy-Schwarz on the two exponential averages)."""
+    b1, b2 = betas
+    return (1 - b1) / math.sqrt((1 - b2) * (1 - b1 * b1 / b2))
+
+
+def resolve_max_update(value, betas: Tuple[float, float]) -> Union[None, float, str]:
+    """The bound U on |m^ / (sqrt(v^) + eps)| a max_update option means: None (no bound),
+    a float, or "warmup" (per parameter, recorded at the freeze). Raises ValueError for an
+    invalid option."""
+    if value is None or value == "warmup":
+        return value
+    if value == "auto":
+        b1, b2 = betas
+        if not b1 * b1 < b2:
+            raise ValueError(f"Invalid max_update: 'auto' needs beta1**2 < beta2 (got betas {tuple(betas)}): Adam's "
+                             "update has no finite bound then; pass max_update as a number (e.g. 1.0) or 'warmup'")
+        return adam_update_bound(betas)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value < math.inf:
+        raise ValueError(f"Invalid max_update: {value!r} (use a finite number > 0, 'warmup', 'auto', or None for "
+                         "the published unbounded update)")
+    return float(value)
+
+
+def max_abs_update(m: Tensor, v: Tensor, bc1: float, bc2: float, eps: float, scratch: Tensor) -> Tensor:
+    """max_i |(m_i / bc1) / (sqrt(v_i / bc2) + eps)| as a 1-element fp32 tensor (0 when
+    empty), STAGE elements at a time through `scratch` (at least min(STAGE, numel))."""
+    m, v = m.reshape(-1), v.reshape(-1)
+    n = m.numel()
+    out = torch.zeros(1, dtype=torch.float32, device=m.device)
+    for lo in range(0, n, STAGE):
+        hi = min(n, lo + STAGE)
+        d = denominator(v[lo:hi], bc2, eps, out=scratch[:hi - lo])
+        q = torch.div(m[lo:hi], bc1).div_(d)
+        out = torch.maximum(out, q.abs_().amax().reshape(1))
+    return out
 
 
 def lamb_direction(m: Tensor, v: Tensor, bc1: float, bc2: float, eps: float, out: Tensor) -> Tensor:
-    """out = m^ / (sqrt(v^) + eps)."""
+    """out = m^ / (sqrt(v^) + eps) (the warmup's; see `max_abs_update` for the same quotient)."""
     u = denominator(v, bc2, eps, out=out)
     return torch.div(m / bc1, u, out=u)
 
@@ -83,12 +133,14 @@ def track_coeff(frozen_coeff: Tensor, c: Tensor, beta: float) -> Tensor:
     return torch.where(c != 1, beta * frozen_coeff + (1 - beta) * c, frozen_coeff)
 
 
-def implied_grad_variance_(v_fresh: Tensor, m_new: Tensor, m_prev: Tensor, b1: float, b2: float,
-                           scratch: Optional[Tensor] = None) -> None:
-    """1-bit LAMB: g~ = (m_new - b1 m_prev) / (1 - b1), the gradient the reduced momentum
-    implies, and v_fresh <- b2 v_fresh + (1 - b2) g~^2."""
-    gt = torch.sub(m_new, m_prev * b1, out=scratch).div_(1 - b1)
+def implied_grad_variance_(v_fresh: Tensor, m_new: Tensor, m: Tensor, b1: float, b2: float) -> None:
+    """1-bit LAMB: g~ = (m_new - b1 m) / (1 - b1), the gradient the reduced momentum
+    implies, v_fresh <- b2 v_fresh + (1 - b2) g~^2, then m <- m_new. g~ is formed in m
+    itself (the same roundings as with a temporary), so nothing is allocated."""
+    m.mul_(b1)
+    gt = torch.sub(m_new, m, out=m).div_(1 - b1)
     v_fresh.mul_(b2).addcmul_(gt, gt, value=1 - b2)
+    m.copy_(m_new)
 
 
 def onebit_lamb_factor(ratio_max: Tensor, u0n: Optional[Tensor], un: Optional[Tensor], last: Tensor,

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -155,6 +155,7 @@ class OneBitLamb(OneBitOptimizer, Lamb):
         bias_correction: bool = True,
         block_size: Optional[int] = DEFAULT_BLOCK_SIZE,
         mask_threshold: float = 1e-10,
+        max_update: Union[float, str, None] = "warmup",
         nonfinite: str = "raise",
         bucket_cap_mb: float = 25.0,
         detect_averaged_grads: bool = True,
@@ -163,8 +164,8 @@ class OneBitLamb(OneBitOptimizer, Lamb):
     ) -> None:
         self._subclass_defaults = dict(freeze_step=freeze_step, coeff_beta=coeff_beta, factor_max=factor_max,
                                        factor_min=factor_min, factor_threshold=factor_threshold,
-                                       block_size=block_size, mask_threshold=mask_threshold, nonfinite=nonfinite,
-                                       detect_averaged_grads=detect_averaged_grads)
+                                       block_size=block_size, mask_threshold=mask_threshold, max_update=max_update,
+                                       nonfinite=nonfinite, detect_averaged_grads=detect_averaged_grads)
         super().__init__(params, lr, betas, eps, weight_decay, max_coeff=max_coeff, min_coeff=min_coeff,
                          bias_correction=bias_correction, bucket_cap_mb=bucket_cap_mb, process_group=process_group,
                          backend=backend)
@@ -209,8 +210,7 @@ class OneBitLamb(OneBitOptimizer, Lamb):
             self._mask_range(values, lo, hi)
             for i, a, b in parts:
                 b1, b2 = self.param_groups[L.group_of[i]]["betas"]
-                F.implied_grad_variance_(vf[a:b], values[a - lo:b - lo], m[a:b], b1, b2)
-                m[a:b].copy_(values[a - lo:b - lo])
+                F.implied_grad_variance_(vf[a:b], values[a - lo:b - lo], m[a:b], b1, b2)  # commits m too
 
         return sink
 
@@ -222,6 +222,7 @@ class OneBitLamb(OneBitOptimizer, Lamb):
         m, v, vf = self._flat["exp_avg"], self._flat["exp_avg_sq"], self._flat["exp_avg_sq_fresh"]
         stage = self._stage_buffer(L)
         u_buf = self._update_buffer(L)
+        bounds = self._update_bounds(L)
         for seg in self._segments(L, self._participating(L), vstep="variance_step"):
             group = self.param_groups[seg.group]
             bc1, bc2 = self._bias_corrections(group, seg)
@@ -229,15 +230,18 @@ class OneBitLamb(OneBitOptimizer, Lamb):
             for i in seg.idx:
                 o, n = L.offsets[i], L.numels[i]
                 u = u_buf[:n]
-                # d = sqrt(v^) + eps, d~ likewise of the fresh variance; u0 = m^ / d; f = max(d / d~)
-                ratio_max = None
+                # d = sqrt(v^) + eps, d~ likewise of the fresh variance; f = max(d / d~);
+                # u0 = m^ / d, clamped to [-U, U] per coordinate (max_update)
+                ratio_max, bound = None, bounds[i]
                 for lo in range(0, n, F.STAGE):
                     hi = min(n, lo + F.STAGE)
                     d = F.denominator(v[o + lo:o + hi], bc2, eps, out=stage[:hi - lo])
                     r = F.denominator(vf[o + lo:o + hi], bc2, eps, out=u[lo:hi])
                     part = torch.amax(torch.div(d, r, out=r)).reshape(1)
                     ratio_max = part if ratio_max is None else torch.maximum(ratio_max, part)
-                    torch.div(m[o + lo:o + hi] / bc1, d, out=u[lo:hi])
+                    torch.div(m[o + lo:o + hi], bc1, out=u[lo:hi]).div_(d)
+                    if bound is not None:
+                        u[lo:hi].clamp_(-bound, bound)
                 u0n = un = None
                 u = u.view(L.params[i].shape)
                 if wd != 0:
@@ -283,7 +287,7 @@ OneBitLamb.__doc__ = r"""Implements 1-bit LAMB: LAMB in the warmup, then a froze
                 \tilde{v} \leftarrow \beta_2 \tilde{v} + (1-\beta_2) \tilde{g}^2                  \\
             &\hspace{5mm} d \leftarrow \sqrt{\hat{v}} + \epsilon, \:
                 \tilde{d} \leftarrow \sqrt{\hat{\tilde{v}}} + \epsilon, \:
-                u_0 \leftarrow \hat{m} / d, \: u \leftarrow u_0 + \lambda \theta                    \\
+                u_0 \leftarrow \mathrm{clamp}(\hat{m} / d, -U_p, U_p), \: u \leftarrow u_0 + \lambda \theta \\
             &\hspace{5mm} f \leftarrow \max_i (d / \tilde{d}); \:
                 \textbf{if } \lambda > 0: r \leftarrow \min(1, \|u_0\|/\|u\|), \:
                 f \leftarrow f r + (1 - r)                                                       \\
@@ -297,7 +301,11 @@ OneBitLamb.__doc__ = r"""Implements 1-bit LAMB: LAMB in the warmup, then a froze
     :math:`\hat{m} = m / (1-\beta_1^t)`; :math:`\hat{v}` and :math:`\hat{\tilde{v}}` are divided
     by :math:`1-\beta_2^{T_w}` (the correction frozen with the variance). The mask, the
     flat fp32 state, the checkpoints and the non-finite handling are those of
-    :class:`OneBitAdam`.
+    :class:`OneBitAdam`. :math:`U_p` (max_update) bounds each coordinate of :math:`u_0`
+    (no clamp when None); with the default "warmup" it is the largest
+    :math:`|\hat{m}/(\sqrt{\hat{v}}+\epsilon)|` of parameter tensor p after the last warmup
+    step, so compression never gives a coordinate a larger direction than LAMB's warmup gave
+    that tensor (see :class:`OneBitAdam` for why the compressed momentum needs a bound).
 
     Args:
         params (iterable): iterable of parameters or named parameters to optimize
@@ -322,6 +330,12 @@ OneBitLamb.__doc__ = r"""Implements 1-bit LAMB: LAMB in the warmup, then a froze
         mask_threshold (float, optional): coordinates whose frozen variance is at most this
             times the mean variance get no momentum after the freeze, as in
             :class:`OneBitAdam` (default: 1e-10)
+        max_update (float, str or None, optional): in the compression stage, the bound U_p on
+            each coordinate of u0 = m^ / (sqrt(v^) + eps), before weight decay and the LAMB
+            coefficient: "warmup" (per parameter tensor, its largest |u0| after the last
+            warmup step, recorded at the freeze and saved in checkpoints), a number > 0,
+            "auto" (Adam's largest possible |u0|, (1-b1) / sqrt((1-b2)(1-b1^2/b2)), needs
+            b1^2 < b2), or None (the published, unbounded update) (default: "warmup")
         nonfinite (str, optional): "raise" or "skip" a step with NaN/Inf, state unchanged
             (default: "raise")
         bucket_cap_mb (float, optional): bucket size of the warmup gradient allreduce (default: 25)

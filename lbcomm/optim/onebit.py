@@ -31,6 +31,7 @@ from ..common import ring_allreduce_bytes
 from ..compressed import CompressionState, NonFiniteError, reduce_
 from ..ddp.claims import claim_gradients
 from ..wire import check_block_size
+from . import functional as F
 from .base import BaseOptimizer, replica_slots
 from .flat import FlatLayout
 from .functional import STAGE
@@ -52,7 +53,9 @@ class OneBitOptimizer(BaseOptimizer):
     """
 
     _GLOBAL_OPTIONS = BaseOptimizer._GLOBAL_OPTIONS + ("freeze_step", "block_size", "nonfinite", "mask_threshold")
-    _param_vectors: Dict[str, float] = {"step": 0.0, "variance_step": 0.0}
+    # max_update_bound: max_update="warmup"'s U_p, recorded at the freeze; -1 = not recorded
+    # (before the freeze, and in checkpoints saved before it existed: unbounded, as they were)
+    _param_vectors: Dict[str, float] = {"step": 0.0, "variance_step": 0.0, "max_update_bound": -1.0}
     _frozen_buffers: tuple = ()
 
     def __init__(self, *args, **kwargs):
@@ -76,6 +79,7 @@ class OneBitOptimizer(BaseOptimizer):
         check_block_size(group["block_size"])
         if not 0.0 <= group["mask_threshold"] < 1.0:
             raise ValueError(f"Invalid mask_threshold: {group['mask_threshold']} (need 0 <= mask_threshold < 1)")
+        F.resolve_max_update(group["max_update"], group["betas"])
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """Add a param group (see torch.optim.Optimizer.add_param_group). Allowed during
@@ -171,6 +175,36 @@ class OneBitOptimizer(BaseOptimizer):
 
     def _on_freeze(self, L: FlatLayout) -> None:
         """Extra work at the freeze (after the mask, before the views are attached)."""
+
+    def _record_update_bounds(self, L: FlatLayout) -> None:
+        """At the freeze, for max_update="warmup": U_p = max_i |m^_i / (sqrt(v^_i) + eps)| of
+        each parameter after its last warmup step (its largest full-precision step, in units
+        of lr), kept in fp32 per parameter so that a resumed run uses the same bound; 0 for
+        parameters that never had a gradient (they are not updated)."""
+        m, v, stage = self._flat["exp_avg"], self._flat["exp_avg_sq"], self._stage_buffer(L)
+        bound, steps = self._vectors["max_update_bound"], self._vectors["step"].tolist()
+        for i, gi in enumerate(L.group_of):
+            group = self.param_groups[gi]
+            if steps[i] == 0:
+                bound[i] = 0.0
+                continue
+            b1, b2 = group["betas"]
+            bc1, bc2 = (1 - b1 ** steps[i], 1 - b2 ** steps[i]) if group["bias_correction"] else (1.0, 1.0)
+            bound[i:i + 1] = F.max_abs_update(L.view(m, i), L.view(v, i), bc1, bc2, group["eps"], stage)
+
+    def _update_bounds(self, L: FlatLayout) -> List[Optional[float]]:
+        """Per parameter, this step's bound U on |m^ / (sqrt(v^) + eps)| (max_update of its
+        group; None: unbounded, the published update)."""
+        per_group = [F.resolve_max_update(g["max_update"], g["betas"]) for g in self.param_groups]
+        recorded, out = None, []
+        for i, gi in enumerate(L.group_of):
+            u = per_group[gi]
+            if u == "warmup":
+                if recorded is None:
+                    recorded = self._vectors["max_update_bound"].tolist()
+                u = recorded[i] if recorded[i] >= 0 else None
+            out.append(u)
+        return out
 
     # ------------------------------------------------------------------ the compressed momentum
     def _grads_finite(self, L: FlatLayout) -> bool:
@@ -321,6 +355,7 @@ class OneBitOptimizer(BaseOptimizer):
         self._grad_buf = None  # the compression stage reads the gradients where autograd left them
         self._vectors["variance_step"].copy_(self._vectors["step"])
         self._build_mask(L)
+        self._record_update_bounds(L)
         for name in self._frozen_buffers:
             self._flat[name] = torch.zeros_like(self._flat["exp_avg"])
         self._make_compression_state(L)
@@ -354,6 +389,13 @@ class OneBitOptimizer(BaseOptimizer):
         return extra
 
     def _load_extra_state(self, state: Dict[Any, Dict[str, Tensor]], extra: Dict[str, Any]) -> None:
+        old = [g for g in self.param_groups if "max_update" not in g]
+        for g in old:  # saved before max_update existed: go on with the update it was trained with
+            g["max_update"] = None
+        if old:
+            _log.warning("%s: the checkpoint predates max_update; its %s param group(s) continue with the published, "
+                         "unbounded update (max_update=None) as they were trained; set param_group['max_update'] to "
+                         "bound the compression stage", type(self).__name__, len(old))
         self._frozen = bool(extra["frozen"])
         self._comp = None
         self._mask = None

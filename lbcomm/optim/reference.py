@@ -66,19 +66,34 @@ def _denom(v: Tensor, bc2: float, eps: float) -> Tensor:
     return (v.sqrt() / bc2 ** 0.5).add_(eps)
 
 
+def _bounds(max_update, betas, m, v, bc1: float, bc2: float, eps: float) -> List[Optional[float]]:
+    """max_update's bound U on |m^ / (sqrt(v^) + eps)| per parameter, taken at the freeze:
+    a number, "auto" (Adam's largest possible |m^ / sqrt(v^)|), "warmup" (the parameter's
+    largest |m^ / (sqrt(v^) + eps)| after the last warmup step, kept in fp32) or None."""
+    if max_update is None:
+        return [None] * len(m)
+    if max_update == "warmup":
+        return [float(((mi / bc1) / _denom(vi, bc2, eps)).abs().max()) for mi, vi in zip(m, v)]
+    if max_update == "auto":
+        b1, b2 = betas
+        return [(1 - b1) / math.sqrt((1 - b2) * (1 - b1 * b1 / b2))] * len(m)
+    return [float(max_update)] * len(m)
+
+
 def simulate_onebit_adam(params0: Sequence[Tensor], grads: Sequence[Sequence[Sequence[Tensor]]], *, lr: float,
                          betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0, freeze_step: int,
                          block_size: Optional[int], bias_correction: bool = True,
-                         mask_threshold: float = 1e-10) -> List[List[Tensor]]:
+                         mask_threshold: float = 1e-10, max_update=1.0) -> List[List[Tensor]]:
     """1-bit Adam. grads[t][r][i]: gradient of parameter i on rank r at step t + 1.
-    Returns the parameters after every step."""
+    Returns the parameters after every step. In the compression stage each coordinate's
+    step lr m^ / (sqrt(v^) + eps) is clamped to lr U (max_update; None: unbounded)."""
     b1, b2 = betas
     p = len(grads[0])
     theta = [t.detach().float().clone() for t in params0]
     m = [torch.zeros_like(t) for t in theta]
     v = [torch.zeros_like(t) for t in theta]
     comp = _Compressor(sum(t.numel() for t in theta), p, block_size)
-    keep = None
+    keep = bounds = None
     history = []
     for step, g_step in enumerate(grads, start=1):
         if step <= freeze_step:
@@ -88,8 +103,10 @@ def simulate_onebit_adam(params0: Sequence[Tensor], grads: Sequence[Sequence[Seq
                 v[i].mul_(b2).addcmul_(g, g, value=1 - b2)
             vstep = step
         else:
-            if keep is None:  # the zero-variance mask, taken at the freeze
+            if keep is None:  # the zero-variance mask and the bounds, taken at the freeze
                 keep = _keep(v, mask_threshold)
+                bc = (1 - b1 ** freeze_step, 1 - b2 ** freeze_step) if bias_correction else (1.0, 1.0)
+                bounds = _bounds(max_update, betas, m, v, *bc, eps)
             local = [_cat([torch.lerp(m[i], g_step[r][i].float(), 1 - b1) for i in range(len(theta))])
                      for r in range(p)]
             m = [torch.where(k, mi, 0.0) for mi, k in zip(_split(comp(local), theta), keep)]
@@ -99,7 +116,11 @@ def simulate_onebit_adam(params0: Sequence[Tensor], grads: Sequence[Sequence[Seq
         for i in range(len(theta)):
             if weight_decay != 0:
                 theta[i].mul_(1 - lr * weight_decay)
-            theta[i].addcdiv_(m[i], _denom(v[i], bc2, eps), value=-lr / bc1)
+            if bounds is None or bounds[i] is None:
+                theta[i].addcdiv_(m[i], _denom(v[i], bc2, eps), value=-lr / bc1)
+            else:  # the clamped step (-lr/bc1) m / d, addcdiv's roundings
+                step_i = torch.mul(m[i], -lr / bc1).div_(_denom(v[i], bc2, eps))
+                theta[i].add_(step_i.clamp_(-lr * bounds[i], lr * bounds[i]))
         history.append([t.clone() for t in theta])
     return history
 
@@ -122,16 +143,18 @@ def simulate_onebit_lamb(params0, grads, *, lr: float, betas=(0.9, 0.999), eps: 
                          weight_decay: float = 0.0, freeze_step: int, block_size: Optional[int],
                          max_coeff: float = 10.0, min_coeff: float = 0.01, coeff_beta: float = 0.9,
                          factor_max: float = 4.0, factor_min: float = 0.5, factor_threshold: float = 0.1,
-                         bias_correction: bool = True, mask_threshold: float = 1e-10):
-    """1-bit LAMB. Returns the parameters after every step."""
+                         bias_correction: bool = True, mask_threshold: float = 1e-10, max_update="warmup"):
+    """1-bit LAMB. Returns the parameters after every step. In the compression stage each
+    coordinate of u0 = m^ / (sqrt(v^) + eps) is clamped to [-U, U] (max_update; None: unbounded)."""
     return _lamb(params0, grads, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_coeff=max_coeff,
                  min_coeff=min_coeff, bias_correction=bias_correction, freeze_step=freeze_step,
                  block_size=block_size, coeff_beta=coeff_beta, factor_max=factor_max, factor_min=factor_min,
-                 factor_threshold=factor_threshold, mask_threshold=mask_threshold)
+                 factor_threshold=factor_threshold, mask_threshold=mask_threshold, max_update=max_update)
 
 
 def _lamb(params0, grads, *, lr, betas, eps, weight_decay, max_coeff, min_coeff, bias_correction, freeze_step,
-          block_size=None, coeff_beta=0.9, factor_max=4.0, factor_min=0.5, factor_threshold=0.1, mask_threshold=0.0):
+          block_size=None, coeff_beta=0.9, factor_max=4.0, factor_min=0.5, factor_threshold=0.1, mask_threshold=0.0,
+          max_update=None):
     b1, b2 = betas
     p = len(grads[0])
     n_params = len(params0)
@@ -162,7 +185,9 @@ def _lamb(params0, grads, *, lr, betas, eps, weight_decay, max_coeff, min_coeff,
         if not frozen:  # the freeze: everything below is taken from the state after step freeze_step
             rms = [torch.linalg.vector_norm(mi) / math.sqrt(mi.numel()) for mi in m]
             mean_rms = torch.stack(rms).mean()
+            bc = (1 - b1 ** freeze_step, 1 - b2 ** freeze_step) if bias_correction else (1.0, 1.0)
             frozen = {
+                "bounds": _bounds(max_update, betas, m, v, *bc, eps),
                 "keep": _keep(v, mask_threshold),
                 "v_fresh": [vi.clone() for vi in v],
                 "k": [mean_rms / r if r > 0 else torch.ones(()) for r in rms],
@@ -182,6 +207,8 @@ def _lamb(params0, grads, *, lr, betas, eps, weight_decay, max_coeff, min_coeff,
             d_fresh = _denom(v_fresh[i], bc2, eps)
             f = torch.amax(d / d_fresh)
             u0 = (m[i] / bc1) / d
+            if frozen["bounds"][i] is not None:
+                u0.clamp_(-frozen["bounds"][i], frozen["bounds"][i])
             u = u0.clone()
             if weight_decay != 0:
                 u.add_(theta[i], alpha=weight_decay)
