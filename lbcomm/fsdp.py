@@ -1,6 +1,17 @@
 """HSDP with 1 bit across nodes: FSDP2 shards inside a node, and the gradient shards are
 averaged across nodes by the 1-bit error-feedback compressed allreduce (DESIGN.md §4b).
 
+Two ways, on the same sharding (``fully_shard(module, mesh=mesh["local"])``):
+
+* `onebit_hsdp`: an all-reduce hook compresses each gradient shard across the nodes; any
+  optimizer (below).
+* `onebit_optimizer`: a 1-bit optimizer (`OneBitAdam`, `OneBitLamb`; or `Lamb` at full
+  precision) on the local shards owns the traffic across nodes: in the warmup it averages
+  the gradient shards over the replicate group in full precision (what HSDP's all-reduce
+  does), from the freeze on it compresses its sharded momentum across the replicate group
+  with 1 bit and error feedback (one call for the whole shard per step). LAMB's norms of
+  whole parameters come from a scalar allreduce over the shard group.
+
 Layout: a 2-D DeviceMesh with a replicate dimension (the nodes, default "node") and a shard
 dimension (the ranks of a node, default "local"). The model is sharded with FSDP2 over the
 SHARD dimension only (``fully_shard(module, mesh=mesh["local"])``), so FSDP's own
@@ -35,7 +46,7 @@ from .common import NONFINITE_POLICIES
 from .compressed import DEFAULT_BLOCK_SIZE, CompressionState, compressed_allreduce_
 from .wire import check_block_size
 
-__all__ = ["OneBitHSDPState", "onebit_hsdp"]
+__all__ = ["OneBitHSDPState", "onebit_hsdp", "onebit_optimizer"]
 
 _log = logging.getLogger(__name__)
 
@@ -163,3 +174,99 @@ def onebit_hsdp(model: torch.nn.Module, mesh, *, replicate_dim: str = "node", sh
     _log.info("onebit_hsdp: 1-bit all-reduce hook on %s FSDP module(s) across %s ranks per shard", len(found),
               mesh.size(list(names).index(replicate_dim)))
     return state
+
+
+def _check_mesh(mesh, replicate_dim: str, shard_dim: str, who: str) -> None:
+    names = getattr(mesh, "mesh_dim_names", None) or ()
+    if mesh.ndim != 2 or replicate_dim not in names or shard_dim not in names:
+        raise ValueError(f"{who}: expected a 2-D DeviceMesh with dimensions ({replicate_dim!r}, {shard_dim!r}), "
+                         f"got {mesh.ndim} dimension(s) named {names}; build it with init_device_mesh(device, (nodes, "
+                         f"ranks_per_node), mesh_dim_names=({replicate_dim!r}, {shard_dim!r}))")
+
+
+def onebit_optimizer(model: torch.nn.Module, mesh, optimizer_class=None, *, replicate_dim: str = "node",
+                     shard_dim: str = "local", params=None, **kwargs):
+    """A 1-bit optimizer for a model sharded with FSDP2 inside each node: the warmup is
+    HSDP (FSDP's reduce-scatter in the node, the optimizer's fp32 mean across nodes), the
+    compression stage compresses the sharded momentum across the nodes.
+
+    Args:
+        model (nn.Module): the model, every parameter in an FSDP module sharded with
+            ``fully_shard(module, mesh=mesh[shard_dim])`` (sharded inside the node only).
+        mesh (DeviceMesh): 2-D, dimensions (replicate_dim, shard_dim), e.g.
+            ``init_device_mesh("cuda", (nodes, gpus_per_node), mesh_dim_names=("node", "local"))``.
+        optimizer_class (type, optional): `lbcomm.OneBitAdam` (default), `lbcomm.OneBitLamb`
+            or `lbcomm.Lamb` (full precision throughout), or a subclass of them.
+        replicate_dim, shard_dim (str, optional): the mesh's dimension names (default:
+            "node", "local").
+        params (iterable, optional): parameters or param groups (default: model.parameters()).
+        **kwargs: the optimizer's options (lr, freeze_step, ...); process_group, shard_group
+            and topology are set here.
+
+    Returns:
+        The optimizer (process_group = the replicate group, shard_group = the shard group).
+
+    Why the model is sharded on mesh[shard_dim] and not on the 2-D mesh (FSDP's native
+    HSDP): native HSDP all-reduces every gradient shard across the nodes in fp32 itself, and
+    switching that off (``set_requires_all_reduce(False)``) does not hand the optimizer the
+    node's gradient: on torch 2.13 (checked on CPU/gloo) ``.grad`` stays None and FSDP keeps
+    the reduce-scatter output in a private accumulation buffer. Sharding inside the node
+    gives the optimizer exactly that reduce-scatter output (the node's mean of its shard), and
+    the optimizer does the across-node step that HSDP would do: a full-precision mean in the
+    warmup (the same arithmetic as HSDP's all-reduce), the compressed momentum after it.
+    Checkpoints: the optimizer's state is per rank (`lbcomm.save_sharded`, or DCP with
+    `lbcomm.integrations.dcp.RankLocal`).
+
+    Example::
+
+        >>> mesh = init_device_mesh("cpu", (nodes, ranks_per_node), mesh_dim_names=("node", "local"))
+        >>> for block in model.blocks:
+        ...     fully_shard(block, mesh=mesh["local"])
+        >>> fully_shard(model, mesh=mesh["local"])
+        >>> opt = lbcomm.fsdp.onebit_optimizer(model, mesh, lbcomm.OneBitAdam, lr=1e-3, freeze_step=1000)
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    from .optim import Lamb, OneBitAdam
+    from .optim.onebit import OneBitOptimizer
+
+    _check_mesh(mesh, replicate_dim, shard_dim, "onebit_optimizer")
+    cls = OneBitAdam if optimizer_class is None else optimizer_class
+    if not (isinstance(cls, type) and issubclass(cls, (OneBitOptimizer, Lamb))):
+        raise TypeError(f"onebit_optimizer: optimizer_class must be lbcomm.OneBitAdam, lbcomm.OneBitLamb or "
+                        f"lbcomm.Lamb (or a subclass), got {cls!r}")
+    for name in ("process_group", "shard_group", "topology"):
+        if name in kwargs:
+            raise ValueError(f"onebit_optimizer: {name} is set from the mesh (the replicate group is the topology's "
+                             f"cross-node step); do not pass it")
+    fsdp_modules = [(name or "<root>", m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    if not fsdp_modules:
+        raise ValueError(f"onebit_optimizer: the model has no FSDP module; call fully_shard(module, "
+                         f"mesh=mesh[{shard_dim!r}]) on its blocks and on the model first")
+    shard_mesh = mesh[shard_dim]
+    for name, module in fsdp_modules:
+        state = module._get_fsdp_state()
+        if any(getattr(g, "_all_reduce_hook", None) is not None for g in state._fsdp_param_groups):
+            raise ValueError(f"onebit_optimizer: FSDP module {name} has an all-reduce hook (lbcomm.fsdp.onebit_hsdp?); "
+                             "the 1-bit optimizer compresses across nodes itself, two compressors would stack. Use "
+                             "one of them")
+    for pname, p in model.named_parameters():
+        pm = getattr(p, "device_mesh", None)
+        if pm is None:
+            raise ValueError(f"onebit_optimizer: parameter {pname} is not sharded by FSDP (not a DTensor); its "
+                             "gradient would not be averaged inside the node. Wrap every module with parameters "
+                             f"(at least the root: fully_shard(model, mesh=mesh[{shard_dim!r}]))")
+        if pm.ndim != 1:
+            raise ValueError(f"onebit_optimizer: parameter {pname} is sharded on a {pm.ndim}-D mesh (FSDP's native "
+                             "HSDP, which all-reduces across nodes in fp32 itself; turning that off with "
+                             "set_requires_all_reduce(False) leaves .grad empty on torch 2.13). Shard with "
+                             f"fully_shard(module, mesh=mesh[{shard_dim!r}]) and let the optimizer reduce across nodes")
+        if pm.mesh.tolist() != shard_mesh.mesh.tolist():
+            raise ValueError(f"onebit_optimizer: parameter {pname} is sharded over ranks {pm.mesh.tolist()}, not over "
+                             f"this rank's {shard_dim!r} dimension {shard_mesh.mesh.tolist()}")
+    extra = {} if issubclass(cls, Lamb) and not issubclass(cls, OneBitOptimizer) else {"topology": "flat"}
+    opt = cls(model.parameters() if params is None else params, process_group=mesh.get_group(replicate_dim),
+              shard_group=mesh.get_group(shard_dim), backend="torch", **extra, **kwargs)
+    _log.info("onebit_optimizer: %s on %s FSDP module(s), shards averaged across %s nodes", cls.__name__,
+              len(fsdp_modules), mesh.size(list(mesh.mesh_dim_names).index(replicate_dim)))
+    return opt

@@ -43,7 +43,7 @@ from ..common import FLOAT_DTYPES, NONFINITE_POLICIES
 from ..compressed import NonFiniteError
 from ..ddp.claims import AveragedGradientsError
 from . import functional as F
-from .flat import FlatLayout, Segment, segments
+from .flat import FlatLayout, Segment, local_tensor, segments
 
 __all__ = ["BaseOptimizer", "STATE_VERSION"]
 
@@ -81,8 +81,16 @@ class BaseOptimizer(Optimizer):
     options round-trip through `state_dict`), extend `_validate_group`, list the options
     that must agree across groups in `_GLOBAL_OPTIONS`, and implement `_warmup_update`.
 
+    Sharded parameters (FSDP2, see `lbcomm.fsdp.onebit_optimizer`): DTensor parameters are
+    updated through their local shards; `shard_group` holds the ranks with the other shards
+    of the same parameters, and everything that is per parameter tensor (LAMB's norms, the
+    1-bit optimizers' bounds and momentum scales, the step's non-finite verdict) is agreed
+    over it with one small allreduce, while `process_group` is the replicate group the
+    shards are averaged (or compressed) over.
+
     Attributes:
         process_group: the group (or mpi4py communicator) gradients are averaged over.
+        shard_group: the group of the other shards of the same parameters (None: unsharded).
         last_step_skipped (bool): the last `step` saw NaN/Inf (on any rank) and changed nothing.
         skipped_steps (int): how many steps were skipped so far.
     """
@@ -93,11 +101,14 @@ class BaseOptimizer(Optimizer):
     _flat_buffers: tuple = ("exp_avg", "exp_avg_sq")
     _param_vectors: Dict[str, float] = {"step": 0.0}
 
-    def __init__(self, params, defaults: Dict[str, Any], *, process_group=None, backend: str = "auto"):
+    def __init__(self, params, defaults: Dict[str, Any], *, process_group=None, backend: str = "auto",
+                 shard_group=None):
         if backend not in BACKENDS:
             raise ValueError(f"Invalid backend: {backend!r} (use one of {BACKENDS})")
         self._validate_group(defaults)
         self.process_group = process_group
+        self.shard_group = shard_group
+        self._shard_transport = None
         self.backend = backend
         self._transport = None
         self._grads_averaged = False
@@ -215,6 +226,10 @@ class BaseOptimizer(Optimizer):
         """
         if float(norm_type) != 2.0:
             raise ValueError(f"{type(self).__name__}.clip_grad_norm_: only norm_type=2.0 is supported, got {norm_type}")
+        if self.shard_group is not None:
+            raise NotImplementedError(f"{type(self).__name__}.clip_grad_norm_ does not support sharded (FSDP2) "
+                                      "parameters yet; clip with torch.nn.utils.clip_grad_norm_ during the warmup "
+                                      "or not at all")
         params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
         tr = self.transport
         if params:
@@ -233,6 +248,53 @@ class BaseOptimizer(Optimizer):
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
         return total
 
+    @property
+    def shard_transport(self):
+        """The transport of `shard_group` (None when the parameters are not sharded)."""
+        if self.shard_group is None:
+            return None
+        if self._shard_transport is None:
+            self._shard_transport = get_transport(self.shard_group, backend=self.backend)
+        return self._shard_transport
+
+    def _sharded(self) -> bool:
+        tr = self.shard_transport
+        return tr is not None and tr.world_size > 1
+
+    def _agree_over_shards(self, ok: bool) -> bool:
+        """Whether `ok` holds on every rank of the shard group (one scalar allreduce; `ok`
+        itself when unsharded)."""
+        if not self._sharded():
+            return ok
+        flag = torch.tensor([0.0 if ok else 1.0], device=self._device(self._layout))
+        self.shard_transport.all_reduce(flag, op="sum")
+        return float(flag) == 0.0
+
+    def _per_tensor(self, L: FlatLayout, local: Tensor, op: str = "sum", full: bool = False):
+        """Per parameter tensor: `local` ([len(L.params), k], this rank's shard's values)
+        reduced over the shard group (sum of the shards' sums, or their max), in layout
+        order; `local` itself when unsharded. One allreduce, indexed by the parameters'
+        numbering in param_groups (`_params_in_order`), so that ranks whose layouts differ
+        (a parameter whose local shard is empty) take part in the same collective. With
+        `full`: the reduced values of every parameter in that numbering, and the index of
+        each layout parameter in it."""
+        index = self._param_indices()
+        n = max(index.values(), default=-1) + 1
+        fill = 0.0 if op == "sum" else float("-inf")
+        out = torch.full((n,) + tuple(local.shape[1:]), fill, dtype=torch.float32, device=local.device)
+        where = torch.tensor([index[id(p)] for p in L.params], dtype=torch.int64, device=local.device)
+        if where.numel():
+            out[where] = local.float()
+        if self._sharded():
+            self.shard_transport.all_reduce(out, op=op)
+        elif not full:
+            return local
+        return (out, where) if full else out[where]
+
+    def _params_in_order(self) -> List[Tensor]:
+        """The parameters in the numbering of `_param_indices` (torch's state_dict numbering)."""
+        return [p for g in self.param_groups for p in g["params"]]
+
     # ------------------------------------------------------------------ layout
     def _select_params(self, order: Optional[Sequence[int]] = None):
         flat = [(gi, p) for gi, g in enumerate(self.param_groups) for p in g["params"]]
@@ -242,7 +304,7 @@ class BaseOptimizer(Optimizer):
         old = self._layout.index if self._layout is not None else {}
         seen, chosen = set(), []
         for gi, p in flat:
-            if (p.requires_grad or id(p) in old) and p.numel() > 0 and id(p) not in seen:
+            if (p.requires_grad or id(p) in old) and local_tensor(p).numel() > 0 and id(p) not in seen:
                 seen.add(id(p))
                 chosen.append((gi, p))
         return chosen
@@ -262,6 +324,11 @@ class BaseOptimizer(Optimizer):
                 raise ValueError(f"{type(self).__name__}: parameters must be float32, float16 or bfloat16, "
                                  f"got {p.dtype}")
         L = FlatLayout(params, [gi for gi, _ in chosen])
+        if L.sharded and self.shard_group is None:
+            raise ValueError(f"{type(self).__name__}: the parameters are DTensors (a model sharded with FSDP2); create "
+                             "the optimizer with lbcomm.fsdp.onebit_optimizer(model, mesh, "
+                             f"{type(self).__name__}, ...), which passes the replicate group as process_group and the "
+                             "shard group as shard_group")
         f32 = dict(dtype=torch.float32, device=params[0].device if params else torch.device("cpu"))
         old, old_flat, old_vec = self._layout, self._flat, self._vectors
         self._flat = {name: torch.zeros(L.total, **f32) for name in self._buffer_names()}
@@ -304,7 +371,7 @@ class BaseOptimizer(Optimizer):
         if not self._layout_stale:
             for g in self.param_groups:
                 for p in g["params"]:
-                    if p.requires_grad and p.numel() > 0 and id(p) not in L.index:
+                    if p.requires_grad and local_tensor(p).numel() > 0 and id(p) not in L.index:
                         self._layout_stale = True
                         break
         if self._layout_stale:
@@ -354,9 +421,9 @@ class BaseOptimizer(Optimizer):
             self._grad_buf = torch.empty(size, dtype=torch.float32, device=self._device(L))
         buf = self._grad_buf[:L.total + len(L.params)]
         flags = []
-        for i, p in enumerate(L.params):
+        for i in range(len(L.params)):
             view = L.view(buf, i)
-            g = p.grad
+            g = L.grad(i)
             if g is None:
                 view.zero_()
                 flags.append(0.0)
@@ -388,8 +455,8 @@ class BaseOptimizer(Optimizer):
             if probe:
                 self._probe_warmup = not self._check_replicas(self._grad_buf[buf.numel():], "warmup")
         # Every rank holds the same average (or, with a DDP hook, the same averaged grads),
-        # so every rank reaches the same verdict here.
-        if not bool(torch.isfinite(buf).all()):
+        # so every rank reaches the same verdict here (sharded: the shard group agrees too).
+        if not self._agree_over_shards(bool(torch.isfinite(buf).all())):
             return self._nonfinite("the averaged gradients")
         active = (buf[L.total:] > 0).tolist()
         self._warmup_update(L, active)

@@ -2,18 +2,29 @@
 slice of a flat fp32 buffer, the parameters of one param group next to each other, so
 that one collective serves the whole model.
 
-`FlatLayout` says where each parameter's slice lies; `Segment` is a run of consecutive
+`FlatLayout` says where each parameter's slice lies (for a DTensor parameter of a model
+sharded with FSDP2, the slice of this rank's local shard: the optimizers work on
+``p.to_local()`` and ``p.grad.to_local()``, see `lbcomm.fsdp.onebit_optimizer`); `Segment` is a run of consecutive
 parameters of one group whose step counts are equal (their bias corrections are then
 scalars, so the update math runs once per run instead of once per parameter).
 """
 from __future__ import annotations
 
 import bisect
-from typing import Iterator, List, Sequence, Tuple
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 from torch import Tensor
 
-__all__ = ["FlatLayout", "Segment", "segments"]
+__all__ = ["FlatLayout", "Segment", "segments", "local_tensor"]
+
+
+def local_tensor(t: Optional[Tensor]) -> Optional[Tensor]:
+    """This rank's shard of a DTensor (the tensor itself otherwise). Under no_grad, as in an
+    optimizer step, ``to_local()`` returns the DTensor's own local tensor: writing into it
+    writes the parameter."""
+    if t is not None and hasattr(t, "to_local") and hasattr(t, "device_mesh"):
+        return t.to_local()
+    return t
 
 
 class FlatLayout:
@@ -27,7 +38,9 @@ class FlatLayout:
     def __init__(self, params: List[Tensor], group_of: List[int]):
         self.params = params
         self.group_of = group_of
-        self.numels = [p.numel() for p in params]
+        self.sharded = any(hasattr(p, "device_mesh") for p in params)
+        self.shapes = [local_tensor(p).shape for p in params]
+        self.numels = [local_tensor(p).numel() for p in params]
         self.offsets = []
         total = 0
         for n in self.numels:
@@ -47,7 +60,15 @@ class FlatLayout:
     def view(self, flat: Tensor, i: int) -> Tensor:
         """Parameter i's slice of `flat`, in the parameter's shape."""
         o = self.offsets[i]
-        return flat[o:o + self.numels[i]].view(self.params[i].shape)
+        return flat[o:o + self.numels[i]].view(self.shapes[i])
+
+    def tensor(self, i: int) -> Tensor:
+        """Parameter i as the optimizer updates it: its local shard for a DTensor."""
+        return local_tensor(self.params[i])
+
+    def grad(self, i: int) -> Optional[Tensor]:
+        """Parameter i's gradient (its local shard for a DTensor), or None."""
+        return local_tensor(self.params[i].grad)
 
     def overlapping(self, lo: int, hi: int) -> Iterator[Tuple[int, int, int]]:
         """(parameter, first, end) for every parameter with elements in [lo, hi): the part

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from ..compressed import DEFAULT_BLOCK_SIZE
+from ..topology import Topology
 from . import functional as F
 from .base import BaseOptimizer
 from .flat import FlatLayout, Segment
@@ -34,11 +35,12 @@ class Lamb(BaseOptimizer):
         bucket_cap_mb: float = 25.0,
         process_group=None,
         backend: str = "auto",
+        shard_group=None,
     ) -> None:
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, max_coeff=max_coeff,
                         min_coeff=min_coeff, bias_correction=bias_correction, bucket_cap_mb=bucket_cap_mb,
                         **self._subclass_defaults)
-        super().__init__(params, defaults, process_group=process_group, backend=backend)
+        super().__init__(params, defaults, process_group=process_group, backend=backend, shard_group=shard_group)
 
     def _validate_group(self, group) -> None:
         super()._validate_group(group)
@@ -51,22 +53,31 @@ class Lamb(BaseOptimizer):
 
     def _warmup_update(self, L: FlatLayout, active: List[bool]) -> None:
         m, v, buf = self._flat["exp_avg"], self._flat["exp_avg_sq"], self._grad_buf
-        for seg in self._segments(L, active):
+        segs, norms = self._segments(L, active), []
+        for seg in segs:
             self._moments(seg)
             group = self.param_groups[seg.group]
             bc1, bc2 = self._bias_corrections(group, seg)
             sl = slice(seg.lo, seg.hi)
             # u = m^ / (sqrt(v^) + eps) [+ wd p], written into the gradient buffer (g is consumed)
             F.lamb_direction(m[sl], v[sl], bc1, bc2, group["eps"], out=buf[sl])
-            us = [L.view(buf, i) for i in seg.idx]
             if group["weight_decay"] != 0:
-                for u, i in zip(us, seg.idx):
-                    u.add_(L.params[i], alpha=group["weight_decay"])
-            c = F.trust_ratio(F.norms([L.params[i] for i in seg.idx]), F.norms(us), group["min_coeff"],
-                              group["max_coeff"])
+                for i in seg.idx:
+                    L.view(buf, i).add_(L.tensor(i), alpha=group["weight_decay"])
+            norms.append(torch.stack([F.norms([L.tensor(i) for i in seg.idx]),
+                                      F.norms([L.view(buf, i) for i in seg.idx])], 1))
+        if self._sharded():  # the norms of whole parameters: squares summed over the shards
+            flat = torch.zeros(len(L.params), 2, dtype=torch.float32, device=self._device(L))
+            for seg, n in zip(segs, norms):
+                flat[seg.idx] = n.square()
+            flat = self._per_tensor(L, flat).sqrt_()
+            norms = [flat[seg.idx] for seg in segs]
+        for seg, n in zip(segs, norms):
+            group = self.param_groups[seg.group]
+            c = F.trust_ratio(n[:, 0], n[:, 1], group["min_coeff"], group["max_coeff"])
             self._track_coeff(seg, c)
-            for j, (u, i) in enumerate(zip(us, seg.idx)):
-                self._lamb_step(L.params[i], u, c[j], group["lr"])
+            for j, i in enumerate(seg.idx):
+                self._lamb_step(L.tensor(i), L.view(buf, i), c[j], group["lr"])
 
     @staticmethod
     def _lamb_step(p: Tensor, u: Tensor, coef: Tensor, lr: float) -> None:
@@ -120,6 +131,8 @@ Lamb.__doc__ = r"""Implements LAMB (layer-wise adaptive moments), the full-preci
             mpirun; `process_group` is then an mpi4py communicator or None) or "auto":
             torch.distributed when initialized, else MPI under mpirun; every collective goes
             through `lbcomm.comm.get_transport` (default: "auto")
+        shard_group (ProcessGroup, optional): for FSDP2-sharded parameters, set by
+            `lbcomm.fsdp.onebit_optimizer` (the norms are reduced over it) (default: None)
 
     Example::
 
@@ -161,6 +174,8 @@ class OneBitLamb(OneBitOptimizer, Lamb):
         detect_averaged_grads: bool = True,
         process_group=None,
         backend: str = "auto",
+        topology: Union[str, Topology, None] = "auto",
+        shard_group=None,
     ) -> None:
         self._subclass_defaults = dict(freeze_step=freeze_step, coeff_beta=coeff_beta, factor_max=factor_max,
                                        factor_min=factor_min, factor_threshold=factor_threshold,
@@ -168,7 +183,7 @@ class OneBitLamb(OneBitOptimizer, Lamb):
                                        nonfinite=nonfinite, detect_averaged_grads=detect_averaged_grads)
         super().__init__(params, lr, betas, eps, weight_decay, max_coeff=max_coeff, min_coeff=min_coeff,
                          bias_correction=bias_correction, bucket_cap_mb=bucket_cap_mb, process_group=process_group,
-                         backend=backend)
+                         backend=backend, shard_group=shard_group, topology=topology)
 
     def _validate_group(self, group) -> None:
         super()._validate_group(group)
@@ -189,8 +204,22 @@ class OneBitLamb(OneBitOptimizer, Lamb):
     def _on_freeze(self, L: FlatLayout) -> None:
         self._flat["exp_avg_sq_fresh"].copy_(self._flat["exp_avg_sq"])
         idx = [i for i, on in enumerate(self._participating(L)) if on]
-        if idx:  # k_p = mean_q rms(m_q) / rms(m_p): momenta of similar size through one compression
-            m = self._flat["exp_avg"]
+        m = self._flat["exp_avg"]
+        if self._sharded():  # rms of whole parameters, the mean over every parameter of the model
+            local = torch.zeros(len(L.params), 2, dtype=torch.float32, device=m.device)
+            for i in idx:
+                local[i, 0] = torch.linalg.vector_norm(L.view(m, i)).square()
+                local[i, 1] = 1.0
+            full, where = self._per_tensor(L, local, full=True)
+            numels = torch.tensor([float(p.numel()) for p in self._params_in_order()], device=m.device)
+            rms = (full[:, 0] / numels).sqrt()
+            on = full[:, 1] > 0
+            if bool(on.any()) and idx:
+                mean = rms[on].mean()
+                mine = rms[where[idx]]
+                k = torch.where(mine > 0, mean / mine, torch.ones_like(mine))
+                self._vectors["momentum_scale"][torch.tensor(idx, device=m.device)] = k
+        elif idx:  # k_p = mean_q rms(m_q) / rms(m_p): momenta of similar size through one compression
             rms = torch.stack([torch.linalg.vector_norm(L.view(m, i)) / math.sqrt(L.numels[i]) for i in idx])
             k = torch.where(rms > 0, rms.mean() / rms, torch.ones_like(rms))
             self._vectors["momentum_scale"][torch.tensor(idx, device=m.device)] = k
@@ -219,42 +248,71 @@ class OneBitLamb(OneBitOptimizer, Lamb):
         scale = vecs["momentum_scale"]
         if not self._reduce_momentum(L, self._momentum_source(L, scale), self._momentum_sink(L, scale)):
             return False
-        m, v, vf = self._flat["exp_avg"], self._flat["exp_avg_sq"], self._flat["exp_avg_sq_fresh"]
-        stage = self._stage_buffer(L)
-        u_buf = self._update_buffer(L)
         bounds = self._update_bounds(L)
-        for seg in self._segments(L, self._participating(L), vstep="variance_step"):
-            group = self.param_groups[seg.group]
-            bc1, bc2 = self._bias_corrections(group, seg)
-            eps, wd = group["eps"], group["weight_decay"]
+        segs = self._segments(L, self._participating(L), vstep="variance_step")
+        sharded = self._sharded()
+        stats = torch.zeros(len(L.params), 3, dtype=torch.float32, device=self._device(L)) if sharded else None
+        for seg in segs:
             for i in seg.idx:
-                o, n = L.offsets[i], L.numels[i]
-                u = u_buf[:n]
-                # d = sqrt(v^) + eps, d~ likewise of the fresh variance; f = max(d / d~);
-                # u0 = m^ / d, clamped to [-U, U] per coordinate (max_update)
-                ratio_max, bound = None, bounds[i]
-                for lo in range(0, n, F.STAGE):
-                    hi = min(n, lo + F.STAGE)
-                    d = F.denominator(v[o + lo:o + hi], bc2, eps, out=stage[:hi - lo])
-                    r = F.denominator(vf[o + lo:o + hi], bc2, eps, out=u[lo:hi])
-                    part = torch.amax(torch.div(d, r, out=r)).reshape(1)
-                    ratio_max = part if ratio_max is None else torch.maximum(ratio_max, part)
-                    torch.div(m[o + lo:o + hi], bc1, out=u[lo:hi]).div_(d)
-                    if bound is not None:
-                        u[lo:hi].clamp_(-bound, bound)
-                u0n = un = None
-                u = u.view(L.params[i].shape)
-                if wd != 0:
-                    u0n = F.norms([u])
-                    u.add_(L.params[i], alpha=wd)
-                    un = F.norms([u])
-                last = vecs["last_factor"][i:i + 1]
-                f = F.onebit_lamb_factor(ratio_max, u0n, un, last, group["factor_min"], group["factor_max"],
-                                         group["factor_threshold"])
-                vecs["last_factor"][i:i + 1] = f
-                self._lamb_step(L.params[i], u, vecs["lamb_coeff_freeze"][i:i + 1] * f,
-                                group["lr"])
+                u, ratio_max, u0n, un = self._direction(L, seg, i, bounds[i])
+                if sharded:  # the shards' max and squared norms first, the step below
+                    stats[i, 0] = ratio_max.reshape(())
+                    if u0n is not None:
+                        stats[i, 1:] = torch.cat([u0n, un]).square()
+                else:
+                    self._frozen_lamb_step(L, seg, i, u, ratio_max, u0n, un)
+        if sharded:  # one allreduce for the max ratio (of d / d~ >= 0) and one for the norms
+            ratio = self._per_tensor(L, stats[:, :1], op="max")[:, 0]
+            norms = self._per_tensor(L, stats[:, 1:]).sqrt_()
+            for seg in segs:
+                wd = self.param_groups[seg.group]["weight_decay"] != 0
+                for i in seg.idx:
+                    u = self._direction(L, seg, i, bounds[i], stats=False)[0]
+                    self._frozen_lamb_step(L, seg, i, u, ratio[i:i + 1], norms[i, :1] if wd else None,
+                                           norms[i, 1:] if wd else None)
         return True
+
+    def _direction(self, L: FlatLayout, seg: Segment, i: int, bound: Optional[float], stats: bool = True):
+        """Parameter i's update direction u = clamp(m^ / d, -U, U) [+ wd p] in the update
+        buffer, with (if `stats`) max(d / d~) and, under weight decay, ||u0|| and ||u||
+        (1-element tensors) of this rank's elements."""
+        m, v, vf = self._flat["exp_avg"], self._flat["exp_avg_sq"], self._flat["exp_avg_sq_fresh"]
+        stage, u_buf = self._stage_buffer(L), self._update_buffer(L)
+        group = self.param_groups[seg.group]
+        bc1, bc2 = self._bias_corrections(group, seg)
+        eps, wd = group["eps"], group["weight_decay"]
+        o, n = L.offsets[i], L.numels[i]
+        u = u_buf[:n]
+        # d = sqrt(v^) + eps, d~ likewise of the fresh variance; f = max(d / d~);
+        # u0 = m^ / d, clamped to [-U, U] per coordinate (max_update)
+        ratio_max = None
+        for lo in range(0, n, F.STAGE):
+            hi = min(n, lo + F.STAGE)
+            d = F.denominator(v[o + lo:o + hi], bc2, eps, out=stage[:hi - lo])
+            if stats:
+                r = F.denominator(vf[o + lo:o + hi], bc2, eps, out=u[lo:hi])
+                part = torch.amax(torch.div(d, r, out=r)).reshape(1)
+                ratio_max = part if ratio_max is None else torch.maximum(ratio_max, part)
+            torch.div(m[o + lo:o + hi], bc1, out=u[lo:hi]).div_(d)
+            if bound is not None:
+                u[lo:hi].clamp_(-bound, bound)
+        u0n = un = None
+        u = u.view(L.shapes[i])
+        if wd != 0:
+            u0n = F.norms([u]) if stats else None
+            u.add_(L.tensor(i), alpha=wd)
+            un = F.norms([u]) if stats else None
+        return u, ratio_max, u0n, un
+
+    def _frozen_lamb_step(self, L: FlatLayout, seg: Segment, i: int, u: Tensor, ratio_max: Tensor,
+                          u0n: Optional[Tensor], un: Optional[Tensor]) -> None:
+        """p <- p - lr c_frz f u with the variance factor f of parameter i."""
+        group, vecs = self.param_groups[seg.group], self._vectors
+        last = vecs["last_factor"][i:i + 1]
+        f = F.onebit_lamb_factor(ratio_max, u0n, un, last, group["factor_min"], group["factor_max"],
+                                 group["factor_threshold"])
+        vecs["last_factor"][i:i + 1] = f
+        self._lamb_step(L.tensor(i), u, vecs["lamb_coeff_freeze"][i:i + 1] * f, group["lr"])
 
     def _update_buffer(self, L: FlatLayout) -> Tensor:
         """One parameter's update direction (the largest parameter's size): its norms need
@@ -348,6 +406,10 @@ OneBitLamb.__doc__ = r"""Implements 1-bit LAMB: LAMB in the warmup, then a froze
             mpirun; `process_group` is then an mpi4py communicator or None) or "auto":
             torch.distributed when initialized, else MPI under mpirun; every collective goes
             through `lbcomm.comm.get_transport` (default: "auto")
+        topology (Topology, str or None, optional): nodes of fast-linked ranks for the
+            momentum reduction, as in :class:`OneBitAdam` (default: "auto")
+        shard_group (ProcessGroup, optional): for FSDP2-sharded parameters, set by
+            `lbcomm.fsdp.onebit_optimizer` (LAMB's norms are reduced over it) (default: None)
 
     Example::
 

@@ -16,6 +16,20 @@ freeze, the momentum mask, the compressed momentum allreduce and its error state
   the old m range by range), masked. m is written only after every rank has the result, so
   a non-finite value on any rank leaves every rank's state exactly as it was.
 
+Topology (DESIGN.md §4b): with nodes of several ranks (``topology``: a `Topology`, or
+"auto" under torchrun with more than one node) the compression stage's one reduction is the
+hierarchical call (`lbcomm.topology.hierarchical_allreduce_`: fp32 reduce-scatter inside
+the node, 1 bit across nodes, all-gather), its error feedback a `HierarchicalState`;
+`_reduce_momentum` is the one entry point and picks the call from the state it holds.
+The warmup's averaging stays a flat full-precision allreduce.
+
+Sharded parameters (FSDP2, `lbcomm.fsdp.onebit_optimizer`): the optimizer works on the
+local shards; `process_group` is the replicate group (the ranks holding the same shard,
+one per node), over which the shard's momentum is compressed, and `shard_group` the ranks
+of the other shards. Per-parameter-tensor quantities (the max_update bound, the mask's
+mean variance, LAMB's norms) are reduced over the shard group, and every verdict (finite
+gradients, an applied reduction) is agreed over it too, so that all ranks skip together.
+
 The mask is an index list when few coordinates are masked (the usual case: unused
 embedding rows, constant features, softmax-invariant biases), a bool mask otherwise.
 """
@@ -29,6 +43,7 @@ from torch import Tensor
 
 from ..common import ring_allreduce_bytes
 from ..compressed import CompressionState, NonFiniteError, reduce_
+from ..topology import HierarchicalState, Topology, hierarchical_allreduce_
 from ..ddp.claims import claim_gradients
 from ..wire import check_block_size
 from . import functional as F
@@ -58,13 +73,20 @@ class OneBitOptimizer(BaseOptimizer):
     _param_vectors: Dict[str, float] = {"step": 0.0, "variance_step": 0.0, "max_update_bound": -1.0}
     _frozen_buffers: tuple = ()
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, topology: Union[None, str, Topology] = "auto", **kwargs):
+        if not (topology is None or topology in ("auto", "flat") or isinstance(topology, Topology)):
+            raise ValueError(f"Invalid topology: {topology!r} (use 'auto', 'flat' (or None) or a "
+                             "lbcomm.topology.Topology)")
+        self.topology = "flat" if topology is None else topology
+        self._topology: Optional[Topology] = None  # resolved at the first freeze (None: flat)
+        self._topology_resolved = False
         self._frozen = False
-        self._comp: Optional[CompressionState] = None
+        self._comp: Union[CompressionState, HierarchicalState, None] = None
         self._mask: Optional[Tensor] = None  # int64 indices (few masked) or bool (many): momentum held at zero
         self._mask_counts = (0, 0)
         self._user_masks: Dict[int, Tensor] = {}  # layout index -> bool mask (True = trained)
         self._stage: Optional[Tensor] = None  # bounded staging buffer of the one-rank path
+        self._hier_buf: Optional[Tensor] = None  # the hierarchical reduction's whole momentum
         self._probe_compression = True  # the compression stage's check for averaged gradients is undecided
         super().__init__(*args, **kwargs)
         # onebit_hook on the same parameters would compress them a second time
@@ -98,9 +120,10 @@ class OneBitOptimizer(BaseOptimizer):
         return self._frozen
 
     @property
-    def compression_state(self) -> Optional[CompressionState]:
-        """The error-feedback state of the momentum allreduce (None before the freeze or
-        with one rank)."""
+    def compression_state(self) -> Union[CompressionState, HierarchicalState, None]:
+        """The error-feedback state of the momentum allreduce: a CompressionState (flat), a
+        HierarchicalState (nodes of several ranks, see `topology`), or None before the
+        freeze and with one rank."""
         return self._comp
 
     @property
@@ -126,8 +149,9 @@ class OneBitOptimizer(BaseOptimizer):
         if mask is None:
             self._user_masks.pop(i, None)
         else:
-            if not isinstance(mask, Tensor) or mask.shape != param.shape:
-                raise ValueError(f"set_momentum_mask: expected a bool tensor of shape {tuple(param.shape)}, got "
+            if not isinstance(mask, Tensor) or mask.shape != L.shapes[i]:
+                raise ValueError(f"set_momentum_mask: expected a bool tensor of shape {tuple(L.shapes[i])} (for a "
+                                 f"sharded parameter: its local shard's), got "
                                  f"{getattr(mask, 'shape', type(mask).__name__)}")
             self._user_masks[i] = mask.detach().to(device=param.device, dtype=torch.bool).clone()
         if self._frozen:
@@ -191,6 +215,8 @@ class OneBitOptimizer(BaseOptimizer):
             b1, b2 = group["betas"]
             bc1, bc2 = (1 - b1 ** steps[i], 1 - b2 ** steps[i]) if group["bias_correction"] else (1.0, 1.0)
             bound[i:i + 1] = F.max_abs_update(L.view(m, i), L.view(v, i), bc1, bc2, group["eps"], stage)
+        if self._sharded():  # the bound of the whole parameter tensor: the max over its shards
+            bound.copy_(self._per_tensor(L, bound.reshape(-1, 1), op="max").reshape(-1))
 
     def _update_bounds(self, L: FlatLayout) -> List[Optional[float]]:
         """Per parameter, this step's bound U on |m^ / (sqrt(v^) + eps)| (max_update of its
@@ -212,8 +238,8 @@ class OneBitOptimizer(BaseOptimizer):
         of the per-parameter sums (a NaN or Inf anywhere makes the sum non-finite); only when
         a sum overflows, a second allreduce counts the non-finite elements exactly."""
         grads = []
-        for p in L.params:
-            g = p.grad
+        for i in range(len(L.params)):
+            g = L.grad(i)
             if g is not None:
                 if g.is_sparse:
                     raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
@@ -227,6 +253,8 @@ class OneBitOptimizer(BaseOptimizer):
         if probe:  # the first compression step: every rank's checksum rides along
             total[1:] = replica_slots(grads, tr.rank, tr.world_size, dev)
         tr.all_reduce(total, op="sum")
+        if self._sharded():  # the shards' sums too: a NaN in one shard skips the step on every rank
+            self.shard_transport.all_reduce(total[:1], op="sum")
         if bool(torch.isfinite(total[:1]).all()):
             if probe:
                 self._probe_compression = not self._check_replicas(total[1:], "compression")
@@ -235,6 +263,8 @@ class OneBitOptimizer(BaseOptimizer):
         for g in grads:
             bad += (~torch.isfinite(g)).sum()
         tr.all_reduce(bad, op="sum")
+        if self._sharded():
+            self.shard_transport.all_reduce(bad, op="sum")
         return int(bad.item()) == 0
 
     def _momentum_source(self, L: FlatLayout, scale: Optional[Tensor] = None) -> Source:
@@ -247,7 +277,7 @@ class OneBitOptimizer(BaseOptimizer):
             for i, a, b in L.overlapping(lo, hi):
                 o = L.offsets[i]
                 out, m_i = buf[o + a - lo:o + b - lo], m[o + a:o + b]
-                g = L.params[i].grad
+                g = L.grad(i)
                 if g is not None and g.dtype == torch.float32:
                     torch.lerp(m_i, g.reshape(-1)[a:b], weights[i], out=out)
                 else:
@@ -278,15 +308,47 @@ class OneBitOptimizer(BaseOptimizer):
                 source(lo, hi, buf)
                 self._deliver(sink, lo, hi, buf)
             return True
+        if isinstance(self._comp, HierarchicalState):
+            return self._reduce_hierarchical(L, source, sink)
         direct = isinstance(sink, Tensor)
         target = sink if direct else (lambda lo, hi, values: self._deliver(sink, lo, hi, values))
         try:  # every rank sees every server scale, so all ranks agree on the verdict
-            if not reduce_(self._comp, source, target, checked=True):
-                return False
+            applied = reduce_(self._comp, source, target, checked=True)
         except NonFiniteError:
-            return False
-        if direct:
+            applied = False
+        if self._sharded():
+            self._check_shards_agree(applied)
+        if applied and direct:
             self._mask_range(sink, 0, n)
+        return applied
+
+    def _check_shards_agree(self, applied: bool) -> None:
+        """Sharded: the replicate groups of the other shards reached the same verdict. The
+        inputs were agreed finite everywhere, so they differ only when a sum of finite
+        momenta overflowed float32 in some shards: then some shards have already committed
+        their new momentum and no consistent state is left."""
+        flag = torch.tensor([1.0 if applied else 0.0], device=self._device(self._layout))
+        self.shard_transport.all_reduce(flag, op="sum")
+        if 0 < float(flag) < self.shard_transport.world_size:
+            raise NonFiniteError(f"{type(self).__name__}: at step {self._global_step + 1} the compressed momentum "
+                                 "overflowed float32 in some shards only (finite momenta whose mean is not); the "
+                                 "shards' states now disagree: resume from the last checkpoint with a smaller lr")
+
+    def _reduce_hierarchical(self, L: FlatLayout, source: Source, sink: Sink) -> bool:
+        """`_reduce_momentum` on nodes of several ranks: the whole new momentum is staged in
+        one fp32 buffer (the intra-node reduce-scatter needs it at once), reduced in place
+        by `hierarchical_allreduce_` and delivered range by range, masked."""
+        n, st = L.total, self._comp
+        buf = self._hier_buf
+        if buf is None or buf.numel() != n:
+            buf = self._hier_buf = torch.empty(n, dtype=torch.float32, device=self._device(L))
+        for lo in range(0, n, STAGE):
+            source(lo, min(n, lo + STAGE), buf[lo:min(n, lo + STAGE)])
+        hierarchical_allreduce_(buf, st)
+        if st.last_skipped:  # on every rank alike; errors untouched (or reset, logged, when mixed)
+            return False
+        for lo in range(0, n, STAGE):
+            self._deliver(sink, lo, min(n, lo + STAGE), buf[lo:min(n, lo + STAGE)])
         return True
 
     def _stage_buffer(self, L: FlatLayout) -> Tensor:
@@ -325,7 +387,12 @@ class OneBitOptimizer(BaseOptimizer):
         noise (e.g. attention key biases, to which softmax is invariant), and would move by
         (compression noise) / eps after the freeze. User masks override per parameter."""
         v = self._flat["exp_avg_sq"]
-        thr = self._option("mask_threshold") * float(v.mean()) if v.numel() else 0.0
+        if self._sharded():  # the mean variance of the whole model, over the shards
+            total = torch.stack([v.sum(dtype=torch.float32), torch.tensor(float(v.numel()), device=v.device)])
+            self.shard_transport.all_reduce(total, op="sum")
+            thr = self._option("mask_threshold") * float(total[0] / total[1]) if float(total[1]) else 0.0
+        else:
+            thr = self._option("mask_threshold") * float(v.mean()) if v.numel() else 0.0
         zero = v <= thr
         self._mask_counts = (int((v == 0).sum()), int(zero.sum()))
         for i, mask in self._user_masks.items():
@@ -343,12 +410,49 @@ class OneBitOptimizer(BaseOptimizer):
         else:
             self._mask = zero
 
+    def _resolved_topology(self) -> Optional[Topology]:
+        """The nodes the momentum is reduced over: a multi-node Topology, or None (flat).
+        "auto" makes one under torchrun with more than one node (collective: every rank
+        resolves it at the same step, the freeze or a load)."""
+        if self._topology_resolved:
+            return self._topology
+        spec, tr = self.topology, self.transport
+        topo = None
+        if isinstance(spec, Topology):
+            if spec.world_size != tr.world_size:
+                raise ValueError(f"{type(self).__name__}: the topology spans {spec.world_size} ranks "
+                                 f"({spec.nodes} nodes x {spec.local_size}) but the optimizer's process group has "
+                                 f"{tr.world_size}; pass a topology of the ranks the optimizer averages over")
+            topo = spec
+        elif spec == "auto" and self.process_group is None and self.shard_group is None and tr.world_size > 1:
+            import torch.distributed as dist
+
+            if self.backend != "mpi" and dist.is_available() and dist.is_initialized():
+                topo = Topology.auto()
+        if topo is not None and topo.flat:
+            topo = None
+        self._topology, self._topology_resolved = topo, True
+        if topo is not None:
+            _log.info("%s: hierarchical momentum reduction on %s", type(self).__name__, topo)
+        return topo
+
     def _make_compression_state(self, L: FlatLayout) -> None:
         self._comp = None
+        self._hier_buf = None
         if self.transport.world_size > 1:
+            topo = self._resolved_topology()
+            if topo is not None:
+                self._comp = HierarchicalState(L.total, topo, device=self._device(L),
+                                               block_size=self._option("block_size"), nonfinite="skip")
+                return
             self._comp = CompressionState(L.total, group=self.process_group, device=self._device(L),
                                           block_size=self._option("block_size"), nonfinite="raise",
                                           transport=self.transport)
+
+    def _topology_key(self) -> Optional[tuple]:
+        """(nodes, ranks per node) of the momentum reduction, None when flat."""
+        st = self._comp
+        return (st.topology.nodes, st.topology.local_size) if isinstance(st, HierarchicalState) else None
 
     def _freeze(self, L: FlatLayout) -> None:
         self._frozen = True
@@ -385,6 +489,7 @@ class OneBitOptimizer(BaseOptimizer):
             mask=self._mask,
             user_masks=dict(self._user_masks),
             compression=None if self._comp is None else self._comp.state_dict(),
+            topology=self._topology_key(),
         )
         return extra
 
@@ -417,7 +522,13 @@ class OneBitOptimizer(BaseOptimizer):
             self._grad_buf = None
             self._make_compression_state(L)
             saved = extra.get("compression")
-            if self._comp is not None and saved is not None:
+            saved_topo = tuple(extra["topology"]) if extra.get("topology") is not None else None
+            if self._comp is not None and saved is not None and saved_topo != self._topology_key():
+                _log.warning("%s: the checkpoint's compression errors belong to the topology (nodes, ranks per node)="
+                             "%s, this run reduces over %s; the compression error buffers start from zero and "
+                             "training continues", type(self).__name__, saved_topo or "flat",
+                             self._topology_key() or "flat")
+            elif self._comp is not None and saved is not None:
                 self._comp.load_state_dict(saved)  # logs a warning and resets on a layout change
             elif self._comp is not None or saved is not None:
                 _log.warning("%s: the checkpoint was saved with world size %s, this run has %s; the compression error "

@@ -43,6 +43,35 @@ class _Compressor:
         return out
 
 
+class _HierCompressor:
+    """Error-feedback state of N nodes x G ranks for the hierarchical call (lbcomm.topology):
+    rank r = a G + l is local rank l of node a."""
+
+    def __init__(self, n: int, p: int, nodes: int, block_size: Optional[int]):
+        if p % nodes:
+            raise ValueError(f"{nodes} nodes do not divide {p} ranks")
+        self.N, self.G, self.block_size = nodes, p // nodes, block_size
+        L = R.chunk_size(n, self.G)
+        self.worker, self.server = [], []
+        for l in range(self.G):
+            real = max(0, min((l + 1) * L, n) - min(l * L, n))
+            m = R.chunk_size(real, self.N) if real else 0
+            self.worker.append([torch.zeros(self.N, m) for _ in range(self.N)])
+            self.server.append([torch.zeros(m) for _ in range(self.N)])
+
+    def __call__(self, xs: List[Tensor]) -> Tensor:
+        per_node = [xs[a * self.G:(a + 1) * self.G] for a in range(self.N)]
+        out, self.worker, self.server = R.hierarchical_allreduce(per_node, self.worker, self.server, self.block_size)
+        return out
+
+
+def _compressor(n: int, p: int, nodes: Optional[int], block_size: Optional[int]):
+    """The flat call over p ranks, or the hierarchical one on `nodes` nodes of p / nodes ranks."""
+    if nodes is None or nodes == 1 or nodes == p:
+        return _Compressor(n, p, block_size)
+    return _HierCompressor(n, p, nodes, block_size)
+
+
 def _split(flat: Tensor, like: Sequence[Tensor]) -> List[Tensor]:
     out, o = [], 0
     for t in like:
@@ -83,16 +112,18 @@ def _bounds(max_update, betas, m, v, bc1: float, bc2: float, eps: float) -> List
 def simulate_onebit_adam(params0: Sequence[Tensor], grads: Sequence[Sequence[Sequence[Tensor]]], *, lr: float,
                          betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0, freeze_step: int,
                          block_size: Optional[int], bias_correction: bool = True,
-                         mask_threshold: float = 1e-10, max_update=1.0) -> List[List[Tensor]]:
+                         mask_threshold: float = 1e-10, max_update=1.0, nodes: Optional[int] = None
+                         ) -> List[List[Tensor]]:
     """1-bit Adam. grads[t][r][i]: gradient of parameter i on rank r at step t + 1.
-    Returns the parameters after every step. In the compression stage each coordinate's
+    Returns the parameters after every step. nodes: the compression stage's reduction is
+    the hierarchical one on that many nodes (ranks node by node; None: flat). In the compression stage each coordinate's
     step lr m^ / (sqrt(v^) + eps) is clamped to lr U (max_update; None: unbounded)."""
     b1, b2 = betas
     p = len(grads[0])
     theta = [t.detach().float().clone() for t in params0]
     m = [torch.zeros_like(t) for t in theta]
     v = [torch.zeros_like(t) for t in theta]
-    comp = _Compressor(sum(t.numel() for t in theta), p, block_size)
+    comp = _compressor(sum(t.numel() for t in theta), p, nodes, block_size)
     keep = bounds = None
     history = []
     for step, g_step in enumerate(grads, start=1):
@@ -143,18 +174,20 @@ def simulate_onebit_lamb(params0, grads, *, lr: float, betas=(0.9, 0.999), eps: 
                          weight_decay: float = 0.0, freeze_step: int, block_size: Optional[int],
                          max_coeff: float = 10.0, min_coeff: float = 0.01, coeff_beta: float = 0.9,
                          factor_max: float = 4.0, factor_min: float = 0.5, factor_threshold: float = 0.1,
-                         bias_correction: bool = True, mask_threshold: float = 1e-10, max_update="warmup"):
-    """1-bit LAMB. Returns the parameters after every step. In the compression stage each
+                         bias_correction: bool = True, mask_threshold: float = 1e-10, max_update="warmup",
+                         nodes: Optional[int] = None):
+    """1-bit LAMB. Returns the parameters after every step (nodes: as simulate_onebit_adam). In the compression stage each
     coordinate of u0 = m^ / (sqrt(v^) + eps) is clamped to [-U, U] (max_update; None: unbounded)."""
     return _lamb(params0, grads, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_coeff=max_coeff,
                  min_coeff=min_coeff, bias_correction=bias_correction, freeze_step=freeze_step,
                  block_size=block_size, coeff_beta=coeff_beta, factor_max=factor_max, factor_min=factor_min,
-                 factor_threshold=factor_threshold, mask_threshold=mask_threshold, max_update=max_update)
+                 factor_threshold=factor_threshold, mask_threshold=mask_threshold, max_update=max_update,
+                 nodes=nodes)
 
 
 def _lamb(params0, grads, *, lr, betas, eps, weight_decay, max_coeff, min_coeff, bias_correction, freeze_step,
           block_size=None, coeff_beta=0.9, factor_max=4.0, factor_min=0.5, factor_threshold=0.1, mask_threshold=0.0,
-          max_update=None):
+          max_update=None, nodes=None):
     b1, b2 = betas
     p = len(grads[0])
     n_params = len(params0)
@@ -162,7 +195,7 @@ def _lamb(params0, grads, *, lr, betas, eps, weight_decay, max_coeff, min_coeff,
     m = [torch.zeros_like(t) for t in theta]
     v = [torch.zeros_like(t) for t in theta]
     c_frz = [torch.zeros(()) for _ in theta]
-    comp = _Compressor(sum(t.numel() for t in theta), p, block_size)
+    comp = _compressor(sum(t.numel() for t in theta), p, nodes, block_size)
     frozen: Dict[str, list] = {}
     history = []
     for step, g_step in enumerate(grads, start=1):

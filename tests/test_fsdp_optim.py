@@ -1,0 +1,231 @@
+"""1-bit optimizers with a topology and on FSDP2 (lbcomm.fsdp.onebit_optimizer), on 4 real
+gloo ranks as 2 nodes x 2, one spawn for every check:
+
+* FSDP2 sharded inside the node, OneBitAdam on the local shards: the warmup equals
+  torch.optim.AdamW on the whole parameters with the global mean gradient; the compression
+  stage equals the plain-torch simulation (lbcomm.optim.reference) of 1-bit Adam run per
+  shard across the 2 nodes, fed with the gradient shards FSDP produced; replicas across
+  nodes are bitwise identical; a NaN in one shard of one rank skips the step on every
+  rank with the state untouched (warmup and compression); resuming from per-rank DCP
+  checkpoints (RankLocal) continues bitwise exactly.
+* OneBitLamb on FSDP2: the warmup equals lbcomm.Lamb on the whole parameters (norms of
+  whole parameters through the shard group); replicas identical after the freeze.
+* Data parallel with a topology (no FSDP): OneBitAdam and OneBitLamb with
+  Topology.node_by_node(2) equal the simulation with the hierarchical reference call.
+"""
+import os
+
+import pytest
+import torch
+
+from dist_util import run_ranks
+
+N, G = 2, 2
+STEPS, FREEZE, BLOCK = 8, 4, 64
+NAN_WARMUP, NAN_COMP, SAVE_AFTER = 2, 6, 6  # NaN injected before these steps; checkpoint after
+LR = 0.01
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
+
+
+def _batch(rank, step):
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    x = torch.randn(8, 16, generator=g)
+    return x, torch.sin(x[:, :8] * 2)
+
+
+def _sharded(mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model()
+    fully_shard(model[0], mesh=mesh["local"])
+    fully_shard(model[2], mesh=mesh["local"])
+    fully_shard(model, mesh=mesh["local"])
+    return model
+
+
+def _snapshot(opt, model):
+    st = opt.compression_state
+    return {"flat": {k: v.clone() for k, v in opt._flat.items()},
+            "params": [p.to_local().clone() for p in model.parameters()],
+            "errors": None if st is None else (st.worker_error.clone(), st.server_error.clone()),
+            "step": opt.global_step}
+
+
+def _same(a, b):
+    if a["step"] != b["step"] or (a["errors"] is None) != (b["errors"] is None):
+        return False
+    pairs = list(zip(a["flat"].values(), b["flat"].values())) + list(zip(a["params"], b["params"]))
+    if a["errors"] is not None:
+        pairs += list(zip(a["errors"], b["errors"]))
+    return all(torch.equal(x, y) for x, y in pairs)
+
+
+def _fsdp_run(rank, cls, opts, ckpt=None, resume=None, nan=True):
+    """Train STEPS steps; returns the gradient shards and the parameter shards after every step."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lbcomm import fsdp
+    from lbcomm.integrations.dcp import RankLocal
+
+    mesh = init_device_mesh("cpu", (N, G), mesh_dim_names=("node", "local"))
+    model = _sharded(mesh)
+    opt = fsdp.onebit_optimizer(model, mesh, cls, lr=LR, freeze_step=FREEZE, block_size=BLOCK, nonfinite="skip",
+                                **opts)
+    start = 0
+    if resume is not None:
+        state = {"model": model.state_dict(), "optim": RankLocal(opt)}
+        dcp.load(state, checkpoint_id=resume)
+        model.load_state_dict(state["model"])
+        start = SAVE_AFTER
+    grads, params, nan_ok = [], [], []
+    for step in range(start + 1, STEPS + 1):
+        x, y = _batch(rank, step)
+        if nan and step in (NAN_WARMUP, NAN_COMP):  # one element of one shard on rank 0 only
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            if rank == 0:
+                model[2].weight.grad.to_local()[0, 0] = float("nan")
+            before = _snapshot(opt, model)
+            opt.step()
+            nan_ok.append(opt.last_step_skipped and _same(before, _snapshot(opt, model)))
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        grads.append([p.grad.to_local().clone() for p in model.parameters()])
+        opt.step()
+        assert not opt.last_step_skipped
+        params.append([p.to_local().clone() for p in model.parameters()])
+        if ckpt is not None and step == SAVE_AFTER:
+            dcp.save({"model": model.state_dict(), "optim": RankLocal(opt)}, checkpoint_id=ckpt)
+    return {"grads": grads, "params": params, "nan_ok": nan_ok, "frozen": opt.frozen}
+
+
+def _dp_run(rank, p, cls, opts):
+    """Plain data parallel (every rank the whole model), the hierarchical momentum reduction."""
+    from lbcomm import Topology
+
+    model = _model()
+    topo = Topology.node_by_node(G)
+    opt = cls(model.parameters(), lr=LR, freeze_step=FREEZE, block_size=BLOCK, topology=topo, **opts)
+    grads, params = [], []
+    for step in range(1, STEPS + 1):
+        x, y = _batch(rank, step)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        grads.append([q.grad.clone() for q in model.parameters()])
+        opt.step()
+        params.append([q.detach().clone() for q in model.parameters()])
+    return {"grads": grads, "params": params, "hier": type(opt.compression_state).__name__,
+            "keys": sorted(opt.state_dict()["lbcomm"])}
+
+
+def _all(rank, p, ckpt):
+    from lbcomm import OneBitAdam, OneBitLamb
+
+    out = {}
+    out["adam"] = _fsdp_run(rank, OneBitAdam, {}, ckpt=ckpt)
+    out["resumed"] = _fsdp_run(rank, OneBitAdam, {}, resume=ckpt)
+    out["lamb"] = _fsdp_run(rank, OneBitLamb, {"weight_decay": 0.01}, nan=False)
+    out["dp_adam"] = _dp_run(rank, p, OneBitAdam, {})
+    out["dp_lamb"] = _dp_run(rank, p, OneBitLamb, {"weight_decay": 0.01})
+    return out
+
+
+def _full(res, run, t, i):
+    """Parameter (or gradient) i of the whole model at step index t, from node 0's shards."""
+    return torch.cat([res[l][run]["params"][t][i] for l in range(G)])
+
+
+def _mean_grad(res, run, t, i):
+    """The global mean gradient of parameter i: per shard the mean over nodes of FSDP's shards."""
+    return torch.cat([torch.stack([res[a * G + l][run]["grads"][t][i] for a in range(N)]).sum(0) / N
+                      for l in range(G)])
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    ckpt = str(tmp_path_factory.mktemp("dcp") / "ckpt")
+    return run_ranks(_all, N * G, ckpt, timeout=600)
+
+
+def test_fsdp_onebit_adam(results):
+    from lbcomm.optim.reference import simulate_onebit_adam
+
+    res = results
+    p0 = list(_model().parameters())
+    assert all(r["adam"]["frozen"] for r in res)
+    # NaN in one shard on one rank: every rank skipped, state untouched (warmup and compression)
+    assert all(r["adam"]["nan_ok"] == [True, True] for r in res)
+    # replicas across nodes: bitwise identical shards
+    for t in range(STEPS):
+        for l in range(G):
+            for i in range(len(p0)):
+                assert torch.equal(res[l]["adam"]["params"][t][i], res[G + l]["adam"]["params"][t][i])
+    # warmup == torch.optim.AdamW on the whole parameters with the global mean gradient
+    ref = [q.detach().clone().requires_grad_() for q in p0]
+    adamw = torch.optim.AdamW(ref, lr=LR, weight_decay=1e-2)
+    for t in range(FREEZE):
+        for i, q in enumerate(ref):
+            q.grad = _mean_grad(res, "adam", t, i)
+        adamw.step()
+        for i, q in enumerate(ref):
+            torch.testing.assert_close(_full(res, "adam", t, i), q.detach(), rtol=1e-6, atol=1e-7)
+    # the whole run == 1-bit Adam simulated per shard across the nodes (FSDP's gradient shards)
+    for l in range(G):
+        shard0 = [q.detach().chunk(G)[l] for q in p0]
+        grads = [[res[a * G + l]["adam"]["grads"][t] for a in range(N)] for t in range(STEPS)]
+        hist = simulate_onebit_adam(shard0, grads, lr=LR, weight_decay=1e-2, freeze_step=FREEZE, block_size=BLOCK)
+        for t in range(STEPS):
+            for i in range(len(p0)):
+                torch.testing.assert_close(res[l]["adam"]["params"][t][i], hist[t][i], rtol=1e-5, atol=1e-6)
+    # resumed from the per-rank DCP checkpoint after step SAVE_AFTER: bitwise the same run
+    for r in res:
+        for t in range(SAVE_AFTER, STEPS):
+            for a, b in zip(r["resumed"]["params"][t - SAVE_AFTER], r["adam"]["params"][t]):
+                assert torch.equal(a, b)
+
+
+def test_fsdp_onebit_lamb(results):
+    from lbcomm import Lamb
+
+    res = results
+    p0 = list(_model().parameters())
+    ref = [q.detach().clone().requires_grad_() for q in p0]
+    lamb = Lamb(ref, lr=LR, weight_decay=0.01)  # one process: no communication
+    for t in range(FREEZE):
+        for i, q in enumerate(ref):
+            q.grad = _mean_grad(res, "lamb", t, i)
+        lamb.step()
+        for i, q in enumerate(ref):
+            torch.testing.assert_close(_full(res, "lamb", t, i), q.detach(), rtol=1e-6, atol=1e-7)
+    for t in range(STEPS):
+        for l in range(G):
+            for i in range(len(p0)):
+                assert torch.equal(res[l]["lamb"]["params"][t][i], res[G + l]["lamb"]["params"][t][i])
+    assert all(r["lamb"]["frozen"] for r in res)
+
+
+@pytest.mark.parametrize("kind", ["adam", "lamb"])
+def test_topology_data_parallel_equals_hierarchical_simulation(results, kind):
+    from lbcomm.optim.reference import simulate_onebit_adam, simulate_onebit_lamb
+
+    res = results
+    run = "dp_" + kind
+    assert all(r[run]["hier"] == "HierarchicalState" for r in res)
+    p0 = list(_model().parameters())
+    grads = [[r[run]["grads"][t] for r in res] for t in range(STEPS)]
+    if kind == "adam":
+        hist = simulate_onebit_adam(p0, grads, lr=LR, weight_decay=1e-2, freeze_step=FREEZE, block_size=BLOCK,
+                                    nodes=N)
+    else:
+        hist = simulate_onebit_lamb(p0, grads, lr=LR, weight_decay=0.01, freeze_step=FREEZE, block_size=BLOCK,
+                                    nodes=N)
+    for r in res:
+        assert "topology" in r[run]["keys"]
+        for t in range(STEPS):
+            for got, want in zip(r[run]["params"][t], hist[t]):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
