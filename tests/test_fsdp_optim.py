@@ -3,13 +3,15 @@ gloo ranks as 2 nodes x 2, one spawn for every check:
 
 * FSDP2 sharded inside the node, OneBitAdam on the local shards: the warmup equals
   torch.optim.AdamW on the whole parameters with the global mean gradient; the compression
-  stage equals the plain-torch simulation (lbcomm.optim.reference) of 1-bit Adam run per
-  shard across the 2 nodes, fed with the gradient shards FSDP produced; replicas across
+  stage equals the plain-torch simulation (lbcomm.optim.reference, shards=2: each shard's
+  momentum compressed on its own across the 2 nodes), fed with the gradient shards FSDP
+  produced; replicas across
   nodes are bitwise identical; a NaN in one shard of one rank skips the step on every
   rank with the state untouched (warmup and compression); resuming from per-rank DCP
   checkpoints (RankLocal) continues bitwise exactly.
 * OneBitLamb on FSDP2: the warmup equals lbcomm.Lamb on the whole parameters (norms of
-  whole parameters through the shard group); replicas identical after the freeze.
+  whole parameters through the shard group); the whole run equals the simulation with
+  per-shard compression and whole-parameter norms; replicas identical.
 * Data parallel with a topology (no FSDP): OneBitAdam and OneBitLamb with
   Topology.node_by_node(2) equal the simulation with the hierarchical reference call.
 """
@@ -140,6 +142,12 @@ def _full(res, run, t, i):
     return torch.cat([res[l][run]["params"][t][i] for l in range(G)])
 
 
+def _node_grads(res, run):
+    """grads[t][a]: node a's mean gradient of every whole parameter (FSDP's shards joined)."""
+    return [[[torch.cat([res[a * G + l][run]["grads"][t][i] for l in range(G)]) for i in range(len(res[0][run]
+            ["grads"][t]))] for a in range(N)] for t in range(STEPS)]
+
+
 def _mean_grad(res, run, t, i):
     """The global mean gradient of parameter i: per shard the mean over nodes of FSDP's shards."""
     return torch.cat([torch.stack([res[a * G + l][run]["grads"][t][i] for a in range(N)]).sum(0) / N
@@ -174,14 +182,12 @@ def test_fsdp_onebit_adam(results):
         adamw.step()
         for i, q in enumerate(ref):
             torch.testing.assert_close(_full(res, "adam", t, i), q.detach(), rtol=1e-6, atol=1e-7)
-    # the whole run == 1-bit Adam simulated per shard across the nodes (FSDP's gradient shards)
-    for l in range(G):
-        shard0 = [q.detach().chunk(G)[l] for q in p0]
-        grads = [[res[a * G + l]["adam"]["grads"][t] for a in range(N)] for t in range(STEPS)]
-        hist = simulate_onebit_adam(shard0, grads, lr=LR, weight_decay=1e-2, freeze_step=FREEZE, block_size=BLOCK)
-        for t in range(STEPS):
-            for i in range(len(p0)):
-                torch.testing.assert_close(res[l]["adam"]["params"][t][i], hist[t][i], rtol=1e-5, atol=1e-6)
+    # the whole run == 1-bit Adam simulated with each shard compressed across the nodes
+    hist = simulate_onebit_adam(p0, _node_grads(res, "adam"), lr=LR, weight_decay=1e-2, freeze_step=FREEZE,
+                                block_size=BLOCK, shards=G)
+    for t in range(STEPS):
+        for i in range(len(p0)):
+            torch.testing.assert_close(_full(res, "adam", t, i), hist[t][i], rtol=1e-5, atol=1e-6)
     # resumed from the per-rank DCP checkpoint after step SAVE_AFTER: bitwise the same run
     for r in res:
         for t in range(SAVE_AFTER, STEPS):
@@ -191,6 +197,7 @@ def test_fsdp_onebit_adam(results):
 
 def test_fsdp_onebit_lamb(results):
     from lbcomm import Lamb
+    from lbcomm.optim.reference import simulate_onebit_lamb
 
     res = results
     p0 = list(_model().parameters())
@@ -207,6 +214,13 @@ def test_fsdp_onebit_lamb(results):
             for i in range(len(p0)):
                 assert torch.equal(res[l]["lamb"]["params"][t][i], res[G + l]["lamb"]["params"][t][i])
     assert all(r["lamb"]["frozen"] for r in res)
+    # the whole run == 1-bit LAMB simulated with each shard compressed across the nodes and
+    # the norms, bounds and momentum scales of whole parameters
+    hist = simulate_onebit_lamb(p0, _node_grads(res, "lamb"), lr=LR, weight_decay=0.01, freeze_step=FREEZE,
+                                block_size=BLOCK, shards=G)
+    for t in range(STEPS):
+        for i in range(len(p0)):
+            torch.testing.assert_close(_full(res, "lamb", t, i), hist[t][i], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("kind", ["adam", "lamb"])

@@ -65,8 +65,33 @@ class _HierCompressor:
         return out
 
 
-def _compressor(n: int, p: int, nodes: Optional[int], block_size: Optional[int]):
-    """The flat call over p ranks, or the hierarchical one on `nodes` nodes of p / nodes ranks."""
+class _ShardCompressor:
+    """FSDP2 sharding inside the node (lbcomm.fsdp.onebit_optimizer): every parameter is cut
+    into `shards` pieces along dim 0 (torch.chunk, as FSDP2 does); the pieces of shard l of
+    all parameters, in order, form one flat momentum compressed across the p ranks (the
+    nodes) with its own error feedback, independently of the other shards."""
+
+    def __init__(self, like: Sequence[Tensor], p: int, shards: int, block_size: Optional[int]):
+        self.like, self.shards = list(like), shards
+        self.pieces = [[t.chunk(shards)[l] if t.dim() else t for t in like] for l in range(shards)]
+        self.comps = [_Compressor(sum(t.numel() for t in pieces), p, block_size) for pieces in self.pieces]
+
+    def __call__(self, xs: List[Tensor]) -> Tensor:
+        per_rank = [_split(x, self.like) for x in xs]
+        out_shards = []
+        for l, comp in enumerate(self.comps):
+            flat = [_cat([t.chunk(self.shards)[l] for t in params]) for params in per_rank]
+            out_shards.append(_split(comp(flat), self.pieces[l]))
+        return _cat([torch.cat([out_shards[l][i] for l in range(self.shards)]) for i in range(len(self.like))])
+
+
+def _compressor(like: Sequence[Tensor], p: int, nodes: Optional[int], block_size: Optional[int],
+                shards: Optional[int] = None):
+    """The flat call over p ranks, the hierarchical one on `nodes` nodes of p / nodes ranks,
+    or one flat call per FSDP shard (`shards`)."""
+    n = sum(t.numel() for t in like)
+    if shards is not None and shards > 1:
+        return _ShardCompressor(like, p, shards, block_size)
     if nodes is None or nodes == 1 or nodes == p:
         return _Compressor(n, p, block_size)
     return _HierCompressor(n, p, nodes, block_size)
@@ -112,18 +137,21 @@ def _bounds(max_update, betas, m, v, bc1: float, bc2: float, eps: float) -> List
 def simulate_onebit_adam(params0: Sequence[Tensor], grads: Sequence[Sequence[Sequence[Tensor]]], *, lr: float,
                          betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0, freeze_step: int,
                          block_size: Optional[int], bias_correction: bool = True,
-                         mask_threshold: float = 1e-10, max_update=1.0, nodes: Optional[int] = None
-                         ) -> List[List[Tensor]]:
+                         mask_threshold: float = 1e-10, max_update=1.0, nodes: Optional[int] = None,
+                         shards: Optional[int] = None) -> List[List[Tensor]]:
     """1-bit Adam. grads[t][r][i]: gradient of parameter i on rank r at step t + 1.
     Returns the parameters after every step. nodes: the compression stage's reduction is
-    the hierarchical one on that many nodes (ranks node by node; None: flat). In the compression stage each coordinate's
+    the hierarchical one on that many nodes (ranks node by node; None: flat). shards: the
+    parameters are FSDP2-sharded in that many pieces along dim 0 and each shard's momentum
+    is compressed on its own across the p ranks (the nodes; grads[t][r] is node r's mean
+    gradient). In the compression stage each coordinate's
     step lr m^ / (sqrt(v^) + eps) is clamped to lr U (max_update; None: unbounded)."""
     b1, b2 = betas
     p = len(grads[0])
     theta = [t.detach().float().clone() for t in params0]
     m = [torch.zeros_like(t) for t in theta]
     v = [torch.zeros_like(t) for t in theta]
-    comp = _compressor(sum(t.numel() for t in theta), p, nodes, block_size)
+    comp = _compressor(theta, p, nodes, block_size, shards)
     keep = bounds = None
     history = []
     for step, g_step in enumerate(grads, start=1):
@@ -175,19 +203,20 @@ def simulate_onebit_lamb(params0, grads, *, lr: float, betas=(0.9, 0.999), eps: 
                          max_coeff: float = 10.0, min_coeff: float = 0.01, coeff_beta: float = 0.9,
                          factor_max: float = 4.0, factor_min: float = 0.5, factor_threshold: float = 0.1,
                          bias_correction: bool = True, mask_threshold: float = 1e-10, max_update="warmup",
-                         nodes: Optional[int] = None):
-    """1-bit LAMB. Returns the parameters after every step (nodes: as simulate_onebit_adam). In the compression stage each
+                         nodes: Optional[int] = None, shards: Optional[int] = None):
+    """1-bit LAMB. Returns the parameters after every step (nodes, shards: as
+    simulate_onebit_adam; LAMB's norms are those of whole parameters). In the compression stage each
     coordinate of u0 = m^ / (sqrt(v^) + eps) is clamped to [-U, U] (max_update; None: unbounded)."""
     return _lamb(params0, grads, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_coeff=max_coeff,
                  min_coeff=min_coeff, bias_correction=bias_correction, freeze_step=freeze_step,
                  block_size=block_size, coeff_beta=coeff_beta, factor_max=factor_max, factor_min=factor_min,
                  factor_threshold=factor_threshold, mask_threshold=mask_threshold, max_update=max_update,
-                 nodes=nodes)
+                 nodes=nodes, shards=shards)
 
 
 def _lamb(params0, grads, *, lr, betas, eps, weight_decay, max_coeff, min_coeff, bias_correction, freeze_step,
           block_size=None, coeff_beta=0.9, factor_max=4.0, factor_min=0.5, factor_threshold=0.1, mask_threshold=0.0,
-          max_update=None, nodes=None):
+          max_update=None, nodes=None, shards=None):
     b1, b2 = betas
     p = len(grads[0])
     n_params = len(params0)
@@ -195,7 +224,7 @@ def _lamb(params0, grads, *, lr, betas, eps, weight_decay, max_coeff, min_coeff,
     m = [torch.zeros_like(t) for t in theta]
     v = [torch.zeros_like(t) for t in theta]
     c_frz = [torch.zeros(()) for _ in theta]
-    comp = _compressor(sum(t.numel() for t in theta), p, nodes, block_size)
+    comp = _compressor(theta, p, nodes, block_size, shards)
     frozen: Dict[str, list] = {}
     history = []
     for step, g_step in enumerate(grads, start=1):
