@@ -44,6 +44,7 @@ from torch import Tensor
 
 from .common import NONFINITE_POLICIES
 from .compressed import DEFAULT_BLOCK_SIZE, CompressionState, compressed_allreduce_
+from .ddp.claims import HOOK, claim_gradients
 from .wire import check_block_size
 
 __all__ = ["OneBitHSDPState", "onebit_hsdp", "onebit_optimizer"]
@@ -66,7 +67,7 @@ class OneBitHSDPState:
     """
 
     __slots__ = ("replicate_group", "start_iter", "block_size", "nonfinite", "states", "calls", "bytes_sent",
-                 "skipped_calls")
+                 "skipped_calls", "__weakref__")
 
     def __init__(self, replicate_group, start_iter: int = 0, block_size: Optional[int] = DEFAULT_BLOCK_SIZE, *,
                  nonfinite: str = "skip"):
@@ -156,6 +157,8 @@ def onebit_hsdp(model: torch.nn.Module, mesh, *, replicate_dim: str = "node", sh
     elif kwargs:
         raise ValueError(f"onebit_hsdp: pass either state= or settings, not both (got {sorted(kwargs)})")
     found: List[str] = []
+    # a 1-bit optimizer that compresses its momentum across nodes would stack on the hook
+    claim_gradients(list(model.parameters()), state, HOOK)
     for name, module in model.named_modules():
         if not isinstance(module, FSDPModule):
             continue
