@@ -172,6 +172,12 @@ def _redistribute(directory: str, opt_state: Dict[str, Any], saved_world: int, w
     extra = opt_state.get("lbcomm") if isinstance(opt_state, dict) else None
     if not isinstance(extra, dict) or extra.get("compression") is None:
         return  # not a 1-bit optimizer in its compression stage: nothing rank-local to map
+    if extra.get("topology") is not None:  # hierarchical errors (per slice, per cross group): not remapped
+        _log.warning("lbcomm.load_sharded: %s was saved by %s ranks with a hierarchical momentum reduction on "
+                     "(nodes, ranks per node)=%s; its error feedback is not redistributed onto %s ranks and starts "
+                     "from zero", directory, saved_world, tuple(extra["topology"]), world)
+        extra["compression"] = None
+        return
     if world == 1:
         _log.warning("lbcomm.load_sharded: %s was saved by %s ranks; with one rank nothing is compressed, so the "
                      "saved error feedback is dropped", directory, saved_world)

@@ -136,10 +136,39 @@ def _dp_run(rank, p, cls, opts):
     return {"grads": grads, "params": params, "hier": type(opt.compression_state).__name__, "reload": reload}
 
 
+def _refusals():
+    """Never silent: what onebit_optimizer refuses, each error naming the fix."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from lbcomm import OneBitAdam, fsdp
+    from lbcomm.ddp import DoubleCompressionError
+
+    mesh = init_device_mesh("cpu", (N, G), mesh_dim_names=("node", "local"))
+    with pytest.raises(ValueError, match="native HSDP"):
+        fsdp.onebit_optimizer(fully_shard(_model(), mesh=mesh), mesh)
+    hooked = _sharded(mesh)
+    fsdp.onebit_hsdp(hooked, mesh)
+    with pytest.raises(ValueError, match="all-reduce hook"):
+        fsdp.onebit_optimizer(hooked, mesh)
+    partial = _model()
+    fully_shard(partial[0], mesh=mesh["local"])  # model[2] is left unsharded
+    with pytest.raises(ValueError, match="not sharded by FSDP"):
+        fsdp.onebit_optimizer(partial, mesh)
+    with pytest.raises(ValueError, match="lbcomm.fsdp.onebit_optimizer"):
+        OneBitAdam(_sharded(mesh).parameters()).step()
+    owned = _sharded(mesh)
+    opt = fsdp.onebit_optimizer(owned, mesh)
+    with pytest.raises(DoubleCompressionError):
+        fsdp.onebit_hsdp(owned, mesh)
+    del opt
+    return True
+
+
 def _all(rank, p, ckpt):
     from lbcomm import OneBitAdam, OneBitLamb
 
-    out = {}
+    out = {"refusals": _refusals()}
     out["adam"] = _fsdp_run(rank, OneBitAdam, {}, ckpt=ckpt)
     out["resumed"] = _fsdp_run(rank, OneBitAdam, {}, resume=ckpt)
     out["lamb"] = _fsdp_run(rank, OneBitLamb, {"weight_decay": 0.01}, nan=False)
@@ -177,6 +206,7 @@ def test_fsdp_onebit_adam(results):
     res = results
     p0 = list(_model().parameters())
     assert all(r["adam"]["frozen"] for r in res)
+    assert all(r["refusals"] for r in res)
     # NaN in one shard on one rank: every rank skipped, state untouched (warmup and compression)
     assert all(r["adam"]["nan_ok"] == [True, True] for r in res)
     # replicas across nodes: bitwise identical shards
