@@ -44,7 +44,7 @@ from torch import Tensor
 
 from .common import NONFINITE_POLICIES
 from .compressed import DEFAULT_BLOCK_SIZE, CompressionState, compressed_allreduce_
-from .ddp.claims import HOOK, claim_gradients
+from .ddp.claims import HOOK, claim_gradients, held_by
 from .wire import check_block_size
 
 __all__ = ["OneBitHSDPState", "onebit_hsdp", "onebit_optimizer"]
@@ -247,13 +247,11 @@ def onebit_optimizer(model: torch.nn.Module, mesh, optimizer_class=None, *, repl
         raise ValueError(f"onebit_optimizer: the model has no FSDP module; call fully_shard(module, "
                          f"mesh=mesh[{shard_dim!r}]) on its blocks and on the model first")
     shard_mesh = mesh[shard_dim]
-    for name, module in fsdp_modules:
-        state = module._get_fsdp_state()
-        if any(getattr(g, "_all_reduce_hook", None) is not None for g in state._fsdp_param_groups):
-            raise ValueError(f"onebit_optimizer: FSDP module {name} has an all-reduce hook (lbcomm.fsdp.onebit_hsdp?); "
-                             "the 1-bit optimizer compresses across nodes itself, two compressors would stack. Use "
-                             "one of them")
     for pname, p in model.named_parameters():
+        if held_by(p) == HOOK:
+            raise ValueError(f"onebit_optimizer: parameter {pname} is already compressed across nodes by "
+                             "lbcomm.fsdp.onebit_hsdp's all-reduce hook; the optimizer would reduce it a second time. "
+                             "Use one of them: onebit_hsdp with a plain optimizer, or onebit_optimizer alone")
         pm = getattr(p, "device_mesh", None)
         if pm is None:
             raise ValueError(f"onebit_optimizer: parameter {pname} is not sharded by FSDP (not a DTensor); its "

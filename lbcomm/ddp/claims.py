@@ -12,7 +12,7 @@ gradients that reach them already averaged by a DDP without lbcomm's hook (DDP's
 full-precision allreduce would run next to the optimizer's own communication).
 """
 import weakref
-from typing import Iterable
+from typing import Iterable, Optional
 
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
@@ -53,3 +53,10 @@ def claim_gradients(params: Iterable[Tensor], owner, kind: str) -> None:
                 "lbcomm.ddp.onebit_optimizer_hook); use onebit_hook with an optimizer that does not compress (SGD, "
                 "AdamW, lbcomm.Lamb, ...).")
         _claims[p] = (kind, ref)
+
+
+def held_by(param: Tensor) -> Optional[str]:
+    """The kind of the live compressor that claimed `param` (``HOOK`` or a 1-bit optimizer's
+    class name), or None."""
+    held = _claims.get(param)
+    return held[0] if held is not None and held[1]() is not None else None
