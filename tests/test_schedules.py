@@ -75,19 +75,23 @@ def test_legw_resumes_from_its_state_dict_and_keeps_group_peaks():
     full = []
     for _ in range(10):
         full.append([g["lr"] for g in opt.param_groups])
+        opt.step()  # no gradients: nothing moves
         sched.step()
     assert full[3] == pytest.approx([1.0, 0.1]) and full[0] == pytest.approx([0.25, 0.025])
     opt2 = lbcomm.Lars([{"params": [model.weight]}, {"params": [model.bias], "lr": 0.1}], lr=1.0)
     s2 = LEGW(opt2, base_warmup_steps=2, batch_scale=2, total_steps=10, decay="poly")
     for _ in range(6):
+        opt2.step()
         s2.step()
     sd = s2.state_dict()
+    # the usual order: build optimizer and scheduler, then load both
     opt3 = lbcomm.Lars([{"params": [model.weight]}, {"params": [model.bias], "lr": 0.1}], lr=1.0)
-    opt3.load_state_dict(opt2.state_dict())
     s3 = LEGW(opt3, base_warmup_steps=2, batch_scale=2, total_steps=10, decay="poly")
+    opt3.load_state_dict(opt2.state_dict())
     s3.load_state_dict(sd)
     assert s3.last_epoch == 6 and s3.warmup_steps == 4
     assert [g["lr"] for g in opt3.param_groups] == pytest.approx(full[6])
     for k in range(6, 9):
+        opt3.step()
         s3.step()
         assert [g["lr"] for g in opt3.param_groups] == pytest.approx(full[k + 1])
