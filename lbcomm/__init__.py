@@ -10,7 +10,7 @@ from .compressed import (DEFAULT_BLOCK_SIZE, CompressionState, NonFiniteError, c
 from .ddp import (OneBitHookState, onebit_hook, onebit_optimizer_bf16_hook, onebit_optimizer_fp16_hook,
                   onebit_optimizer_hook, onebit_optimizer_hook_for)
 from .integrations import attach
-from .optim import Lamb, Lars, OneBitAdam, OneBitLamb, OneBitLars
+from .optim import Lamb, Lars, OneBitAdam, OneBitLamb
 from .topology import HierarchicalState, Topology, hierarchical_allreduce_
 
 __version__ = "0.1.0"
@@ -27,7 +27,6 @@ __all__ = [
     "OneBitLamb",
     "Lamb",
     "Lars",
-    "OneBitLars",
     "save_sharded",
     "load_sharded",
     "shard_path",

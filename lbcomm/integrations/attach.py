@@ -25,14 +25,14 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ..ddp import OneBitHookState, onebit_hook, onebit_optimizer_fp16_hook, onebit_optimizer_hook
-from ..optim import Lamb, Lars, OneBitAdam, OneBitLamb
+from ..optim import Lamb, OneBitAdam, OneBitLamb
 
 __all__ = ["attach", "find_ddp", "unwrap_optimizer", "LBCOMM_OPTIMIZERS"]
 
 _log = logging.getLogger(__name__)
 
 #: The lbcomm optimizers that pair with `onebit_optimizer_hook`.
-LBCOMM_OPTIMIZERS = (OneBitAdam, OneBitLamb, Lamb, Lars)  # Lars includes OneBitLars
+LBCOMM_OPTIMIZERS = (OneBitAdam, OneBitLamb, Lamb)
 
 # Attributes under which known wrappers keep the object they wrap, searched in this order:
 # torch.compile (OptimizedModule._orig_mod), Lightning Fabric (_FabricModule._forward_module),

@@ -1,8 +1,8 @@
 """Drop-in torch.optim optimizers that communicate 1 bit per element (DESIGN.md §3).
 
-`OneBitAdam`, `OneBitLamb` and `OneBitLars` run AdamW / LAMB / LARS on averaged
-gradients during a warmup, then (Adam, LAMB: freeze the variance and) reduce the momentum
-with one compressed allreduce per step; `Lamb` and `Lars` are the full-precision baselines. One module per idea:
+`OneBitAdam` and `OneBitLamb` run AdamW / LAMB on averaged gradients during a warmup,
+then freeze the variance and reduce the momentum with one compressed allreduce per
+step; `Lamb` and `Lars` are the full-precision baselines. One module per idea:
 
 * `flat`: the flat layout of the state (`FlatLayout`, `Segment`);
 * `functional`: the update math over flat slices (AdamW, LAMB, 1-bit LAMB's factor);
@@ -15,10 +15,10 @@ import warnings
 from .adam import OneBitAdam
 from .base import BaseOptimizer
 from .lamb import Lamb, OneBitLamb
-from .lars import Lars, OneBitLars
+from .lars import Lars
 from .onebit import OneBitOptimizer
 
-__all__ = ["OneBitAdam", "OneBitLamb", "Lamb", "Lars", "OneBitLars", "BaseOptimizer", "OneBitOptimizer"]
+__all__ = ["OneBitAdam", "OneBitLamb", "Lamb", "Lars", "BaseOptimizer", "OneBitOptimizer"]
 
 
 def __getattr__(name):
