@@ -152,16 +152,14 @@ def test_nonfinite_gradients_raise_or_skip_with_the_state_unchanged():
 def test_zero_weights_and_zero_updates_stay_finite():
     zero = nn.Parameter(torch.zeros(4, 3))
     still = nn.Parameter(torch.randn(3, 3))
+    s0 = still.detach().clone()
     opt = lbcomm.Lars([zero, still], lr=1.0)
     for _ in range(3):
         opt.zero_grad()
         ((zero * 1.0).sum() + (still * 0).sum()).backward()
         opt.step()
     assert torch.isfinite(zero).all() and (zero != 0).all()  # c = 1 while ||w|| = 0
-    s0 = still.detach().clone()
-    opt.step()
-    assert torch.isfinite(still).all()
-    del s0
+    assert torch.equal(still, s0)  # zero gradient: ||u|| = 0, c = 1, u = 0 (no NaN from 0/0)
 
 
 # ---------------------------------------------------------------------- 2 gloo ranks
@@ -194,12 +192,57 @@ def _ddp_onebit_hook(rank):
             "calls": len(calls), "compressed_bytes": state.total_bytes_sent < state.total_bytes_uncompressed}
 
 
+def _self_averaging(rank):
+    """Lars without DDP averages the (quantized, so exactly summable) gradients itself; under
+    a plain DDP it refuses to average a second time until told grads_averaged."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from lbcomm.ddp import AveragedGradientsError
+    from test_optim import _quantize
+    model = _mlp(seed=6)
+    params0 = [q.detach().clone() for q in model.parameters()]
+    opt = lbcomm.Lars(model.parameters(), lr=1.0, weight_decay=0.01, trust_coefficient=0.02)
+    grads = []
+    for t in range(3):
+        opt.zero_grad()
+        _loss(model, rank, t).backward()
+        for q in model.parameters():
+            q.grad = _quantize(q.grad)
+        grads.append([q.grad.clone() for q in model.parameters()])
+        opt.step()
+    ddp = DDP(_mlp(seed=6))
+    plain = lbcomm.Lars(ddp.parameters(), lr=1.0)
+    F.cross_entropy(ddp(torch.randn(4, 12)), torch.tensor([0, 1, 2, 3])).backward()
+    try:
+        plain.step()
+        error = None
+    except AveragedGradientsError as e:
+        error = str(e)
+    plain.grads_averaged = True
+    plain.step()
+    return {"params0": params0, "grads": grads, "params": [q.detach().clone() for q in model.parameters()],
+            "error": error}
+
+
 def _two_ranks(rank, p):
-    return _ddp_onebit_hook(rank)
+    return {"hook": _ddp_onebit_hook(rank), "self": _self_averaging(rank)}
 
 
-def test_lars_under_ddp_and_onebit_hook_keeps_replicas_identical():
-    res = run_ranks(_two_ranks, 2)
+@pytest.fixture(scope="module")
+def two_ranks():
+    return run_ranks(_two_ranks, 2)
+
+
+def test_lars_averages_by_itself_and_refuses_a_second_average(two_ranks):
+    res = [r["self"] for r in two_ranks]
+    grads = [[res[r]["grads"][t] for r in range(2)] for t in range(3)]
+    sim = SIM.simulate_lars(res[0]["params0"], grads, lr=1.0, weight_decay=0.01, trust_coefficient=0.02)
+    for r in res:
+        assert all(torch.equal(a, b) for a, b in zip(sim[-1], r["params"]))
+        assert r["error"] is not None and "grads_averaged = True" in r["error"]
+
+
+def test_lars_under_ddp_and_onebit_hook_keeps_replicas_identical(two_ranks):
+    res = [r["hook"] for r in two_ranks]
     for t in range(12):
         assert all(torch.equal(a, b) for a, b in zip(res[0]["params"][t], res[1]["params"][t])), t
     for r in res:
