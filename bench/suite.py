@@ -5,6 +5,7 @@ For each task and each pair (full precision vs 1-bit)
     AdamW (gradients allreduced)          vs  lbcomm.OneBitAdam
     lbcomm.Lamb                           vs  lbcomm.OneBitLamb
     DDP + torch.optim.SGD(momentum 0.9)   vs  DDP + lbcomm.onebit_hook + the same SGD
+    lbcomm.Lars                           vs  DDP + lbcomm.onebit_hook + lbcomm.Lars
 
 every lr of the task's small grid is run from the same initial weights on the same samples
 (4 gloo ranks, each its quarter of the global batch; variance frozen / compression started
@@ -40,12 +41,14 @@ import lbcomm  # noqa: E402
 import tasks as T  # noqa: E402
 from convergence import average_grads  # noqa: E402
 
-METHODS = ("adamw", "onebit_adam", "lamb", "onebit_lamb", "sgd", "sgd_hook")
-TWIN = {"onebit_adam": "adamw", "onebit_lamb": "lamb", "sgd_hook": "sgd"}
+METHODS = ("adamw", "onebit_adam", "lamb", "onebit_lamb", "sgd", "sgd_hook", "lars", "lars_hook")
+TWIN = {"onebit_adam": "adamw", "onebit_lamb": "lamb", "sgd_hook": "sgd", "lars_hook": "lars"}
 FAMILY = {"adamw": "adam", "onebit_adam": "adam", "lamb": "lamb", "onebit_lamb": "lamb", "sgd": "sgd",
-          "sgd_hook": "sgd"}
+          "sgd_hook": "sgd", "lars": "lars", "lars_hook": "lars"}
 LABEL = {"adamw": "AdamW", "onebit_adam": "OneBitAdam", "lamb": "Lamb", "onebit_lamb": "OneBitLamb",
-         "sgd": "SGD+DDP", "sgd_hook": "SGD+onebit_hook"}
+         "sgd": "SGD+DDP", "sgd_hook": "SGD+onebit_hook", "lars": "Lars",
+         "lars_hook": "Lars+onebit_hook"}
+LARS_TRUST = 0.02  # trust_coefficient of the LARS runs (their lr grid is tasks.GRIDS["lars"])
 QUICK_TASKS = ("rare_features", "dead_relu", "zipf_embed")
 
 
@@ -68,7 +71,13 @@ def build(method, model, lr, task, world, a):
     if method == "onebit_lamb":
         return model, lamb_cls(model.parameters(), lr=lr, betas=betas, weight_decay=wd,
                                         freeze_step=freeze_of(task), **extra)
+    lars = dict(lr=lr, weight_decay=wd, trust_coefficient=LARS_TRUST)
+    if method == "lars":
+        return model, lbcomm.Lars(model.parameters(), **lars)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
+    if method == "lars_hook":  # Lars sees onebit_hook's claim and does not average again
+        ddp.register_comm_hook(lbcomm.OneBitHookState(start_iter=freeze_of(task)), lbcomm.onebit_hook)
+        return ddp, lbcomm.Lars(model.parameters(), **lars)
     if method == "sgd_hook":
         extra = json.loads(a.hook_options) if a.hook_options else {}
         ddp.register_comm_hook(lbcomm.OneBitHookState(start_iter=freeze_of(task), **extra), lbcomm.onebit_hook)
@@ -183,7 +192,7 @@ def report(results, a):
         print(f"{LABEL[m] + ' / ' + LABEL[base]:<30}" + "".join(f"{c:>16}" for c in cells))
     print("(dN: diverged at N lrs of the grid where the twin did not; diverged = non-finite or worse than at init)")
     print("\nlargest first compressed update of one coordinate over the grid, in units of the current lr")
-    for m in ("onebit_adam", "onebit_lamb", "sgd_hook"):
+    for m in ("onebit_adam", "onebit_lamb", "sgd_hook", "lars_hook"):
         if m in a.methods:
             print(f"  {LABEL[m]:<16}" + "".join(
                 f"{(format(s[t][m][3], '.3g') if s[t][m][3] is not None else '-'):>16}" for t in tasks_))

@@ -38,6 +38,7 @@ GRIDS = {
     "adam": [1e-3, 3e-3, 1e-2, 3e-2],
     "lamb": [3e-3, 1e-2, 3e-2, 1e-1],
     "sgd": [0.03, 0.1, 0.3, 1.0],
+    "lars": [0.3, 1.0, 3.0, 10.0],  # with trust_coefficient 0.02: steps of 0.6 % .. 20 % of ||w||
 }
 
 

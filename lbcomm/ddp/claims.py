@@ -17,7 +17,7 @@ from typing import Iterable, Optional
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["claim_gradients", "DoubleCompressionError", "AveragedGradientsError", "HOOK"]
+__all__ = ["claim_gradients", "compressed_by_hook", "DoubleCompressionError", "AveragedGradientsError", "HOOK"]
 
 HOOK = "onebit_hook"
 
@@ -60,3 +60,9 @@ def held_by(param: Tensor) -> Optional[str]:
     class name), or None."""
     held = _claims.get(param)
     return held[0] if held is not None and held[1]() is not None else None
+
+
+def compressed_by_hook(params: Iterable[Tensor]) -> bool:
+    """Whether a live `onebit_hook` state has claimed any of `params` (its DDP then delivers
+    their gradients averaged over the ranks; `lbcomm.Lars` does not average them again)."""
+    return any(held_by(p) == HOOK for p in params)

@@ -2,22 +2,23 @@
 
 `OneBitAdam` and `OneBitLamb` run AdamW / LAMB on averaged gradients during a warmup,
 then freeze the variance and reduce the momentum with one compressed allreduce per
-step; `Lamb` is the full-precision baseline. One module per idea:
+step; `Lamb` and `Lars` are the full-precision baselines. One module per idea:
 
 * `flat`: the flat layout of the state (`FlatLayout`, `Segment`);
 * `functional`: the update math over flat slices (AdamW, LAMB, 1-bit LAMB's factor);
 * `base`: `BaseOptimizer`, validation, the step skeleton, warmup averaging, checkpoints;
 * `onebit`: `OneBitOptimizer`, the freeze, the mask and the compressed momentum;
-* `adam`, `lamb`: the optimizers; `reference`: the plain-torch simulation (test oracle).
+* `adam`, `lamb`, `lars`: the optimizers; `reference`: the plain-torch simulation (test oracle).
 """
 import warnings
 
 from .adam import OneBitAdam
 from .base import BaseOptimizer
 from .lamb import Lamb, OneBitLamb
+from .lars import Lars
 from .onebit import OneBitOptimizer
 
-__all__ = ["OneBitAdam", "OneBitLamb", "Lamb", "BaseOptimizer", "OneBitOptimizer"]
+__all__ = ["OneBitAdam", "OneBitLamb", "Lamb", "Lars", "BaseOptimizer", "OneBitOptimizer"]
 
 
 def __getattr__(name):
