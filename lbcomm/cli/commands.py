@@ -64,7 +64,8 @@ def run_task(task: str, params: Dict, info: launch.RankInfo) -> Dict:
             bar = _progress_factory(show, "allreduce ")(len(labels) * iters, iters, lambda i: labels[i])
             rows = measure(sizes, methods, iters, params["warmup"], params["block_size"], device=str(device),
                            transport=transport, progress=bar, pieces=params.get("pieces"),
-                           ranks_per_node=params.get("ranks_per_node", 1))
+                           ranks_per_node=params.get("ranks_per_node", 1),
+                           profile=params.get("profile", False))
             bar.close()
             return {"rows": rows}
         if task == "train":
