@@ -179,7 +179,10 @@ def _sub(sub, name: str, help: str, description: str, epilog: str = "") -> argpa
 def build_parser() -> argparse.ArgumentParser:
     from .allreduce import DEFAULT_METHODS as ALLREDUCE_DEFAULT_METHODS
     from .allreduce import METHODS as ALLREDUCE_METHODS
+    from .train import DEFAULT_NODE_METHODS as DEFAULT_NODE_TRAIN_METHODS
+    from .train import FLAT_METHODS as FLAT_TRAIN_METHODS
     from .train import METHODS as TRAIN_METHODS
+    from .train import NODE_METHODS as NODE_TRAIN_METHODS
     from .train import MIN_WARMUP_STEPS, MODEL_PRESETS
 
     parser = argparse.ArgumentParser(prog="lbcomm-bench", description=DESCRIPTION,
@@ -230,8 +233,17 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--bandwidth", type=_comma(_rate_or_none), default=None,
                     help="comma-separated link rates, one emulated cluster each (needs root); 'none' for "
                          "loopback (default: 1gbit,10gbit; none under torchrun)")
-    tr.add_argument("--methods", type=_choices(TRAIN_METHODS, "method"), default=list(TRAIN_METHODS),
-                    help=f"comma-separated subset of {','.join(TRAIN_METHODS)} (default: all)")
+    tr.add_argument("--methods", type=_choices(TRAIN_METHODS, "method"), default=None,
+                    help=f"comma-separated subset of {','.join(TRAIN_METHODS)}; {','.join(NODE_TRAIN_METHODS)} "
+                         f"need --ranks-per-node > 1 (default: {','.join(FLAT_TRAIN_METHODS)}; with nodes "
+                         f"{','.join(DEFAULT_NODE_TRAIN_METHODS)})")
+    tr.add_argument("--nodes", type=_int_at_least(1), default=None,
+                    help="emulated nodes: world size = nodes x ranks per node; with --bandwidth the ranks of a "
+                         "node share one network namespace (unshaped loopback) and the nodes are joined by shaped "
+                         "links, whose interface counters give the bytes between nodes")
+    tr.add_argument("--ranks-per-node", type=_int_at_least(1), default=None,
+                    help="ranks per node (consecutive ranks): the HSDP mesh's shard dimension and the "
+                         "hierarchical hook's nodes (default: 1)")
     tr.add_argument("--preset", choices=sorted(MODEL_PRESETS), default="small",
                     help="model and batch preset (default: small); the options below override it")
     for name, what in (("vocab", "vocabulary"), ("d-model", "width"), ("layers", "blocks"), ("heads", "heads"),
@@ -348,7 +360,6 @@ def _check_backend(backend: str, world: Optional[int]) -> None:
 def _check_nodes(args, info, worlds) -> None:
     """--nodes / --ranks-per-node against --world-size and the launcher; fills in
     args.world_size, args.ranks_per_node and args.methods."""
-    from .allreduce import DEFAULT_METHODS
 
     G = args.ranks_per_node or 1
     if args.nodes is not None:
@@ -368,6 +379,18 @@ def _check_nodes(args, info, worlds) -> None:
     if G > 1 and args.backend != "gloo":
         raise UsageError("--ranks-per-node > 1 runs on --backend gloo (the hierarchical call's groups)")
     args.world_size, args.ranks_per_node = world, G
+    if args.command == "train":
+        from .train import DEFAULT_NODE_METHODS, FLAT_METHODS, NODE_METHODS
+
+        if args.methods is None:
+            args.methods = list(DEFAULT_NODE_METHODS if G > 1 else FLAT_METHODS)
+        needs = [m for m in args.methods if m in NODE_METHODS]
+        if needs and G == 1:
+            raise UsageError(f"--methods {','.join(needs)} need emulated nodes: give --nodes N --ranks-per-node G "
+                             "with G > 1")
+        return
+    from .allreduce import DEFAULT_METHODS
+
     if args.methods is None:
         args.methods = list(DEFAULT_METHODS) + (["hier"] if G > 1 else [])
 
@@ -409,7 +432,7 @@ def validate(args, info) -> None:
         worlds = [info.world_size]
     else:
         worlds = args.world_sizes if args.command == "model" else [args.world_size or 4]
-    if args.command == "allreduce":
+    if args.command in ("allreduce", "train"):
         _check_nodes(args, info, worlds)
         worlds = [args.world_size]
     if args.command in ("allreduce", "model"):

@@ -123,7 +123,8 @@ def cmd_allreduce(args, info: Optional[launch.RankInfo]) -> int:
 def _train_params(args, world: int, bandwidth: Optional[str]) -> Dict:
     return dict(model=train_model(args), methods=args.methods, steps=args.steps, rounds=args.rounds,
                 warmup_steps=args.warmup_steps, lr=args.lr, threads=_threads(args, world), backend=args.backend,
-                progress=not args.no_progress, netem=bool(bandwidth), allreduce_iters=args.allreduce_iters)
+                progress=not args.no_progress, netem=bool(bandwidth), allreduce_iters=args.allreduce_iters,
+                ranks_per_node=args.ranks_per_node)
 
 
 def cmd_train(args, info: Optional[launch.RankInfo]) -> int:
@@ -136,14 +137,15 @@ def cmd_train(args, info: Optional[launch.RankInfo]) -> int:
         runs.append(dict(bandwidth=None, rows=result["rows"], allreduce_s=result["allreduce_s"]))
         world = info.world_size
     else:
-        world = args.world_size or 4
+        world = args.world_size
         for bw in args.bandwidth:
             params = _train_params(args, world, bw)
             result, rate = _run({"task": "train", "params": params}, world, args.backend, bw, args)
             runs.append(dict(bandwidth=rate, rows=result["rows"], allreduce_s=result["allreduce_s"]))
     config = dict(backend=args.backend, steps=args.steps, rounds=args.rounds, warmup_steps=args.warmup_steps,
                   latency=args.latency, burst=args.burst, world_size=world, threads_per_rank=params["threads"],
-                  model=params["model"], methods=params["methods"])
+                  model=params["model"], methods=params["methods"], nodes=world // args.ranks_per_node,
+                  ranks_per_node=args.ranks_per_node)
     report_train(document("train", config=config, params=result["params"], runs=runs), args.json, args.plot)
     return 0
 

@@ -102,16 +102,24 @@ def report_allreduce(doc: Dict, json_path: Optional[str] = None, plot_path: Opti
 
 
 def train_table(runs: List[Dict]) -> str:
-    hdr = (f"{'links':>9} {'method':>12} {'step ms':>9} {'p10 ms':>8} {'p90 ms':>8} {'samples/s':>10} "
-           f"{'vs ddp':>7} {'MB sent/step':>13} {'loss':>7}")
+    nodes = any(r.get("speedup_vs_hsdp") is not None or r.get("inter_node_bytes_per_step") is not None
+                for run in runs for r in run["rows"])
+    extra = f" {'vs hsdp':>8}" if nodes else ""
+    sent = "MB inter-node/step" if nodes else "MB sent/step"
+    hdr = (f"{'links':>9} {'method':>16} {'step ms':>9} {'p10 ms':>8} {'p90 ms':>8} {'samples/s':>10} "
+           f"{'vs ddp':>7}{extra} {sent:>18} {'loss':>7}")
     lines = [hdr, "-" * len(hdr)]
     for run in runs:
         for r in run["rows"]:
             sp = f"{r['speedup_vs_ddp']:.2f}x" if r.get("speedup_vs_ddp") else "-"
-            mb = f"{r['wire_bytes_per_step'] / 1e6:.2f}" if r.get("wire_bytes_per_step") is not None else "-"
-            lines.append(f"{run['bandwidth'] or 'loopback':>9} {r['method']:>12} {r['median_s'] * 1e3:>9.1f} "
-                         f"{r['p10_s'] * 1e3:>8.1f} {r['p90_s'] * 1e3:>8.1f} {r['samples_per_s']:>10.2f} {sp:>7} "
-                         f"{mb:>13} {r['final_loss']:>7.3f}")
+            nb = r.get("inter_node_bytes_per_step") if nodes else r.get("wire_bytes_per_step")
+            mb = f"{nb / 1e6:.2f}" if nb is not None else "-"
+            col = ""
+            if nodes:
+                col = f" {r['speedup_vs_hsdp']:>7.2f}x" if r.get("speedup_vs_hsdp") else f" {'-':>8}"
+            lines.append(f"{run['bandwidth'] or 'loopback':>9} {r['method']:>16} {r['median_s'] * 1e3:>9.1f} "
+                         f"{r['p10_s'] * 1e3:>8.1f} {r['p90_s'] * 1e3:>8.1f} {r['samples_per_s']:>10.2f} {sp:>7}"
+                         f"{col} {mb:>18} {r['final_loss']:>7.3f}")
     return "\n".join(lines)
 
 
@@ -119,8 +127,13 @@ def report_train(doc: Dict, json_path: Optional[str] = None, plot_path: Optional
     from .train import describe_model
 
     c = doc["config"]
-    print(f"# lbcomm-bench train: {c['world_size']} ranks, {c['threads_per_rank']} thread(s) per rank, backend "
+    G = c.get("ranks_per_node") or 1
+    ranks = f"{c['world_size'] // G} nodes x {G} ranks" if G > 1 else f"{c['world_size']} ranks"
+    print(f"# lbcomm-bench train: {ranks}, {c['threads_per_rank']} thread(s) per rank, backend "
           f"{c['backend']}; {describe_model(c['model'], doc['params'])}")
+    if G > 1:
+        print("# nodes: the ranks of a node share one network namespace (loopback, unshaped), the nodes' links are "
+              "shaped; MB inter-node/step: sum of the nodes' interface counters")
     print(f"# {c['steps']} timed steps x {c['rounds']} interleaved rounds per method after {c['warmup_steps']} "
           f"untimed; step time = slowest rank, median and p10/p90; samples/s over all ranks")
     for run in doc["runs"]:
@@ -129,6 +142,12 @@ def report_train(doc: Dict, json_path: Optional[str] = None, plot_path: Optional
         print(f"# {run['bandwidth'] or 'loopback'}: fp32 allreduce of all {doc['params'] / 1e6:.2f}M gradients "
               f"alone {run['allreduce_s'] * 1e3:.0f} ms{frac}")
     print(train_table(doc["runs"]))
+    for run in doc["runs"]:
+        ratios = [f"{r['method']} {r['speedup_vs_hsdp']:.2f}x" for r in run["rows"]
+                  if r.get("speedup_vs_hsdp") and r["method"] != "hsdp"]
+        if ratios:
+            print(f"# {run['bandwidth'] or 'loopback'}: samples/s against plain HSDP in the same run: "
+                  + ", ".join(ratios))
     emit(doc, json_path, plot_path, "plot_train", doc["runs"],
          title=f"training-step throughput, {c['world_size']} ranks, {doc['params'] / 1e6:.1f}M-parameter "
                "transformer LM")
