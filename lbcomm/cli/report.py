@@ -8,7 +8,7 @@ from typing import Dict, List, Optional, Sequence
 from .schema import write_json
 from .units import parse_rate
 
-__all__ = ["allreduce_header", "allreduce_table", "report_allreduce", "train_table", "report_train", "check_table",
+__all__ = ["allreduce_header", "allreduce_table", "report_allreduce", "train_table", "report_train", "check_table", "nodes_check_table", "nodes_grid_table",
            "grid_table", "advise_table", "emit"]
 
 
@@ -196,4 +196,31 @@ def advise_table(rows: List[Dict]) -> str:
         lines.append(f"{r['method']:>14} {r['step_s'] * 1e3:>9.1f} {r['speedup_vs_fp32']:>7.2f}x "
                      f"{r['comm_s'] * 1e3:>9.1f} {r['latency_s'] * 1e3:>8.1f} {r['wire_s'] * 1e3:>8.1f} "
                      f"{r['compute_s'] * 1e3:>8.1f} {r['node_bytes_per_step'] / 1e6:>13.2f}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- model-nodes
+
+
+def nodes_check_table(checks: List[Dict]) -> str:
+    hdr = (f"{'method':>7} {'elements':>9} {'measured':>10} {'model':>10} {'model/meas':>10} {'K':>8} "
+           f"{'inter-node B meas':>17} {'model':>10}")
+    lines = [hdr, "-" * len(hdr)]
+    for c in checks:
+        a, b = c["measured_s"] * 1e3, c["predicted_s"] * 1e3
+        mb = c["measured_inter_node_bytes"]
+        lines.append(f"{c['method']:>7} {c['elements']:>9} {a:>8.1f}ms {b:>8.1f}ms {b / a:>10.2f} "
+                     f"{c['kernel_s'] * 1e3:>6.1f}ms {mb if mb is not None else '-':>17} "
+                     f"{c['predicted_inter_node_bytes']:>10.0f}{'  (calibration)' if c['calibration'] else ''}")
+    return "\n".join(lines)
+
+
+def nodes_grid_table(grid: List[Dict], methods: Sequence[str]) -> str:
+    hdr = f"{'params':>7} {'nodes':>5} {'links':>8} " + " ".join(f"{m:>11}" for m in methods) + "   best"
+    lines = ["ms per gradient reduction (PREDICTION)", hdr, "-" * len(hdr)]
+    for g in grid:
+        times = {m: g[f"{m}_s"] for m in methods}
+        best = min(times, key=times.get)
+        lines.append(f"{g['params'] / 1e9:>6.2f}B {g['nodes']:>5} {g['bandwidth']:>8} "
+                     + " ".join(f"{times[m] * 1e3:>11.2f}" for m in methods) + f"   {best}")
     return "\n".join(lines)
