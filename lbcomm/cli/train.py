@@ -271,6 +271,13 @@ def run_rank(params: Dict, transport, device: torch.device, progress_factory: Ca
                 if tx0 is not None and tx1 is not None:
                     sent[m] += tx1 - tx0
             progress()
+    profiles = {}
+    if params.get("profile"):  # rank 0's operators per step, after the timed rounds (bench/train_profile.py)
+        from .allreduce import _profile
+
+        for m in methods:
+            batch = iter(batches * (steps // len(batches) + 1))
+            profiles[m] = _profile(lambda: setups[m].step(next(batch)), steps, transport, top=20)
     del setups
     gc.collect()
 
@@ -300,7 +307,10 @@ def run_rank(params: Dict, transport, device: torch.device, progress_factory: Ca
     for r in rows:
         for base in ("ddp", "hsdp"):
             r[f"speedup_vs_{base}"] = medians[base] / r["median_s"] if base in medians else None
-    return dict(rows=rows, params=nparams, allreduce_s=ar["median_s"], world_size=p)
+    out = dict(rows=rows, params=nparams, allreduce_s=ar["median_s"], world_size=p)
+    if profiles:
+        out["profiles"] = profiles
+    return out
 
 
 def describe_model(cfg: Dict[str, int], nparams: int) -> str:
