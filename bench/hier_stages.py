@@ -56,7 +56,8 @@ def main(argv=None) -> int:
           f"{args.rounds} rounds; rank 0's profile per call of the last round (ms)")
     for m in methods:
         meds = sorted(row["median_s"] for rows in rounds for row in rows if row["method"] == m)
-        print(f"\n{m}: median per call {meds[len(meds) // 2] * 1e3:.1f} ms over rounds {[round(v * 1e3, 1) for v in meds]}")
+        print(f"\n{m}: median per call {meds[len(meds) // 2] * 1e3:.1f} ms over rounds "
+              f"{[round(v * 1e3, 1) for v in meds]}")
         row = next(row for row in rounds[-1] if row["method"] == m)
         for e in row["profile"]:
             print(f"  {e['kind']:5s} {e['ms']:8.2f}  {e['name']}")

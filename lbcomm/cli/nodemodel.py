@@ -40,11 +40,12 @@ K, the local compute. On the emulated nodes (CPU ranks sharing this machine's co
 intra-node stages are shared-memory copies and sums, i.e. local compute too: there, the
 latency and a per-element compute time kappa per method are fitted on two measured sizes
 (T = latency + inter-node bytes / B_x + kappa n; `fit_emulated`), and every other size
-is predicted. For GPU predictions K is estimated from memory traffic over the memory bandwidth (`gpu_kernel_s`): the 1-bit
-call on m elements over q ranks reads and writes about (16.375 + 8.125/q) m bytes (worker
-compression: input, error in and out, sign bits; server: q rows of bits, its error in and
-out; decode: bits in, fp32 out); fp32/bf16 reductions run inside NCCL's collectives, which
-the links bound, so K = 0 for them. These are estimates, not measurements.
+is predicted. For GPU predictions K is estimated from memory traffic over the memory
+bandwidth (`gpu_kernel_s`): the 1-bit call on m elements over q ranks reads and writes
+about (16.375 + 8.125/q) m bytes (worker compression: input, error in and out, sign bits;
+server: q rows of bits, its error in and out; decode: bits in, fp32 out); fp32/bf16
+reductions run inside NCCL's collectives, which the links bound, so K = 0 for them. These
+are estimates, not measurements.
 """
 from __future__ import annotations
 

@@ -8,8 +8,8 @@ from typing import Dict, List, Optional, Sequence
 from .schema import write_json
 from .units import parse_rate
 
-__all__ = ["allreduce_header", "allreduce_table", "report_allreduce", "train_table", "report_train", "check_table", "nodes_check_table", "nodes_grid_table",
-           "grid_table", "advise_table", "emit"]
+__all__ = ["allreduce_header", "allreduce_table", "report_allreduce", "train_table", "report_train", "check_table",
+           "nodes_check_table", "nodes_grid_table", "grid_table", "advise_table", "emit"]
 
 
 def emit(doc: Dict, json_path: Optional[str], plot_path: Optional[str] = None, plot: str = "", *data,

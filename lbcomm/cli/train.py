@@ -56,7 +56,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["METHODS", "FLAT_METHODS", "NODE_METHODS", "DEFAULT_NODE_METHODS", "TinyLM", "MODEL_PRESETS", "MIN_WARMUP_STEPS", "run_rank", "describe_model"]
+__all__ = ["METHODS", "FLAT_METHODS", "NODE_METHODS", "DEFAULT_NODE_METHODS", "TinyLM", "MODEL_PRESETS",
+           "MIN_WARMUP_STEPS", "run_rank", "describe_model"]
 
 FLAT_METHODS = ("none", "ddp", "fp16", "powersgd", "onebit_hook", "onebit_adam")
 # Methods that need nodes (--ranks-per-node > 1). OneBitAdam on FSDP2 (lbcomm.fsdp.onebit_optimizer,
