@@ -21,8 +21,8 @@ On emulated nodes (``--nodes N --ranks-per-node G``, G > 1; a 2-D DeviceMesh ("n
 "local") of N x G ranks) there are also:
 
 ====================  ==============================================================
-``onebit_hook_hier``  DDP + ``onebit_hook(topology="auto")``: each bucket averaged in fp32
-                      inside the node, 1 bit between nodes (lbcomm.topology)
+``onebit_hook_hier``  DDP + ``onebit_hook`` with ``Topology.from_mesh(mesh)``: each bucket
+                      averaged in fp32 inside the node, 1 bit between nodes (lbcomm.topology)
 ``hsdp``              plain HSDP: FSDP2 ``fully_shard`` on the 2-D mesh (parameters
                       sharded inside the node, gradient shards all-reduced in fp32
                       across nodes by FSDP itself) + AdamW
@@ -174,7 +174,11 @@ class _Setup:
         elif method in ("onebit_hook", "onebit_hook_hier"):
             from ..ddp import OneBitHookState, onebit_hook
 
-            topology = "auto" if method == "onebit_hook_hier" else None  # auto: nodes of LOCAL_WORLD_SIZE ranks
+            topology = None  # flat
+            if method == "onebit_hook_hier":  # the mesh's nodes (also over loopback, where no LOCAL_WORLD_SIZE says)
+                from ..topology import Topology
+
+                topology = Topology.from_mesh(mesh)
             self.hook_state = OneBitHookState(process_group=None, start_iter=COMPRESSION_START, topology=topology)
             ddp.register_comm_hook(self.hook_state, onebit_hook)
         elif method != "ddp":
