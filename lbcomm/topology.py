@@ -66,6 +66,7 @@ from typing import Any, Dict, List, Optional, Union
 
 import torch
 from torch import Tensor
+from torch.profiler import record_function
 
 from .comm import TorchTransport, get_transport
 from .comm.shm import ShmTransport
@@ -439,48 +440,60 @@ def hierarchical_allreduce_(tensor: Tensor, state: HierarchicalState) -> Tensor:
         _handshake(state)
     G, L, n0 = t.local_size, state.slice_len, state.numel
     x = tensor.reshape(-1)
-    finite = bool(torch.isfinite(x.sum(dtype=torch.float32))) or bool(torch.isfinite(x).all())
     lo, hi = state.span
     real = hi - lo
     shm = isinstance(t.local, ShmTransport)
     # Reduce-scatter inside the node: slice l of every rank's input (fp32) and its flag
     # (input not finite) reach local rank l.
-    if shm:  # every rank's whole input in shared memory, read in place by the slice owners
-        buf = t.local.stage(4 * G * L + _FLAG_BYTES)
-        buf[:4 * n0].view(torch.float32).copy_(x)
-        buf[4 * G * L:].view(torch.int32).fill_(0 if finite else 1)
-        views = t.local.publish()
-        rows = [v[4 * lo:4 * hi].view(torch.float32) for v in views]
-        node_bad = any(bool(v[4 * G * L:].view(torch.int32)) for v in views)
-        mine = t.local.stage(4 * L + _FLAG_BYTES)  # the all-gather row, filled in place below
-    else:
-        send_f = state._send[:, :4 * L].view(torch.float32)
-        for j, (a, b) in enumerate(state._spans):
-            send_f[j, :b - a].copy_(x[a:b])
-        state._send[:, 4 * L:].view(torch.int32).fill_(0 if finite else 1)
-        t.local.all_to_all(state._recv, state._send)
-        rows = [r[:real] for r in state._recv[:, :4 * L].view(torch.float32)]
-        node_bad = bool(state._recv[:, 4 * L:].view(torch.int32).any())
-        mine = state._mine
+    with record_function("lbcomm.hier.stage_in"):
+        finite = bool(torch.isfinite(x.sum(dtype=torch.float32))) or bool(torch.isfinite(x).all())
+        if shm:  # the other ranks' slices of this input in shared memory, read in place by their owners
+            buf = t.local.stage(4 * G * L + _FLAG_BYTES)
+            staged = buf[:4 * n0].view(torch.float32)
+            for j, (a, b) in enumerate(state._spans):
+                if j != t.local_rank:  # this rank's own slice is read from the input itself
+                    staged[a:b].copy_(x[a:b])
+            buf[4 * G * L:].view(torch.int32).fill_(0 if finite else 1)
+        else:
+            send_f = state._send[:, :4 * L].view(torch.float32)
+            for j, (a, b) in enumerate(state._spans):
+                send_f[j, :b - a].copy_(x[a:b])
+            state._send[:, 4 * L:].view(torch.int32).fill_(0 if finite else 1)
+    with record_function("lbcomm.hier.reduce_scatter"):
+        if shm:
+            views = t.local.publish()
+            rows = [x[lo:hi] if j == t.local_rank else v[4 * lo:4 * hi].view(torch.float32)
+                    for j, v in enumerate(views)]
+            node_bad = any(bool(v[4 * G * L:].view(torch.int32)) for v in views)
+            mine = t.local.stage(4 * L + _FLAG_BYTES)  # the all-gather row, filled in place below
+        else:
+            t.local.all_to_all(state._recv, state._send)
+            rows = [r[:real] for r in state._recv[:, :4 * L].view(torch.float32)]
+            node_bad = bool(state._recv[:, 4 * L:].view(torch.int32).any())
+            mine = state._mine
     acc = mine[:4 * L].view(torch.float32)[:real]
-    if real:
-        acc.copy_(rows[0])
-        for j in range(1, G):  # fp32, local rank order: the recipe of lbcomm.reference.hierarchical_allreduce
-            acc.add_(rows[j])
-        acc.div_(G)
-    if real == 0:
-        status = _EMPTY
-    else:
-        if node_bad:
-            acc[0] = float("nan")  # every cross group then agrees on "skip", errors untouched
-        status = _APPLIED if reduce_(state.compression, acc, acc) else _SKIPPED
+    with record_function("lbcomm.hier.mean"):
+        if real:  # fp32, local rank order: the recipe of lbcomm.reference.hierarchical_allreduce
+            # (a half-precision row of this rank's own input is widened exactly by the add)
+            torch.add(rows[0], rows[1], out=acc)
+            for j in range(2, G):
+                acc.add_(rows[j])
+            acc.div_(G)
+    with record_function("lbcomm.hier.onebit"):
+        if real == 0:
+            status = _EMPTY
+        else:
+            if node_bad:
+                acc[0] = float("nan")  # every cross group then agrees on "skip", errors untouched
+            status = _APPLIED if reduce_(state.compression, acc, acc) else _SKIPPED
     mine[4 * L:].view(torch.int32).fill_(status)
     # All-gather inside the node: every slice's result and status.
-    if shm:
-        views = t.local.publish()
-    else:
-        t.local.all_gather(state._gathered.view(-1), state._mine)
-        views = list(state._gathered)
+    with record_function("lbcomm.hier.all_gather"):
+        if shm:
+            views = t.local.publish()
+        else:
+            t.local.all_gather(state._gathered.view(-1), state._mine)
+            views = list(state._gathered)
     statuses = [int(v[4 * L:].view(torch.int32)) for v in views]
     state.calls += 1
     skipped = _SKIPPED in statuses
@@ -498,11 +511,12 @@ def hierarchical_allreduce_(tensor: Tensor, state: HierarchicalState) -> Tensor:
             raise NonFiniteError(f"hierarchical_allreduce_: {what}; check for overflow, or pass nonfinite='skip'")
         _log.debug("hierarchical_allreduce_: skipped: %s", what)
         return tensor
-    flat = tensor.view(-1) if tensor.is_contiguous() else None
-    if flat is None:
-        flat = torch.empty(n0, dtype=tensor.dtype, device=tensor.device)
-    for j, (a, b) in enumerate(state._spans):
-        flat[a:b].copy_(views[j][:4 * (b - a)].view(torch.float32))
-    if not tensor.is_contiguous():
-        tensor.copy_(flat.view(tensor.shape))
+    with record_function("lbcomm.hier.copy_out"):
+        flat = tensor.view(-1) if tensor.is_contiguous() else None
+        if flat is None:
+            flat = torch.empty(n0, dtype=tensor.dtype, device=tensor.device)
+        for j, (a, b) in enumerate(state._spans):
+            flat[a:b].copy_(views[j][:4 * (b - a)].view(torch.float32))
+        if not tensor.is_contiguous():
+            tensor.copy_(flat.view(tensor.shape))
     return tensor

@@ -76,13 +76,12 @@ def _op(method: str, x: torch.Tensor, transport, block_size: Optional[int], piec
         from ..topology import HierarchicalState, hierarchical_allreduce_
 
         state = HierarchicalState(x.numel(), topology, device=x.device, block_size=block_size, pieces=pieces)
-        buf = torch.empty_like(x)
+        buf = x.clone()
 
-        def run():
-            buf.copy_(x)
-            hierarchical_allreduce_(buf, state)
-
-        return run, state.bytes_per_call()
+        # In place on one buffer without re-copying x (onebit reads x and writes out, no
+        # copy either): each call reduces the previous result; the cost does not depend on
+        # the values, which stay finite.
+        return (lambda: hierarchical_allreduce_(buf, state)), state.bytes_per_call()
     raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
 
 
@@ -95,14 +94,40 @@ def _link_tx_bytes() -> Optional[int]:
         return int(f.read())
 
 
+def _profile(run, iters: int, transport, top: int = 14) -> List[Dict]:
+    """`iters` calls of `run` under torch.profiler (CPU): per call, the wall time of the
+    whole call and of lbcomm's own stage ranges (``lbcomm.*``: total time, children
+    included) and the self CPU time of the busiest operators. Profiling slows the calls
+    down a little; the timed iterations run without it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    transport.barrier()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            run()
+        wall = time.perf_counter() - t0
+    transport.barrier()
+    events = prof.key_averages()
+    out = [dict(name="(call)", kind="wall", ms=1e3 * wall / iters)]
+    stages = sorted((e for e in events if e.key.startswith("lbcomm.")), key=lambda e: e.key)
+    out += [dict(name=e.key, kind="total", ms=e.cpu_time_total / 1e3 / iters) for e in stages]
+    ops = sorted((e for e in events if not e.key.startswith("lbcomm.") and not e.key.startswith("ProfilerStep")),
+                 key=lambda e: -e.self_cpu_time_total)[:top]
+    out += [dict(name=e.key, kind="self", ms=e.self_cpu_time_total / 1e3 / iters) for e in ops]
+    return out
+
+
 def measure(sizes: Sequence[int], methods: Sequence[str] = METHODS, iters: int = 20, warmup: int = 3,
             block_size: Optional[int] = DEFAULT_BLOCK_SIZE, device: str = "cpu", group=None,
             progress=None, transport=None, pieces: Optional[int] = None,
-            ranks_per_node: int = 1) -> List[Dict]:
+            ranks_per_node: int = 1, profile: bool = False) -> List[Dict]:
     """Time each method on each size (elements); rows carry the slowest rank's times.
 
     `progress`, if given, is called once per timed iteration; `transport` (default: the
-    torch.distributed transport of `group`) provides the collectives."""
+    torch.distributed transport of `group`) provides the collectives. With `profile`, each
+    method runs `iters` more calls under torch.profiler after its timed ones, and its row
+    gets ``profile``: this rank's CPU time per call of the busiest events (see `_profile`)."""
     if transport is None:
         from ..comm import get_transport
 
@@ -148,6 +173,8 @@ def measure(sizes: Sequence[int], methods: Sequence[str] = METHODS, iters: int =
                              algbw_gbps=nbytes / med / 1e9, busbw_gbps=ring_allreduce_bytes(nbytes, p) / med / 1e9,
                              wire_bytes=int(wire),
                              inter_node_bytes=int(sent.item() / iters) if counted else None))
+            if profile:
+                rows[-1]["profile"] = _profile(run, iters, transport)
     base = {r["size"]: r["median_s"] for r in rows if r["method"] == "fp32"}
     for r in rows:
         r["speedup_vs_fp32"] = base[r["size"]] / r["median_s"] if r["size"] in base else None

@@ -121,6 +121,21 @@ def _seconds(text: str) -> float:
 
 _positive = _int_at_least(1)
 _sizes = _comma(_typed(parse_count))
+
+
+def _bytes_per_s(text: str) -> float:
+    """Bytes per second: '3TB', '360GB', '3e12' (K, M, G, T = powers of 1000; a trailing B or
+    /s optional)."""
+    t = text.strip().upper().removesuffix("/S").removesuffix("B")
+    scale = {"K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}.get(t[-1:], 1.0)
+    try:
+        value = float(t[:-1] if scale != 1.0 else t) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid bandwidth {text!r}: use bytes per second like 3TB or 360GB "
+                                         "(powers of 1000)") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"invalid bandwidth {text!r}: must be > 0")
+    return value
 _rate = _typed(parse_rate, keep_text=True)
 
 
@@ -179,7 +194,10 @@ def _sub(sub, name: str, help: str, description: str, epilog: str = "") -> argpa
 def build_parser() -> argparse.ArgumentParser:
     from .allreduce import DEFAULT_METHODS as ALLREDUCE_DEFAULT_METHODS
     from .allreduce import METHODS as ALLREDUCE_METHODS
+    from .train import DEFAULT_NODE_METHODS as DEFAULT_NODE_TRAIN_METHODS
+    from .train import FLAT_METHODS as FLAT_TRAIN_METHODS
     from .train import METHODS as TRAIN_METHODS
+    from .train import NODE_METHODS as NODE_TRAIN_METHODS
     from .train import MIN_WARMUP_STEPS, MODEL_PRESETS
 
     parser = argparse.ArgumentParser(prog="lbcomm-bench", description=DESCRIPTION,
@@ -230,8 +248,17 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--bandwidth", type=_comma(_rate_or_none), default=None,
                     help="comma-separated link rates, one emulated cluster each (needs root); 'none' for "
                          "loopback (default: 1gbit,10gbit; none under torchrun)")
-    tr.add_argument("--methods", type=_choices(TRAIN_METHODS, "method"), default=list(TRAIN_METHODS),
-                    help=f"comma-separated subset of {','.join(TRAIN_METHODS)} (default: all)")
+    tr.add_argument("--methods", type=_choices(TRAIN_METHODS, "method"), default=None,
+                    help=f"comma-separated subset of {','.join(TRAIN_METHODS)}; {','.join(NODE_TRAIN_METHODS)} "
+                         f"need --ranks-per-node > 1 (default: {','.join(FLAT_TRAIN_METHODS)}; with nodes "
+                         f"{','.join(DEFAULT_NODE_TRAIN_METHODS)})")
+    tr.add_argument("--nodes", type=_int_at_least(1), default=None,
+                    help="emulated nodes: world size = nodes x ranks per node; with --bandwidth the ranks of a "
+                         "node share one network namespace (unshaped loopback) and the nodes are joined by shaped "
+                         "links, whose interface counters give the bytes between nodes")
+    tr.add_argument("--ranks-per-node", type=_int_at_least(1), default=None,
+                    help="ranks per node (consecutive ranks): the HSDP mesh's shard dimension and the "
+                         "hierarchical hook's nodes (default: 1)")
     tr.add_argument("--preset", choices=sorted(MODEL_PRESETS), default="small",
                     help="model and batch preset (default: small); the options below override it")
     for name, what in (("vocab", "vocabulary"), ("d-model", "width"), ("layers", "blocks"), ("heads", "heads"),
@@ -285,6 +312,55 @@ def build_parser() -> argparse.ArgumentParser:
                     help="link rates of the predictions (default: 1gbit,10gbit,25gbit,100gbit)")
     md.set_defaults(command="model", methods=["fp32", "onebit"])
 
+    mn = _sub(sub, "model-nodes", "cost model of N nodes x G ranks: flat, hierarchical and HSDP, calibrated on "
+              "emulated nodes",
+              "The cost model of one gradient reduction on N nodes x G ranks per node, with the link between\n"
+              "nodes and the link inside a node separately (lbcomm/cli/nodemodel.py): fp32 ring, flat 1-bit,\n"
+              "hierarchical 1-bit (fp32 inside a node), and HSDP's reduction in fp32, bf16 and 1 bit across\n"
+              "nodes. Calibration: the allreduce benchmark on emulated nodes (--nodes x --ranks-per-node,\n"
+              "links shaped to --bandwidth; or --from-json); per method, the latency per message and the\n"
+              "local compute per element (kernels and shared-memory stages on this machine's cores) are\n"
+              "fitted on the two smallest sizes, every larger size is predicted beside its measurement. Then a\n"
+              "PREDICTION for GPU clusters: --predict-ranks-per-node GPUs per node, kernel times estimated\n"
+              "from memory traffic over --mem-bandwidth (H100: about 3 TB/s), NVLink as the intra-node link.",
+              "JSON: schema lbcomm-bench/model-nodes with calibration (links fitted), checks (measured against "
+              "predicted), assumptions and grid (the predictions, seconds per reduction by method).")
+    _add_common(mn, None)
+    mn.add_argument("--nodes", type=_int_at_least(2), default=2, help="emulated nodes to measure (default: 2)")
+    mn.add_argument("--ranks-per-node", type=_int_at_least(2), default=2,
+                    help="ranks per emulated node (default: 2)")
+    mn.add_argument("--bandwidth", type=_rate, default="1gbit",
+                    help="link rate between the emulated nodes (default: 1gbit; needs root)")
+    mn.add_argument("--sizes", type=_sizes, default=_sizes("1M,8M,32M"),
+                    help="sizes to measure, at least 3: the two smallest calibrate, the others check "
+                         "(default: 1M,8M,32M)")
+    mn.add_argument("--iters", type=_positive, default=6, help="timed iterations (default: 6)")
+    mn.add_argument("--warmup", type=_int_at_least(0), default=2, help="untimed iterations (default: 2)")
+    mn.add_argument("--block-size", type=_block_size, default=2048,
+                    help="onebit: elements per scale, a multiple of 32, or 'none' (default: 2048)")
+    mn.add_argument("--from-json", metavar="FILE",
+                    help="an `lbcomm-bench allreduce --nodes N --ranks-per-node G --bandwidth B --methods "
+                         "fp32,onebit,hier --json` result instead of measuring")
+    mn.add_argument("--predict-ranks-per-node", type=_int_at_least(1), default=8,
+                    help="GPUs per node of the predictions (default: 8)")
+    mn.add_argument("--predict-nodes", type=_comma(_int_at_least(2)), default=[4, 8, 16, 32, 64, 128],
+                    help="node counts of the predictions (default: 4,8,16,32,64,128)")
+    mn.add_argument("--predict-bandwidths", type=_comma(_rate), default=["25gbit", "100gbit", "400gbit"],
+                    help="link rates between nodes, per node and direction (default: 25gbit,100gbit,400gbit)")
+    mn.add_argument("--predict-params", type=_comma(_typed(parse_params)), default=[350_000_000, 1_300_000_000,
+                                                                                  7_000_000_000],
+                    help="model sizes (gradient elements) of the predictions (default: 350M,1.3B,7B)")
+    mn.add_argument("--mem-bandwidth", type=_bytes_per_s, default=3e12,
+                    help="GPU memory bandwidth in bytes/s for the kernel estimates (default: 3TB = H100 SXM)")
+    mn.add_argument("--intra-bandwidth", type=_bytes_per_s, default=360e9,
+                    help="bytes/s per GPU and direction inside a node (default: 360GB, NVLink 4 as NCCL reaches "
+                         "it)")
+    mn.add_argument("--predict-alpha", type=_seconds, default=20e-6,
+                    help="latency per message between nodes (default: 20us)")
+    mn.add_argument("--predict-intra-alpha", type=_seconds, default=5e-6,
+                    help="latency per message inside a node (default: 5us)")
+    mn.set_defaults(command="model-nodes", methods=["fp32", "onebit", "hier"])
+
     ad = _sub(sub, "advise", "will 1-bit help my run? predicted step times for a model and a cluster",
               "Predict the training-step time of data-parallel training with fp32 and fp16 allreduce, PowerSGD,\n"
               "and 1-bit Adam/LAMB (warmup and compression stage), from your model's parameter count, your\n"
@@ -320,7 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="where to time the local compute of each method (default: cpu)")
     ad.add_argument("--json", metavar="FILE", help="write the prediction as JSON (fields listed below)")
     ad.set_defaults(command="advise")
-    for p in (ar, tr, md, ad):  # placeholders in words (WORLD-SIZE), not Python names (WORLD_SIZE)
+    for p in (ar, tr, md, mn, ad):  # placeholders in words (WORLD-SIZE), not Python names (WORLD_SIZE)
         for action in p._actions:
             if action.option_strings and action.metavar is None and action.nargs != 0 and not action.choices:
                 action.metavar = action.dest.upper().replace("_", "-")
@@ -348,7 +424,6 @@ def _check_backend(backend: str, world: Optional[int]) -> None:
 def _check_nodes(args, info, worlds) -> None:
     """--nodes / --ranks-per-node against --world-size and the launcher; fills in
     args.world_size, args.ranks_per_node and args.methods."""
-    from .allreduce import DEFAULT_METHODS
 
     G = args.ranks_per_node or 1
     if args.nodes is not None:
@@ -368,6 +443,18 @@ def _check_nodes(args, info, worlds) -> None:
     if G > 1 and args.backend != "gloo":
         raise UsageError("--ranks-per-node > 1 runs on --backend gloo (the hierarchical call's groups)")
     args.world_size, args.ranks_per_node = world, G
+    if args.command == "train":
+        from .train import DEFAULT_NODE_METHODS, FLAT_METHODS, NODE_METHODS
+
+        if args.methods is None:
+            args.methods = list(DEFAULT_NODE_METHODS if G > 1 else FLAT_METHODS)
+        needs = [m for m in args.methods if m in NODE_METHODS]
+        if needs and G == 1:
+            raise UsageError(f"--methods {','.join(needs)} need emulated nodes: give --nodes N --ranks-per-node G "
+                             "with G > 1")
+        return
+    from .allreduce import DEFAULT_METHODS
+
     if args.methods is None:
         args.methods = list(DEFAULT_METHODS) + (["hier"] if G > 1 else [])
 
@@ -391,6 +478,21 @@ def validate(args, info) -> None:
         if args.device == "cuda":
             _check_backend("nccl", None)
         return
+    if args.command == "model-nodes":
+        if info is not None:
+            raise UsageError(f"model-nodes starts its own emulated nodes; run it directly, not under {info.launcher}")
+        if len(args.sizes) < 3 and not args.from_json:
+            raise UsageError(f"--sizes: model-nodes needs at least 3 sizes (two calibrate, the others check), got "
+                             f"{len(args.sizes)}")
+        if args.backend != "gloo":
+            raise UsageError("model-nodes measures on --backend gloo (the emulated nodes)")
+        if not args.from_json:
+            _check_cluster(args.nodes * args.ranks_per_node, [args.bandwidth], args.latency, args.burst,
+                           args.ranks_per_node)
+            from .netns import require
+
+            require()
+        return
     if getattr(args, "plot", None):
         from .plot import require_matplotlib
 
@@ -409,7 +511,7 @@ def validate(args, info) -> None:
         worlds = [info.world_size]
     else:
         worlds = args.world_sizes if args.command == "model" else [args.world_size or 4]
-    if args.command == "allreduce":
+    if args.command in ("allreduce", "train"):
         _check_nodes(args, info, worlds)
         worlds = [args.world_size]
     if args.command in ("allreduce", "model"):

@@ -64,7 +64,8 @@ def run_task(task: str, params: Dict, info: launch.RankInfo) -> Dict:
             bar = _progress_factory(show, "allreduce ")(len(labels) * iters, iters, lambda i: labels[i])
             rows = measure(sizes, methods, iters, params["warmup"], params["block_size"], device=str(device),
                            transport=transport, progress=bar, pieces=params.get("pieces"),
-                           ranks_per_node=params.get("ranks_per_node", 1))
+                           ranks_per_node=params.get("ranks_per_node", 1),
+                           profile=params.get("profile", False))
             bar.close()
             return {"rows": rows}
         if task == "train":
@@ -122,7 +123,8 @@ def cmd_allreduce(args, info: Optional[launch.RankInfo]) -> int:
 def _train_params(args, world: int, bandwidth: Optional[str]) -> Dict:
     return dict(model=train_model(args), methods=args.methods, steps=args.steps, rounds=args.rounds,
                 warmup_steps=args.warmup_steps, lr=args.lr, threads=_threads(args, world), backend=args.backend,
-                progress=not args.no_progress, netem=bool(bandwidth), allreduce_iters=args.allreduce_iters)
+                progress=not args.no_progress, netem=bool(bandwidth), allreduce_iters=args.allreduce_iters,
+                ranks_per_node=args.ranks_per_node)
 
 
 def cmd_train(args, info: Optional[launch.RankInfo]) -> int:
@@ -135,14 +137,15 @@ def cmd_train(args, info: Optional[launch.RankInfo]) -> int:
         runs.append(dict(bandwidth=None, rows=result["rows"], allreduce_s=result["allreduce_s"]))
         world = info.world_size
     else:
-        world = args.world_size or 4
+        world = args.world_size
         for bw in args.bandwidth:
             params = _train_params(args, world, bw)
             result, rate = _run({"task": "train", "params": params}, world, args.backend, bw, args)
             runs.append(dict(bandwidth=rate, rows=result["rows"], allreduce_s=result["allreduce_s"]))
     config = dict(backend=args.backend, steps=args.steps, rounds=args.rounds, warmup_steps=args.warmup_steps,
                   latency=args.latency, burst=args.burst, world_size=world, threads_per_rank=params["threads"],
-                  model=params["model"], methods=params["methods"])
+                  model=params["model"], methods=params["methods"], nodes=world // args.ranks_per_node,
+                  ranks_per_node=args.ranks_per_node)
     report_train(document("train", config=config, params=result["params"], runs=runs), args.json, args.plot)
     return 0
 
@@ -237,6 +240,88 @@ def cmd_model(args, info) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------- model-nodes
+
+
+def _nodes_doc(args) -> Dict:
+    """The allreduce document of the calibration: loaded (--from-json) or measured now."""
+    if args.from_json:
+        with open(args.from_json) as f:
+            doc = json.load(f)
+        check_allreduce_doc(doc)
+        c = doc["config"]
+        G = c.get("ranks_per_node") or 1
+        have = {r["method"] for r in doc["rows"]}
+        sizes = {r["elements"] for r in doc["rows"]}
+        if not c.get("bandwidth") or G < 2 or not {"fp32", "onebit", "hier"} <= have or len(sizes) < 3:
+            raise UsageError(f"--from-json {args.from_json}: the node model needs a run on emulated nodes "
+                             "(allreduce --nodes N --ranks-per-node G --bandwidth B --methods fp32,onebit,hier) "
+                             "with at least 3 sizes")
+        return doc
+    args.pieces = 1  # the model is of the unpipelined call
+    world = args.nodes * args.ranks_per_node
+    print(f"# measuring {args.nodes} nodes x {args.ranks_per_node} ranks at {args.bandwidth} ...", file=sys.stderr)
+    return run_allreduce(args, bandwidth=args.bandwidth, world_size=world, sizes=args.sizes,
+                         methods=["fp32", "onebit", "hier"])
+
+
+def cmd_model_nodes(args, info) -> int:
+    from .model import PAYLOAD_FRACTION
+    from .nodemodel import NODE_METHODS, Links, fit_emulated, gpu_kernel_s, node_cost
+    from .report import nodes_check_table, nodes_grid_table
+
+    doc = _nodes_doc(args)
+    c = doc["config"]
+    G = c["ranks_per_node"]
+    N, p = c["world_size"] // G, c["world_size"]
+    block = c.get("block_size", args.block_size)
+    rows = {(r["method"], r["elements"]): r for r in doc["rows"]}
+    sizes = sorted({n for _, n in rows})
+    bx = parse_rate(c["bandwidth"]) / 8 * PAYLOAD_FRACTION
+    fits, checks = {}, []
+    for m in ("fp32", "onebit", "hier"):
+        fits[m] = fit_emulated(m, [(n, rows[m, n]["median_s"]) for n in sizes[:2]], N, G, bx, block)
+        links = Links(bx, float("inf"), fits[m]["alpha_s"], fits[m]["alpha_s"])
+        for n in sizes:
+            pr = node_cost(m, n, N, G, links, fits[m]["kappa_s"] * n, block)
+            meas = rows[m, n]
+            checks.append(dict(method=m, elements=n, measured_s=meas["median_s"], predicted_s=pr["total_s"],
+                               kernel_s=pr["kernel_s"], calibration=n in sizes[:2],
+                               measured_inter_node_bytes=meas.get("inter_node_bytes"),
+                               predicted_inter_node_bytes=N * pr["node_bytes"]))
+    calibration = dict(nodes=N, ranks_per_node=G, bandwidth=c["bandwidth"], inter_Bps=bx, fits=fits)
+    print(f"# node model: {N} emulated nodes x {G} ranks, links {c['bandwidth']} (payload {bx / 1e6:.1f} MB/s); "
+          f"per method, latency per message and local compute per element (K = kappa n: kernels, copies and the "
+          f"shared-memory stages of {p} ranks on this machine's cores) fitted on the two smallest sizes")
+    print("# fitted: " + "; ".join(f"{m} alpha {f['alpha_s'] * 1e6:.0f} us, kappa {f['kappa_s'] * 1e9:.2f} ns/element"
+                                   for m, f in fits.items()))
+    print(nodes_check_table(checks))
+
+    # PREDICTION for GPU clusters
+    G2, alpha, alpha_i = args.predict_ranks_per_node, args.predict_alpha, args.predict_intra_alpha
+    grid = []
+    for P in args.predict_params:
+        for N2 in args.predict_nodes:
+            for bw in args.predict_bandwidths:
+                links = Links(parse_rate(bw) / 8 * PAYLOAD_FRACTION, args.intra_bandwidth, alpha, alpha_i)
+                cell = dict(params=P, nodes=N2, ranks_per_node=G2, bandwidth=bw)
+                for m in NODE_METHODS:
+                    cell[f"{m}_s"] = node_cost(m, P, N2, G2, links, gpu_kernel_s(m, P, N2, G2, args.mem_bandwidth),
+                                               block)["total_s"]
+                grid.append(cell)
+    assumptions = dict(ranks_per_node=G2, inter_alpha_s=alpha, intra_alpha_s=alpha_i, intra_Bps=args.intra_bandwidth,
+                       mem_Bps=args.mem_bandwidth, payload_fraction=PAYLOAD_FRACTION, block_size=block)
+    print(f"\n# PREDICTION (not measured): one gradient reduction per step, {G2} GPUs per node; links between nodes "
+          f"at the rate given x {PAYLOAD_FRACTION:.3f}, {alpha * 1e6:.0f} us per message; inside a node "
+          f"{args.intra_bandwidth / 1e9:.0f} GB/s per GPU, {alpha_i * 1e6:.0f} us; 1-bit kernels estimated from "
+          f"memory traffic at {args.mem_bandwidth / 1e12:.1f} TB/s; NCCL's fp32/bf16 reductions bounded by the "
+          "links; no overlap with compute; HSDP rows exclude FSDP's parameter all-gather")
+    print(nodes_grid_table(grid, NODE_METHODS))
+    emit(document("model-nodes", calibration=calibration, checks=checks, assumptions=assumptions, grid=grid,
+                  measured=doc), args.json)
+    return 0
+
+
 # ---------------------------------------------------------------------------- advise
 
 
@@ -268,7 +353,8 @@ def cmd_advise(args, info) -> int:
 # ---------------------------------------------------------------------------- main
 
 
-_COMMANDS = {"allreduce": cmd_allreduce, "train": cmd_train, "model": cmd_model, "advise": cmd_advise}
+_COMMANDS = {"allreduce": cmd_allreduce, "train": cmd_train, "model": cmd_model, "model-nodes": cmd_model_nodes,
+             "advise": cmd_advise}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

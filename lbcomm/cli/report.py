@@ -9,7 +9,7 @@ from .schema import write_json
 from .units import parse_rate
 
 __all__ = ["allreduce_header", "allreduce_table", "report_allreduce", "train_table", "report_train", "check_table",
-           "grid_table", "advise_table", "emit"]
+           "nodes_check_table", "nodes_grid_table", "grid_table", "advise_table", "emit"]
 
 
 def emit(doc: Dict, json_path: Optional[str], plot_path: Optional[str] = None, plot: str = "", *data,
@@ -102,16 +102,24 @@ def report_allreduce(doc: Dict, json_path: Optional[str] = None, plot_path: Opti
 
 
 def train_table(runs: List[Dict]) -> str:
-    hdr = (f"{'links':>9} {'method':>12} {'step ms':>9} {'p10 ms':>8} {'p90 ms':>8} {'samples/s':>10} "
-           f"{'vs ddp':>7} {'MB sent/step':>13} {'loss':>7}")
+    nodes = any(r.get("speedup_vs_hsdp") is not None or r.get("inter_node_bytes_per_step") is not None
+                for run in runs for r in run["rows"])
+    extra = f" {'vs hsdp':>8}" if nodes else ""
+    sent = "MB inter-node/step" if nodes else "MB sent/step"
+    hdr = (f"{'links':>9} {'method':>16} {'step ms':>9} {'p10 ms':>8} {'p90 ms':>8} {'samples/s':>10} "
+           f"{'vs ddp':>7}{extra} {sent:>18} {'loss':>7}")
     lines = [hdr, "-" * len(hdr)]
     for run in runs:
         for r in run["rows"]:
             sp = f"{r['speedup_vs_ddp']:.2f}x" if r.get("speedup_vs_ddp") else "-"
-            mb = f"{r['wire_bytes_per_step'] / 1e6:.2f}" if r.get("wire_bytes_per_step") is not None else "-"
-            lines.append(f"{run['bandwidth'] or 'loopback':>9} {r['method']:>12} {r['median_s'] * 1e3:>9.1f} "
-                         f"{r['p10_s'] * 1e3:>8.1f} {r['p90_s'] * 1e3:>8.1f} {r['samples_per_s']:>10.2f} {sp:>7} "
-                         f"{mb:>13} {r['final_loss']:>7.3f}")
+            nb = r.get("inter_node_bytes_per_step") if nodes else r.get("wire_bytes_per_step")
+            mb = f"{nb / 1e6:.2f}" if nb is not None else "-"
+            col = ""
+            if nodes:
+                col = f" {r['speedup_vs_hsdp']:>7.2f}x" if r.get("speedup_vs_hsdp") else f" {'-':>8}"
+            lines.append(f"{run['bandwidth'] or 'loopback':>9} {r['method']:>16} {r['median_s'] * 1e3:>9.1f} "
+                         f"{r['p10_s'] * 1e3:>8.1f} {r['p90_s'] * 1e3:>8.1f} {r['samples_per_s']:>10.2f} {sp:>7}"
+                         f"{col} {mb:>18} {r['final_loss']:>7.3f}")
     return "\n".join(lines)
 
 
@@ -119,8 +127,13 @@ def report_train(doc: Dict, json_path: Optional[str] = None, plot_path: Optional
     from .train import describe_model
 
     c = doc["config"]
-    print(f"# lbcomm-bench train: {c['world_size']} ranks, {c['threads_per_rank']} thread(s) per rank, backend "
+    G = c.get("ranks_per_node") or 1
+    ranks = f"{c['world_size'] // G} nodes x {G} ranks" if G > 1 else f"{c['world_size']} ranks"
+    print(f"# lbcomm-bench train: {ranks}, {c['threads_per_rank']} thread(s) per rank, backend "
           f"{c['backend']}; {describe_model(c['model'], doc['params'])}")
+    if G > 1:
+        print("# nodes: the ranks of a node share one network namespace (loopback, unshaped), the nodes' links are "
+              "shaped; MB inter-node/step: sum of the nodes' interface counters")
     print(f"# {c['steps']} timed steps x {c['rounds']} interleaved rounds per method after {c['warmup_steps']} "
           f"untimed; step time = slowest rank, median and p10/p90; samples/s over all ranks")
     for run in doc["runs"]:
@@ -129,6 +142,12 @@ def report_train(doc: Dict, json_path: Optional[str] = None, plot_path: Optional
         print(f"# {run['bandwidth'] or 'loopback'}: fp32 allreduce of all {doc['params'] / 1e6:.2f}M gradients "
               f"alone {run['allreduce_s'] * 1e3:.0f} ms{frac}")
     print(train_table(doc["runs"]))
+    for run in doc["runs"]:
+        ratios = [f"{r['method']} {r['speedup_vs_hsdp']:.2f}x" for r in run["rows"]
+                  if r.get("speedup_vs_hsdp") and r["method"] != "hsdp"]
+        if ratios:
+            print(f"# {run['bandwidth'] or 'loopback'}: samples/s against plain HSDP in the same run: "
+                  + ", ".join(ratios))
     emit(doc, json_path, plot_path, "plot_train", doc["runs"],
          title=f"training-step throughput, {c['world_size']} ranks, {doc['params'] / 1e6:.1f}M-parameter "
                "transformer LM")
@@ -177,4 +196,31 @@ def advise_table(rows: List[Dict]) -> str:
         lines.append(f"{r['method']:>14} {r['step_s'] * 1e3:>9.1f} {r['speedup_vs_fp32']:>7.2f}x "
                      f"{r['comm_s'] * 1e3:>9.1f} {r['latency_s'] * 1e3:>8.1f} {r['wire_s'] * 1e3:>8.1f} "
                      f"{r['compute_s'] * 1e3:>8.1f} {r['node_bytes_per_step'] / 1e6:>13.2f}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- model-nodes
+
+
+def nodes_check_table(checks: List[Dict]) -> str:
+    hdr = (f"{'method':>7} {'elements':>9} {'measured':>10} {'model':>10} {'model/meas':>10} {'K':>8} "
+           f"{'inter-node B meas':>17} {'model':>10}")
+    lines = [hdr, "-" * len(hdr)]
+    for c in checks:
+        a, b = c["measured_s"] * 1e3, c["predicted_s"] * 1e3
+        mb = c["measured_inter_node_bytes"]
+        lines.append(f"{c['method']:>7} {c['elements']:>9} {a:>8.1f}ms {b:>8.1f}ms {b / a:>10.2f} "
+                     f"{c['kernel_s'] * 1e3:>6.1f}ms {mb if mb is not None else '-':>17} "
+                     f"{c['predicted_inter_node_bytes']:>10.0f}{'  (calibration)' if c['calibration'] else ''}")
+    return "\n".join(lines)
+
+
+def nodes_grid_table(grid: List[Dict], methods: Sequence[str]) -> str:
+    hdr = f"{'params':>7} {'nodes':>5} {'links':>8} " + " ".join(f"{m:>11}" for m in methods) + "   best"
+    lines = ["ms per gradient reduction (PREDICTION)", hdr, "-" * len(hdr)]
+    for g in grid:
+        times = {m: g[f"{m}_s"] for m in methods}
+        best = min(times, key=times.get)
+        lines.append(f"{g['params'] / 1e9:>6.2f}B {g['nodes']:>5} {g['bandwidth']:>8} "
+                     + " ".join(f"{times[m] * 1e3:>11.2f}" for m in methods) + f"   {best}")
     return "\n".join(lines)

@@ -58,7 +58,7 @@ ALLREDUCE_CONFIG_FIELDS = {
     "ranks_per_node": (int, "ranks per (emulated) node; 1: one namespace per rank"),
 }
 # Fields added after version 1 was published: documents written before may lack them.
-OPTIONAL_FIELDS = {"inter_node_bytes", "ranks_per_node"}
+OPTIONAL_FIELDS = {"inter_node_bytes", "ranks_per_node", "speedup_vs_hsdp", "inter_node_bytes_per_step"}
 HOST_FIELDS = {
     "torch": (str, "torch version"),
     "lbcomm": (str, "lbcomm version"),
@@ -68,7 +68,8 @@ HOST_FIELDS = {
     "loadavg": (list, "1, 5 and 15 minute load averages when the run ended"),
 }
 TRAIN_ROW_FIELDS = {
-    "method": (str, "none | ddp | fp16 | powersgd | onebit_hook | onebit_adam"),
+    "method": (str, "none | ddp | fp16 | powersgd | onebit_hook | onebit_adam; with nodes also onebit_hook_hier | "
+                    "hsdp | hsdp_onebit"),
     "median_s": (float, "median training-step time (slowest rank), seconds"),
     "p10_s": (float, "10th percentile, seconds"),
     "p90_s": (float, "90th percentile, seconds"),
@@ -78,6 +79,10 @@ TRAIN_ROW_FIELDS = {
                                                  "interface (headers included); null over loopback"),
     "final_loss": ((float, type(None)), "loss of the last timed step on rank 0"),
     "speedup_vs_ddp": ((float, type(None)), "ddp median_s / this median_s"),
+    "speedup_vs_hsdp": ((float, type(None)), "hsdp median_s / this median_s (= samples/s ratio); null without hsdp"),
+    "inter_node_bytes_per_step": ((float, type(None)), "bytes per step that crossed the links between emulated "
+                                                       "nodes (sum over the nodes' interface counters); null "
+                                                       "without nodes"),
 }
 ADVISE_ROW_FIELDS = {
     "method": (str, "fp32 | fp16 | powersgd | onebit_warmup | onebit"),

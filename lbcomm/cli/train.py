@@ -17,6 +17,26 @@ cross the network:
                 the momentum per step
 ==============  ====================================================================
 
+On emulated nodes (``--nodes N --ranks-per-node G``, G > 1; a 2-D DeviceMesh ("node",
+"local") of N x G ranks) there are also:
+
+====================  ==============================================================
+``onebit_hook_hier``  DDP + ``onebit_hook`` with ``Topology.from_mesh(mesh)``: each bucket
+                      averaged in fp32 inside the node, 1 bit between nodes (lbcomm.topology)
+``hsdp``              plain HSDP: FSDP2 ``fully_shard`` on the 2-D mesh (parameters
+                      sharded inside the node, gradient shards all-reduced in fp32
+                      across nodes by FSDP itself) + AdamW
+``hsdp_onebit``       FSDP2 sharded inside the node (``mesh["local"]``) +
+                      ``lbcomm.fsdp.onebit_hsdp`` (gradient shards averaged across nodes
+                      by the 1-bit compressed allreduce) + AdamW
+====================  ==============================================================
+
+The FSDP methods wrap every transformer block and the root (`_shard`). Their AdamW is
+torch's default (foreach) implementation on the sharded DTensor parameters; the DDP
+methods use the fused one. The bytes that crossed the links between nodes are read from
+each node's interface counter (LBCOMM_NODE_IFACE; the ranks of a node talk over its
+loopback, which the counter does not see).
+
 Compression starts early (PowerSGD's ``start_powerSGD_iter`` and onebit_hook's
 ``start_iter`` are 2, OneBitAdam's ``freeze_step`` is ``warmup - 2``: frozen after only
 2 steps its variance estimate is too poor and the loss oscillates within 10 steps) and
@@ -36,9 +56,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["METHODS", "TinyLM", "MODEL_PRESETS", "MIN_WARMUP_STEPS", "run_rank", "describe_model"]
+__all__ = ["METHODS", "FLAT_METHODS", "NODE_METHODS", "DEFAULT_NODE_METHODS", "TinyLM", "MODEL_PRESETS",
+           "MIN_WARMUP_STEPS", "run_rank", "describe_model"]
 
-METHODS = ("none", "ddp", "fp16", "powersgd", "onebit_hook", "onebit_adam")
+FLAT_METHODS = ("none", "ddp", "fp16", "powersgd", "onebit_hook", "onebit_adam")
+# Methods that need nodes (--ranks-per-node > 1). OneBitAdam on FSDP2 (lbcomm.fsdp.onebit_optimizer,
+# branch wt-fsdpopt) goes here as "fsdp_onebit_adam", with its three lines in _Setup (marked there).
+NODE_METHODS = ("onebit_hook_hier", "hsdp", "hsdp_onebit")
+METHODS = FLAT_METHODS + NODE_METHODS
+DEFAULT_NODE_METHODS = ("ddp", "onebit_hook", "onebit_hook_hier", "hsdp", "hsdp_onebit")
 COMPRESSION_START = 2  # PowerSGD's start_powerSGD_iter and onebit_hook's start_iter (DDP needs > 1)
 # Untimed steps so that every method is in its compressed stage when timing starts.
 MIN_WARMUP_STEPS = COMPRESSION_START + 2
@@ -78,10 +104,21 @@ class TinyLM(nn.Module):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
 
 
-class _Setup:
-    """One method: its model, optimizer and one training step."""
+def _shard(model: TinyLM, mesh) -> None:
+    """FSDP2 on `mesh` (1-D: inside the node; 2-D: HSDP): every block, then the root."""
+    from torch.distributed.fsdp import fully_shard
 
-    def __init__(self, method: str, cfg: Dict[str, int], device: torch.device, lr: float, freeze_step: int):
+    for block in model.blocks.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+class _Setup:
+    """One method: its model, optimizer and one training step. `mesh`: the 2-D
+    ("node", "local") DeviceMesh of emulated nodes (the node methods need it)."""
+
+    def __init__(self, method: str, cfg: Dict[str, int], device: torch.device, lr: float, freeze_step: int,
+                 mesh=None):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         torch.manual_seed(0)  # identical initial weights on every rank and for every method
@@ -89,6 +126,22 @@ class _Setup:
         self.method = method
         self.hook_state = None
         fused = dict(fused=True) if device.type in ("cpu", "cuda") else {}
+        if method in NODE_METHODS and mesh is None:
+            raise ValueError(f"{method} needs emulated nodes: --nodes N --ranks-per-node G with G > 1")
+        if method in ("hsdp", "hsdp_onebit"):
+            _shard(model, mesh if method == "hsdp" else mesh["local"])
+            if method == "hsdp_onebit":
+                from ..fsdp import onebit_hsdp
+
+                self.hook_state = onebit_hsdp(model, mesh, start_iter=COMPRESSION_START)
+            self.model = model
+            self.opt = torch.optim.AdamW(model.parameters(), lr=lr)
+            return
+        # OneBitAdam on FSDP2, once lbcomm.fsdp.onebit_optimizer lands (wt-fsdpopt):
+        #   if method == "fsdp_onebit_adam":
+        #       _shard(model, mesh["local"]); self.model = model
+        #       self.opt = onebit_optimizer(model, mesh, OneBitAdam, lr=lr, freeze_step=freeze_step); return
+        # and check_stage() below checks self.opt.frozen for it as for onebit_adam.
         if method == "none":
             self.model = model
             self.opt = torch.optim.AdamW(model.parameters(), lr=lr, **fused)
@@ -118,10 +171,15 @@ class _Setup:
             self.hook_state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=4,
                                                           start_powerSGD_iter=COMPRESSION_START)
             ddp.register_comm_hook(self.hook_state, powerSGD_hook.powerSGD_hook)
-        elif method == "onebit_hook":
+        elif method in ("onebit_hook", "onebit_hook_hier"):
             from ..ddp import OneBitHookState, onebit_hook
 
-            self.hook_state = OneBitHookState(process_group=None, start_iter=COMPRESSION_START)
+            topology = None  # flat
+            if method == "onebit_hook_hier":  # the mesh's nodes (also over loopback, where no LOCAL_WORLD_SIZE says)
+                from ..topology import Topology
+
+                topology = Topology.from_mesh(mesh)
+            self.hook_state = OneBitHookState(process_group=None, start_iter=COMPRESSION_START, topology=topology)
             ddp.register_comm_hook(self.hook_state, onebit_hook)
         elif method != "ddp":
             raise ValueError(f"unknown training method {method!r}; choose from {METHODS}")
@@ -169,14 +227,28 @@ def run_rank(params: Dict, transport, device: torch.device, progress_factory: Ca
     gen = torch.Generator().manual_seed(1000 + rank)
     batches = [torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq_len"] + 1), generator=gen).to(device)
                for _ in range(8)]
-    ifname = os.environ.get("GLOO_SOCKET_IFNAME") if params.get("netem") else None
+    G = params.get("ranks_per_node", 1) or 1
+    # Bytes sent: each rank's own interface (one namespace per rank), or with nodes each
+    # node's link (LBCOMM_NODE_IFACE), read by the node's local rank 0.
+    ifname = None
+    if params.get("netem"):
+        ifname = os.environ.get("LBCOMM_NODE_IFACE") if G > 1 else os.environ.get("GLOO_SOCKET_IFNAME")
+        if G > 1 and rank % G:
+            ifname = None
+    mesh = None
+    if G > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if p % G:
+            raise ValueError(f"--ranks-per-node {G} does not divide the world size {p}")
+        mesh = init_device_mesh(device.type, (p // G, G), mesh_dim_names=("node", "local"))
 
     labels = ([f"warmup {m}" for m in methods] + [f"round {r + 1}/{rounds} {m}" for r in range(rounds) for m in methods]
               + ["fp32 allreduce alone"])
     progress = progress_factory(len(labels), 1, lambda i: labels[i]) if progress_factory else (lambda: None)
     setups: Dict[str, _Setup] = {}
     for m in methods:
-        setups[m] = _Setup(m, cfg, device, params["lr"], max(COMPRESSION_START, warmup - 2))
+        setups[m] = _Setup(m, cfg, device, params["lr"], max(COMPRESSION_START, warmup - 2), mesh)
         for i in range(warmup):
             setups[m].step(batches[i % len(batches)])
         setups[m].check_stage()
@@ -204,6 +276,13 @@ def run_rank(params: Dict, transport, device: torch.device, progress_factory: Ca
                 if tx0 is not None and tx1 is not None:
                     sent[m] += tx1 - tx0
             progress()
+    profiles = {}
+    if params.get("profile"):  # rank 0's operators per step, after the timed rounds (bench/train_profile.py)
+        from .allreduce import _profile
+
+        for m in methods:
+            batch = iter(batches * (steps // len(batches) + 1))
+            profiles[m] = _profile(lambda: setups[m].step(next(batch)), steps, transport, top=20)
     del setups
     gc.collect()
 
@@ -220,16 +299,23 @@ def run_rank(params: Dict, transport, device: torch.device, progress_factory: Ca
         transport.all_reduce(t, op="max")
         med, p10, p90 = quantiles(t.tolist())
         nb = torch.tensor([float(sent[m])], dtype=torch.float64)
-        transport.all_reduce(nb, op="max")
+        # one namespace per rank: the busiest rank; nodes: the sum over the node links
+        transport.all_reduce(nb, op="sum" if G > 1 else "max")
+        counted = bool(params.get("netem"))
         rows.append(dict(method=m, median_s=med, p10_s=p10, p90_s=p90,
                          samples_per_s=p * cfg["batch"] / med,
                          tokens_per_s=p * cfg["batch"] * cfg["seq_len"] / med,
-                         wire_bytes_per_step=(nb.item() / len(times[m])) if ifname else None,
+                         wire_bytes_per_step=(nb.item() / len(times[m])) if counted and G == 1 else None,
+                         inter_node_bytes_per_step=(nb.item() / len(times[m])) if counted and G > 1 else None,
                          final_loss=losses.get(m)))
-    base = {r["method"]: r["median_s"] for r in rows}.get("ddp")
+    medians = {r["method"]: r["median_s"] for r in rows}
     for r in rows:
-        r["speedup_vs_ddp"] = base / r["median_s"] if base else None
-    return dict(rows=rows, params=nparams, allreduce_s=ar["median_s"], world_size=p)
+        for base in ("ddp", "hsdp"):
+            r[f"speedup_vs_{base}"] = medians[base] / r["median_s"] if base in medians else None
+    out = dict(rows=rows, params=nparams, allreduce_s=ar["median_s"], world_size=p)
+    if profiles:
+        out["profiles"] = profiles
+    return out
 
 
 def describe_model(cfg: Dict[str, int], nparams: int) -> str:
