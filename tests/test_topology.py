@@ -359,8 +359,8 @@ def test_onebit_hook_with_topology_resumes_bitwise():
 
 
 def test_bench_train_nodes_loopback(tmp_path):
-    """train --nodes 2 --ranks-per-node 2 (unshaped): plain HSDP, HSDP + 1 bit and the
-    hierarchical hook train on a 2-D mesh; ratios against plain HSDP from the same run."""
+    """train --nodes 2 --ranks-per-node 2 (unshaped): plain HSDP, HSDP + 1 bit and OneBitAdam
+    on FSDP2 train on a 2-D mesh (OneBitAdam timed frozen); ratios against plain HSDP from the same run."""
     import json
     import subprocess
     import sys
@@ -372,7 +372,7 @@ def test_bench_train_nodes_loopback(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "lbcomm.cli", "train", "--nodes", "2", "--ranks-per-node", "2",
                            "--bandwidth", "none", "--preset", "tiny", "--steps", "1", "--rounds", "1",
                            "--warmup-steps", "4", "--allreduce-iters", "1", "--methods",
-                           "hsdp,hsdp_onebit,onebit_hook_hier", "--no-progress", "--json", str(out)],
+                           "hsdp,hsdp_onebit,fsdp_onebit_adam", "--no-progress", "--json", str(out)],
                           capture_output=True, text=True, timeout=300, env=env, cwd=root)
     assert proc.returncode == 0, proc.stderr
     assert "2 nodes x 2 ranks" in proc.stdout and "against plain HSDP" in proc.stdout
@@ -380,7 +380,7 @@ def test_bench_train_nodes_loopback(tmp_path):
     check_train_doc(doc)
     assert doc["config"]["ranks_per_node"] == 2 and doc["config"]["nodes"] == 2
     rows = {r["method"]: r for r in doc["runs"][0]["rows"]}
-    assert list(rows) == ["hsdp", "hsdp_onebit", "onebit_hook_hier"]
+    assert list(rows) == ["hsdp", "hsdp_onebit", "fsdp_onebit_adam"]
     base = rows["hsdp"]["median_s"]
     for r in rows.values():
         assert r["speedup_vs_hsdp"] == pytest.approx(base / r["median_s"])

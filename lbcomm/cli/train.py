@@ -29,6 +29,9 @@ On emulated nodes (``--nodes N --ranks-per-node G``, G > 1; a 2-D DeviceMesh ("n
 ``hsdp_onebit``       FSDP2 sharded inside the node (``mesh["local"]``) +
                       ``lbcomm.fsdp.onebit_hsdp`` (gradient shards averaged across nodes
                       by the 1-bit compressed allreduce) + AdamW
+``fsdp_onebit_adam``  FSDP2 sharded inside the node + ``lbcomm.fsdp.onebit_optimizer``
+                      (OneBitAdam on the local shards: fp32 across nodes in the warmup,
+                      its momentum shard 1-bit across nodes after the freeze)
 ====================  ==============================================================
 
 The FSDP methods wrap every transformer block and the root (`_shard`). Their AdamW is
@@ -60,11 +63,10 @@ __all__ = ["METHODS", "FLAT_METHODS", "NODE_METHODS", "DEFAULT_NODE_METHODS", "T
            "MIN_WARMUP_STEPS", "run_rank", "describe_model"]
 
 FLAT_METHODS = ("none", "ddp", "fp16", "powersgd", "onebit_hook", "onebit_adam")
-# Methods that need nodes (--ranks-per-node > 1). OneBitAdam on FSDP2 (lbcomm.fsdp.onebit_optimizer,
-# branch wt-fsdpopt) goes here as "fsdp_onebit_adam", with its three lines in _Setup (marked there).
-NODE_METHODS = ("onebit_hook_hier", "hsdp", "hsdp_onebit")
+# Methods that need nodes (--ranks-per-node > 1).
+NODE_METHODS = ("onebit_hook_hier", "hsdp", "hsdp_onebit", "fsdp_onebit_adam")
 METHODS = FLAT_METHODS + NODE_METHODS
-DEFAULT_NODE_METHODS = ("ddp", "onebit_hook", "onebit_hook_hier", "hsdp", "hsdp_onebit")
+DEFAULT_NODE_METHODS = ("ddp", "onebit_hook", "onebit_hook_hier", "hsdp", "hsdp_onebit", "fsdp_onebit_adam")
 COMPRESSION_START = 2  # PowerSGD's start_powerSGD_iter and onebit_hook's start_iter (DDP needs > 1)
 # Untimed steps so that every method is in its compressed stage when timing starts.
 MIN_WARMUP_STEPS = COMPRESSION_START + 2
@@ -137,11 +139,14 @@ class _Setup:
             self.model = model
             self.opt = torch.optim.AdamW(model.parameters(), lr=lr)
             return
-        # OneBitAdam on FSDP2, once lbcomm.fsdp.onebit_optimizer lands (wt-fsdpopt):
-        #   if method == "fsdp_onebit_adam":
-        #       _shard(model, mesh["local"]); self.model = model
-        #       self.opt = onebit_optimizer(model, mesh, OneBitAdam, lr=lr, freeze_step=freeze_step); return
-        # and check_stage() below checks self.opt.frozen for it as for onebit_adam.
+        if method == "fsdp_onebit_adam":
+            from ..fsdp import onebit_optimizer
+            from ..optim import OneBitAdam
+
+            _shard(model, mesh["local"])
+            self.model = model
+            self.opt = onebit_optimizer(model, mesh, OneBitAdam, lr=lr, freeze_step=freeze_step)
+            return
         if method == "none":
             self.model = model
             self.opt = torch.optim.AdamW(model.parameters(), lr=lr, **fused)
@@ -194,8 +199,8 @@ class _Setup:
 
     def check_stage(self) -> None:
         """Fail loudly if a method is not in the stage we mean to time."""
-        if self.method == "onebit_adam" and not self.opt.frozen:
-            raise RuntimeError("onebit_adam: OneBitAdam is not in its compression stage; raise --warmup-steps")
+        if self.method in ("onebit_adam", "fsdp_onebit_adam") and not self.opt.frozen:
+            raise RuntimeError(f"{self.method}: OneBitAdam is not in its compression stage; raise --warmup-steps")
 
 
 def _tx_bytes(ifname: Optional[str]) -> Optional[int]:
