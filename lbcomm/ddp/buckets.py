@@ -22,7 +22,7 @@ from ..common import new_future
 from ..compressed import CompressionState, compressed_allreduce
 from ..topology import HierarchicalState, hierarchical_allreduce_
 
-__all__ = ["Unit", "BucketPlanner", "BucketWorker"]
+__all__ = ["Unit", "GradientStats", "BucketPlanner", "BucketWorker"]
 
 _log = logging.getLogger(__name__)
 
@@ -34,12 +34,16 @@ Plan = List[Tuple["Unit", Optional[Slices]]]
 
 class Unit:
     """One compressed tensor: the gradients of the parameters `key` (of `shapes`), in
-    order, and its error feedback (`compression`)."""
+    order, its error feedback (`compression`) and its per-coordinate weights (`weights`,
+    or None): the unit compresses g / weights and decodes times weights, so that the
+    compression noise of a coordinate is proportional to its own weight rather than to its
+    block's largest gradients. The weights are the same on every rank."""
 
-    __slots__ = ("key", "shapes", "compression")
+    __slots__ = ("key", "shapes", "compression", "weights")
 
-    def __init__(self, key: Key, shapes: List[Tuple[int, ...]], compression: CompressionState):
-        self.key, self.shapes, self.compression = key, shapes, compression
+    def __init__(self, key: Key, shapes: List[Tuple[int, ...]], compression: CompressionState,
+                 weights: Optional[Tensor] = None):
+        self.key, self.shapes, self.compression, self.weights = key, shapes, compression, weights
 
     def reduce(self, buf: Tensor, slices: Optional[Slices]) -> CompressionState:
         """Compressed allreduce of this unit's gradients in `buf`, in place: all of `buf`
@@ -56,10 +60,57 @@ class Unit:
         return self.compression
 
     def _allreduce(self, t: Tensor) -> None:
+        w = self.weights
+        if w is not None:
+            t.div_(w)
         if isinstance(self.compression, HierarchicalState):
             hierarchical_allreduce_(t, self.compression)
         else:
             compressed_allreduce(t, self.compression, out=t)
+        if w is not None:
+            t.mul_(w)
+
+
+class GradientStats:
+    """Per-coordinate sum of squares of the averaged gradients of the full-precision start,
+    per bucket layout (key), and the weights made from it (`weights`): the RMS over the
+    start, floored at `floor` x the unit's RMS (coordinates never or rarely seen get the
+    floor; an all-zero unit gets weight 1). Sync-free (device ops only). Every rank
+    accumulates the same averaged gradients, so every rank makes the same weights."""
+
+    __slots__ = ("sums", "counts")
+
+    def __init__(self):
+        self.sums: Dict[Key, Tensor] = {}
+        self.counts: Dict[Key, int] = {}
+
+    def add(self, key: Key, avg: Tensor) -> None:
+        g = avg.detach().float()
+        sq = torch.where(torch.isfinite(g), g * g, 0.0)  # a skipped (NaN) bucket adds nothing
+        acc = self.sums.get(key)
+        if acc is None or acc.numel() != sq.numel():
+            self.sums[key], self.counts[key] = sq, 1
+        else:
+            acc.add_(sq)
+            self.counts[key] += 1
+
+    def weights(self, key: Key, floor: float) -> Optional[Tensor]:
+        """The weights of the unit `key`, or None if its start was not seen (a resumed run
+        restores them from the checkpoint instead)."""
+        acc = self.sums.pop(key, None)
+        if acc is None:
+            return None
+        rms = acc.div_(self.counts.pop(key)).sqrt_()
+        unit_rms = rms.square().mean().sqrt()
+        w = torch.maximum(rms, floor * unit_rms)
+        return torch.where(w > 0, w, 1.0)
+
+    def state_dict(self) -> List[Dict[str, Any]]:
+        return [{"params": list(k), "sumsq": v, "count": self.counts[k]} for k, v in self.sums.items()]
+
+    def load_state_dict(self, entries: List[Dict[str, Any]]) -> None:
+        self.sums = {tuple(e["params"]): e["sumsq"] for e in entries}
+        self.counts = {tuple(e["params"]): int(e["count"]) for e in entries}
 
 
 class BucketPlanner:
@@ -99,10 +150,12 @@ class BucketPlanner:
         return len(self._saved)
 
     def plan(self, bucket: dist.GradBucket, key: Key, params: List[Tensor],
-             new_compression: Callable[[int, torch.device], CompressionState]) -> Plan:
+             new_compression: Callable[[int, torch.device], CompressionState],
+             new_weights: Callable[[Key], Optional[Tensor]] = lambda key: None) -> Plan:
         """[(unit, None)] to reduce the whole bucket, or [(unit, slices), ...] to reduce it as
         several saved units; `key` and `params` are `number`'s, `new_compression(numel,
-        device)` makes the state of a new unit."""
+        device)` makes the state of a new unit and `new_weights(key)` its weights (saved
+        units keep their saved weights)."""
         buf = bucket.buffer()
         index = bucket.index()
         unit = self._units.get(key)
@@ -135,6 +188,7 @@ class BucketPlanner:
                 self._units.pop(k, None)
                 self._saved.pop(k, None)
         unit = self._make_unit(key, params, buf.device, new_compression, None)
+        unit.weights = new_weights(key)
         self.bucket_units[index] = (key,)
         return [(unit, None)]
 
@@ -148,13 +202,15 @@ class BucketPlanner:
                              "shapes; it is reset to zero", list(key))
             else:
                 state.load_state_dict(saved["compression"])  # warns and resets on another world size
+                w = saved.get("weights")
+                unit.weights = None if w is None else w.to(device)
         self._units[key] = unit
         return unit
 
     def state_dict(self) -> List[Dict[str, Any]]:
         """Every unit's error feedback, the unmatched loaded ones included."""
-        units = [{"params": list(u.key), "shapes": list(u.shapes), "compression": u.compression.state_dict()}
-                 for u in self._units.values()]
+        units = [{"params": list(u.key), "shapes": list(u.shapes), "compression": u.compression.state_dict(),
+                  "weights": u.weights} for u in self._units.values()]
         return units + [{"params": list(k), **entry} for k, entry in self._saved.items()]
 
     def load_state_dict(self, entries: List[Dict[str, Any]]) -> None:
@@ -162,7 +218,8 @@ class BucketPlanner:
         they appear. The parameter numbering is kept."""
         self._units.clear()
         self.bucket_units.clear()
-        self._saved = {tuple(e["params"]): {"shapes": e["shapes"], "compression": e["compression"]} for e in entries}
+        self._saved = {tuple(e["params"]): {"shapes": e["shapes"], "compression": e["compression"],
+                                            "weights": e.get("weights")} for e in entries}
 
 
 class BucketWorker:
