@@ -264,22 +264,31 @@ class SimOneBit:
         new_m = torch.where(keep, new_m, 0.0)
         if not torch.isfinite(new_m).all():
             raise FloatingPointError("non-finite momentum")
-        u0 = new_m / bc1 / d
-        if self.rule.endswith("clip") or "clip_" in self.rule:
+        if self.lamb:  # the fresh variance, from the implied gradient of the decoded momentum
+            gt = (new_m - b1 * self.m) / (1 - b1)
+            fz["v_fresh"].mul_(b2).addcmul_(gt, gt, value=1 - b2)
+        d_fresh = fz["v_fresh"].sqrt() / math.sqrt(1 - b2 ** self.freeze) + eps if self.lamb else None
+        if self.rule.startswith("fresh"):  # the denominator never below (a fraction of) the fresh one's
+            digits = self.rule.split("_")[0][5:]
+            frac = float(digits) / 10 ** (len(digits) - 1) if digits else 1.0
+            u0 = new_m / bc1 / torch.maximum(d, frac * d_fresh)
+        else:
+            u0 = new_m / bc1 / d
+        if self.rule.startswith("fresh") and "clip" not in self.rule:
+            pass
+        elif self.rule.endswith("clip") or "clip_" in self.rule:
             u0 = u0.clamp(-1.0, 1.0)
         elif "clipmax" in self.rule:
             u0 = u0.clamp(-self.umax, self.umax)
-        elif self.rule == "clipwarm":  # per tensor: the largest |u| of the last warmup step
-            u0 = torch.maximum(torch.minimum(u0, fz["umax_p"]), -fz["umax_p"])
+        elif "clipwarm" in self.rule:  # per tensor: the largest |u| of the last warmup step (x K: clipwarmK)
+            k = float(self.rule.split("clipwarm")[1] or 1)
+            u0 = torch.maximum(torch.minimum(u0, k * fz["umax_p"]), -k * fz["umax_p"])
         if not self.lamb:
             self.m = new_m
             new = theta * (1 - lr * wd) - lr * u0
         else:
             maxc, minc, cb, fmax, fmin, fthr = self.lamb_kw
-            gt = (new_m - b1 * self.m) / (1 - b1)
             self.m = new_m
-            fz["v_fresh"].mul_(b2).addcmul_(gt, gt, value=1 - b2)
-            d_fresh = fz["v_fresh"].sqrt() / math.sqrt(1 - b2 ** self.freeze) + eps
             ratio = d / d_fresh
             new = theta.clone()
             for i, s in enumerate(self.f.slices()):

@@ -212,8 +212,9 @@ class OneBitHookState:
         self.topology = None
         _log.warning("NOTE: the OneBitHookState's process group is set to the default group (the world); set "
                      "`state.process_group` before the next iteration if another group is desired.")
+        defaults = {"normalize": None, "normalize_floor": 0.1}  # pickled before the option: as trained then
         for name in self._CONFIG:
-            setattr(self, name, state[name])
+            setattr(self, name, state[name] if name in state else defaults[name])
         self._init_internal()
         self.load_state_dict(state["state_dict"])
 
