@@ -73,44 +73,45 @@ class Unit:
 
 class GradientStats:
     """Per-coordinate sum of squares of the averaged gradients of the full-precision start,
-    per bucket layout (key), and the weights made from it (`weights`): the RMS over the
-    start, floored at `floor` x the unit's RMS (coordinates never or rarely seen get the
+    per parameter (by its number, so that DDP's initial and rebuilt bucket layouts add up
+    alike), and the weights of a unit made from it (`weights`): the RMS over the start,
+    floored at `floor` x the unit's RMS of it (coordinates never or rarely seen get the
     floor; an all-zero unit gets weight 1). Sync-free (device ops only). Every rank
     accumulates the same averaged gradients, so every rank makes the same weights."""
 
     __slots__ = ("sums", "counts")
 
     def __init__(self):
-        self.sums: Dict[Key, Tensor] = {}
-        self.counts: Dict[Key, int] = {}
+        self.sums: Dict[int, Tensor] = {}
+        self.counts: Dict[int, int] = {}
 
-    def add(self, key: Key, avg: Tensor) -> None:
+    def add(self, key: Key, numels: List[int], avg: Tensor) -> None:
+        """Add the averaged bucket `avg` holding the parameters `key` of `numels` elements."""
         g = avg.detach().float()
         sq = torch.where(torch.isfinite(g), g * g, 0.0)  # a skipped (NaN) bucket adds nothing
-        acc = self.sums.get(key)
-        if acc is None or acc.numel() != sq.numel():
-            self.sums[key], self.counts[key] = sq, 1
-        else:
-            acc.add_(sq)
-            self.counts[key] += 1
+        for k, piece in zip(key, sq.split(numels)):
+            acc = self.sums.get(k)
+            if acc is None:
+                self.sums[k], self.counts[k] = piece.clone(), 1
+            else:
+                acc.add_(piece)
+                self.counts[k] += 1
 
     def weights(self, key: Key, floor: float) -> Optional[Tensor]:
-        """The weights of the unit `key`, or None if its start was not seen (a resumed run
-        restores them from the checkpoint instead)."""
-        acc = self.sums.pop(key, None)
-        if acc is None:
+        """The weights of the unit `key`, or None if the start of one of its parameters was
+        not seen (a resumed run restores the weights from the checkpoint instead)."""
+        if not key or any(k not in self.sums for k in key):
             return None
-        rms = acc.div_(self.counts.pop(key)).sqrt_()
-        unit_rms = rms.square().mean().sqrt()
-        w = torch.maximum(rms, floor * unit_rms)
+        rms = torch.cat([self.sums.pop(k).div_(self.counts.pop(k)) for k in key]).sqrt_()
+        w = torch.maximum(rms, floor * rms.square().mean().sqrt())
         return torch.where(w > 0, w, 1.0)
 
     def state_dict(self) -> List[Dict[str, Any]]:
-        return [{"params": list(k), "sumsq": v, "count": self.counts[k]} for k, v in self.sums.items()]
+        return [{"param": k, "sumsq": v, "count": self.counts[k]} for k, v in self.sums.items()]
 
     def load_state_dict(self, entries: List[Dict[str, Any]]) -> None:
-        self.sums = {tuple(e["params"]): e["sumsq"] for e in entries}
-        self.counts = {tuple(e["params"]): int(e["count"]) for e in entries}
+        self.sums = {int(e["param"]): e["sumsq"].clone() for e in entries}
+        self.counts = {int(e["param"]): int(e["count"]) for e in entries}
 
 
 class BucketPlanner:

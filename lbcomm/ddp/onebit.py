@@ -388,9 +388,9 @@ def onebit_hook(state: OneBitHookState, bucket: dist.GradBucket) -> torch.future
         state.total_bytes_sent += nbytes
         state.total_bytes_uncompressed += nbytes
         fut = allreduce_hook(state.process_group, bucket)
-        if state.normalize is not None and state.iter >= 1:  # after DDP's rebuild of the buckets
-            stats = state.grad_stats
-            fut = fut.then(lambda f: (stats.add(key, f.value()), f.value())[1])
+        if state.normalize is not None:  # statistics per parameter: DDP's initial and rebuilt buckets alike
+            stats, numels = state.grad_stats, [p.numel() for p in params]
+            fut = fut.then(lambda f: (stats.add(key, numels, f.value()), f.value())[1])
         state.maybe_increase_iter(bucket)
         return fut
     new_weights = None
