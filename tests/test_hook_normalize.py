@@ -3,8 +3,9 @@ independent pure-torch reference (`lbcomm.reference.compressed_allreduce`):
 
 * in the full-precision start the hook averages as a plain allreduce does;
 * from ``start_iter`` on, every rank's bucket is w * compressed_allreduce(g / w), with w the
-  RMS of the averaged gradients of iterations 0 .. start_iter-1, floored at ``normalize_floor`` x the bucket's RMS of it; normalize=None is the published
-  compression of g itself;
+  RMS of the averaged gradients of iterations 0 .. start_iter-1 (DDP's first iteration in
+  its initial bucket layout), floored at ``normalize_floor`` x the bucket's RMS of it;
+  normalize=None is the published compression of g itself;
 * a checkpoint taken before ``start_iter`` (the statistics) resumes bitwise.
 
 One spawn runs every scenario; the checks run in the test process.
