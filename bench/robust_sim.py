@@ -29,7 +29,9 @@ m the decoded momentum, d = sqrt(v^) + eps the frozen denominator, b1c = 1 - b1^
                 at most its block's RMS update (and at most lr); no k_p scaling for LAMB
     meanabs     block scale mean|y| instead of rms(y) (L2-optimal scale for signs)
 
-The hook (SGD momentum on compressed gradients): scale rule, block size, start fraction.
+The hook (SGD momentum on compressed gradients): scale rule, block size, start fraction, and
+``norm``: per-coordinate normalization by the full-precision start's gradient RMS
+(OneBitHookState(normalize="warmup"), the default).
 
     python bench/robust_sim.py --check                 # the simulated allreduce vs lbcomm.reference
     python bench/robust_sim.py --tasks all --json out   # the whole study (minutes)
@@ -55,7 +57,7 @@ from lbcomm.reference import chunk_size  # noqa: E402
 
 ADAM_RULES = ["published", "mask1e-3", "clip", "clipmax", "floor", "precond", "precond_clip", "meanabs"]
 LAMB_RULES = ["published", "mask1e-3", "clip", "clipmax", "precond", "precond_clip", "precond_clipmax"]
-HOOK_RULES = ["rms", "meanabs", "rms_b256", "rms_start50", "meanabs_start50"]
+HOOK_RULES = ["rms", "meanabs", "rms_b256", "rms_start50", "meanabs_start50", "norm", "norm_b256", "norm_start50"]
 
 
 # ---------------------------------------------------------------------- compressed allreduce
@@ -264,22 +266,31 @@ class SimOneBit:
         new_m = torch.where(keep, new_m, 0.0)
         if not torch.isfinite(new_m).all():
             raise FloatingPointError("non-finite momentum")
-        u0 = new_m / bc1 / d
-        if self.rule.endswith("clip") or "clip_" in self.rule:
+        if self.lamb:  # the fresh variance, from the implied gradient of the decoded momentum
+            gt = (new_m - b1 * self.m) / (1 - b1)
+            fz["v_fresh"].mul_(b2).addcmul_(gt, gt, value=1 - b2)
+        d_fresh = fz["v_fresh"].sqrt() / math.sqrt(1 - b2 ** self.freeze) + eps if self.lamb else None
+        if self.rule.startswith("fresh"):  # the denominator never below (a fraction of) the fresh one's
+            digits = self.rule.split("_")[0][5:]
+            frac = float(digits) / 10 ** (len(digits) - 1) if digits else 1.0
+            u0 = new_m / bc1 / torch.maximum(d, frac * d_fresh)
+        else:
+            u0 = new_m / bc1 / d
+        if self.rule.startswith("fresh") and "clip" not in self.rule:
+            pass
+        elif self.rule.endswith("clip") or "clip_" in self.rule:
             u0 = u0.clamp(-1.0, 1.0)
         elif "clipmax" in self.rule:
             u0 = u0.clamp(-self.umax, self.umax)
-        elif self.rule == "clipwarm":  # per tensor: the largest |u| of the last warmup step
-            u0 = torch.maximum(torch.minimum(u0, fz["umax_p"]), -fz["umax_p"])
+        elif "clipwarm" in self.rule:  # per tensor: the largest |u| of the last warmup step (x K: clipwarmK)
+            k = float(self.rule.split("clipwarm")[1] or 1)
+            u0 = torch.maximum(torch.minimum(u0, k * fz["umax_p"]), -k * fz["umax_p"])
         if not self.lamb:
             self.m = new_m
             new = theta * (1 - lr * wd) - lr * u0
         else:
             maxc, minc, cb, fmax, fmin, fthr = self.lamb_kw
-            gt = (new_m - b1 * self.m) / (1 - b1)
             self.m = new_m
-            fz["v_fresh"].mul_(b2).addcmul_(gt, gt, value=1 - b2)
-            d_fresh = fz["v_fresh"].sqrt() / math.sqrt(1 - b2 ** self.freeze) + eps
             ratio = d / d_fresh
             new = theta.clone()
             for i, s in enumerate(self.f.slices()):
@@ -340,6 +351,9 @@ class SimSGD:
         if "_b" in rule:
             block = int(rule.split("_b")[1])
         self.comp = Compressor(flat.n, p, block, scale) if hook else None
+        # "norm": OneBitHookState(normalize="warmup"): compress g / w, decode x w, w = the RMS of
+        # the averaged gradients of the full-precision start, floored at 0.1 x its RMS
+        self.norm, self.sumsq, self.count, self.w = "norm" in rule, torch.zeros(flat.n), 0, None
         self.buf = None
         self.t = 0
         self.first_update_ratio = None
@@ -347,9 +361,16 @@ class SimSGD:
     def step(self, theta, grads, lr):
         self.t += 1
         if self.hook and self.t > self.start:
-            g = self.comp(grads)
+            if self.norm and self.w is None:
+                rms = (self.sumsq / self.count).sqrt()
+                w = torch.maximum(rms, 0.1 * rms.square().mean().sqrt())
+                self.w = torch.where(w > 0, w, 1.0)
+            g = self.comp(grads / self.w) * self.w if self.norm else self.comp(grads)
         else:
             g = grads.mean(0)
+            if self.norm:
+                self.sumsq += g * g
+                self.count += 1
         if not torch.isfinite(g).all():
             raise FloatingPointError("non-finite gradient")
         if self.wd:

@@ -6,7 +6,11 @@ rule (max_update=None, the unbounded fused update) and the default max_update (O
 1.0, OneBitLamb "warmup") on twin optimizers, so machine noise hits both alike. Printed:
 median step time of each and their ratio (target: within 3 %).
 
-    python bench/step_cost.py [--numel N] [--kinds adam,lamb]
+Kind "hook": DDP + onebit_hook + SGD momentum, normalize=None (published) vs the default
+normalize="warmup" (two extra elementwise passes per compressed bucket); a step is then
+forward, backward (the compressed allreduce of every bucket) and the SGD step.
+
+    python bench/step_cost.py [--numel N] [--kinds adam,lamb,hook]
 """
 from __future__ import annotations
 
@@ -38,6 +42,26 @@ def make(kind, params, rule):
     return cls(params, **kw)
 
 
+class HookTwin:
+    """DDP (8 bias-free Linear layers side x side) + onebit_hook + SGD, past its start."""
+
+    def __init__(self, side, rule, g):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(side, side, bias=False) for _ in range(8)])
+        self.ddp = torch.nn.parallel.DistributedDataParallel(model)
+        state = lbcomm.OneBitHookState(start_iter=2, **({"normalize": None} if rule == "published" else {}))
+        self.ddp.register_comm_hook(state, lbcomm.onebit_hook)
+        self.opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+        self.x = torch.randn(4, side, generator=g)
+        for _ in range(3):  # full-precision start, first compressed step
+            self.step()
+
+    def step(self):
+        self.opt.zero_grad(set_to_none=False)
+        self.ddp(self.x).square().mean().backward()
+        self.opt.step()
+
+
 def rank_main(rank, world, a, init_file, out):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
@@ -49,6 +73,9 @@ def rank_main(rank, world, a, init_file, out):
     for kind in a.kinds:
         twins = {}
         for mu in RULES:
+            if kind == "hook":
+                twins[mu] = HookTwin(side, mu, g)
+                continue
             torch.manual_seed(0)
             params = [torch.nn.Parameter(torch.randn(side, side) * 0.02) for _ in range(8)]
             for p in params:
@@ -88,6 +115,10 @@ def main(argv=None):
     default = {"adam": "1.0", "lamb": "'warmup'"}
     for kind, t in times.items():
         m0, m1 = statistics.median(t["published"]), statistics.median(t["default"])
+        if kind == "hook":
+            print(f"  onebit_hook+SGD normalize=None {m0 * 1e3:8.2f} ms   normalize='warmup' {m1 * 1e3:8.2f} ms   "
+                  f"ratio {m1 / m0:.3f}")
+            continue
         print(f"  OneBit{kind.capitalize():<5} max_update=None {m0 * 1e3:8.2f} ms   max_update={default[kind]:<8} "
               f"{m1 * 1e3:8.2f} ms   ratio {m1 / m0:.3f}")
 

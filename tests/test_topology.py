@@ -223,7 +223,8 @@ def _hook_training(rank, p, how):
     shadow = torch.nn.Linear(37, 29, bias=False)
     shadow.load_state_dict(lin.state_dict())
     model = DDP(lin)
-    state = lbcomm.OneBitHookState(start_iter=2, block_size=64, topology=topo)
+    # normalize=None: the published compression, which the reference below runs
+    state = lbcomm.OneBitHookState(start_iter=2, block_size=64, topology=topo, normalize=None)
     model.register_comm_hook(state, lbcomm.onebit_hook)
     ref_topo = _mesh_topology(N, G)
     ref = HierarchicalState(lin.weight.numel(), ref_topo, block_size=64, nonfinite="skip")

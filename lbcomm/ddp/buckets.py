@@ -22,7 +22,7 @@ from ..common import new_future
 from ..compressed import CompressionState, compressed_allreduce
 from ..topology import HierarchicalState, hierarchical_allreduce_
 
-__all__ = ["Unit", "BucketPlanner", "BucketWorker"]
+__all__ = ["Unit", "GradientStats", "BucketPlanner", "BucketWorker"]
 
 _log = logging.getLogger(__name__)
 
@@ -34,12 +34,16 @@ Plan = List[Tuple["Unit", Optional[Slices]]]
 
 class Unit:
     """One compressed tensor: the gradients of the parameters `key` (of `shapes`), in
-    order, and its error feedback (`compression`)."""
+    order, its error feedback (`compression`) and its per-coordinate weights (`weights`,
+    or None): the unit compresses g / weights and decodes times weights, so that the
+    compression noise of a coordinate is proportional to its own weight rather than to its
+    block's largest gradients. The weights are the same on every rank."""
 
-    __slots__ = ("key", "shapes", "compression")
+    __slots__ = ("key", "shapes", "compression", "weights")
 
-    def __init__(self, key: Key, shapes: List[Tuple[int, ...]], compression: CompressionState):
-        self.key, self.shapes, self.compression = key, shapes, compression
+    def __init__(self, key: Key, shapes: List[Tuple[int, ...]], compression: CompressionState,
+                 weights: Optional[Tensor] = None):
+        self.key, self.shapes, self.compression, self.weights = key, shapes, compression, weights
 
     def reduce(self, buf: Tensor, slices: Optional[Slices]) -> CompressionState:
         """Compressed allreduce of this unit's gradients in `buf`, in place: all of `buf`
@@ -56,10 +60,58 @@ class Unit:
         return self.compression
 
     def _allreduce(self, t: Tensor) -> None:
+        w = self.weights
+        if w is not None:
+            t.div_(w)
         if isinstance(self.compression, HierarchicalState):
             hierarchical_allreduce_(t, self.compression)
         else:
             compressed_allreduce(t, self.compression, out=t)
+        if w is not None:
+            t.mul_(w)
+
+
+class GradientStats:
+    """Per-coordinate sum of squares of the averaged gradients of the full-precision start,
+    per parameter (by its number, so that DDP's initial and rebuilt bucket layouts add up
+    alike), and the weights of a unit made from it (`weights`): the RMS over the start,
+    floored at `floor` x the unit's RMS of it (coordinates never or rarely seen get the
+    floor; an all-zero unit gets weight 1). Sync-free (device ops only). Every rank
+    accumulates the same averaged gradients, so every rank makes the same weights."""
+
+    __slots__ = ("sums", "counts")
+
+    def __init__(self):
+        self.sums: Dict[int, Tensor] = {}
+        self.counts: Dict[int, int] = {}
+
+    def add(self, key: Key, numels: List[int], avg: Tensor) -> None:
+        """Add the averaged bucket `avg` holding the parameters `key` of `numels` elements."""
+        g = avg.detach().float()
+        sq = torch.where(torch.isfinite(g), g * g, 0.0)  # a skipped (NaN) bucket adds nothing
+        for k, piece in zip(key, sq.split(numels)):
+            acc = self.sums.get(k)
+            if acc is None:
+                self.sums[k], self.counts[k] = piece.clone(), 1
+            else:
+                acc.add_(piece)
+                self.counts[k] += 1
+
+    def weights(self, key: Key, floor: float) -> Optional[Tensor]:
+        """The weights of the unit `key`, or None if the start of one of its parameters was
+        not seen (a resumed run restores the weights from the checkpoint instead)."""
+        if not key or any(k not in self.sums for k in key):
+            return None
+        rms = torch.cat([self.sums.pop(k).div_(self.counts.pop(k)) for k in key]).sqrt_()
+        w = torch.maximum(rms, floor * rms.square().mean().sqrt())
+        return torch.where(w > 0, w, 1.0)
+
+    def state_dict(self) -> List[Dict[str, Any]]:
+        return [{"param": k, "sumsq": v, "count": self.counts[k]} for k, v in self.sums.items()]
+
+    def load_state_dict(self, entries: List[Dict[str, Any]]) -> None:
+        self.sums = {int(e["param"]): e["sumsq"].clone() for e in entries}
+        self.counts = {int(e["param"]): int(e["count"]) for e in entries}
 
 
 class BucketPlanner:
@@ -99,10 +151,12 @@ class BucketPlanner:
         return len(self._saved)
 
     def plan(self, bucket: dist.GradBucket, key: Key, params: List[Tensor],
-             new_compression: Callable[[int, torch.device], CompressionState]) -> Plan:
+             new_compression: Callable[[int, torch.device], CompressionState],
+             new_weights: Callable[[Key], Optional[Tensor]] = lambda key: None) -> Plan:
         """[(unit, None)] to reduce the whole bucket, or [(unit, slices), ...] to reduce it as
         several saved units; `key` and `params` are `number`'s, `new_compression(numel,
-        device)` makes the state of a new unit."""
+        device)` makes the state of a new unit and `new_weights(key)` its weights (saved
+        units keep their saved weights)."""
         buf = bucket.buffer()
         index = bucket.index()
         unit = self._units.get(key)
@@ -135,6 +189,7 @@ class BucketPlanner:
                 self._units.pop(k, None)
                 self._saved.pop(k, None)
         unit = self._make_unit(key, params, buf.device, new_compression, None)
+        unit.weights = new_weights(key)
         self.bucket_units[index] = (key,)
         return [(unit, None)]
 
@@ -148,13 +203,15 @@ class BucketPlanner:
                              "shapes; it is reset to zero", list(key))
             else:
                 state.load_state_dict(saved["compression"])  # warns and resets on another world size
+                w = saved.get("weights")
+                unit.weights = None if w is None else w.to(device)
         self._units[key] = unit
         return unit
 
     def state_dict(self) -> List[Dict[str, Any]]:
         """Every unit's error feedback, the unmatched loaded ones included."""
-        units = [{"params": list(u.key), "shapes": list(u.shapes), "compression": u.compression.state_dict()}
-                 for u in self._units.values()]
+        units = [{"params": list(u.key), "shapes": list(u.shapes), "compression": u.compression.state_dict(),
+                  "weights": u.weights} for u in self._units.values()]
         return units + [{"params": list(k), **entry} for k, entry in self._saved.items()]
 
     def load_state_dict(self, entries: List[Dict[str, Any]]) -> None:
@@ -162,7 +219,8 @@ class BucketPlanner:
         they appear. The parameter numbering is kept."""
         self._units.clear()
         self.bucket_units.clear()
-        self._saved = {tuple(e["params"]): {"shapes": e["shapes"], "compression": e["compression"]} for e in entries}
+        self._saved = {tuple(e["params"]): {"shapes": e["shapes"], "compression": e["compression"],
+                                            "weights": e.get("weights")} for e in entries}
 
 
 class BucketWorker:

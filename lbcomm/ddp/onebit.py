@@ -19,7 +19,7 @@ from ..common import FLOAT_DTYPES, NONFINITE_POLICIES, completed_future, ring_al
 from ..compressed import DEFAULT_BLOCK_SIZE, CompressionState
 from ..topology import HierarchicalState, Topology
 from ..wire import check_block_size
-from .buckets import BucketPlanner, BucketWorker, Plan
+from .buckets import BucketPlanner, BucketWorker, GradientStats, Plan
 from .claims import HOOK, claim_gradients
 
 __all__ = ["OneBitHookState", "onebit_hook"]
@@ -73,6 +73,17 @@ class OneBitHookState:
         compression_stats_logging_frequency (int, optional): log the statistics (bytes
             sent, compression ratio, error norm) every that many iterations once
             compression has started, at INFO (default: 10000).
+        normalize (str or None, optional): ``"warmup"``: each coordinate is divided by its
+            gradient RMS over the full-precision start before compression and multiplied
+            back after it (the RMS floored at ``normalize_floor`` x its bucket's RMS; the
+            same weights on every rank, saved in checkpoints), so that a coordinate's
+            compression noise is proportional to its own gradients, not to the largest of
+            its block (rarely active features, nearly dead units, rare embedding rows, biases
+            next to weights); costs one fp32 per gradient element and two elementwise passes
+            per compressed bucket. None: the published algorithm, which compresses the
+            gradients as they are (default: "warmup").
+        normalize_floor (float, optional): the floor of the weights relative to the RMS of
+            the bucket's weights, > 0 (default: 0.1).
         topology (Topology or str or None, optional): nodes of fast-linked ranks
             (`lbcomm.topology`): each bucket is then averaged in full precision inside the
             node and 1-bit compressed only between nodes (`hierarchical_allreduce_`), G
@@ -96,6 +107,8 @@ class OneBitHookState:
         # The settings that are tuned.
         "start_iter",
         "block_size",
+        "normalize",
+        "normalize_floor",
         # The settings that seldom change.
         "nonfinite",
         "compression_stats_logging_frequency",
@@ -104,6 +117,7 @@ class OneBitHookState:
         "hier_topology",  # the private Topology the hierarchical calls run on (None: flat)
         "iter",
         "planner",  # BucketPlanner: the units of error feedback and which buckets they reduce
+        "grad_stats",  # GradientStats of the full-precision start (normalize="warmup")
         "worker",  # BucketWorker (made at the first hook call): the thread and the private process group
         "_next_stats_report",
         # Statistics.
@@ -123,11 +137,18 @@ class OneBitHookState:
         nonfinite: str = "skip",
         compression_stats_logging_frequency: int = 10_000,
         topology=None,
+        normalize: Optional[str] = "warmup",
+        normalize_floor: float = 0.1,
     ):
         if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter <= 1:
             raise ValueError(f"Invalid start_iter: {start_iter!r} (must be > 1 because DDP rebuilds buckets after "
                              "iteration 1, and the error feedback belongs to the rebuilt buckets)")
         check_block_size(block_size)
+        if normalize not in (None, "warmup"):
+            raise ValueError(f"Invalid normalize: {normalize!r} (use 'warmup', or None for the published algorithm)")
+        if isinstance(normalize_floor, bool) or not isinstance(normalize_floor, (int, float)) or \
+                not 0 < normalize_floor < math.inf:
+            raise ValueError(f"Invalid normalize_floor: {normalize_floor!r} (must be a number > 0)")
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"Invalid nonfinite policy: {nonfinite!r} (use one of {NONFINITE_POLICIES})")
         freq = compression_stats_logging_frequency
@@ -138,6 +159,8 @@ class OneBitHookState:
         self.process_group = process_group
         self.start_iter = start_iter
         self.block_size = block_size
+        self.normalize = normalize
+        self.normalize_floor = float(normalize_floor)
         self.nonfinite = nonfinite
         self.compression_stats_logging_frequency = freq
         if not (topology is None or topology == "auto" or isinstance(topology, Topology)):
@@ -151,6 +174,7 @@ class OneBitHookState:
     def _init_internal(self) -> None:
         self.iter = 0
         self.planner = BucketPlanner()
+        self.grad_stats = GradientStats()
         self.worker: Optional[BucketWorker] = None
         self.hier_topology: Optional[Topology] = None
         self._next_stats_report = self.start_iter
@@ -174,7 +198,8 @@ class OneBitHookState:
         return self.bucket_units
 
     # ------------------------------------------------------------------ pickling
-    _CONFIG = ("start_iter", "block_size", "nonfinite", "compression_stats_logging_frequency")
+    _CONFIG = ("start_iter", "block_size", "nonfinite", "compression_stats_logging_frequency", "normalize",
+               "normalize_floor")
 
     def __getstate__(self):
         """The settings and `state_dict`; the process group is not serializable and is left out."""
@@ -187,8 +212,9 @@ class OneBitHookState:
         self.topology = None
         _log.warning("NOTE: the OneBitHookState's process group is set to the default group (the world); set "
                      "`state.process_group` before the next iteration if another group is desired.")
+        defaults = {"normalize": None, "normalize_floor": 0.1}  # pickled before the option: as trained then
         for name in self._CONFIG:
-            setattr(self, name, state[name])
+            setattr(self, name, state[name] if name in state else defaults[name])
         self._init_internal()
         self.load_state_dict(state["state_dict"])
 
@@ -267,6 +293,7 @@ class OneBitHookState:
             "block_size": self.block_size,
             "world_size": self.worker.world_size if self.worker is not None else world_info(self.process_group)[0],
             "units": self.planner.state_dict(),
+            "grad_stats": self.grad_stats.state_dict(),
             "stats": {"bytes_sent": self.total_bytes_sent, "bytes_uncompressed": self.total_bytes_uncompressed,
                       "compressed_calls": self.compressed_calls, "skipped_calls": self.skipped_calls},
         }
@@ -293,6 +320,7 @@ class OneBitHookState:
                          "is reset to zero and training continues", state_dict.get("world_size"), world)
             units = []
         self.planner.load_state_dict(units)
+        self.grad_stats.load_state_dict(state_dict.get("grad_stats", []))  # averaged gradients: any world size
 
 
 def _new_compression(state: OneBitHookState, numel: int, device: torch.device):
@@ -360,9 +388,16 @@ def onebit_hook(state: OneBitHookState, bucket: dist.GradBucket) -> torch.future
         state.total_bytes_sent += nbytes
         state.total_bytes_uncompressed += nbytes
         fut = allreduce_hook(state.process_group, bucket)
+        if state.normalize is not None:  # statistics per parameter: DDP's initial and rebuilt buckets alike
+            stats, numels = state.grad_stats, [p.numel() for p in params]
+            fut = fut.then(lambda f: (stats.add(key, numels, f.value()), f.value())[1])
         state.maybe_increase_iter(bucket)
         return fut
-    plan = state.planner.plan(bucket, key, params, functools.partial(_new_compression, state))
+    new_weights = None
+    if state.normalize is not None:
+        new_weights = functools.partial(state.grad_stats.weights, floor=state.normalize_floor)
+    plan = state.planner.plan(bucket, key, params, functools.partial(_new_compression, state),
+                              *([new_weights] if new_weights else []))
     fut = worker.submit(buf, functools.partial(_reduce_bucket, state, plan, state.stats_report_due(bucket)))
     state.maybe_increase_iter(bucket)
     return fut
