@@ -3,14 +3,14 @@
 The core (DESIGN.md §1), the optimizers (§3) with their per-rank checkpoints, and the
 DDP communication hooks (§4).
 """
-from . import ddp, fsdp, ops, optim, reference, stats, topology, wire
+from . import ddp, fsdp, ops, optim, reference, schedules, stats, topology, wire
 from .checkpoint import load_sharded, save_sharded, shard_path
 from .compressed import (DEFAULT_BLOCK_SIZE, CompressionState, NonFiniteError, compressed_allreduce,
                          compressed_allreduce_)
 from .ddp import (OneBitHookState, onebit_hook, onebit_optimizer_bf16_hook, onebit_optimizer_fp16_hook,
                   onebit_optimizer_hook, onebit_optimizer_hook_for)
 from .integrations import attach
-from .optim import Lamb, OneBitAdam, OneBitLamb
+from .optim import Lamb, Lars, OneBitAdam, OneBitLamb
 from .topology import HierarchicalState, Topology, hierarchical_allreduce_
 
 __version__ = "0.1.0"
@@ -26,6 +26,7 @@ __all__ = [
     "OneBitAdam",
     "OneBitLamb",
     "Lamb",
+    "Lars",
     "save_sharded",
     "load_sharded",
     "shard_path",
@@ -42,6 +43,7 @@ __all__ = [
     "fsdp",
     "topology",
     "reference",
+    "schedules",
     "wire",
     "stats",
 ]

@@ -17,7 +17,7 @@ from typing import Iterable
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["claim_gradients", "DoubleCompressionError", "AveragedGradientsError", "HOOK"]
+__all__ = ["claim_gradients", "compressed_by_hook", "DoubleCompressionError", "AveragedGradientsError", "HOOK"]
 
 HOOK = "onebit_hook"
 
@@ -53,3 +53,13 @@ def claim_gradients(params: Iterable[Tensor], owner, kind: str) -> None:
                 "lbcomm.ddp.onebit_optimizer_hook); use onebit_hook with an optimizer that does not compress (SGD, "
                 "AdamW, lbcomm.Lamb, ...).")
         _claims[p] = (kind, ref)
+
+
+def compressed_by_hook(params: Iterable[Tensor]) -> bool:
+    """Whether a live `onebit_hook` state has claimed any of `params` (its DDP then delivers
+    their gradients averaged over the ranks; `lbcomm.Lars` does not average them again)."""
+    for p in params:
+        held = _claims.get(p)
+        if held is not None and held[0] == HOOK and held[1]() is not None:
+            return True
+    return False

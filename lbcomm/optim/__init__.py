@@ -15,9 +15,10 @@ import warnings
 from .adam import OneBitAdam
 from .base import BaseOptimizer
 from .lamb import Lamb, OneBitLamb
+from .lars import Lars
 from .onebit import OneBitOptimizer
 
-__all__ = ["OneBitAdam", "OneBitLamb", "Lamb", "BaseOptimizer", "OneBitOptimizer"]
+__all__ = ["OneBitAdam", "OneBitLamb", "Lamb", "Lars", "BaseOptimizer", "OneBitOptimizer"]
 
 
 def __getattr__(name):

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from .. import reference as R
 
-__all__ = ["simulate_onebit_adam", "simulate_onebit_lamb", "simulate_lamb"]
+__all__ = ["simulate_onebit_adam", "simulate_onebit_lamb", "simulate_lamb", "simulate_lars", "simulate_onebit_lars"]
 
 
 def _mean(per_rank: Sequence[Tensor]) -> Tensor:
@@ -220,5 +220,58 @@ def _lamb(params0, grads, *, lr, betas, eps, weight_decay, max_coeff, min_coeff,
             f = torch.clamp(f, min=last * (1 - factor_threshold), max=last * (1 + factor_threshold))
             frozen["f_last"][i] = f
             theta[i].add_(u * (frozen["c"][i] * f), alpha=-lr)
+        history.append([t.clone() for t in theta])
+    return history
+
+
+def _lars_adapts(t: Tensor, exclude) -> bool:
+    if exclude is None:
+        return t.dim() > 1
+    if isinstance(exclude, bool):
+        return not exclude
+    return not exclude(t)
+
+
+def simulate_lars(params0, grads, *, lr: float, momentum: float = 0.9, weight_decay: float = 0.0,
+                  trust_coefficient: float = 0.001, eps: float = 1e-8, exclude_from_adaptation=None):
+    """LARS (`lbcomm.Lars`) on the averaged gradients. Returns the parameters after every step."""
+    return _lars(params0, grads, lr=lr, momentum=momentum, weight_decay=weight_decay,
+                 trust_coefficient=trust_coefficient, eps=eps, exclude=exclude_from_adaptation, freeze_step=None)
+
+
+def simulate_onebit_lars(params0, grads, *, lr: float, momentum: float = 0.9, weight_decay: float = 0.0,
+                         trust_coefficient: float = 0.001, eps: float = 1e-8, exclude_from_adaptation=None,
+                         freeze_step: int, block_size: Optional[int]):
+    """1-bit LARS: LARS on the averaged gradients up to freeze_step, then the new momentum
+    mu m + (1 - mu) g_r of every rank through one compressed allreduce and the LARS update
+    on the result. Returns the parameters after every step."""
+    return _lars(params0, grads, lr=lr, momentum=momentum, weight_decay=weight_decay,
+                 trust_coefficient=trust_coefficient, eps=eps, exclude=exclude_from_adaptation,
+                 freeze_step=freeze_step, block_size=block_size)
+
+
+def _lars(params0, grads, *, lr, momentum, weight_decay, trust_coefficient, eps, exclude, freeze_step,
+          block_size=None):
+    p = len(grads[0])
+    theta = [t.detach().float().clone() for t in params0]
+    m = [torch.zeros_like(t) for t in theta]
+    comp = _Compressor(sum(t.numel() for t in theta), p, block_size)
+    history = []
+    for step, g_step in enumerate(grads, start=1):
+        if freeze_step is None or step <= freeze_step:
+            for i in range(len(theta)):
+                m[i].lerp_(_mean([g_step[r][i].float() for r in range(p)]), 1 - momentum)
+        else:
+            local = [_cat([torch.lerp(m[i], g_step[r][i].float(), 1 - momentum) for i in range(len(theta))])
+                     for r in range(p)]
+            m = _split(comp(local), theta)
+        for i in range(len(theta)):
+            if not _lars_adapts(params0[i], exclude):
+                theta[i].add_(m[i], alpha=-lr)
+                continue
+            u = m[i].add(theta[i], alpha=weight_decay) if weight_decay != 0 else m[i].clone()
+            pn, un = torch.linalg.vector_norm(theta[i]), torch.linalg.vector_norm(u)
+            c = trust_coefficient * pn / (un + eps) if pn > 0 and un > 0 else torch.ones(())
+            theta[i].add_(u * c, alpha=-lr)
         history.append([t.clone() for t in theta])
     return history

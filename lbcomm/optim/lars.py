@@ -1,0 +1,229 @@
+"""LARS: momentum with a layer-wise trust ratio and decoupled weight decay (issue 14).
+
+The update math lives here once (`lars_trust_ratio`, `Lars._lars_update`); `OneBitLars`
+(in `onebit_lars`, if shipped) runs exactly this as its warmup.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Dict, List, Union
+
+import torch
+from torch import Tensor
+
+from ..common import NONFINITE_POLICIES
+from ..ddp.claims import AveragedGradientsError, compressed_by_hook
+from . import functional as F
+from .base import BaseOptimizer, replicas_identical
+from .flat import FlatLayout, Segment
+
+__all__ = ["Lars", "lars_trust_ratio", "adapts"]
+
+_log = logging.getLogger(__name__)
+
+Exclude = Union[None, bool, Callable[[Tensor], bool]]
+
+
+def adapts(p: Tensor, exclude: Exclude) -> bool:
+    """Whether parameter `p` gets the trust ratio and weight decay under a group's
+    ``exclude_from_adaptation`` option: None excludes tensors with at most one dimension
+    (biases, norm weights), True excludes every tensor, False none, a callable excludes
+    those for which it returns True."""
+    if exclude is None:
+        return p.dim() > 1
+    if isinstance(exclude, bool):
+        return not exclude
+    return not bool(exclude(p))
+
+
+def lars_trust_ratio(pn: Tensor, un: Tensor, trust_coefficient: float, eps: float) -> Tensor:
+    """c = trust_coefficient ||w|| / (||u|| + eps) per parameter; 1 where a norm is 0."""
+    c = trust_coefficient * pn / (un + eps)
+    return torch.where((pn > 0) & (un > 0), c, torch.ones_like(c))
+
+
+class Lars(BaseOptimizer):
+    # Options a subclass adds to every group (set by its __init__ before Lars.__init__ runs).
+    _subclass_defaults: Dict[str, Any] = {}
+    _flat_buffers = ("momentum_buffer",)
+
+    def __init__(
+        self,
+        params,
+        lr: float,
+        momentum: float = 0.9,
+        weight_decay: float = 0.0,
+        trust_coefficient: float = 0.001,
+        eps: float = 1e-8,
+        exclude_from_adaptation: Exclude = None,
+        *,
+        nonfinite: str = "raise",
+        bucket_cap_mb: float = 25.0,
+        detect_averaged_grads: bool = True,
+        process_group=None,
+        backend: str = "auto",
+    ) -> None:
+        defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, trust_coefficient=trust_coefficient,
+                        eps=eps, exclude_from_adaptation=exclude_from_adaptation, nonfinite=nonfinite,
+                        bucket_cap_mb=bucket_cap_mb, detect_averaged_grads=detect_averaged_grads,
+                        **self._subclass_defaults)
+        self._hook_seen = False
+        super().__init__(params, defaults, process_group=process_group, backend=backend)
+
+    def _validate_group(self, group: Dict[str, Any]) -> None:
+        # Not BaseOptimizer's: LARS has no betas (its momentum is `momentum`).
+        lr = group["lr"]
+        if isinstance(lr, Tensor):
+            raise ValueError(f"Invalid learning rate: {lr} (a Tensor lr is not supported; use a float)")
+        if not 0.0 <= lr:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if not 0.0 <= group["momentum"] < 1.0:
+            raise ValueError(f"Invalid momentum value: {group['momentum']} (need 0 <= momentum < 1)")
+        if not 0.0 <= group["weight_decay"]:
+            raise ValueError(f"Invalid weight_decay value: {group['weight_decay']}")
+        if not 0.0 < group["trust_coefficient"]:
+            raise ValueError(f"Invalid trust_coefficient: {group['trust_coefficient']} (must be > 0)")
+        if not 0.0 <= group["eps"]:
+            raise ValueError(f"Invalid epsilon value: {group['eps']}")
+        ex = group["exclude_from_adaptation"]
+        if not (ex is None or isinstance(ex, bool) or callable(ex)):
+            raise ValueError(f"Invalid exclude_from_adaptation: {ex!r} (use None for the 1-D rule, True/False, or a "
+                             "callable param -> bool that returns True for parameters to exclude)")
+        if group["nonfinite"] not in NONFINITE_POLICIES:
+            raise ValueError(f"Invalid nonfinite policy: {group['nonfinite']!r} (use one of {NONFINITE_POLICIES})")
+        if not group["bucket_cap_mb"] > 0:
+            raise ValueError(f"Invalid bucket_cap_mb: {group['bucket_cap_mb']} (must be > 0)")
+
+    # ------------------------------------------------------------------ communication
+    def _take_step(self, L: FlatLayout) -> bool:
+        if not self._grads_averaged and self.transport.world_size > 1 and compressed_by_hook(L.params):
+            # lbcomm.onebit_hook has averaged (compressed) the gradients: do not reduce them again
+            self._grads_averaged = True
+            _log.info("%s: the gradients are averaged by lbcomm.onebit_hook; the optimizer does not communicate",
+                      type(self).__name__)
+        return super()._take_step(L)
+
+    def _check_replicas(self, slots: Tensor, stage: str) -> bool:
+        same = replicas_identical(slots)
+        if same:
+            p, name = self.transport.world_size, type(self).__name__
+            raise AveragedGradientsError(
+                f"{name}: at step {self._global_step + 1} the gradients are identical on all {p} ranks: a "
+                f"DistributedDataParallel has already averaged them, and {name} would average them a second time. "
+                f"Set optimizer.grads_averaged = True ({name} then does not communicate), or compress them with "
+                "lbcomm.onebit_hook (detected automatically). If every rank really computes the same gradients, "
+                f"pass {name}(..., detect_averaged_grads=False).")
+        return same is not None
+
+    # ------------------------------------------------------------------ update
+    def _warmup_update(self, L: FlatLayout, active: List[bool]) -> None:
+        m, buf = self._flat["momentum_buffer"], self._grad_buf
+        for seg in self._segments(L, active):
+            group = self.param_groups[seg.group]
+            sl = slice(seg.lo, seg.hi)
+            m[sl].lerp_(buf[sl], 1 - group["momentum"])  # m <- mu m + (1 - mu) g
+            # the gradients are consumed: u is formed in their place
+            self._lars_update(L, seg, m, lambda i: L.view(buf, i))
+
+    def _lars_update(self, L: FlatLayout, seg: Segment, m: Tensor, scratch: Callable[[int], Tensor]) -> None:
+        """w <- w - lr c u with u = m + wd w and the trust ratio c for adapted parameters,
+        u = m and c = 1 for excluded ones; parameter i's u is formed in scratch(i) (a
+        tensor of its shape that may be overwritten)."""
+        group = self.param_groups[seg.group]
+        lr, wd, ex = group["lr"], group["weight_decay"], group["exclude_from_adaptation"]
+        for i in seg.idx:
+            w, mi = L.params[i], L.view(m, i)
+            if not adapts(w, ex):
+                F.apply_fp32(w, lambda x, mi=mi: x.add_(mi, alpha=-lr))
+                continue
+            u = scratch(i).copy_(mi)
+            if wd != 0:
+                u.add_(w, alpha=wd)
+            c = lars_trust_ratio(F.norms([w]), F.norms([u]), group["trust_coefficient"], group["eps"])
+            u.mul_(c)
+            F.apply_fp32(w, lambda x, u=u: x.add_(u, alpha=-lr))
+
+
+Lars.__doc__ = r"""Implements LARS (layer-wise adaptive rate scaling, You et al. 2017) with
+    decoupled weight decay: momentum SGD whose step for each parameter tensor is rescaled
+    so that its length is ``lr * trust_coefficient * ||w||``.
+
+    .. math::
+       \begin{aligned}
+            &\rule{110mm}{0.4pt}                                                                 \\
+            &\textbf{input}: \gamma \text{ (lr)}, \mu \text{ (momentum)}, \lambda \text{ (weight decay)},
+                \eta \text{ (trust coefficient)}, \epsilon                                       \\
+            &\textbf{initialize}: m_0 \leftarrow 0                                               \\[-1.ex]
+            &\rule{110mm}{0.4pt}                                                                 \\
+            &\textbf{for} \: t=1 \: \textbf{to} \: \ldots \: \textbf{do}                         \\
+            &\hspace{5mm}g_t \leftarrow \tfrac{1}{p}\textstyle\sum_r \nabla_{\theta} f_{t,r}(\theta_{t-1})
+                \text{ (by DDP's hook, or by the optimizer)}                                     \\
+            &\hspace{5mm}m_t \leftarrow \mu m_{t-1} + (1-\mu) g_t                                 \\
+            &\hspace{5mm}\textbf{adapted tensors}: u_t \leftarrow m_t + \lambda \theta_{t-1}, \;
+                c_t \leftarrow \eta \|\theta_{t-1}\| / (\|u_t\| + \epsilon)
+                \; (1 \text{ if a norm is } 0)                                                   \\
+            &\hspace{5mm}\textbf{excluded tensors}: u_t \leftarrow m_t, \; c_t \leftarrow 1     \\
+            &\hspace{5mm}\theta_t \leftarrow \theta_{t-1} - \gamma c_t u_t                        \\
+            &\rule{110mm}{0.4pt}                                                          \\[-1.ex]
+       \end{aligned}
+
+    Differences from You et al.'s Algorithm 1, on purpose: the momentum is an average of
+    the gradients (dampening :math:`1-\mu`, as Adam's first moment) and the trust ratio and
+    weight decay act on the averaged direction, after the momentum (decoupled, as in LAMB).
+    An adapted tensor's step then has length exactly :math:`\gamma \eta \|\theta\|` (for
+    :math:`\epsilon \to 0`), whatever the gradient's scale; an excluded tensor's step is
+    :math:`\gamma m_t` (SGD with dampening = momentum). To port a recipe of the paper
+    (momentum accumulated after the trust ratio, steady-state steps :math:`1/(1-\mu)` times
+    longer), multiply its lr by :math:`1/(1-\mu)`. The momentum of the gradient alone (no
+    weight decay in it) is what `OneBitLars` can compress.
+
+    Exclusion (``exclude_from_adaptation``, per param group): None (default) excludes every
+    tensor with ``p.dim() <= 1`` — biases, LayerNorm/BatchNorm weights and biases, scalars —
+    from BOTH the trust ratio and the weight decay; True excludes the whole group, False
+    adapts every tensor of it, a callable ``fn(param) -> bool`` excludes those it returns True
+    for (use a module-level function if the optimizer is checkpointed: the option is saved).
+    Embeddings (2-D) are adapted under the default rule.
+
+    Data parallel: the gradients reaching `step` must be the mean over the ranks, or the
+    optimizer averages them itself (one bucketed fp32 allreduce; no DDP needed). Under
+    `lbcomm.onebit_hook` (1-bit compressed gradients, error feedback) the optimizer sees the
+    hook's claim on its parameters and does not communicate; under DDP's own allreduce or
+    another hook set ``optimizer.grads_averaged = True`` (identical gradients on every rank
+    otherwise raise `lbcomm.ddp.AveragedGradientsError` naming this fix). NaN/Inf in the
+    averaged gradients (onebit_hook's ``nonfinite="skip"`` makes a bucket NaN on every rank)
+    raise or skip the step on every rank alike (``nonfinite``).
+
+    Args:
+        params (iterable): iterable of parameters or named parameters to optimize
+            or iterable of dicts defining parameter groups.
+        lr (float): learning rate; for large batches scale it with
+            `lbcomm.schedules.scaled_lr` and warm it up with `lbcomm.schedules.LEGW`
+        momentum (float, optional): momentum factor mu (default: 0.9)
+        weight_decay (float, optional): decoupled weight decay of adapted tensors (default: 0)
+        trust_coefficient (float, optional): eta, the step length relative to ||w|| per unit
+            of lr (default: 0.001)
+        eps (float, optional): added to ||u|| in the trust ratio (default: 1e-8)
+        exclude_from_adaptation (None, bool or callable, optional): which tensors get neither
+            trust ratio nor weight decay, see above (default: None, tensors with dim <= 1)
+        nonfinite (str, optional): "raise" or "skip" a step whose averaged gradients hold
+            NaN/Inf; the state is unchanged either way (default: "raise")
+        bucket_cap_mb (float, optional): bucket size of the optimizer's own gradient
+            allreduce (default: 25)
+        detect_averaged_grads (bool, optional): raise `lbcomm.ddp.AveragedGradientsError`
+            when the gradients are identical on every rank although `grads_averaged` is not
+            set (default: True)
+        process_group (ProcessGroup, optional): the ranks to average over (default: the world)
+        backend (str, optional): "torch", "mpi" or "auto", as in :class:`Lamb` (default: "auto")
+
+    Example::
+
+        >>> # xdoctest: +SKIP
+        >>> lr = lbcomm.schedules.scaled_lr(2.0, base_batch=256, batch=8192, rule="sqrt")
+        >>> optimizer = lbcomm.Lars(model.parameters(), lr=lr, weight_decay=1e-4)
+        >>> scheduler = lbcomm.schedules.LEGW(optimizer, base_warmup_steps=100, batch_scale=32,
+        ...                                   total_steps=10000, decay="poly")
+        >>> optimizer.zero_grad()
+        >>> loss_fn(model(input), target).backward()
+        >>> optimizer.step()
+        >>> scheduler.step()
+    """
