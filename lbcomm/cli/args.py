@@ -180,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .allreduce import DEFAULT_METHODS as ALLREDUCE_DEFAULT_METHODS
     from .allreduce import METHODS as ALLREDUCE_METHODS
     from .train import METHODS as TRAIN_METHODS
+    from .train import STATS_METHODS
     from .train import MIN_WARMUP_STEPS, MODEL_PRESETS
 
     parser = argparse.ArgumentParser(prog="lbcomm-bench", description=DESCRIPTION,
@@ -230,8 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--bandwidth", type=_comma(_rate_or_none), default=None,
                     help="comma-separated link rates, one emulated cluster each (needs root); 'none' for "
                          "loopback (default: 1gbit,10gbit; none under torchrun)")
-    tr.add_argument("--methods", type=_choices(TRAIN_METHODS, "method"), default=list(TRAIN_METHODS),
-                    help=f"comma-separated subset of {','.join(TRAIN_METHODS)} (default: all)")
+    tr.add_argument("--methods", type=_choices(TRAIN_METHODS + STATS_METHODS, "method"), default=list(TRAIN_METHODS),
+                    help=f"comma-separated subset of {','.join(TRAIN_METHODS)} (default: all), or "
+                         f"{','.join(STATS_METHODS)} (ddp and onebit_adam with lbcomm.stats' gradient statistics)")
     tr.add_argument("--preset", choices=sorted(MODEL_PRESETS), default="small",
                     help="model and batch preset (default: small); the options below override it")
     for name, what in (("vocab", "vocabulary"), ("d-model", "width"), ("layers", "blocks"), ("heads", "heads"),
