@@ -492,15 +492,17 @@ class BatchSizeController:
 class StatsHookState:
     """State of `stats_hook`: the gradient statistics around any DDP communication hook.
 
-    Per bucket, the hook measures this rank's bucket before `hook` sees it and averages the
-    measurement over the ranks with one small async allreduce (issued in bucket order, the
-    same on every rank); with ``exact=True`` the global norm is read from `hook`'s result
-    (the hook must return the exact mean: torch's allreduce or fp16 hooks, lbcomm's
-    optimizer hooks in warmup), else a coordinate sample of each bucket is averaged
-    beside it (any hook, compressed ones included). One step's statistics are folded in
-    when the next backward pass starts, or by `flush` (call it before reading them).
-    A 1-bit optimizer state in its compression stage measures inside its own step
-    (``optimizer.gradient_stats``); the hook then measures nothing.
+    Per bucket, the hook measures this rank's bucket before `hook` sees it (a pass over the
+    bucket; with ``exact=False`` also a coordinate sample of it); at the last bucket the
+    measurements of all buckets are averaged over the ranks with ONE small async allreduce
+    (a scalar, or the samples). With ``exact=True`` the global norm is read from `hook`'s
+    result (a second pass, in the future's callback; the hook must return the exact mean:
+    torch's allreduce or fp16 hooks, lbcomm's optimizer hooks in warmup); with
+    ``exact=False`` the sampled coordinates give it (any hook, compressed ones included).
+    One step's statistics are folded in when the next backward pass starts, or by `flush`
+    (call it before reading them). A 1-bit optimizer state in its compression stage
+    measures inside its own step (``optimizer.gradient_stats``); the hook then measures
+    nothing.
 
     Args:
         stats (GradientNoiseScale): where to fold the statistics.
@@ -508,6 +510,13 @@ class StatsHookState:
         hook_state: its state (e.g. None, a PowerSGDState, an lbcomm optimizer).
         exact (bool): see above.
         process_group (optional): the DDP model's group (default: the whole world).
+
+    Example::
+
+        >>> # xdoctest: +SKIP
+        >>> from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+        >>> state = lbcomm.stats.StatsHookState(stats, allreduce_hook, None, exact=True)
+        >>> ddp_model.register_comm_hook(state, lbcomm.stats.stats_hook)
     """
 
     __slots__ = ("stats", "hook", "hook_state", "exact", "process_group", "_pending", "_current", "_transport")
@@ -516,8 +525,8 @@ class StatsHookState:
                  process_group=None):
         self.stats, self.hook, self.hook_state, self.exact = stats, hook, hook_state, bool(exact)
         self.process_group = process_group
-        self._pending: Optional[list] = None
-        self._current: list = []
+        self._pending: Optional[tuple] = None
+        self._current: list = []  # this step's (measurement, [global |result|^2]) per bucket
         self._transport = None
 
     @property
@@ -528,25 +537,30 @@ class StatsHookState:
             self._transport = get_transport(self.process_group)
         return self._transport
 
+    def __getstate__(self):
+        raise TypeError("StatsHookState holds a process group and pending collectives and cannot be pickled; "
+                        "checkpoint stats.state_dict() instead")
+
     def flush(self) -> None:
-        """Fold in the last finished step (waits for its small allreduces)."""
+        """Fold in the last finished step (waits for its small allreduce)."""
         pending, self._pending = self._pending, None
-        if not pending:
+        if pending is None:
             return
-        local = glob = sub_local = 0.0
+        v, fut, sizes, results = pending
+        fut.wait()
         p = self.transport.world_size
-        for v, fut, gsq in pending:
-            fut.wait()
-            local += float(v[0])
-            if self.exact:
-                glob += float(gsq[0])
-            else:
-                sub_local += float(v[1])
-                glob += float(v[2:].double().square().sum())
         if self.exact:
-            self.stats.observe(torch.tensor([local]), p, glob)
-        else:
-            self.stats.observe(torch.tensor([local, sub_local, math.sqrt(glob)], dtype=torch.float64), p)
+            self.stats.observe(v[:1], p, sum(float(r[0]) for r in results))
+            return
+        # per bucket [|g|^2, |x|^2, x]; the buckets' sums add up to the whole gradient's
+        local = sub_local = glob = 0.0
+        o = 0
+        for n in sizes:
+            part = v[o:o + n].double()
+            local, sub_local, glob = local + float(part[0]), sub_local + float(part[1]), \
+                glob + float(part[2:].square().sum())
+            o += n
+        self.stats.observe(torch.tensor([local, sub_local, math.sqrt(glob)], dtype=torch.float64), p)
 
 
 def stats_hook(state: StatsHookState, bucket) -> torch.futures.Future[torch.Tensor]:
@@ -558,13 +572,17 @@ def stats_hook(state: StatsHookState, bucket) -> torch.futures.Future[torch.Tens
     if bucket.index() == 0:
         state.flush()
         state._current = []
-    buf = bucket.buffer()
-    v = state.stats.measure([buf], exact=state.exact)
-    fut = state.transport.all_reduce(v, op="mean", async_op=True)
-    gsq: list = [None]  # the exact result's squared norm, set by the callback (no device sync there)
-    state._current.append((v, fut, gsq))
+    v = state.stats.measure([bucket.buffer()], exact=state.exact)
+    result: list = [None]  # the exact result's squared norm, set by the callback (no device sync there)
+    state._current.append((v, result))
     if bucket.is_last():
-        state._pending, state._current = state._current, []
+        parts, state._current = state._current, []
+        if state.exact:
+            vec = torch.stack([m[0] for m, _ in parts]).sum().reshape(1)
+        else:
+            vec = torch.cat([m for m, _ in parts])
+        fut = state.transport.all_reduce(vec, op="mean", async_op=True)
+        state._pending = (vec, fut, [m.numel() for m, _ in parts], [r for _, r in parts])
     out = state.hook(inner_state, bucket)
     if not state.exact:
         return out
@@ -572,7 +590,7 @@ def stats_hook(state: StatsHookState, bucket) -> torch.futures.Future[torch.Tens
     def record(f):
         res = f.value()
         t = res[0] if isinstance(res, (list, tuple)) else res
-        gsq[0] = torch.linalg.vector_norm(t, dtype=torch.float32).square()
+        result[0] = torch.linalg.vector_norm(t, dtype=torch.float32).square()
         return res
 
     return out.then(record)

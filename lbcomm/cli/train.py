@@ -42,8 +42,9 @@ METHODS = ("none", "ddp", "fp16", "powersgd", "onebit_hook", "onebit_adam")
 # Not run by default: ``ddp`` and ``onebit_adam`` with lbcomm.stats' gradient statistics (the
 # noise scale), to measure what the statistics cost: DDP's allreduce wrapped in
 # ``lbcomm.stats.stats_hook`` (exact), and OneBitAdam's ``gradient_stats`` (a coordinate
-# sample in its compression stage).
-STATS_METHODS = ("ddp_stats", "onebit_adam_stats")
+# sample in its compression stage); ``ddp_hook`` is DDP with torch's Python allreduce_hook
+# alone, the baseline of ``ddp_stats``.
+STATS_METHODS = ("ddp_hook", "ddp_stats", "onebit_adam_stats")
 COMPRESSION_START = 2  # PowerSGD's start_powerSGD_iter and onebit_hook's start_iter (DDP needs > 1)
 # Untimed steps so that every method is in its compressed stage when timing starts.
 MIN_WARMUP_STEPS = COMPRESSION_START + 2
@@ -132,6 +133,10 @@ class _Setup:
 
             self.hook_state = OneBitHookState(process_group=None, start_iter=COMPRESSION_START)
             ddp.register_comm_hook(self.hook_state, onebit_hook)
+        elif method == "ddp_hook":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            ddp.register_comm_hook(None, default_hooks.allreduce_hook)
         elif method == "ddp_stats":
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
