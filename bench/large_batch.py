@@ -230,24 +230,29 @@ def plot(results, a, path):
     base = a.steps * a.batch
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.6), layout="constrained")
     ax = axes[0]
+    finals = {r["kind"]: r["final"] for r in results if r["kind"] in BASES}
     for kind in LABEL:
         rs = sorted((r for r in results if r["kind"] == kind), key=lambda r: r["scale"])
         if kind in BASES or not rs:
             continue
-        xs = [r["batch"] for r in rs]
-        ys = [(r["reached"] or float("nan")) / base for r in rs]
+        xs, ys = [], []
+        for r in rs:  # held-out loss after the base run's samples, relative to the base run's final loss
+            at = [v for x, v in r["curve"] if x <= base]
+            xs.append(r["batch"])
+            ys.append(at[-1] / finals[FAMILY[kind]] if at and math.isfinite(at[-1]) else float("nan"))
         ax.plot(xs, ys, "o-", label=LABEL[kind])
-        for r in rs:
-            if not r["reached"]:
-                ax.plot([r["batch"]], [r["samples"] / base], "x", color=ax.lines[-1].get_color(), ms=9)
+        for x, y, r in zip(xs, ys, rs):
+            if r["reached"]:
+                ax.annotate(f"{r['reached'] / base:.2f}x", (x, y), fontsize=7)
     ax.axhline(1.0, color="k", lw=1)
-    ax.axhline(1.1, color="grey", ls=":", lw=1)
     ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
     ax.set_xlabel("global batch (sequences)")
-    ax.set_ylabel("samples to the base loss / base samples")
-    ax.set_title("(b) samples to the base run's loss (x: not reached in the run)")
+    ax.set_ylabel("loss after the base samples / base loss")
+    ax.set_title("(b) held-out loss after the base run's samples\n(1 = as good as the base run; NaN runs left out)",
+                 fontsize=10)
     ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
+    ax.grid(alpha=0.3, which="both")
     ax = axes[1]
     for r in results:
         xs, ys = zip(*r["curve"])
@@ -308,6 +313,7 @@ def parse_args(argv=None):
     p.add_argument("--plot", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                   "large_batch.png"))
     p.add_argument("--json", default="")
+    p.add_argument("--replot", default="", help="only report and plot the results of a --json file")
     a = p.parse_args(argv)
     if a.quick:
         a.steps, a.eval_every, a.eval_seqs, a.train_mb = 64, 16, 64, 1.0
@@ -320,6 +326,13 @@ def parse_args(argv=None):
 
 def main(argv=None):
     a = parse_args(argv)
+    if a.replot:
+        with open(a.replot) as f:
+            doc = json.load(f)
+        report(doc["results"], a)
+        if a.plot:
+            plot(doc["results"], a, a.plot)
+        return
     only = set(a.only.split(",")) if a.only else set(LABEL)
     plan = [(k, 1) for k in BASES if k in only or any(FAMILY[o] == k for o in only)]
     plan += [(k, s) for s in a.scales for k in LABEL if k not in BASES and k in only]
