@@ -168,11 +168,12 @@ class GradientNoiseScale:
         exact averaged gradient (`exact`), else [|g|^2, |x|^2, x] with x the scaled sample of
         sketch_size coordinates (drawn from seed and `draws`, advanced here). `grads` is the
         local gradient as a list of tensors (None counts as zeros)."""
-        dev = next((g.device for g in grads if g is not None), torch.device("cpu"))
-        local = torch.zeros(1, dtype=torch.float32, device=dev)
-        for g in grads:
-            if g is not None:
-                local += torch.linalg.vector_norm(g, dtype=torch.float32).square()
+        present = [g for g in grads if g is not None]
+        dev = present[0].device if present else torch.device("cpu")
+        if present:  # one fused pass (torch's foreach norm) over all of them
+            local = torch.nn.utils.get_total_norm(present, 2.0).float().square().reshape(1)
+        else:
+            local = torch.zeros(1, dtype=torch.float32, device=dev)
         if exact:
             return local
         x = self._sample(grads, dev)
