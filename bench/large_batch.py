@@ -215,9 +215,9 @@ def report(results, a):
         if r["deviation"]:
             d = torch.tensor(r["deviation"], dtype=torch.float64)
             rel = (d[:, :3] - d[:, 3:]) / d[:, 3:].abs()
+            n = sum(p.numel() for p in ByteLM(a.d_model, a.layers, a.heads, a.ctx).parameters())
             print(f"\nOneBitLamb {r['scale']}x compression stage ({len(d)} steps): sampled vs exact statistics "
-                  f"(sketch of 4096 of the {sum(p.numel() for p in ByteLM(a.d_model, a.layers, a.heads, a.ctx).parameters()):,} "
-                  "coordinates), relative deviation of the smoothed values, mean (bias) / mean |.|:")
+                  f"(sketch of 4096 of the {n:,} coordinates), relative deviation of the smoothed values, mean (bias) / mean |.|:")
             for i, name in enumerate(("|G|^2", "tr(Sigma)", "B_simple")):
                 print(f"  {name:<10} {float(rel[:, i].mean()):+.3f} / {float(rel[:, i].abs().mean()):.3f}")
 

@@ -233,8 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "loopback (default: 1gbit,10gbit; none under torchrun)")
     tr.add_argument("--methods", type=_choices(TRAIN_METHODS + STATS_METHODS, "method"), default=list(TRAIN_METHODS),
                     help=f"comma-separated subset of {','.join(TRAIN_METHODS)} (default: all), or "
-                         f"{','.join(STATS_METHODS)} (DDP with torch's Python allreduce hook alone, and with lbcomm.stats' "
-                         "gradient statistics around it; OneBitAdam with them)")
+                         f"{','.join(STATS_METHODS)} (DDP with torch's Python allreduce hook alone, and with "
+                         "lbcomm.stats' gradient statistics around it; OneBitAdam with them)")
     tr.add_argument("--preset", choices=sorted(MODEL_PRESETS), default="small",
                     help="model and batch preset (default: small); the options below override it")
     for name, what in (("vocab", "vocabulary"), ("d-model", "width"), ("layers", "blocks"), ("heads", "heads"),
