@@ -539,8 +539,12 @@ class StatsHookState:
         return self._transport
 
     def __getstate__(self):
-        raise TypeError("StatsHookState holds a process group and pending collectives and cannot be pickled; "
-                        "checkpoint stats.state_dict() instead")
+        """Pickled without the process group and the step in flight (as torch's PowerSGDState);
+        the default group is used after unpickling."""
+        return {k: getattr(self, k) for k in ("stats", "hook", "hook_state", "exact")}
+
+    def __setstate__(self, state):
+        self.__init__(state["stats"], state["hook"], state["hook_state"], exact=state["exact"])
 
     def flush(self) -> None:
         """Fold in the last finished step (waits for its small allreduce)."""

@@ -85,6 +85,11 @@ class BaseOptimizer(Optimizer):
         process_group: the group (or mpi4py communicator) gradients are averaged over.
         last_step_skipped (bool): the last `step` saw NaN/Inf (on any rank) and changed nothing.
         skipped_steps (int): how many steps were skipped so far.
+        gradient_stats (lbcomm.stats.GradientNoiseScale or None): set it to have every step
+            feed the gradient noise statistics (exact in warmup, from the averaged gradient;
+            a coordinate sample in the compression stage; with a DDP hook averaging the
+            warmup gradients, `lbcomm.stats.stats_hook` measures them instead); one small
+            async allreduce per step (default: None).
     """
 
     # Options that describe the whole flat buffer, not one group: every group must agree.
