@@ -3,7 +3,7 @@
 The core (DESIGN.md §1), the optimizers (§3) with their per-rank checkpoints, and the
 DDP communication hooks (§4).
 """
-from . import ddp, fsdp, ops, optim, reference, schedules, topology, wire
+from . import ddp, fsdp, ops, optim, reference, schedules, stats, topology, wire
 from .checkpoint import load_sharded, save_sharded, shard_path
 from .compressed import (DEFAULT_BLOCK_SIZE, CompressionState, NonFiniteError, compressed_allreduce,
                          compressed_allreduce_)
@@ -45,4 +45,5 @@ __all__ = [
     "reference",
     "schedules",
     "wire",
+    "stats",
 ]

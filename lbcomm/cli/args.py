@@ -198,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .train import FLAT_METHODS as FLAT_TRAIN_METHODS
     from .train import METHODS as TRAIN_METHODS
     from .train import NODE_METHODS as NODE_TRAIN_METHODS
+    from .train import STATS_METHODS
     from .train import MIN_WARMUP_STEPS, MODEL_PRESETS
 
     parser = argparse.ArgumentParser(prog="lbcomm-bench", description=DESCRIPTION,
@@ -248,10 +249,12 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--bandwidth", type=_comma(_rate_or_none), default=None,
                     help="comma-separated link rates, one emulated cluster each (needs root); 'none' for "
                          "loopback (default: 1gbit,10gbit; none under torchrun)")
-    tr.add_argument("--methods", type=_choices(TRAIN_METHODS, "method"), default=None,
+    tr.add_argument("--methods", type=_choices(TRAIN_METHODS + STATS_METHODS, "method"), default=None,
                     help=f"comma-separated subset of {','.join(TRAIN_METHODS)}; {','.join(NODE_TRAIN_METHODS)} "
                          f"need --ranks-per-node > 1 (default: {','.join(FLAT_TRAIN_METHODS)}; with nodes "
-                         f"{','.join(DEFAULT_NODE_TRAIN_METHODS)})")
+                         f"{','.join(DEFAULT_NODE_TRAIN_METHODS)}); also, never by default, "
+                         f"{','.join(STATS_METHODS)} (DDP with torch's Python allreduce hook alone, and with "
+                         "lbcomm.stats' gradient statistics around it; OneBitAdam with them)")
     tr.add_argument("--nodes", type=_int_at_least(1), default=None,
                     help="emulated nodes: world size = nodes x ranks per node; with --bandwidth the ranks of a "
                          "node share one network namespace (unshaped loopback) and the nodes are joined by shaped "

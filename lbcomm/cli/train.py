@@ -59,14 +59,20 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["METHODS", "FLAT_METHODS", "NODE_METHODS", "DEFAULT_NODE_METHODS", "TinyLM", "MODEL_PRESETS",
-           "MIN_WARMUP_STEPS", "run_rank", "describe_model"]
+__all__ = ["METHODS", "FLAT_METHODS", "NODE_METHODS", "DEFAULT_NODE_METHODS", "STATS_METHODS", "TinyLM",
+           "MODEL_PRESETS", "MIN_WARMUP_STEPS", "run_rank", "describe_model"]
 
 FLAT_METHODS = ("none", "ddp", "fp16", "powersgd", "onebit_hook", "onebit_adam")
 # Methods that need nodes (--ranks-per-node > 1).
 NODE_METHODS = ("onebit_hook_hier", "hsdp", "hsdp_onebit", "fsdp_onebit_adam")
 METHODS = FLAT_METHODS + NODE_METHODS
 DEFAULT_NODE_METHODS = ("ddp", "onebit_hook", "onebit_hook_hier", "hsdp", "hsdp_onebit", "fsdp_onebit_adam")
+# Not run by default: ``ddp`` and ``onebit_adam`` with lbcomm.stats' gradient statistics (the
+# noise scale), to measure what the statistics cost: DDP's allreduce wrapped in
+# ``lbcomm.stats.stats_hook`` (exact), and OneBitAdam's ``gradient_stats`` (a coordinate
+# sample in its compression stage); ``ddp_hook`` is DDP with torch's Python allreduce_hook
+# alone, the baseline of ``ddp_stats``.
+STATS_METHODS = ("ddp_hook", "ddp_stats", "onebit_adam_stats")
 COMPRESSION_START = 2  # PowerSGD's start_powerSGD_iter and onebit_hook's start_iter (DDP needs > 1)
 # Untimed steps so that every method is in its compressed stage when timing starts.
 MIN_WARMUP_STEPS = COMPRESSION_START + 2
@@ -151,7 +157,7 @@ class _Setup:
             self.model = model
             self.opt = torch.optim.AdamW(model.parameters(), lr=lr, **fused)
             return
-        if method == "onebit_adam":
+        if method in ("onebit_adam", "onebit_adam_stats"):
             # The optimizer does all the communication itself (averaged gradients in the
             # warmup, one compressed allreduce of the momentum after it), as in its docstring;
             # DDP would only add bucket copies in the compression stage.
@@ -159,6 +165,10 @@ class _Setup:
 
             self.model = model
             self.opt = OneBitAdam(model.parameters(), lr=lr, freeze_step=freeze_step)
+            if method == "onebit_adam_stats":
+                from ..stats import GradientNoiseScale
+
+                self.opt.gradient_stats = GradientNoiseScale(cfg["batch"], log_every=0)
             return
         # PowerSGD issues its second and third allreduce from future callbacks; with gloo those
         # run on gloo's threads, and with two or more buckets the ranks can issue them in
@@ -186,8 +196,20 @@ class _Setup:
                 topology = Topology.from_mesh(mesh)
             self.hook_state = OneBitHookState(process_group=None, start_iter=COMPRESSION_START, topology=topology)
             ddp.register_comm_hook(self.hook_state, onebit_hook)
+        elif method == "ddp_hook":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+        elif method == "ddp_stats":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            from ..stats import GradientNoiseScale, StatsHookState, stats_hook
+
+            self.hook_state = StatsHookState(GradientNoiseScale(cfg["batch"], log_every=0),
+                                             default_hooks.allreduce_hook, None, exact=True)
+            ddp.register_comm_hook(self.hook_state, stats_hook)
         elif method != "ddp":
-            raise ValueError(f"unknown training method {method!r}; choose from {METHODS}")
+            raise ValueError(f"unknown training method {method!r}; choose from {METHODS + STATS_METHODS}")
         self.model = ddp
 
     def step(self, tokens: torch.Tensor) -> float:
@@ -199,7 +221,7 @@ class _Setup:
 
     def check_stage(self) -> None:
         """Fail loudly if a method is not in the stage we mean to time."""
-        if self.method in ("onebit_adam", "fsdp_onebit_adam") and not self.opt.frozen:
+        if self.method in ("onebit_adam", "onebit_adam_stats", "fsdp_onebit_adam") and not self.opt.frozen:
             raise RuntimeError(f"{self.method}: OneBitAdam is not in its compression stage; raise --warmup-steps")
 
 

@@ -93,6 +93,11 @@ class BaseOptimizer(Optimizer):
         shard_group: the group of the other shards of the same parameters (None: unsharded).
         last_step_skipped (bool): the last `step` saw NaN/Inf (on any rank) and changed nothing.
         skipped_steps (int): how many steps were skipped so far.
+        gradient_stats (lbcomm.stats.GradientNoiseScale or None): set it to have every step
+            feed the gradient noise statistics (exact in warmup, from the averaged gradient;
+            a coordinate sample in the compression stage; with a DDP hook averaging the
+            warmup gradients, `lbcomm.stats.stats_hook` measures them instead); one small
+            async allreduce per step (default: None).
     """
 
     # Options that describe the whole flat buffer, not one group: every group must agree.
@@ -122,6 +127,8 @@ class BaseOptimizer(Optimizer):
         self.skipped_steps = 0
         self._loading: Optional[tuple] = None
         self._probe_warmup = True  # the warmup check for averaged gradients is still to be decided
+        self.gradient_stats = None  # a lbcomm.stats.GradientNoiseScale to feed each step (see `_stats_begin`)
+        self._stats_gsq: Optional[Tensor] = None  # this warmup step's |averaged gradient|^2, for gradient_stats
         if process_group is not None:  # a group without its backend is an error now, not at step 1
             self.transport  # noqa: B018
         super().__init__(params, defaults)
@@ -397,13 +404,36 @@ class BaseOptimizer(Optimizer):
                 loss = closure()
         L = self._prepare()
         self.last_step_skipped = False
-        if not self._take_step(L):
+        pending, taken = self._stats_begin(L), False
+        try:
+            taken = self._take_step(L)
+        finally:
+            self._stats_finish(L, pending, not taken)
+        if not taken:
             self.last_step_skipped = True
             self.skipped_steps += 1
             return loss
         self._global_step += 1
         self._after_step(L)
         return loss
+
+    # ---------------------------------------------------------- gradient statistics (lbcomm.stats)
+    def _stats_begin(self, L: FlatLayout):
+        """With ``gradient_stats`` set and the local gradients at hand (warmup without a DDP
+        hook, or the compression stage), start the small async allreduce of this step's
+        measurement: exact in warmup (the averaged gradient gives the global norm), a
+        coordinate sample in the compression stage (the exact mean is never formed)."""
+        stats = self.gradient_stats
+        if stats is None or (self._grads_averaged and not self.frozen):
+            return None  # no statistics, or a DDP hook (lbcomm.stats.stats_hook) measures them
+        return (not self.frozen), stats.begin([p.grad for p in L.params], self.transport, exact=not self.frozen)
+
+    def _stats_finish(self, L: FlatLayout, pending, skipped: bool) -> None:
+        if pending is None or pending[1] is None:
+            return
+        exact, work = pending
+        gsq, self._stats_gsq = self._stats_gsq, None
+        self.gradient_stats.finish(work, gsq, fold=not skipped and (gsq is not None or not exact))
 
     def _take_step(self, L: FlatLayout) -> bool:
         """One step; False when it was skipped (non-finite, nonfinite='skip')."""
@@ -454,6 +484,8 @@ class BaseOptimizer(Optimizer):
                           bucket_bytes=max(1, int(self._option("bucket_cap_mb") * 2**20)))
             if probe:
                 self._probe_warmup = not self._check_replicas(self._grad_buf[buf.numel():], "warmup")
+        if self.gradient_stats is not None and not self._grads_averaged:  # the global norm for lbcomm.stats
+            self._stats_gsq = torch.linalg.vector_norm(buf[:L.total]).square()
         # Every rank holds the same average (or, with a DDP hook, the same averaged grads),
         # so every rank reaches the same verdict here (sharded: the shard group agrees too).
         if not self._agree_over_shards(bool(torch.isfinite(buf).all())):
