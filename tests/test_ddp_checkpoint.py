@@ -7,6 +7,7 @@ hooks became a package): the model, the SGD optimizer and the `OneBitHookState` 
 `MORE` further iterations of that same run (expected{r}.pt). The test resumes from the files with today's
 code and must reach exactly those parameters.
 """
+import copy
 import os
 
 import torch
@@ -90,3 +91,62 @@ def test_v1_hook_checkpoint_resumes_bitwise():
         for how, out in res.items():
             assert out["type"] == "OneBitHookState" and out["iter"] == CUT + MORE, (how, out["iter"])
             assert torch.equal(out["params"], out["expected"]), f"rank {r}, {how}: resumed run differs"
+
+
+# ---------------------------------------------------------------- elastic resume (another world size)
+def _total(states):
+    """mean_r(worker error r) + concat_k(server error k) of one unit, over its real elements (float64)."""
+    n = states[0]["numel"]
+    worker = torch.stack([s["worker_error"].reshape(-1)[:n].double() for s in states]).mean(0)
+    server = torch.cat([s["server_error"].reshape(-1) for s in states])[:n].double()
+    return worker + server
+
+
+def _save_and_continue(rank, p):
+    model, ddp, opt = _build()
+    hook = OneBitHookState(None, start_iter=START_ITER, block_size=256)
+    ddp.register_comm_hook(hook, onebit_hook)
+    _train(ddp, opt, rank, 0, CUT)
+    saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(), "hook": hook.state_dict()})
+    _train(ddp, opt, rank, CUT, MORE)
+    return {"saved": saved, "expected": _flat(model)}
+
+
+def _elastic_resume(rank, p, saved):
+    model, ddp, opt = _build(saved[rank % len(saved)])
+    hook = OneBitHookState(None, start_iter=START_ITER, block_size=256)
+    hook.load_state_dict(saved[rank % len(saved)]["hook"], all_ranks=[s["hook"] for s in saved])
+    loaded = copy.deepcopy(hook.state_dict())  # the redistributed units, not yet matched to buckets
+    ddp.register_comm_hook(hook, onebit_hook)
+    _train(ddp, opt, rank, CUT, MORE)
+    return {"loaded": loaded, "params": _flat(model), "iter": hook.iter, "unmatched": hook.planner.num_saved(),
+            "error_norm": hook.error_norm()}
+
+
+def test_hook_elastic_resume_preserves_total_error():
+    first = run_ranks(_save_and_continue, P, timeout=180)
+    saved = [r["saved"] for r in first]
+    saved_units = [{tuple(e["params"]): e["compression"] for e in s["hook"]["units"]} for s in saved]
+    assert saved_units[0] and all(float(c["worker_error"].abs().sum()) > 0 for c in saved_units[0].values())
+
+    # the same world size with all_ranks given: the continuation stays bitwise exact
+    same = run_ranks(_elastic_resume, P, saved, timeout=180)
+    for r, out in enumerate(same):
+        assert torch.equal(out["params"], first[r]["expected"]), f"rank {r}: same-world resume differs"
+
+    # 2 -> 3 ranks: every unit's total carried error is preserved
+    new_world = 3
+    resumed = run_ranks(_elastic_resume, new_world, saved, timeout=240)
+    for key, comp in saved_units[0].items():
+        new = []
+        for r, out in enumerate(resumed):
+            entry = {tuple(e["params"]): e["compression"] for e in out["loaded"]["units"]}[key]
+            assert (entry["world_size"], entry["rank"]) == (new_world, r)
+            new.append(entry)
+        before = _total([units[key] for units in saved_units])
+        after = _total(new)
+        assert before.abs().max() > 0
+        torch.testing.assert_close(after, before, rtol=0, atol=1e-6 * float(before.abs().max()) + 1e-12)
+    for out in resumed:  # training continued on the redistributed units
+        assert out["iter"] == CUT + MORE and out["unmatched"] == 0
+        assert torch.isfinite(out["params"]).all() and out["error_norm"] > 0
