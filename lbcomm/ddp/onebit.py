@@ -47,14 +47,19 @@ class OneBitHookState:
     Results are bitwise identical on every rank, so replicas stay identical.
 
     Checkpoints: `state_dict` holds this rank's error buffers (one shard per rank, like the
-    lbcomm optimizers; e.g. ``lbcomm.save_sharded(dir, opt, model, extra=hook_state.state_dict())``)
+    lbcomm optimizers; ``lbcomm.save_sharded(dir, opt, model, hook_state=state)``)
     and `load_state_dict` restores them. They are stored per list of parameters rather than
     per bucket index, because a new DDP instance runs its first iteration with its initial
     buckets before it rebuilds them: in that iteration a bucket is split into the saved
     ones, so that with the same world size the resumed run continues bitwise identically
-    to a run that never stopped. Another world size (or model) resets the errors with a
-    logged warning. Create the state and register the hook on a freshly built DDP model, as
-    usual, so that the parameter numbering (taken from DDP's first iteration) is stable.
+    to a run that never stopped. Another world size (elastic resume): every saved rank's
+    state_dict is needed (``lbcomm.load_sharded(dir, opt, model, hook_state=state)`` reads
+    them all); each unit's error feedback is redistributed onto the new world with
+    `lbcomm.compressed.redistribute_errors`, preserving the total carried error of
+    DESIGN.md §1, and the replicas stay bitwise identical. Without them (or for another
+    model) the errors are reset with a logged warning. Create the state and register the
+    hook on a freshly built DDP model, as usual, so that the parameter numbering (taken
+    from DDP's first iteration) is stable.
 
     Args:
         process_group (ProcessGroup, optional): the DDP model's process group (default:
@@ -88,7 +93,8 @@ class OneBitHookState:
         >>> state = lbcomm.ddp.OneBitHookState(process_group=None, start_iter=100)
         >>> ddp_model.register_comm_hook(state, lbcomm.ddp.onebit_hook)
         >>> ...
-        >>> lbcomm.save_sharded("ckpt", optimizer, ddp_model.module, extra={"hook": state.state_dict()})
+        >>> lbcomm.save_sharded("ckpt", optimizer, ddp_model.module, hook_state=state)
+        >>> lbcomm.load_sharded("ckpt", optimizer, ddp_model.module, hook_state=state)  # any world size
     """
 
     __slots__ = [
@@ -278,9 +284,11 @@ class OneBitHookState:
 
         Saved for another world size (elastic resume), pass ``all_ranks``: the `state_dict`
         of every rank of the saved world, in rank order (``state_dict`` is then any one of
-        them). Each unit's error feedback is redistributed onto this world with
-        `lbcomm.compressed.redistribute_errors`, which preserves the total carried error of
-        DESIGN.md §1 (mean of worker errors + concatenated server errors). Without
+        them; `lbcomm.load_sharded` with ``hook_state=`` does this). Each unit's error
+        feedback is redistributed onto this world with `lbcomm.compressed.redistribute_errors`,
+        which preserves the total carried error of DESIGN.md §1 (mean of worker errors +
+        concatenated server errors); the replicas stay bitwise identical (every rank
+        decodes the same all-gathered result). Without
         ``all_ranks`` (or for hierarchical units) the errors are reset with a logged warning.
         """
         self._ensure_idle("load_state_dict")
@@ -317,6 +325,9 @@ def _redistribute_units(all_ranks: Sequence[Dict[str, Any]], world: int, rank: i
         if not isinstance(sd, dict) or sd.get("version") != _STATE_VERSION or sd.get("world_size") != saved_world:
             raise ValueError(f"OneBitHookState.load_state_dict: all_ranks[{r}] is not the state_dict of rank {r} of "
                              f"a world of {saved_world} (pass every saved rank's state_dict, in rank order)")
+        if sd.get("iter") != all_ranks[0].get("iter"):
+            raise ValueError(f"OneBitHookState.load_state_dict: all_ranks[{r}] was saved at iteration {sd.get('iter')} "
+                             f"and all_ranks[0] at {all_ranks[0].get('iter')}; pass the state_dicts of one checkpoint")
     per_rank = [{tuple(e["params"]): e for e in sd["units"]} for sd in all_ranks]
     if any(set(units) != set(per_rank[0]) for units in per_rank):
         raise ValueError("OneBitHookState.load_state_dict: the saved ranks hold different units; all_ranks must be "
