@@ -166,7 +166,8 @@ def load_sharded(directory: str, optimizer=None, model: Optional[torch.nn.Module
         model.load_state_dict(payload["model"])
     if optimizer is not None:
         if others is not None:
-            _redistribute(directory, payload["optimizer"], others, world, rank)
+            redistribute_optimizer_state(payload["optimizer"], [o.get("optimizer") for o in others], world, rank,
+                                         where=repr(directory))
         optimizer.load_state_dict(payload["optimizer"])
     if hook_state is not None:
         all_ranks = None
@@ -202,28 +203,31 @@ def _read(path: str, map_location: Any, weights_only: bool, mmap: bool = False) 
     return payload
 
 
-def _redistribute(directory: str, opt_state: Dict[str, Any], shards: List[Dict[str, Any]], world: int,
-                  rank: int) -> None:
-    """Elastic resume: replace the compression state in `opt_state` (a lbcomm 1-bit
-    optimizer's state dict read from one saved shard) by the error feedback of every saved
-    rank (`shards`, in rank order) redistributed onto this world (`redistribute_errors`)."""
+def redistribute_optimizer_state(opt_state: Dict[str, Any], saved: List[Dict[str, Any]], world: int, rank: int,
+                                 where: str = "the checkpoint") -> None:
+    """Elastic resume of a lbcomm 1-bit optimizer: replace the compression state in
+    `opt_state` (the `state_dict` of one saved rank, to be loaded by `rank` of a world of
+    `world` ranks) by the error feedback of every saved rank (`saved`: their optimizer
+    state_dicts, in rank order) redistributed onto this world (`redistribute_errors`).
+    Used by `load_sharded` and `lbcomm.integrations.dcp.RankLocal`; a no-op for a state
+    without compression state (warmup, or not a 1-bit optimizer)."""
     extra = opt_state.get("lbcomm") if isinstance(opt_state, dict) else None
     if not isinstance(extra, dict) or extra.get("compression") is None:
         return  # not a 1-bit optimizer in its compression stage: nothing rank-local to map
-    saved_world = len(shards)
+    saved_world = len(saved)
     if world == 1:
-        _log.warning("lbcomm.load_sharded: %s was saved by %s ranks; with one rank nothing is compressed, so the "
-                     "saved error feedback is dropped", directory, saved_world)
+        _log.warning("lbcomm: %s was saved by %s ranks; with one rank nothing is compressed, so the saved error "
+                     "feedback is dropped", where, saved_world)
         return
     states = []
-    for r, other in enumerate(shards):
-        comp = ((other.get("optimizer") or {}).get("lbcomm") or {}).get("compression")
+    for r, other in enumerate(saved):
+        comp = ((other or {}).get("lbcomm") or {}).get("compression")
         if comp is None:
-            raise ValueError(f"load_sharded: shard {r} of {directory!r} holds no compression state, unlike the others; "
-                             "the checkpoint is inconsistent (pass elastic=False to reset the error feedback)")
+            raise ValueError(f"lbcomm: rank {r} of {where} holds no compression state, unlike the others; the "
+                             "checkpoint is inconsistent (load_sharded: pass elastic=False to reset the error feedback)")
         states.append(comp)
     extra["compression"] = redistribute_errors(states, world, rank)
     extra["world_size"] = world
-    _log.info("lbcomm.load_sharded: %s was saved by %s ranks and this run has %s; the compression error feedback of "
-              "all %s saved ranks was redistributed onto this world (its total is preserved)", directory,
-              saved_world, world, saved_world)
+    _log.info("lbcomm: %s was saved by %s ranks and this run has %s; the compression error feedback of all %s saved "
+              "ranks was redistributed onto this world (its total is preserved)", where, saved_world, world,
+              saved_world)

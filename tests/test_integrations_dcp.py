@@ -36,3 +36,4 @@ def test_rank_local_refuses_other_world_size(tmp_path):
         RankLocal(Obj()).load_state_dict({"rank0-of-2": b""})
     with pytest.raises(TypeError, match="state_dict"):
         RankLocal(object())
+

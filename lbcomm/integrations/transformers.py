@@ -169,17 +169,12 @@ class LbcommCallback(TrainerCallback):
                 raise FileNotFoundError(msg)
             _log.warning("%s", msg)
             return
-        info = load_sharded(found, self._optimizer)
+        info = load_sharded(found, self._optimizer, hook_state=self.hook_state)  # any world size (elastic)
         extra = info["extra"] or {}
         if extra.get("global_step") != state.global_step:
             raise ValueError(f"LbcommCallback: the lbcomm shard in {found!r} was saved at step "
                              f"{extra.get('global_step')} but the Trainer resumes at step {state.global_step}; pass "
                              "LbcommCallback(resume_from_checkpoint=<the checkpoint dir the Trainer resumes from>)")
-        if self.hook_state is not None:
-            if extra.get("hook") is None:
-                raise ValueError(f"LbcommCallback: the lbcomm shard in {found!r} holds no OneBitHookState (it was "
-                                 "saved without hook_state=)")
-            self.hook_state.load_state_dict(extra["hook"])
         _log.info("LbcommCallback: rank %s restored its lbcomm state from %s (exact: %s)", rank, info["path"],
                   info["exact"])
 
@@ -193,6 +188,4 @@ class LbcommCallback(TrainerCallback):
 
     def on_save(self, args, state, control, **kwargs):
         directory = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-        extra = {"global_step": state.global_step,
-                 "hook": None if self.hook_state is None else self.hook_state.state_dict()}
-        save_sharded(directory, self._optimizer, extra=extra)
+        save_sharded(directory, self._optimizer, extra={"global_step": state.global_step}, hook_state=self.hook_state)
