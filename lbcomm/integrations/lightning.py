@@ -35,7 +35,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
 from ..ddp import OneBitHookState
-from .attach import LBCOMM_OPTIMIZERS, attach, unwrap_optimizer
+from .attach import LBCOMM_OPTIMIZERS, attach, check_callback_args, unwrap_optimizer
 
 __all__ = ["LbcommCallback"]
 
@@ -80,14 +80,10 @@ class LbcommCallback(Callback):
 
     def __init__(self, hook_state: Optional[OneBitHookState] = None, *, warmup_fp16: bool = False,
                  strict: bool = True, max_grad_norm: Optional[float] = None):
-        if hook_state is not None and not isinstance(hook_state, OneBitHookState):
-            raise TypeError(f"LbcommCallback: hook_state must be a lbcomm.OneBitHookState, got "
-                            f"{type(hook_state).__name__}")
+        check_callback_args("LbcommCallback", hook_state, max_grad_norm)
         self.hook_state = hook_state
         self.warmup_fp16 = warmup_fp16
         self.strict = strict
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise ValueError(f"LbcommCallback: invalid max_grad_norm {max_grad_norm!r} (must be > 0, or None)")
         self.max_grad_norm = max_grad_norm
         self.grad_norm: Optional[float] = None  # the last norm clip_grad_norm_ returned
         self._optimizer = None
