@@ -224,7 +224,8 @@ def redistribute_optimizer_state(opt_state: Dict[str, Any], saved: List[Dict[str
         comp = ((other or {}).get("lbcomm") or {}).get("compression")
         if comp is None:
             raise ValueError(f"lbcomm: rank {r} of {where} holds no compression state, unlike the others; the "
-                             "checkpoint is inconsistent (load_sharded: pass elastic=False to reset the error feedback)")
+                             "checkpoint is inconsistent (load_sharded: pass elastic=False to reset the error "
+                             "feedback)")
         states.append(comp)
     extra["compression"] = redistribute_errors(states, world, rank)
     extra["world_size"] = world

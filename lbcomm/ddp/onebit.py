@@ -308,8 +308,9 @@ class OneBitHookState:
         if state_dict.get("world_size") != world and units:
             if all_ranks is None:
                 _log.warning("onebit_hook: the state was saved with world size %s and this run has %s; the error "
-                             "feedback is reset to zero and training continues (pass all_ranks=[every saved rank's "
-                             "state_dict] to redistribute it)", state_dict.get("world_size"), world)
+                             "feedback is reset to zero and training continues (lbcomm.load_sharded(dir, "
+                             "hook_state=state), or load_state_dict(sd, all_ranks=[every saved rank's state_dict]), "
+                             "redistributes it)", state_dict.get("world_size"), world)
                 units = []
             else:
                 units = _redistribute_units(all_ranks, world, rank)
