@@ -122,8 +122,9 @@ class LbcommCallback(Callback):
                                  "hook_state= the gradients are averaged by the hook, so use gradient_clip_val instead")
             if trainer.gradient_clip_val:
                 raise ValueError(f"LbcommCallback(max_grad_norm={self.max_grad_norm}) clips by one norm for all "
-                                 f"ranks, and Trainer(gradient_clip_val={trainer.gradient_clip_val}) would also clip "
-                                 "each rank's local gradient by its own norm; leave gradient_clip_val unset")
+                                 f"ranks, and Trainer(gradient_clip_val={trainer.gradient_clip_val}) would clip a second "
+                                 "time (the callback routes it to the same shared norm); use one of them: "
+                                 "gradient_clip_val alone suffices")
         attach(trainer.strategy.model if trainer.strategy.model is not None else pl_module,
                self._optimizer if self._optimizer is not None else self.hook_state, warmup_fp16=self.warmup_fp16)
         if self._optimizer is not None:

@@ -156,8 +156,9 @@ class LbcommCallback(TrainerCallback):
                                  "max_grad_norm instead")
             if args.max_grad_norm and args.max_grad_norm > 0:
                 raise ValueError(f"LbcommCallback(max_grad_norm={self.max_grad_norm}) clips by one norm for all "
-                                 f"ranks, and TrainingArguments(max_grad_norm={args.max_grad_norm}) would first clip "
-                                 "each rank's local gradient by its own norm; set TrainingArguments(max_grad_norm=0)")
+                                 f"ranks, and TrainingArguments(max_grad_norm={args.max_grad_norm}) clips too (the "
+                                 "callback routes it to the same shared norm); use one of them: "
+                                 "TrainingArguments(max_grad_norm=x) alone suffices, or set it to 0")
         if self._optimizer is not None:
             self._route_trainer_norm()
         wrapped = self.trainer.model_wrapped if self.trainer is not None else (_ddp_of(model) or model)
