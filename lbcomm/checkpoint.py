@@ -12,7 +12,9 @@ resume) every rank reads shard ``rank % saved_world_size`` (the model and the op
 moments are identical on all ranks) and the compression error feedback of every saved
 rank, which `lbcomm.compressed.redistribute_errors` maps onto the new world with its total
 (the carried error of DESIGN.md §1's invariant) preserved; ``elastic=False`` resets it
-instead, with a logged warning.
+instead, with a logged warning. The same holds for a `OneBitHookState` passed as
+``hook_state=``: each of its units (bucket error feedback) is redistributed by the same
+function.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import glob
 import logging
 import os
 import re
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -41,9 +43,10 @@ def shard_path(directory: str, rank: int, world_size: int) -> str:
 
 
 def save_sharded(directory: str, optimizer=None, model: Optional[torch.nn.Module] = None, *, extra: Any = None,
-                 group=None, backend: str = "auto") -> str:
+                 hook_state=None, group=None, backend: str = "auto") -> str:
     """Save this rank's shard: the optimizer's state_dict (with its error buffers), the
-    model's state_dict and any `extra` payload (e.g. step, lr scheduler, RNG states).
+    model's state_dict, the `OneBitHookState`'s state_dict and any `extra` payload (e.g.
+    step, lr scheduler, RNG states).
 
     Call it on every rank of `group`; it returns after all ranks have written their shard.
 
@@ -53,6 +56,8 @@ def save_sharded(directory: str, optimizer=None, model: Optional[torch.nn.Module
         model (Module, optional): its state_dict is saved in the shard too (default: None).
         extra (Any, optional): anything torch.save can write; `load_sharded` returns it
             (default: None).
+        hook_state (OneBitHookState, optional): the state of `lbcomm.onebit_hook` (its
+            bucket error feedback); `load_sharded(hook_state=)` restores it (default: None).
         group (ProcessGroup, optional): the group whose ranks save together, a
             torch.distributed group or an mpi4py communicator (default: the world).
         backend (str, optional): "auto", "torch" or "mpi", as for the optimizers; see
@@ -79,6 +84,7 @@ def save_sharded(directory: str, optimizer=None, model: Optional[torch.nn.Module
         "optimizer": None if optimizer is None else optimizer.state_dict(),
         "model": None if model is None else model.state_dict(),
         "extra": extra,
+        "hook_state": None if hook_state is None else hook_state.state_dict(),
     }
     path = shard_path(directory, rank, world)
     tmp = f"{path}.tmp-{os.getpid()}"
@@ -102,15 +108,19 @@ def _saved_world_size(directory: str) -> int:
     return sizes.pop()
 
 
-def load_sharded(directory: str, optimizer=None, model: Optional[torch.nn.Module] = None, *,
+def load_sharded(directory: str, optimizer=None, model: Optional[torch.nn.Module] = None, *, hook_state=None,
                  map_location: Any = "cpu", group=None, backend: str = "auto",
                  weights_only: bool = True, elastic: bool = True) -> Dict[str, Any]:
-    """Load this rank's shard into `optimizer` and `model` (each optional).
+    """Load this rank's shard into `optimizer`, `model` and `hook_state` (each optional).
 
     Args:
         directory (str): the checkpoint directory written by `save_sharded`.
         optimizer (Optimizer, optional): receives the saved optimizer state (default: None).
         model (Module, optional): receives the saved model state (default: None).
+        hook_state (OneBitHookState, optional): receives the saved state of
+            `lbcomm.onebit_hook` (saved with ``save_sharded(hook_state=)``, or, as the
+            earlier recipes did, as ``extra={"hook": hook_state.state_dict()}``); load it
+            before the first backward pass of the new run (default: None).
         map_location (optional): passed to torch.load (default: "cpu"; the state is copied
             into the optimizer's own buffers on their device anyway).
         group (ProcessGroup, optional): the group of this run, a torch.distributed group
@@ -119,9 +129,10 @@ def load_sharded(directory: str, optimizer=None, model: Optional[torch.nn.Module
         weights_only (bool, optional): passed to torch.load; set False only for trusted
             files whose `extra` holds arbitrary objects (default: True).
         elastic (bool, optional): with another world size than the saved one, give every
-            rank the saved error feedback redistributed onto the new world (every rank
-            reads the compression state of every saved shard, memory-mapped; see
-            `lbcomm.compressed.redistribute_errors`); False resets it to zero (default: True).
+            rank the saved error feedback (of the optimizer and of `hook_state`)
+            redistributed onto the new world (every rank reads the compression state of
+            every saved shard, memory-mapped; see `lbcomm.compressed.redistribute_errors`);
+            False resets it to zero (default: True).
 
     Returns:
         A dict: ``extra`` (the saved payload), ``exact`` (True when the world size is the
@@ -142,16 +153,44 @@ def load_sharded(directory: str, optimizer=None, model: Optional[torch.nn.Module
                          "Model and optimizer moments are restored; the compression error buffers are reset "
                          "(elastic=False).", directory, saved_world, world, rank, rank % saved_world)
     payload = _read(path, map_location, weights_only)
-    for name, obj in (("model", model), ("optimizer", optimizer)):
-        if obj is not None and payload[name] is None:
+    hook_sd = _hook_entry(payload)
+    for name, obj, saved in (("model", model, payload["model"]), ("optimizer", optimizer, payload["optimizer"]),
+                             ("hook_state", hook_state, hook_sd)):
+        if obj is not None and saved is None:
             raise ValueError(f"load_sharded: {path!r} holds no {name} state (it was saved without one)")
+    others = None
+    if saved_world != world and elastic and (optimizer is not None or hook_state is not None):
+        others = [_read(shard_path(directory, r, saved_world), map_location, weights_only, mmap=True)
+                  for r in range(saved_world)]
     if model is not None:
         model.load_state_dict(payload["model"])
     if optimizer is not None:
-        if saved_world != world and elastic:
-            _redistribute(directory, payload["optimizer"], saved_world, world, rank, map_location, weights_only)
+        if others is not None:
+            redistribute_optimizer_state(payload["optimizer"], [o.get("optimizer") for o in others], world, rank,
+                                         where=repr(directory))
         optimizer.load_state_dict(payload["optimizer"])
+    if hook_state is not None:
+        all_ranks = None
+        if others is not None:
+            all_ranks = [_hook_entry(o) for o in others]
+            if any(sd is None for sd in all_ranks):
+                raise ValueError(f"load_sharded: some shards of {directory!r} hold no hook state, unlike shard "
+                                 f"{rank % saved_world}; the checkpoint is inconsistent (pass elastic=False to reset "
+                                 "the error feedback)")
+        hook_state.load_state_dict(hook_sd, all_ranks=all_ranks)
     return {"extra": payload["extra"], "exact": saved_world == world, "saved_world_size": saved_world, "path": path}
+
+
+def _hook_entry(payload: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """The `OneBitHookState.state_dict` in a shard: ``save_sharded(hook_state=)``, else the
+    ``extra={"hook": ...}`` of the earlier recipes."""
+    if payload.get("hook_state") is not None:
+        return payload["hook_state"]
+    extra = payload.get("extra")
+    hook = extra.get("hook") if isinstance(extra, dict) else None
+    if isinstance(hook, dict) and "units" in hook and "version" in hook:
+        return hook
+    return None
 
 
 def _read(path: str, map_location: Any, weights_only: bool, mmap: bool = False) -> Dict[str, Any]:
@@ -164,34 +203,38 @@ def _read(path: str, map_location: Any, weights_only: bool, mmap: bool = False) 
     return payload
 
 
-def _redistribute(directory: str, opt_state: Dict[str, Any], saved_world: int, world: int, rank: int,
-                  map_location: Any, weights_only: bool) -> None:
-    """Elastic resume: replace the compression state in `opt_state` (a lbcomm 1-bit
-    optimizer's state dict read from one saved shard) by every saved rank's error feedback
-    redistributed onto this world (`redistribute_errors`)."""
+def redistribute_optimizer_state(opt_state: Dict[str, Any], saved: List[Dict[str, Any]], world: int, rank: int,
+                                 where: str = "the checkpoint") -> None:
+    """Elastic resume of a lbcomm 1-bit optimizer: replace the compression state in
+    `opt_state` (the `state_dict` of one saved rank, to be loaded by `rank` of a world of
+    `world` ranks) by the error feedback of every saved rank (`saved`: their optimizer
+    state_dicts, in rank order) redistributed onto this world (`redistribute_errors`).
+    Used by `load_sharded` and `lbcomm.integrations.dcp.RankLocal`; a no-op for a state
+    without compression state (warmup, or not a 1-bit optimizer)."""
     extra = opt_state.get("lbcomm") if isinstance(opt_state, dict) else None
     if not isinstance(extra, dict) or extra.get("compression") is None:
         return  # not a 1-bit optimizer in its compression stage: nothing rank-local to map
+    saved_world = len(saved)
     if extra.get("topology") is not None:  # hierarchical errors (per slice, per cross group): not remapped
-        _log.warning("lbcomm.load_sharded: %s was saved by %s ranks with a hierarchical momentum reduction on "
-                     "(nodes, ranks per node)=%s; its error feedback is not redistributed onto %s ranks and starts "
-                     "from zero", directory, saved_world, tuple(extra["topology"]), world)
+        _log.warning("lbcomm: %s was saved by %s ranks with a hierarchical momentum reduction on (nodes, ranks "
+                     "per node)=%s; its error feedback is not redistributed onto %s ranks and starts from zero",
+                     where, saved_world, tuple(extra["topology"]), world)
         extra["compression"] = None
         return
     if world == 1:
-        _log.warning("lbcomm.load_sharded: %s was saved by %s ranks; with one rank nothing is compressed, so the "
-                     "saved error feedback is dropped", directory, saved_world)
+        _log.warning("lbcomm: %s was saved by %s ranks; with one rank nothing is compressed, so the saved error "
+                     "feedback is dropped", where, saved_world)
         return
-    shards = []
-    for r in range(saved_world):
-        other = _read(shard_path(directory, r, saved_world), map_location, weights_only, mmap=True)
-        comp = ((other.get("optimizer") or {}).get("lbcomm") or {}).get("compression")
+    states = []
+    for r, other in enumerate(saved):
+        comp = ((other or {}).get("lbcomm") or {}).get("compression")
         if comp is None:
-            raise ValueError(f"load_sharded: shard {r} of {directory!r} holds no compression state, unlike the others; "
-                             "the checkpoint is inconsistent (pass elastic=False to reset the error feedback)")
-        shards.append(comp)
-    extra["compression"] = redistribute_errors(shards, world, rank)
+            raise ValueError(f"lbcomm: rank {r} of {where} holds no compression state, unlike the others; the "
+                             "checkpoint is inconsistent (load_sharded: pass elastic=False to reset the error "
+                             "feedback)")
+        states.append(comp)
+    extra["compression"] = redistribute_errors(states, world, rank)
     extra["world_size"] = world
-    _log.info("lbcomm.load_sharded: %s was saved by %s ranks and this run has %s; the compression error feedback of "
-              "all %s saved ranks was redistributed onto this world (its total is preserved)", directory,
-              saved_world, world, saved_world)
+    _log.info("lbcomm: %s was saved by %s ranks and this run has %s; the compression error feedback of all %s saved "
+              "ranks was redistributed onto this world (its total is preserved)", where, saved_world, world,
+              saved_world)

@@ -90,3 +90,4 @@ def test_v1_hook_checkpoint_resumes_bitwise():
         for how, out in res.items():
             assert out["type"] == "OneBitHookState" and out["iter"] == CUT + MORE, (how, out["iter"])
             assert torch.equal(out["params"], out["expected"]), f"rank {r}, {how}: resumed run differs"
+

@@ -122,3 +122,133 @@ def test_load_sharded_redistributes_the_error_feedback(old, new, tmp_path):
         torch.testing.assert_close(_total(loaded), _total(saved), rtol=1e-6, atol=1e-7)
         for r in range(1, new):  # training went on as one model
             assert all(torch.equal(a, b) for a, b in zip(resumed[r][name]["params"], resumed[0][name]["params"]))
+
+
+# ------------------------------------------------ OneBitHookState, and both through DCP
+# Ranks save (6 steps: OneBitAdam frozen after 3, onebit_hook compressing from iteration 3)
+# with lbcomm.save_sharded(hook_state=) and with torch.distributed.checkpoint (RankLocal);
+# another world size resumes both ways (load_sharded(hook_state=); dcp.load with
+# ElasticLoadPlanner), trains 2 steps and saves again; 4 -> 2 -> 4 ranks. Every resume must
+# keep the total carried error of the optimizer and of every hook unit, and the replicas
+# must stay bitwise identical. The saved states travel through files: handing saved tensors
+# to spawned ranks as arguments shares their memory between ranks that load the same shard,
+# and SGD's load_state_dict keeps such tensors, so two ranks would update one momentum
+# buffer (what made the replicas of a first prototype of this test differ).
+def _hook_objects():
+    from test_ddp_checkpoint import START_ITER, _build
+
+    model_a, opt = _make("adam")
+    model_b, ddp, sgd = _build()
+    hook = lbcomm.OneBitHookState(None, start_iter=START_ITER, block_size=256)
+    model_c, ddp_c, sgd_c = _build()  # the same SGD model resumed through load_sharded
+    hook_c = lbcomm.OneBitHookState(None, start_iter=START_ITER, block_size=256)
+    return {"a": model_a, "opt": opt, "b": model_b, "ddp": ddp, "sgd": sgd, "hook": hook,
+            "c": model_c, "ddp_c": ddp_c, "sgd_c": sgd_c, "hook_c": hook_c}
+
+
+def _hook_steps(o, rank, first, n):
+    from test_ddp_checkpoint import _train
+
+    for t in range(first, first + n):
+        o["opt"].zero_grad()
+        _loss(o["a"], rank, t).backward()
+        o["opt"].step()
+    _train(o["ddp"], o["sgd"], rank, first, n)
+    _train(o["ddp_c"], o["sgd_c"], rank, first, n)
+
+
+def _dcp_items(o, step):
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from lbcomm.integrations import RankLocal
+
+    model_b, sgd = get_state_dict(o["ddp"], o["sgd"])  # DCP's helper: also a fresh SGD's (lazy) momentum
+    return {"a": o["a"].state_dict(), "b": model_b, "sgd": sgd, "opt": RankLocal(o["opt"]),
+            "hook": RankLocal(o["hook"]), "step": step}
+
+
+def _errors(o):
+    return {"opt": o["opt"].compression_state.state_dict(), "hook": o["hook"].state_dict(),
+            "hook_c": o["hook_c"].state_dict()}
+
+
+def _params(o):
+    return {k: torch.cat([q.detach().reshape(-1) for q in o[k].parameters()]).clone() for k in ("a", "b", "c")}
+
+
+def _save_both(o, ckpt, step):
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(_dcp_items(o, step), checkpoint_id=os.path.join(ckpt, "dcp"))
+    lbcomm.save_sharded(os.path.join(ckpt, "shards"), o["sgd_c"], o["c"], hook_state=o["hook_c"], extra=step)
+
+
+def _hook_save_run(rank, p, ckpt):
+    o = _hook_objects()
+    o["ddp"].register_comm_hook(o["hook"], lbcomm.onebit_hook)
+    o["ddp_c"].register_comm_hook(o["hook_c"], lbcomm.onebit_hook)
+    _hook_steps(o, rank, 0, SAVE_AT)
+    _save_both(o, ckpt, SAVE_AT)
+    saved = _errors(o)
+    _hook_steps(o, rank, SAVE_AT, 2)
+    expected = _params(o)["c"]
+    same = _hook_resume_run(rank, p, ckpt, None)  # fresh DDP models in this process, the same world size
+    return {"saved": saved, "same": same, "expected": expected}
+
+
+def _hook_resume_run(rank, p, ckpt, save_to):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    from lbcomm.integrations import ElasticLoadPlanner
+
+    o = _hook_objects()
+    items = _dcp_items(o, 0)
+    dcp.load(items, checkpoint_id=os.path.join(ckpt, "dcp"), planner=ElasticLoadPlanner())
+    set_state_dict(o["ddp"], o["sgd"], model_state_dict=items["b"], optim_state_dict=items["sgd"])
+    info = lbcomm.load_sharded(os.path.join(ckpt, "shards"), o["sgd_c"], o["c"], hook_state=o["hook_c"])
+    assert info["extra"] == items["step"]
+    loaded = _errors(o)  # before the first backward: the hooks' units are not matched to buckets yet
+    o["ddp"].register_comm_hook(o["hook"], lbcomm.onebit_hook)
+    o["ddp_c"].register_comm_hook(o["hook_c"], lbcomm.onebit_hook)
+    _hook_steps(o, rank, items["step"], 2)
+    out = {"loaded": loaded, "params": _params(o), "exact": info["exact"],
+           "iter": (o["hook"].iter, o["hook_c"].iter), "unmatched": o["hook_c"].planner.num_saved()}
+    if save_to is not None:
+        _save_both(o, save_to, items["step"] + 2)
+        out["saved"] = _errors(o)
+    return out
+
+
+def _check_totals(before, after):
+    """The total carried error of the optimizer and of every unit of both hooks, saved
+    states `before` (one per old rank) against loaded states `after` (one per new rank)."""
+    new = len(after)
+    pairs = [([s["opt"] for s in before], [s["opt"] for s in after])]
+    for which in ("hook", "hook_c"):
+        units = [{tuple(e["params"]): e["compression"] for e in s[which]["units"]} for s in before + after]
+        assert units[0] and all(set(u) == set(units[0]) for u in units)
+        pairs += [([u[k] for u in units[:len(before)]], [u[k] for u in units[len(before):]]) for k in units[0]]
+    for old, cur in pairs:
+        assert [s["world_size"] for s in cur] == [new] * new and [s["rank"] for s in cur] == list(range(new))
+        assert _total(old).abs().sum() > 0
+        torch.testing.assert_close(_total(cur), _total(old), rtol=1e-6, atol=1e-7)
+
+
+def test_hook_and_dcp_elastic_resume_4_to_2_to_4(tmp_path):
+    w4, w2 = str(tmp_path / "w4"), str(tmp_path / "w2")
+    first = run_ranks(_hook_save_run, 4, w4, timeout=300)
+    for r, out in enumerate(first):  # the same world size: exact, also through load_sharded(hook_state=)
+        assert out["same"]["exact"] and torch.equal(out["same"]["params"]["c"], out["expected"]), r
+    at2 = run_ranks(_hook_resume_run, 2, w4, w2, timeout=300)
+    _check_totals([r["saved"] for r in first], [r["loaded"] for r in at2])
+    at4 = run_ranks(_hook_resume_run, 4, w2, None, timeout=300)
+    _check_totals([r["saved"] for r in at2], [r["loaded"] for r in at4])
+    for res in (at2, at4):
+        for r, out in enumerate(res):
+            assert not out["exact"] and out["unmatched"] == 0
+            for k in ("a", "b", "c"):  # the replicas went on as one model
+                assert torch.isfinite(out["params"][k]).all() and torch.equal(out["params"][k], res[0]["params"][k])
+            # DCP and load_sharded redistribute one way: the two SGD models stay equal
+            assert torch.equal(out["params"]["b"], out["params"]["c"]), r
+    assert [r["iter"] for r in at4] == [(SAVE_AT + 4, SAVE_AT + 4)] * 4

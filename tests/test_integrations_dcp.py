@@ -32,7 +32,10 @@ def test_rank_local_refuses_other_world_size(tmp_path):
         def load_state_dict(self, sd):
             raise AssertionError("must not be reached")
 
-    with pytest.raises(KeyError, match="rank0-of-1"):
+    with pytest.raises(KeyError, match="rank0-of-1.*ElasticLoadPlanner"):
         RankLocal(Obj()).load_state_dict({"rank0-of-2": b""})
+    blob = RankLocal(Obj()).state_dict()["rank0-of-1"]
+    with pytest.raises(KeyError, match="only lbcomm optimizers and OneBitHookState"):  # all ranks there, not lbcomm
+        RankLocal(Obj()).load_state_dict({"rank0-of-2": blob, "rank1-of-2": blob})
     with pytest.raises(TypeError, match="state_dict"):
         RankLocal(object())

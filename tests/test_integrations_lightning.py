@@ -43,6 +43,13 @@ def test_lightning_compresses_and_resumes_bitwise(kind, tmp_path):
                    numel=numel, world=2)
         check_resume(res["full"], res["resumed"], ["params", "optimizer"] + (["hook"] if kind == "sgd_hook" else []))
     g0, g1 = r[0]["grads"], r[1]["grads"]
+    if kind == "onebit_lamb":  # gradient_clip_val clipped by the shared norm, logged on every rank alike
+        assert sorted(r[0]["logged"]) == list(range(1, 10)) and r[0]["logged"] == r[1]["logged"]
+        for step in range(1, 10):  # the probe saw the gradients before the clipping
+            shared = float(((g0[step].double().norm() ** 2 + g1[step].double().norm() ** 2) / 2).sqrt())
+            assert abs(r[0]["logged"][step] - shared) <= 1e-5 * shared, (step, r[0]["logged"][step], shared)
+    else:  # the hook averages: Lightning's own clipping is the same on every rank, nothing to route
+        assert r[0]["logged"] == r[1]["logged"] == {}
     for step in range(1, FREEZE + 1):
         assert torch.equal(g0[step], g1[step]), step
     for step in range(FREEZE + 1, 10):
@@ -64,3 +71,4 @@ def test_lightning_clips_by_one_norm_with_the_callback(tmp_path):
     for rank in range(2):
         check_resume(r[rank]["full"], r[rank]["resumed"], ["params", "optimizer"])
     check_shared_clipping(r[0]["grads"], r[1]["grads"], FREEZE, CLIP)
+    assert sorted(r[0]["logged"]) == list(range(1, 10)) and r[0]["logged"] == r[1]["logged"]

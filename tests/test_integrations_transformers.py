@@ -16,6 +16,27 @@ from integrations_util import WORKERS, results, torchrun  # noqa: E402
 
 FREEZE = 4
 CLIP = 0.05  # trainer_worker.py's CLIP
+ARGS_CLIP = 1.2  # trainer_worker.py's TrainingArguments(max_grad_norm=) of the other kinds
+
+
+def check_logged_norm(r, clip):
+    """The Trainer's logged grad_norm is the same on both ranks and is the shared norm
+    sqrt(mean_r ||g_r||^2) of the gradients before clipping: where it is <= clip nothing
+    was clipped and the recorded gradients give it directly; above, they were clipped by
+    one coefficient, so their shared norm is clip. (Rank 0's local norm, what the Trainer
+    logs without the callback, differs from it after the freeze.)"""
+    clipped = []
+    for step in range(1, 10):
+        n0, n1 = r[0]["logged"][step]["grad_norm"], r[1]["logged"][step]["grad_norm"]
+        clipped.append(n0 > clip)
+        assert n0 == n1, (step, n0, n1)
+        g0, g1 = r[0]["grads"][step].double(), r[1]["grads"][step].double()
+        shared = float(((g0.norm() ** 2 + g1.norm() ** 2) / 2).sqrt())
+        if n0 <= clip:
+            assert abs(n0 - shared) <= 1e-5 * shared, (step, n0, shared)
+        else:
+            assert abs(shared - clip) <= 1e-4 * clip, (step, n0, shared)
+    return clipped
 
 
 @pytest.mark.parametrize("kind", ["onebit_adam", "adamw_hook"])
@@ -43,6 +64,9 @@ def test_trainer_compresses_and_resumes_bitwise(kind, tmp_path):
         check_wire({**res["bytes"], **res["resumed_bytes"]}, per_call, warmup_steps=[2, 3], steady_steps=[8, 9],
                    numel=numel, world=2)
         check_resume(res["full"], res["resumed"], ["params", "optimizer"] + (["hook"] if kind == "adamw_hook" else []))
+    clipped = check_logged_norm(r, ARGS_CLIP)  # routed to the shared norm (lbcomm optimizer) or averaged by the hook
+    if kind == "onebit_adam":  # both cases seen after the freeze (else adjust ARGS_CLIP to this run's norms)
+        assert not all(clipped[FREEZE:]) and any(clipped[FREEZE:]), clipped
     g0, g1 = r[0]["grads"], r[1]["grads"]
     for step in range(1, FREEZE + 1):  # warmup: DDP averaged the gradients
         assert torch.equal(g0[step], g1[step]), step
@@ -62,6 +86,9 @@ def test_trainer_clips_by_one_norm_with_the_callback(tmp_path):
     for rank in range(2):
         check_resume(r[rank]["full"], r[rank]["resumed"], ["params", "optimizer"])
     check_shared_clipping(r[0]["grads"], r[1]["grads"], FREEZE, CLIP)
+    check_logged_norm(r, CLIP)
+    for rank in range(2):  # the Trainer's grad_norm is the norm the callback clipped by
+        assert all(v["grad_norm"] == v["lbcomm_grad_norm"] for v in r[rank]["logged"].values())
 
 
 def test_callback_logs_its_norm_and_refuses_bad_settings():

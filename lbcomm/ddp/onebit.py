@@ -7,7 +7,7 @@ import functools
 import logging
 import math
 import warnings
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -16,7 +16,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 
 from ..comm import world_info
 from ..common import FLOAT_DTYPES, NONFINITE_POLICIES, completed_future, ring_allreduce_bytes
-from ..compressed import DEFAULT_BLOCK_SIZE, CompressionState
+from ..compressed import DEFAULT_BLOCK_SIZE, CompressionState, redistribute_errors
 from ..topology import HierarchicalState, Topology
 from ..wire import check_block_size
 from .buckets import BucketPlanner, BucketWorker, GradientStats, Plan
@@ -47,14 +47,19 @@ class OneBitHookState:
     Results are bitwise identical on every rank, so replicas stay identical.
 
     Checkpoints: `state_dict` holds this rank's error buffers (one shard per rank, like the
-    lbcomm optimizers; e.g. ``lbcomm.save_sharded(dir, opt, model, extra=hook_state.state_dict())``)
+    lbcomm optimizers; ``lbcomm.save_sharded(dir, opt, model, hook_state=state)``)
     and `load_state_dict` restores them. They are stored per list of parameters rather than
     per bucket index, because a new DDP instance runs its first iteration with its initial
     buckets before it rebuilds them: in that iteration a bucket is split into the saved
     ones, so that with the same world size the resumed run continues bitwise identically
-    to a run that never stopped. Another world size (or model) resets the errors with a
-    logged warning. Create the state and register the hook on a freshly built DDP model, as
-    usual, so that the parameter numbering (taken from DDP's first iteration) is stable.
+    to a run that never stopped. Another world size (elastic resume): every saved rank's
+    state_dict is needed (``lbcomm.load_sharded(dir, opt, model, hook_state=state)`` reads
+    them all); each unit's error feedback is redistributed onto the new world with
+    `lbcomm.compressed.redistribute_errors`, preserving the total carried error of
+    DESIGN.md §1, and the replicas stay bitwise identical. Without them (or for another
+    model) the errors are reset with a logged warning. Create the state and register the
+    hook on a freshly built DDP model, as usual, so that the parameter numbering (taken
+    from DDP's first iteration) is stable.
 
     Args:
         process_group (ProcessGroup, optional): the DDP model's process group (default:
@@ -99,7 +104,8 @@ class OneBitHookState:
         >>> state = lbcomm.ddp.OneBitHookState(process_group=None, start_iter=100)
         >>> ddp_model.register_comm_hook(state, lbcomm.ddp.onebit_hook)
         >>> ...
-        >>> lbcomm.save_sharded("ckpt", optimizer, ddp_model.module, extra={"hook": state.state_dict()})
+        >>> lbcomm.save_sharded("ckpt", optimizer, ddp_model.module, hook_state=state)
+        >>> lbcomm.load_sharded("ckpt", optimizer, ddp_model.module, hook_state=state)  # any world size
     """
 
     __slots__ = [
@@ -298,15 +304,26 @@ class OneBitHookState:
                       "compressed_calls": self.compressed_calls, "skipped_calls": self.skipped_calls},
         }
 
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: Dict[str, Any], *,
+                        all_ranks: Optional[Sequence[Dict[str, Any]]] = None) -> None:
         """Restore a `state_dict` of this rank. The errors are attached to DDP's buckets as
-        they appear; saved for another world size, they are reset with a logged warning."""
+        they appear.
+
+        Saved for another world size (elastic resume), pass ``all_ranks``: the `state_dict`
+        of every rank of the saved world, in rank order (``state_dict`` is then any one of
+        them; `lbcomm.load_sharded` with ``hook_state=`` does this). Each unit's error
+        feedback is redistributed onto this world with `lbcomm.compressed.redistribute_errors`,
+        which preserves the total carried error of DESIGN.md §1 (mean of worker errors +
+        concatenated server errors); the replicas stay bitwise identical (every rank
+        decodes the same all-gathered result). Without
+        ``all_ranks`` (or for hierarchical units) the errors are reset with a logged warning.
+        """
         self._ensure_idle("load_state_dict")
         if not isinstance(state_dict, dict) or state_dict.get("version") != _STATE_VERSION:
             raise ValueError("OneBitHookState.load_state_dict: not a OneBitHookState state_dict (version "
                              f"{state_dict.get('version') if isinstance(state_dict, dict) else None!r}, expected "
                              f"{_STATE_VERSION})")
-        world = world_info(self.process_group)[0]
+        world, rank = world_info(self.process_group)
         self.iter = int(state_dict["iter"])
         self._next_stats_report = max(self.start_iter, self.iter)
         stats = state_dict.get("stats", {})
@@ -316,11 +333,48 @@ class OneBitHookState:
         self.skipped_calls = int(stats.get("skipped_calls", 0))
         units = state_dict["units"]
         if state_dict.get("world_size") != world and units:
-            _log.warning("onebit_hook: the state was saved with world size %s and this run has %s; the error feedback "
-                         "is reset to zero and training continues", state_dict.get("world_size"), world)
-            units = []
+            if all_ranks is None:
+                _log.warning("onebit_hook: the state was saved with world size %s and this run has %s; the error "
+                             "feedback is reset to zero and training continues (lbcomm.load_sharded(dir, "
+                             "hook_state=state), or load_state_dict(sd, all_ranks=[every saved rank's state_dict]), "
+                             "redistributes it)", state_dict.get("world_size"), world)
+                units = []
+            else:
+                units = _redistribute_units(all_ranks, world, rank)
         self.planner.load_state_dict(units)
         self.grad_stats.load_state_dict(state_dict.get("grad_stats", []))  # averaged gradients: any world size
+
+
+def _redistribute_units(all_ranks: Sequence[Dict[str, Any]], world: int, rank: int) -> List[Dict[str, Any]]:
+    """The unit entries of `rank` in a world of `world` ranks from every saved rank's
+    `OneBitHookState.state_dict` (elastic resume): each unit's errors through
+    `redistribute_errors`. Hierarchical units are dropped with a warning."""
+    saved_world = len(all_ranks)
+    for r, sd in enumerate(all_ranks):
+        if not isinstance(sd, dict) or sd.get("version") != _STATE_VERSION or sd.get("world_size") != saved_world:
+            raise ValueError(f"OneBitHookState.load_state_dict: all_ranks[{r}] is not the state_dict of rank {r} of "
+                             f"a world of {saved_world} (pass every saved rank's state_dict, in rank order)")
+        if sd.get("iter") != all_ranks[0].get("iter"):
+            raise ValueError(f"OneBitHookState.load_state_dict: all_ranks[{r}] was saved at iteration {sd.get('iter')} "
+                             f"and all_ranks[0] at {all_ranks[0].get('iter')}; pass the state_dicts of one checkpoint")
+    per_rank = [{tuple(e["params"]): e for e in sd["units"]} for sd in all_ranks]
+    if any(set(units) != set(per_rank[0]) for units in per_rank):
+        raise ValueError("OneBitHookState.load_state_dict: the saved ranks hold different units; all_ranks must be "
+                         "the state_dicts of one checkpoint")
+    out, dropped = [], 0
+    for key, entry in per_rank[0].items():
+        shards = [units[key]["compression"] for units in per_rank]
+        if "worker_error" not in shards[0]:  # a HierarchicalState: its layout depends on the node shape
+            dropped += 1
+            continue
+        out.append({"params": list(key), "shapes": entry["shapes"],
+                    "compression": redistribute_errors(shards, world, rank)})
+    if dropped:
+        _log.warning("onebit_hook: %s hierarchical unit(s) cannot be redistributed onto another world size; their "
+                     "error feedback is reset to zero", dropped)
+    _log.info("onebit_hook: the error feedback of %s unit(s) saved by %s ranks was redistributed onto %s ranks (its "
+              "total is preserved)", len(out), saved_world, world)
+    return out
 
 
 def _new_compression(state: OneBitHookState, numel: int, device: torch.device):

@@ -8,11 +8,11 @@
   start of training, keep every rank's lbcomm state in the framework's checkpoints and
   restore it on resume.
 * `lbcomm.integrations.dcp.RankLocal`: every rank's lbcomm state as its own item of a
-  torch.distributed.checkpoint.
+  torch.distributed.checkpoint; `ElasticLoadPlanner` resumes it at another world size.
 
 The framework modules are imported only when used; lbcomm never requires the frameworks.
 """
 from .attach import attach, find_ddp, unwrap_optimizer
-from .dcp import RankLocal
+from .dcp import ElasticLoadPlanner, RankLocal
 
-__all__ = ["attach", "find_ddp", "unwrap_optimizer", "RankLocal"]
+__all__ = ["attach", "find_ddp", "unwrap_optimizer", "RankLocal", "ElasticLoadPlanner"]

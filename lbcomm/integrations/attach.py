@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..ddp import OneBitHookState, onebit_hook, onebit_optimizer_fp16_hook, onebit_optimizer_hook
 from ..optim import Lamb, OneBitAdam, OneBitLamb
 
-__all__ = ["attach", "find_ddp", "unwrap_optimizer", "LBCOMM_OPTIMIZERS"]
+__all__ = ["attach", "find_ddp", "unwrap_optimizer", "check_callback_args", "LBCOMM_OPTIMIZERS"]
 
 _log = logging.getLogger(__name__)
 
@@ -111,6 +111,16 @@ def unwrap_optimizer(optimizer: Any) -> Any:
             return optimizer
         obj = inner
     return obj if isinstance(obj, LBCOMM_OPTIMIZERS) else optimizer
+
+
+def check_callback_args(who: str, hook_state: Any, max_grad_norm: Optional[float]) -> None:
+    """The argument checks of the frameworks' callbacks (`who` names the callback in the
+    error): `hook_state` None or a `OneBitHookState`, `max_grad_norm` None or > 0."""
+    if hook_state is not None and not isinstance(hook_state, OneBitHookState):
+        raise TypeError(f"{who}: hook_state must be a lbcomm.OneBitHookState, got {type(hook_state).__name__}")
+    if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
+                                      or not max_grad_norm > 0):
+        raise ValueError(f"{who}: invalid max_grad_norm {max_grad_norm!r} (must be a number > 0, or None)")
 
 
 def _world_size() -> int:

@@ -16,21 +16,47 @@ item per rank and every rank reads back its own::
 
 Each item is the object's own ``state_dict()``, serialized with ``torch.save`` (DCP stores
 non-tensor items that way too); the optimizer's moments are therefore stored once per
-rank. Loading needs the saving world size: a rank whose item is missing makes
-``dcp.load`` raise (DCP reports the missing key ``<name>.rank<r>-of-<world>``).
+rank.
+
+Another world size (elastic resume) for a lbcomm optimizer and a `OneBitHookState`:
+load with ``planner=ElasticLoadPlanner()``. It asks DCP for the items of every saved rank
+(their names are in the checkpoint's metadata), and every rank redistributes the saved
+error feedback onto the new world as `lbcomm.load_sharded` does (the total carried error of
+DESIGN.md §1 is preserved; `lbcomm.compressed.redistribute_errors`)::
+
+    dcp.load(state, checkpoint_id="ckpt", planner=ElasticLoadPlanner())
+
+Every rank then reads every saved rank's item (the optimizer's moments included, so
+old-world-size x the optimizer state, briefly). With the saving world size the planner
+changes nothing. Without it a missing item makes ``dcp.load`` raise (DCP reports the
+missing key ``<name>.rank<r>-of-<world>``).
 """
 from __future__ import annotations
 
 import io
 import logging
-from typing import Any, Dict
+import re
+from typing import Any, Dict, List
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import DefaultLoadPlanner
 
-__all__ = ["RankLocal"]
+from ..checkpoint import redistribute_optimizer_state
+from ..ddp import OneBitHookState
+from .attach import LBCOMM_OPTIMIZERS, unwrap_optimizer
+
+__all__ = ["RankLocal", "ElasticLoadPlanner"]
 
 _log = logging.getLogger(__name__)
+_KEY = re.compile(r"rank(\d+)-of-(\d+)")
+
+
+class _RankEntries(dict):
+    """What `RankLocal.state_dict` returns: ``{"rank<r>-of-<world>": bytes}``; ``own`` is
+    this rank's key (`ElasticLoadPlanner` looks for these)."""
+
+    own: str = ""
 
 
 class RankLocal:
@@ -61,14 +87,59 @@ class RankLocal:
     def state_dict(self) -> Dict[str, bytes]:
         buf = io.BytesIO()
         torch.save(self.obj.state_dict(), buf)
-        return {self._key(): buf.getvalue()}
+        out = _RankEntries({self._key(): buf.getvalue()})
+        out.own = self._key()
+        return out
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         key = self._key()
-        if key not in state_dict:
+        if key in state_dict:
+            self.obj.load_state_dict(_decode(state_dict[key]))
+            return
+        saved = sorted((int(m.group(1)), int(m.group(2)), k) for k in state_dict if (m := _KEY.fullmatch(k)))
+        old = {w for _, w, _ in saved}
+        if not saved or len(old) != 1 or [r for r, _, _ in saved] != list(range(saved[0][1])):
             raise KeyError(f"RankLocal: the checkpoint has no entry {key!r} (saved entries: {sorted(state_dict)}); "
-                           "DCP checkpoints of lbcomm state are loaded with the world size that saved them")
-        blob = state_dict[key]
-        if isinstance(blob, io.BytesIO):
-            blob = blob.getvalue()
-        self.obj.load_state_dict(torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True))
+                           "to resume lbcomm state at another world size pass "
+                           "planner=lbcomm.integrations.dcp.ElasticLoadPlanner() to dcp.load")
+        target = unwrap_optimizer(self.obj)
+        if not isinstance(target, (OneBitHookState, *LBCOMM_OPTIMIZERS)):
+            raise KeyError(f"RankLocal: the checkpoint was saved by {saved[0][1]} ranks and has no entry {key!r}; "
+                           f"only lbcomm optimizers and OneBitHookState can be redistributed onto another world size, "
+                           f"not {type(target).__name__}")
+        m = _KEY.fullmatch(key)
+        rank, world = int(m.group(1)), int(m.group(2))
+        states: List[Dict[str, Any]] = [_decode(state_dict[k]) for _, _, k in saved]
+        mine = states[rank % len(states)]
+        if isinstance(target, OneBitHookState):
+            target.load_state_dict(mine, all_ranks=states)
+        else:
+            redistribute_optimizer_state(mine, states, world, rank, where="the DCP checkpoint")
+            self.obj.load_state_dict(mine)
+
+
+def _decode(blob: Any) -> Dict[str, Any]:
+    if isinstance(blob, io.BytesIO):
+        blob = blob.getvalue()
+    return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+
+
+class ElasticLoadPlanner(DefaultLoadPlanner):
+    """``dcp.load(..., planner=ElasticLoadPlanner())``: resume `RankLocal` items saved by
+    another world size. For every `RankLocal` whose own item (``rank<r>-of-<world>``) the
+    checkpoint lacks, it requests the items of every saved rank instead (named in the
+    checkpoint's metadata), and `RankLocal.load_state_dict` redistributes their error
+    feedback onto this world. Everything else is DCP's `DefaultLoadPlanner` (its arguments
+    are accepted as they are)."""
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
+        if metadata is not None:
+            names = metadata.state_dict_metadata
+            for name, value in state_dict.items():
+                if isinstance(value, _RankEntries) and f"{name}.{value.own}" not in names:
+                    prefix = f"{name}."
+                    saved = [k[len(prefix):] for k in names if k.startswith(prefix) and _KEY.fullmatch(k[len(prefix):])]
+                    if saved:
+                        value.clear()
+                        value.update({k: b"" for k in saved})  # placeholders that DCP fills
+        super().set_up_planner(state_dict, metadata, is_coordinator)

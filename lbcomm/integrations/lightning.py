@@ -15,10 +15,15 @@ really use lbcomm and resume it exactly.
   (rank 0's state on every rank), every rank restores its own entry at train start, so the
   continuation is bitwise identical to a run that never stopped (same world size).
 
-* Clipping (``LbcommCallback(max_grad_norm=x)`` with the Trainer's ``gradient_clip_val``
-  left unset): Lightning clips each rank's local gradient by its own norm after the freeze;
-  the callback instead clips with the optimizer's `clip_grad_norm_` (one norm for every
-  rank) in ``on_before_optimizer_step`` and logs that norm as ``lbcomm_grad_norm``.
+* Clipping: after the freeze of a lbcomm optimizer every rank holds its local gradient,
+  and ``Trainer(gradient_clip_val=x)`` (by norm) would clip each by its own norm. The
+  callback routes Lightning's clipping of the lbcomm optimizer (the precision plugin's
+  ``clip_grad_by_norm``) to the optimizer's `clip_grad_norm_`: one norm for every rank
+  (one scalar allreduce after the freeze, none before), logged as ``lbcomm_grad_norm``.
+  ``LbcommCallback(max_grad_norm=x)`` with ``gradient_clip_val`` unset clips the same way
+  in ``on_before_optimizer_step``. Lightning logs no gradient norm itself; its
+  ``lightning.pytorch.utilities.grad_norm`` helper reads this rank's gradients (local after
+  the freeze).
 
 Cost: rank 0 holds every rank's error feedback while it saves (about (1 + 1/p) x the
 number of parameters in fp32 per rank).
@@ -35,7 +40,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
 from ..ddp import OneBitHookState
-from .attach import LBCOMM_OPTIMIZERS, attach, unwrap_optimizer
+from .attach import LBCOMM_OPTIMIZERS, attach, check_callback_args, unwrap_optimizer
 
 __all__ = ["LbcommCallback"]
 
@@ -69,7 +74,9 @@ class LbcommCallback(Callback):
         max_grad_norm (float, optional): clip the gradients of the lbcomm optimizer by one
             norm shared by all ranks (`lbcomm.optim.BaseOptimizer.clip_grad_norm_`) before
             every optimizer step and log it as ``lbcomm_grad_norm``; leave the Trainer's
-            ``gradient_clip_val`` unset (default: None, no clipping here).
+            ``gradient_clip_val`` unset. ``Trainer(gradient_clip_val=x)`` alone does the
+            same (the callback routes Lightning's clipping to the shared norm) (default:
+            None, no clipping here).
 
     Example::
 
@@ -80,16 +87,13 @@ class LbcommCallback(Callback):
 
     def __init__(self, hook_state: Optional[OneBitHookState] = None, *, warmup_fp16: bool = False,
                  strict: bool = True, max_grad_norm: Optional[float] = None):
-        if hook_state is not None and not isinstance(hook_state, OneBitHookState):
-            raise TypeError(f"LbcommCallback: hook_state must be a lbcomm.OneBitHookState, got "
-                            f"{type(hook_state).__name__}")
+        check_callback_args("LbcommCallback", hook_state, max_grad_norm)
         self.hook_state = hook_state
         self.warmup_fp16 = warmup_fp16
         self.strict = strict
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise ValueError(f"LbcommCallback: invalid max_grad_norm {max_grad_norm!r} (must be > 0, or None)")
         self.max_grad_norm = max_grad_norm
-        self.grad_norm: Optional[float] = None  # the last norm clip_grad_norm_ returned
+        self.grad_norm = None  # the last norm the optimizer's clip_grad_norm_ returned (0-dim tensor)
+        self._fresh = False  # grad_norm not logged yet
         self._optimizer = None
         self._pending: Optional[Dict[str, Any]] = None
 
@@ -118,15 +122,43 @@ class LbcommCallback(Callback):
                                  "hook_state= the gradients are averaged by the hook, so use gradient_clip_val instead")
             if trainer.gradient_clip_val:
                 raise ValueError(f"LbcommCallback(max_grad_norm={self.max_grad_norm}) clips by one norm for all "
-                                 f"ranks, and Trainer(gradient_clip_val={trainer.gradient_clip_val}) would also clip "
-                                 "each rank's local gradient by its own norm; leave gradient_clip_val unset")
+                                 f"ranks, and Trainer(gradient_clip_val={trainer.gradient_clip_val}) would clip a second "
+                                 "time (the callback routes it to the same shared norm); use one of them: "
+                                 "gradient_clip_val alone suffices")
         attach(trainer.strategy.model if trainer.strategy.model is not None else pl_module,
                self._optimizer if self._optimizer is not None else self.hook_state, warmup_fp16=self.warmup_fp16)
+        if self._optimizer is not None:
+            self._route_clipping(trainer)
+
+    # ------------------------------------------------------------------ gradient norm
+    def _route_clipping(self, trainer) -> None:
+        """Make Lightning's clipping by norm of the lbcomm optimizer use its shared norm."""
+        plugin = trainer.precision_plugin
+        original = plugin.clip_grad_by_norm
+        if getattr(original, "lbcomm_callback", None) is self:
+            return
+        original = getattr(original, "lbcomm_original", original)
+
+        def clip_grad_by_norm(optimizer, clip_val):
+            if self._optimizer is None or unwrap_optimizer(optimizer) is not self._optimizer:
+                return original(optimizer, clip_val)
+            self.grad_norm = self._optimizer.clip_grad_norm_(clip_val)
+            self._fresh = True
+            return None
+
+        clip_grad_by_norm.lbcomm_callback = self
+        clip_grad_by_norm.lbcomm_original = original
+        plugin.clip_grad_by_norm = clip_grad_by_norm
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if self.max_grad_norm is not None:
-            self.grad_norm = float(self._optimizer.clip_grad_norm_(self.max_grad_norm))
-            pl_module.log("lbcomm_grad_norm", self.grad_norm, on_step=True, on_epoch=False)
+            self.grad_norm = self._optimizer.clip_grad_norm_(self.max_grad_norm)
+            self._fresh = True
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self._fresh:  # an optimizer step clipped by the shared norm (Lightning's clip call comes after the hooks)
+            self._fresh = False
+            pl_module.log("lbcomm_grad_norm", float(self.grad_norm), on_step=True, on_epoch=False)
 
     # ------------------------------------------------------------------ checkpoints
     def _local_state(self) -> Dict[str, Any]:

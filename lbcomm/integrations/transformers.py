@@ -14,10 +14,16 @@ Trainer's DDP really use lbcomm and resume it exactly.
 * Resume (``trainer.train(resume_from_checkpoint=...)``): after the Trainer has loaded
   its own files, every rank loads its shard, so the continuation is bitwise identical to
   a run that never stopped (same world size).
-* Clipping (``LbcommCallback(max_grad_norm=x)`` with ``TrainingArguments(max_grad_norm=0)``):
-  the Trainer clips each rank's local gradient by its own norm and logs rank 0's; the
-  callback instead clips with the optimizer's `clip_grad_norm_` (one norm for every rank)
-  right before ``optimizer.step()`` and logs that norm as ``lbcomm_grad_norm``.
+* Gradient norm and clipping: after the freeze of a lbcomm optimizer every rank holds its
+  local gradient, and the Trainer would clip each by its own norm and log rank 0's. The
+  callback routes the Trainer's norm call (``accelerator.clip_grad_norm_`` on the model's
+  parameters, made for ``TrainingArguments(max_grad_norm=x)`` and, with x = 0, for the
+  logged ``grad_norm``) to the optimizer's `clip_grad_norm_`: one norm for every rank
+  (one scalar allreduce after the freeze, none before), so both the clipping and the
+  logged ``grad_norm`` are the same on every rank. ``LbcommCallback(max_grad_norm=x)``
+  with ``TrainingArguments(max_grad_norm=0)`` clips the same way (in that same call) and
+  also logs the norm as ``lbcomm_grad_norm``. With ``hook_state=`` the hook averages the
+  gradients, so the Trainer's own norm is already the same on every rank.
 
 Requires ``transformers``; lbcomm itself does not.
 """
@@ -34,7 +40,7 @@ from transformers import TrainerCallback
 
 from ..checkpoint import load_sharded, save_sharded, shard_path
 from ..ddp import OneBitHookState
-from .attach import LBCOMM_OPTIMIZERS, attach, find_ddp, unwrap_optimizer
+from .attach import LBCOMM_OPTIMIZERS, attach, check_callback_args, find_ddp, unwrap_optimizer
 
 __all__ = ["LbcommCallback"]
 
@@ -59,6 +65,23 @@ def _ddp_of(model) -> Optional[DistributedDataParallel]:
     return None
 
 
+def _trainer_of(callback) -> Any:
+    """The live Trainer whose callbacks include `callback` (callbacks are not handed the Trainer)."""
+    from transformers import Trainer
+
+    for obj in gc.get_objects():
+        if isinstance(obj, Trainer) and any(c is callback for c in getattr(obj.callback_handler, "callbacks", ())):
+            return obj
+    return None
+
+
+def _covers(optimizer, params) -> bool:
+    """Whether `params` (those with a gradient) all belong to `optimizer`, and it has no others."""
+    mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    given = {id(p) for p in params}
+    return mine <= given and {id(p) for p in params if p.grad is not None} <= mine
+
+
 class LbcommCallback(TrainerCallback):
     """Attach lbcomm to the Trainer's DDP and keep every rank's lbcomm state in its checkpoints.
 
@@ -80,7 +103,9 @@ class LbcommCallback(TrainerCallback):
         max_grad_norm (float, optional): clip the gradients of the lbcomm optimizer by one
             norm shared by all ranks (`lbcomm.optim.BaseOptimizer.clip_grad_norm_`) before
             every optimizer step and log it as ``lbcomm_grad_norm``; needs
-            ``TrainingArguments(max_grad_norm=0)`` (default: None, no clipping here).
+            ``TrainingArguments(max_grad_norm=0)``. ``TrainingArguments(max_grad_norm=x)``
+            alone does the same (the callback routes the Trainer's clipping to the shared
+            norm) (default: None, no clipping here).
 
     Example::
 
@@ -94,20 +119,17 @@ class LbcommCallback(TrainerCallback):
     def __init__(self, hook_state: Optional[OneBitHookState] = None, *, trainer: Any = None,
                  warmup_fp16: bool = False, resume_from_checkpoint: Optional[str] = None, strict: bool = True,
                  max_grad_norm: Optional[float] = None):
-        if hook_state is not None and not isinstance(hook_state, OneBitHookState):
-            raise TypeError(f"LbcommCallback: hook_state must be a lbcomm.OneBitHookState, got "
-                            f"{type(hook_state).__name__}")
+        check_callback_args("LbcommCallback", hook_state, max_grad_norm)
         self.hook_state = hook_state
         self.trainer = trainer
         self.warmup_fp16 = warmup_fp16
         self.resume_from_checkpoint = resume_from_checkpoint
         self.strict = strict
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise ValueError(f"LbcommCallback: invalid max_grad_norm {max_grad_norm!r} (must be > 0, or None)")
         self.max_grad_norm = max_grad_norm
-        self.grad_norm: Optional[float] = None  # the last norm clip_grad_norm_ returned
+        self.grad_norm = None  # the last norm the optimizer's clip_grad_norm_ returned (0-dim tensor)
         self.ddp: Optional[DistributedDataParallel] = None
         self._optimizer = None
+        self._clipped = False  # this step's gradients went through the shared norm already
 
     # ------------------------------------------------------------------ attach
     def _lbcomm_optimizer(self, optimizer):
@@ -134,8 +156,11 @@ class LbcommCallback(TrainerCallback):
                                  "max_grad_norm instead")
             if args.max_grad_norm and args.max_grad_norm > 0:
                 raise ValueError(f"LbcommCallback(max_grad_norm={self.max_grad_norm}) clips by one norm for all "
-                                 f"ranks, and TrainingArguments(max_grad_norm={args.max_grad_norm}) would first clip "
-                                 "each rank's local gradient by its own norm; set TrainingArguments(max_grad_norm=0)")
+                                 f"ranks, and TrainingArguments(max_grad_norm={args.max_grad_norm}) clips too (the "
+                                 "callback routes it to the same shared norm); use one of them: "
+                                 "TrainingArguments(max_grad_norm=x) alone suffices, or set it to 0")
+        if self._optimizer is not None:
+            self._route_trainer_norm()
         wrapped = self.trainer.model_wrapped if self.trainer is not None else (_ddp_of(model) or model)
         if self.ddp is None or find_ddp(wrapped) is not self.ddp:
             self.ddp = attach(wrapped, self._optimizer if self._optimizer is not None else self.hook_state,
@@ -169,30 +194,57 @@ class LbcommCallback(TrainerCallback):
                 raise FileNotFoundError(msg)
             _log.warning("%s", msg)
             return
-        info = load_sharded(found, self._optimizer)
+        info = load_sharded(found, self._optimizer, hook_state=self.hook_state)  # any world size (elastic)
         extra = info["extra"] or {}
         if extra.get("global_step") != state.global_step:
             raise ValueError(f"LbcommCallback: the lbcomm shard in {found!r} was saved at step "
                              f"{extra.get('global_step')} but the Trainer resumes at step {state.global_step}; pass "
                              "LbcommCallback(resume_from_checkpoint=<the checkpoint dir the Trainer resumes from>)")
-        if self.hook_state is not None:
-            if extra.get("hook") is None:
-                raise ValueError(f"LbcommCallback: the lbcomm shard in {found!r} holds no OneBitHookState (it was "
-                                 "saved without hook_state=)")
-            self.hook_state.load_state_dict(extra["hook"])
         _log.info("LbcommCallback: rank %s restored its lbcomm state from %s (exact: %s)", rank, info["path"],
                   info["exact"])
 
+    # ------------------------------------------------------------------ gradient norm
+    def _route_trainer_norm(self) -> None:
+        """Make the Trainer's ``accelerator.clip_grad_norm_(model.parameters(), x)`` use the
+        lbcomm optimizer's shared norm (the Trainer offers no other place for it)."""
+        trainer = self.trainer if self.trainer is not None else _trainer_of(self)
+        accelerator = getattr(trainer, "accelerator", None)
+        if accelerator is None:
+            _log.warning("LbcommCallback: the Trainer was not found, so its grad_norm and max_grad_norm clipping stay "
+                         "rank-local after the freeze; pass LbcommCallback(trainer=trainer)")
+            return
+        original = accelerator.clip_grad_norm_
+        if getattr(original, "lbcomm_callback", None) is self:
+            return
+        original = getattr(original, "lbcomm_original", original)
+
+        def clip_grad_norm_(parameters, max_norm, norm_type=2, **kwargs):
+            params = list(parameters)
+            opt = self._optimizer
+            if opt is None or kwargs or float(norm_type) != 2.0 or not _covers(opt, params):
+                return original(params, max_norm, norm_type=norm_type, **kwargs)
+            if self.max_grad_norm is not None and max_norm == float("inf"):
+                max_norm = self.max_grad_norm  # the callback's clipping, in the Trainer's norm call
+            accelerator.unscale_gradients()
+            self.grad_norm = opt.clip_grad_norm_(max_norm)
+            self._clipped = self.max_grad_norm is not None
+            return self.grad_norm
+
+        clip_grad_norm_.lbcomm_callback = self
+        clip_grad_norm_.lbcomm_original = original
+        accelerator.clip_grad_norm_ = clip_grad_norm_
+        _log.info("LbcommCallback: the Trainer's gradient norm and clipping use lbcomm.%s.clip_grad_norm_ (one norm "
+                  "for every rank)", type(self._optimizer).__name__)
+
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        if self.max_grad_norm is not None:
-            self.grad_norm = float(self._optimizer.clip_grad_norm_(self.max_grad_norm))
+        if self.max_grad_norm is not None and not self._clipped:  # the Trainer made no norm call this step
+            self.grad_norm = self._optimizer.clip_grad_norm_(self.max_grad_norm)
+        self._clipped = False
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if self.grad_norm is not None and logs is not None:
-            logs["lbcomm_grad_norm"] = self.grad_norm
+        if self.max_grad_norm is not None and self.grad_norm is not None and logs is not None:
+            logs["lbcomm_grad_norm"] = float(self.grad_norm)
 
     def on_save(self, args, state, control, **kwargs):
         directory = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-        extra = {"global_step": state.global_step,
-                 "hook": None if self.hook_state is None else self.hook_state.state_dict()}
-        save_sharded(directory, self._optimizer, extra=extra)
+        save_sharded(directory, self._optimizer, extra={"global_step": state.global_step}, hook_state=self.hook_state)

@@ -54,6 +54,7 @@ class Probe(Callback):
     def __init__(self, hook_state):
         self.hook_state = hook_state
         self.grads, self.bytes, self.per_call, self.frozen, self.hook_sent = {}, {}, {}, {}, {}
+        self.logged = {}  # step -> the lbcomm_grad_norm logged on this rank
         self._last = None
         self.batches = []
 
@@ -72,6 +73,10 @@ class Probe(Callback):
         self.frozen[step] = getattr(optimizer, "frozen", None)
         if self.hook_state is not None:
             self.hook_sent[step] = self.hook_state.compression_stats()["bytes_sent"]
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if "lbcomm_grad_norm" in trainer.callback_metrics:  # logged by LbcommCallback, which runs before
+            self.logged[trainer.global_step] = float(trainer.callback_metrics["lbcomm_grad_norm"])
 
 
 def run(ckpt_path=None):
@@ -103,5 +108,5 @@ saved = torch.load(os.path.join(out, "ckpt", "epoch=1-step=6.ckpt"), weights_onl
 save_result(out, {"numel": sum(p.numel() for p in module.parameters()), "full": full, "resumed": resumed,
                   "grads": probe.grads, "bytes": probe.bytes, "per_call": probe.per_call, "frozen": probe.frozen,
                   "hook_sent": probe.hook_sent, "checkpoints": ckpts, "resumed_bytes": probe2.bytes, "resumed_grads": probe2.grads, "batches": probe.batches, "resumed_batches": probe2.batches, "resumed_frozen": probe2.frozen,
-                  "saved_world": saved["world_size"], "saved_ranks": len(saved["ranks"])})
+                  "saved_world": saved["world_size"], "saved_ranks": len(saved["ranks"]), "logged": probe.logged})
 dist.barrier()

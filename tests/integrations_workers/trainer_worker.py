@@ -42,6 +42,7 @@ class Probe(TrainerCallback):
     def __init__(self, hook_state=None):
         self.hook_state = hook_state
         self.grads, self.bytes, self.per_call, self.frozen, self.hook_sent = {}, {}, {}, {}, {}
+        self.logged = {}  # step -> the gradient norms the Trainer logged on this rank
         self._last = None
 
     def on_step_begin(self, args, state, control, **kw):
@@ -50,6 +51,10 @@ class Probe(TrainerCallback):
 
     def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kw):
         self.grads[state.global_step + 1] = flat_grads(model.parameters())
+
+    def on_log(self, args, state, control, logs=None, **kw):
+        if "grad_norm" in logs:  # not the summary at the end of training
+            self.logged[state.global_step] = {k: logs[k] for k in ("grad_norm", "lbcomm_grad_norm") if k in logs}
 
     def on_step_end(self, args, state, control, optimizer=None, **kw):
         now = tcp_bytes_sent()
@@ -76,9 +81,9 @@ def build(output_dir, resume=None):
         hook_state = lbcomm.OneBitHookState(start_iter=FREEZE)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3) * (1 - s / (2 * STEPS)))
     args = TrainingArguments(output_dir=output_dir, max_steps=STEPS, per_device_train_batch_size=2,
-                             gradient_accumulation_steps=2, max_grad_norm=0 if kind == "onebit_adam_clip" else 0.5,
+                             gradient_accumulation_steps=2, max_grad_norm=0 if kind == "onebit_adam_clip" else 1.2,
                              save_steps=SAVE, save_total_limit=2,
-                             logging_steps=1000, report_to="none", disable_tqdm=True, use_cpu=True, seed=0,
+                             logging_steps=1, report_to="none", disable_tqdm=True, use_cpu=True, seed=0,
                              ddp_backend="gloo", dataloader_num_workers=0, ddp_find_unused_parameters=False)
     probe = Probe(hook_state)
     trainer = Trainer(model=model, args=args, train_dataset=Data(), optimizers=(opt, sched),
@@ -101,5 +106,6 @@ _, probe2, resumed, _ = build(run1, resume=os.path.join(run1, f"checkpoint-{2 * 
 save_result(out, {"numel": sum(p.numel() for p in trainer.model.parameters()), "full": full, "resumed": resumed, "grads": probe.grads, "bytes": probe.bytes,
                   "per_call": probe.per_call, "frozen": probe.frozen, "checkpoints": ckpts,
                   "shards": sorted(os.listdir(os.path.join(run1, f"checkpoint-{2 * SAVE}"))),
-                  "hook_stats": hook_stats, "hook_sent": probe.hook_sent, "resumed_bytes": probe2.bytes})
+                  "hook_stats": hook_stats, "hook_sent": probe.hook_sent, "resumed_bytes": probe2.bytes,
+                  "logged": probe.logged})
 dist.barrier()
