@@ -229,10 +229,16 @@ def _check_totals(before, after):
         units = [{tuple(e["params"]): e["compression"] for e in s[which]["units"]} for s in before + after]
         assert units[0] and all(set(u) == set(units[0]) for u in units)
         pairs += [([u[k] for u in units[:len(before)]], [u[k] for u in units[len(before):]]) for k in units[0]]
+        # the normalization weights (the same on every rank) move with the units unchanged
+        weights = [{tuple(e["params"]): e["weights"] for e in s[which]["units"]} for s in before + after]
+        for k in units[0]:
+            assert weights[0][k] is not None and all(torch.equal(w[k], weights[0][k]) for w in weights), k
     for old, cur in pairs:
         assert [s["world_size"] for s in cur] == [new] * new and [s["rank"] for s in cur] == list(range(new))
         assert _total(old).abs().sum() > 0
-        torch.testing.assert_close(_total(cur), _total(old), rtol=1e-6, atol=1e-7)
+        # the mean of the worker errors is rounded to fp32 once: absolute rounding on the scale of the summands
+        scale = max(float(s["worker_error"].abs().max()) for s in old + cur)
+        torch.testing.assert_close(_total(cur), _total(old), rtol=1e-6, atol=1e-6 * max(scale, 0.1))
 
 
 def test_hook_and_dcp_elastic_resume_4_to_2_to_4(tmp_path):

@@ -368,7 +368,8 @@ def _redistribute_units(all_ranks: Sequence[Dict[str, Any]], world: int, rank: i
             dropped += 1
             continue
         out.append({"params": list(key), "shapes": entry["shapes"],
-                    "compression": redistribute_errors(shards, world, rank)})
+                    "compression": redistribute_errors(shards, world, rank),
+                    "weights": entry.get("weights")})  # the same on every rank: any world size
     if dropped:
         _log.warning("onebit_hook: %s hierarchical unit(s) cannot be redistributed onto another world size; their "
                      "error feedback is reset to zero", dropped)
