@@ -8,7 +8,7 @@ step; `Lamb` is the full-precision baseline. One module per idea:
 * `functional`: the update math over flat slices (AdamW, LAMB, 1-bit LAMB's factor);
 * `base`: `BaseOptimizer`, validation, the step skeleton, warmup averaging, checkpoints;
 * `onebit`: `OneBitOptimizer`, the freeze, the mask and the compressed momentum;
-* `adam`, `lamb`: the optimizers; `reference`: the plain-torch simulation (test oracle).
+* `adam`, `lamb`, `zeroone`: the optimizers; `reference`: the plain-torch simulation (test oracle).
 """
 import warnings
 
@@ -16,8 +16,9 @@ from .adam import OneBitAdam
 from .base import BaseOptimizer
 from .lamb import Lamb, OneBitLamb
 from .onebit import OneBitOptimizer
+from .zeroone import ZeroOneAdam
 
-__all__ = ["OneBitAdam", "OneBitLamb", "Lamb", "BaseOptimizer", "OneBitOptimizer"]
+__all__ = ["OneBitAdam", "OneBitLamb", "Lamb", "ZeroOneAdam", "BaseOptimizer", "OneBitOptimizer"]
 
 
 def __getattr__(name):
