@@ -23,9 +23,11 @@ def _mlp(seed=0, d_in=12, d_h=24, d_out=5):
                          nn.Linear(d_h, d_out))
 
 
-def _loss(model, rank, step, n=32, d_in=12, d_out=5):
+def _loss(model, rank, step, n=32, d_in=12, d_out=5, dead_inputs=False):
     g = torch.Generator().manual_seed(1000 * step + rank)
     x = torch.randn(n, d_in, generator=g)
+    if dead_inputs:  # features 10, 11 always zero: their first-layer weights never see a gradient (masked)
+        x[:, 10:] = 0.0
     y = (x[:, :d_out] + 0.3 * torch.randn(n, d_out, generator=g)).argmax(1)
     return F.cross_entropy(model(x), y)
 
@@ -35,9 +37,9 @@ def _quantize(g):
     return (g * 65536).round_() / 65536
 
 
-def _backward(model, opt, rank, t):
+def _backward(model, opt, rank, t, dead_inputs=False):
     opt.zero_grad()
-    _loss(model, rank, t).backward()
+    _loss(model, rank, t, dead_inputs=dead_inputs).backward()
     for q in model.parameters():
         q.grad.copy_(_quantize(q.grad))
 
@@ -77,7 +79,7 @@ RUNS = {
     "published_groups_scheduler": dict(steps=24, groups=True, sched=True,
                                        kw=dict(lr=1e-2, weight_decay=0.0, block_size=None, bias_correction=False,
                                                max_update=None)),
-    "auto_bound": dict(steps=16, groups=False, sched=False,
+    "auto_bound_masked": dict(steps=16, groups=False, sched=False, dead_inputs=True,
                        kw=dict(lr=2e-2, weight_decay=0.05, block_size=64, max_update="auto")),
 }
 
@@ -103,7 +105,7 @@ def _record(rank, p, cfg):
     opt, sched = _make(model, cfg)
     grads, params, kinds, stats = [], [], [], []
     for t in range(cfg["steps"]):
-        _backward(model, opt, rank, t)
+        _backward(model, opt, rank, t, cfg.get("dead_inputs", False))
         grads.append([q.grad.clone() for q in model.parameters()])
         opt.step()
         if sched is not None:
@@ -112,7 +114,7 @@ def _record(rank, p, cfg):
         kinds.append(opt._last_kind)
         stats.append(opt.comm_stats())
     call_bytes = opt.compression_state.bytes_per_call(checked=True)
-    return {"call_bytes": call_bytes, "params0": params0, "grads": grads, "params": params, "kinds": kinds, "stats": stats,
+    return {"call_bytes": call_bytes, "masked": opt.masked_coordinates, "params0": params0, "grads": grads, "params": params, "kinds": kinds, "stats": stats,
             "numel": sum(q.numel() for q in params0)}
 
 
@@ -232,6 +234,8 @@ def test_four_ranks_match_the_simulation_bitwise(four_ranks, run):
     for t in range(steps):  # replicas: identical after every step but local ones, which differ
         same = all(_same(recs[r]["params"][t], recs[0]["params"][t]) for r in range(1, 4))
         assert same == (kinds[t] != "local"), f"step {t + 1} ({kinds[t]}): replicas identical = {same}"
+    if cfg.get("dead_inputs"):  # the zero-variance mask was in play
+        assert recs[0]["masked"] == 24 * 2
     # the local stage really moved the parameters
     assert max((a - b).abs().max().item() for a, b in zip(recs[0]["params"][-1], recs[0]["params"][7])) > 1e-3
 
@@ -323,3 +327,18 @@ def test_state_dict_before_the_first_step_and_validation():
                       (dict(lr=-1.0), "Invalid learning rate")]:
         with pytest.raises(ValueError, match=match):
             lbcomm.ZeroOneAdam(model.parameters(), **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_params_keep_fp32_state_through_the_local_stage(dtype):
+    model = _mlp(seed=4).to(dtype)
+    opt = lbcomm.ZeroOneAdam(model.parameters(), lr=1e-2, **SCHED)
+    for t in range(14):
+        opt.zero_grad()
+        x = torch.randn(16, 12, dtype=dtype)
+        model(x).float().pow(2).mean().backward()
+        opt.step()
+    st = opt.state[model[0].weight]
+    assert opt.local_steps_started and st["anchor"].dtype == torch.float32 and st["exp_avg"].dtype == torch.float32
+    assert torch.equal(st["anchor"].to(dtype), model[0].weight.detach())  # after the sync at step 14
+    assert all(torch.isfinite(q.float()).all() for q in model.parameters())
