@@ -361,8 +361,11 @@ def plot(results, a, path):
     except ImportError:
         print(f"\nmatplotlib is not installed (pip install matplotlib); no plot written to {path}")
         return
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.4), sharey=True, layout="constrained")
-    for ax, (kind, base) in zip(axes, BASELINE.items()):
+    pairs = [(k, b) for k, b in BASELINE.items() if any(r["kind"] in (k, b) for r in results)]
+    fig, axes = plt.subplots(1, len(pairs), figsize=(5.5 * len(pairs), 4.4), sharey=True, layout="constrained",
+                             squeeze=False)
+    axes = axes[0]
+    for ax, (kind, base) in zip(axes, pairs):
         for r in results:
             if r["kind"] not in (kind, base) and not (kind == "onebit_adam" and r["kind"] == "zeroone"):
                 continue
@@ -373,7 +376,7 @@ def plot(results, a, path):
                     ls="-" if full or r["block"] == lbcomm.DEFAULT_BLOCK_SIZE else "--", color="k" if full else None)
         ax.axvline(a.freeze, color="grey", ls=":", lw=1)
         ax.text(a.freeze, 0.98, " freeze", va="top", color="grey", fontsize=8, transform=ax.get_xaxis_transform())
-        ax.set_title(f"{LABEL[kind]} vs {LABEL[base]}")
+        ax.set_title(f"{LABEL[kind]}{' and ZeroOneAdam' if any(r['kind'] == 'zeroone' for r in results) and kind == 'onebit_adam' else ''} vs {LABEL[base]}")
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
