@@ -218,7 +218,7 @@ def rank_main(rank, world, a, runs, data_path, init_file, out_path):
         torch.manual_seed(a.seed)
         model = ByteLM(a.d_model, a.layers, a.heads, a.ctx)
         opt = make_optimizer(kind, model.parameters(), a, block)
-        if kind in BASELINE:  # count what the 1-bit optimizer's transport sends (ZeroOneAdam counts itself)
+        if kind not in ("adamw", "zeroone"):  # count what lbcomm's optimizers send (ZeroOneAdam counts itself)
             opt._transport = CountingTransport(opt.transport)
         n = sum(p.numel() for p in model.parameters())
         traffic = []  # (bytes, rounds) this rank sent per step
