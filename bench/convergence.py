@@ -376,7 +376,8 @@ def plot(results, a, path):
                     ls="-" if full or r["block"] == lbcomm.DEFAULT_BLOCK_SIZE else "--", color="k" if full else None)
         ax.axvline(a.freeze, color="grey", ls=":", lw=1)
         ax.text(a.freeze, 0.98, " freeze", va="top", color="grey", fontsize=8, transform=ax.get_xaxis_transform())
-        ax.set_title(f"{LABEL[kind]}{' and ZeroOneAdam' if any(r['kind'] == 'zeroone' for r in results) and kind == 'onebit_adam' else ''} vs {LABEL[base]}")
+        also = " and ZeroOneAdam" if kind == "onebit_adam" and any(r["kind"] == "zeroone" for r in results) else ""
+        ax.set_title(f"{LABEL[kind]}{also} vs {LABEL[base]}")
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)

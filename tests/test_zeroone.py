@@ -114,7 +114,8 @@ def _record(rank, p, cfg):
         kinds.append(opt._last_kind)
         stats.append(opt.comm_stats())
     call_bytes = opt.compression_state.bytes_per_call(checked=True)
-    return {"call_bytes": call_bytes, "masked": opt.masked_coordinates, "params0": params0, "grads": grads, "params": params, "kinds": kinds, "stats": stats,
+    return {"call_bytes": call_bytes, "masked": opt.masked_coordinates, "params0": params0, "grads": grads,
+            "params": params, "kinds": kinds, "stats": stats,
             "numel": sum(q.numel() for q in params0)}
 
 

@@ -89,8 +89,8 @@ class ZeroOneAdam(OneBitAdam):
         for name in ("var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper"):
             _positive_int(group, name)
         if group["max_update"] == "warmup":
-            raise ValueError("Invalid max_update: 'warmup' is not supported by ZeroOneAdam (its variance keeps changing "
-                             "until var_freeze_step); use a number, 'auto' or None")
+            raise ValueError("Invalid max_update: 'warmup' is not supported by ZeroOneAdam (its variance keeps "
+                             "changing until var_freeze_step); use a number, 'auto' or None")
         # OneBitOptimizer's checks; its freeze is ZeroOneAdam's var_freeze_step
         super()._validate_group({**group, "freeze_step": group["var_freeze_step"]})
 
@@ -213,15 +213,15 @@ class ZeroOneAdam(OneBitAdam):
             g = g.float()
         torch.lerp(m_i, g.reshape(-1), weight, out=out)
 
-    def _interval_vectors(self, L: FlatLayout, idx_by_group: Dict[int, List[int]], out_lr: Tensor,
-                          out_keep: Tensor) -> None:
+    def _interval_vectors(self, idx_by_group: Dict[int, List[int]], out_lr: Tensor, out_keep: Tensor) -> None:
         """Add this step's lr to interval_lr and its decay factor to interval_keep (fp32)."""
         for gi, idx in idx_by_group.items():
             group = self.param_groups[gi]
             out_lr[idx] += group["lr"]
             out_keep[idx] *= 1 - group["lr"] * group["weight_decay"]
 
-    def _by_group(self, L: FlatLayout, include: List[bool]) -> Dict[int, List[int]]:
+    @staticmethod
+    def _by_group(L: FlatLayout, include: List[bool]) -> Dict[int, List[int]]:
         out: Dict[int, List[int]] = {}
         for i, on in enumerate(include):
             if on:
@@ -248,8 +248,7 @@ class ZeroOneAdam(OneBitAdam):
                 F.apply_fp32(L.params[i], lambda w, i=i, b=b: kernels.frozen_adamw_(
                     w, L.view(m, i), L.view(v, i), bc2, eps, lr * wd, lr / bc1, scratch, b))
                 L.view(acc, i).add_(L.view(m, i), alpha=lr / bc1)
-        self._interval_vectors(L, self._by_group(L, part), self._vectors["interval_lr"],
-                               self._vectors["interval_keep"])
+        self._interval_vectors(self._by_group(L, part), self._vectors["interval_lr"], self._vectors["interval_keep"])
 
     def _sync_step(self, L: FlatLayout) -> bool:
         """The local step's momentum, then one compressed allreduce of the interval's mean
@@ -260,7 +259,7 @@ class ZeroOneAdam(OneBitAdam):
         part = self._participating(L)
         steps = self._vectors["step"].tolist()
         lr_sum, keep = self._vectors["interval_lr"].clone(), self._vectors["interval_keep"].clone()
-        self._interval_vectors(L, self._by_group(L, part), lr_sum, keep)
+        self._interval_vectors(self._by_group(L, part), lr_sum, keep)
         sums = lr_sum.tolist()
         weights, alphas, scales = [], [], []
         for i, gi in enumerate(L.group_of):
