@@ -5,15 +5,18 @@ own standard library (every machine has it offline: os.path.dirname(os.__file__)
 held-out split of whole files, on 4 local gloo ranks with large global batches. Every
 optimizer sees exactly the same samples in the same order from the same initial weights:
 
-    AdamW (torch, gradients allreduced)  vs  lbcomm.OneBitAdam
+    AdamW (torch, gradients allreduced)  vs  lbcomm.OneBitAdam and lbcomm.ZeroOneAdam
     lbcomm.Lamb                          vs  lbcomm.OneBitLamb
 
 with the variance frozen after 25 % of the steps (--freeze-frac). The 1-bit optimizers also
 run with block_size=None (the published single-scale scheme) and several block sizes, to
-choose lbcomm.DEFAULT_BLOCK_SIZE. Printed: the final validation loss of each run, the
-ratio to its full-precision twin (target: within 1 %), the block-size table with the bytes
-each rank sends per step, and the optimizer-state bytes per parameter; written: a PNG of
-the validation-loss curves.
+choose lbcomm.DEFAULT_BLOCK_SIZE; ZeroOneAdam (0/1 Adam) runs at the default block size with
+var_freeze_step = freeze_step. Printed: the final validation loss of each run, the ratio to
+its full-precision twin (target: within 1 %), the block-size table with the bytes each rank
+sends per step, the bytes and communication rounds each rank really sent per step (counted
+by lbcomm.comm.counting.CountingTransport; over the whole run and over the steps after
+freeze_step), and the optimizer-state bytes per parameter; written: a PNG of the
+validation-loss curves.
 
     python bench/convergence.py            # the full run: about 4 minutes on 2 idle cores
     python bench/convergence.py --quick    # smoke test: about 1 minute
@@ -38,9 +41,13 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 import lbcomm  # noqa: E402
+from lbcomm.comm.counting import CountingTransport  # noqa: E402
 
-BASELINE = {"onebit_adam": "adamw", "onebit_lamb": "lamb"}
-LABEL = {"adamw": "AdamW", "lamb": "Lamb", "onebit_adam": "OneBitAdam", "onebit_lamb": "OneBitLamb"}
+BASELINE = {"onebit_adam": "adamw", "onebit_lamb": "lamb"}  # the block-size sweeps
+TWIN = {**BASELINE, "zeroone": "adamw"}
+LABEL = {"adamw": "AdamW", "lamb": "Lamb", "onebit_adam": "OneBitAdam", "onebit_lamb": "OneBitLamb",
+         "zeroone": "ZeroOneAdam"}
+KINDS = ("adamw", "onebit_adam", "zeroone", "lamb", "onebit_lamb")
 
 
 # ---------------------------------------------------------------------- data
@@ -136,6 +143,10 @@ def make_optimizer(kind, params, a, block):
         return torch.optim.AdamW(params, lr=a.adam_lr, **common)
     if kind == "onebit_adam":
         return lbcomm.OneBitAdam(params, lr=a.adam_lr, freeze_step=a.freeze, block_size=block, **common)
+    if kind == "zeroone":
+        return lbcomm.ZeroOneAdam(params, lr=a.adam_lr, var_freeze_step=a.freeze, block_size=block,
+                                  var_update_scaler=a.var_update_scaler, local_step_scaler=a.local_step_scaler,
+                                  local_step_clipper=a.local_step_clipper, **common)
     if kind == "lamb":
         return lbcomm.Lamb(params, lr=a.lamb_lr, **common)
     return lbcomm.OneBitLamb(params, lr=a.lamb_lr, freeze_step=a.freeze, block_size=block, **common)
@@ -207,6 +218,10 @@ def rank_main(rank, world, a, runs, data_path, init_file, out_path):
         torch.manual_seed(a.seed)
         model = ByteLM(a.d_model, a.layers, a.heads, a.ctx)
         opt = make_optimizer(kind, model.parameters(), a, block)
+        if kind not in ("adamw", "zeroone"):  # count what lbcomm's optimizers send (ZeroOneAdam counts itself)
+            opt._transport = CountingTransport(opt.transport)
+        n = sum(p.numel() for p in model.parameters())
+        traffic = []  # (bytes, rounds) this rank sent per step
         peak = [g["lr"] for g in opt.param_groups]
         curve, train, diverged = [(0, evaluate(model, val_quick))], [], None
         t0, c0 = time.perf_counter(), time.process_time()
@@ -220,11 +235,16 @@ def rank_main(rank, world, a, runs, data_path, init_file, out_path):
             loss.backward()
             if kind == "adamw":
                 average_grads(model, world)
+            before = (opt.transport.bytes_sent, opt.transport.rounds) if kind != "adamw" else None
             try:
                 opt.step()
             except lbcomm.NonFiniteError:  # raised on every rank at the same step: stop this run
                 diverged = step + 1
                 break
+            if kind == "adamw":  # average_grads: one fp32 ring allreduce
+                traffic.append((int(round(2 * (world - 1) / world * 4 * n)), 1))
+            else:
+                traffic.append((opt.transport.bytes_sent - before[0], opt.transport.rounds - before[1]))
             train.append(loss.item())
             if (step + 1) % a.eval_every == 0 and step + 1 < a.steps:
                 curve.append((step + 1, evaluate(model, val_quick)))
@@ -238,14 +258,14 @@ def rank_main(rank, world, a, runs, data_path, init_file, out_path):
             final = evaluate(model, val_final)
         resident, saved = state_bytes(opt, model)
         comp = getattr(opt, "compression_state", None)
-        n = sum(p.numel() for p in model.parameters())
         results.append({
             "kind": kind, "block": block, "final": final, "curve": curve, "train": train, "seconds": seconds,
             "cpu_seconds": cpu.item(),
             "params": n, "state_bytes": resident, "checkpoint_bytes": saved,
             "sent_per_step": comp.bytes_per_call() if comp is not None else 2 * (world - 1) * 4 * n // world,
-            "skipped": getattr(opt, "skipped_steps", 0), "diverged": diverged,
-            "masked": 0 if getattr(opt, "_zero_mask", None) is None else int(opt._zero_mask.sum()),
+            "skipped": getattr(opt, "skipped_steps", 0), "diverged": diverged, "traffic": traffic,
+            "steps_by_kind": opt.comm_stats() if kind == "zeroone" else None,
+            "masked": getattr(opt, "masked_coordinates", 0),
         })
         if rank == 0:
             print(f"  {LABEL[kind]:<11} block={str(block):<6} final val loss {final:.4f}  ({seconds:.0f} s)"
@@ -265,18 +285,19 @@ def report(results, a, plot_path):
     print(f"{'optimizer':<12}{'block_size':>11}{'val loss':>10}{'ratio to twin':>15}{'bytes sent/step':>17}"
           f"{'time':>8}")
     for r in results:
-        base = by.get((BASELINE.get(r["kind"]), None))
+        base = by.get((TWIN.get(r["kind"]), None))
         ratio = f"{r['final'] / base['final']:.4f}" if base else "-"
         if r.get("diverged"):
             ratio = f"diverged@{r['diverged']}"
-        print(f"{LABEL[r['kind']]:<12}{str(r['block'] if r['kind'] in BASELINE else '-'):>11}{r['final']:>10.4f}"
+        print(f"{LABEL[r['kind']]:<12}{str(r['block'] if r['kind'] in TWIN else '-'):>11}{r['final']:>10.4f}"
               f"{ratio:>15}{r['sent_per_step']:>17,}{r['seconds']:>7.0f}s")
     print(f"\npairs at the default block size ({default}): val-loss ratio 1-bit / full precision")
-    for kind, base in BASELINE.items():
+    for kind, base in TWIN.items():
         if (kind, default) in by and (base, None) in by:
             ratio = by[(kind, default)]["final"] / by[(base, None)]["final"]
             verdict = "meets the target: at most 1 % worse" if ratio <= 1.01 else "MISSES the target (> 1 % worse)"
             print(f"  {LABEL[kind]} / {LABEL[base]}: {ratio:.4f}  ({verdict})")
+    traffic_report(results, a)
     blocks = [b for b in a.blocks]
     print("\nblock size: val-loss ratio to the full-precision twin, and compression volume vs an fp32 allreduce")
     print(f"{'block_size':>11}{'OneBitAdam':>12}{'OneBitLamb':>12}{'bytes/step':>12}{'vs fp32':>9}")
@@ -292,13 +313,44 @@ def report(results, a, plot_path):
         print(f"{str(b):>11}{cells[0]:>12}{cells[1]:>12}{sent:>12,}{vs:>9}")
     print("\noptimizer state per parameter (rank 0): resident tensors / serialized state_dict")
     for r in results:
-        if r["kind"] in BASELINE and r["block"] != default:
+        if r["kind"] in TWIN and r["block"] != default:
             continue
         print(f"  {LABEL[r['kind']]:<11} {r['state_bytes'] / r['params']:6.2f} B/param resident, "
               f"{r['checkpoint_bytes'] / r['params']:6.2f} B/param in the checkpoint"
-              + (f", {r['masked']} zero-variance coordinates masked" if r["kind"] in BASELINE else ""))
+              + (f", {r['masked']} zero-variance coordinates masked" if r["kind"] in TWIN else ""))
     if plot_path:
         plot(results, a, plot_path)
+
+
+def traffic_report(results, a):
+    """Bytes and communication rounds per step that rank 0 sent, counted: over the whole
+    run and over the steps after freeze_step (OneBitAdam's compression stage; ZeroOneAdam's
+    local-step stage), with ratios to OneBitAdam at the default block size."""
+    rows = [r for r in results if r["traffic"] and (r["kind"], r["block"]) in
+            (("adamw", None), ("onebit_adam", lbcomm.DEFAULT_BLOCK_SIZE), ("zeroone", lbcomm.DEFAULT_BLOCK_SIZE))]
+    if not rows:
+        return
+
+    def mean(r, i, lo):
+        xs = [t[i] for t in r["traffic"][lo:]]
+        return sum(xs) / max(1, len(xs))
+
+    ref = next((r for r in rows if r["kind"] == "onebit_adam"), None)
+    adamw = next((r for r in rows if r["kind"] == "adamw"), None)
+    print(f"\ncommunication per step and rank, counted (whole run / steps {a.freeze + 1}..{a.steps}); "
+          "rounds = collectives started")
+    print(f"{'optimizer':<12}{'val/AdamW':>10}{'bytes (all)':>13}{'bytes (>frz)':>14}{'vs 1-bit Adam':>15}"
+          f"{'rounds (all)':>14}{'rounds (>frz)':>15}")
+    for r in rows:
+        b_all, b_frz, r_all, r_frz = mean(r, 0, 0), mean(r, 0, a.freeze), mean(r, 1, 0), mean(r, 1, a.freeze)
+        vs = f"{b_frz / mean(ref, 0, a.freeze):.3f}x" if ref and mean(ref, 0, a.freeze) else "-"
+        ratio = f"{r['final'] / adamw['final']:.4f}" if adamw and math.isfinite(r["final"]) else "-"
+        print(f"{LABEL[r['kind']]:<12}{ratio:>10}{b_all:>13,.0f}{b_frz:>14,.0f}{vs:>15}{r_all:>14.2f}{r_frz:>15.2f}")
+        if r.get("steps_by_kind"):
+            k = r["steps_by_kind"]
+            print(f"{'':<12}steps: {k['variance_steps']} variance (fp32), {k['onebit_steps']} 1-bit, "
+                  f"{k['local_steps']} local, {k['sync_steps']} syncs (var_update_scaler {a.var_update_scaler}, "
+                  f"local_step_scaler {a.local_step_scaler}, local_step_clipper {a.local_step_clipper})")
 
 
 def plot(results, a, path):
@@ -309,19 +361,23 @@ def plot(results, a, path):
     except ImportError:
         print(f"\nmatplotlib is not installed (pip install matplotlib); no plot written to {path}")
         return
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.4), sharey=True, layout="constrained")
-    for ax, (kind, base) in zip(axes, BASELINE.items()):
+    pairs = [(k, b) for k, b in BASELINE.items() if any(r["kind"] in (k, b) for r in results)]
+    fig, axes = plt.subplots(1, len(pairs), figsize=(5.5 * len(pairs), 4.4), sharey=True, layout="constrained",
+                             squeeze=False)
+    axes = axes[0]
+    for ax, (kind, base) in zip(axes, pairs):
         for r in results:
-            if r["kind"] not in (kind, base):
+            if r["kind"] not in (kind, base) and not (kind == "onebit_adam" and r["kind"] == "zeroone"):
                 continue
             xs, ys = zip(*r["curve"])
             full = r["kind"] == base
-            label = LABEL[r["kind"]] + ("" if full else f" (block {r['block']})")
+            label = LABEL[r["kind"]] + ("" if full or r["kind"] == "zeroone" else f" (block {r['block']})")
             ax.plot(xs, ys, label=label, lw=2.2 if full or r["block"] == lbcomm.DEFAULT_BLOCK_SIZE else 1.0,
                     ls="-" if full or r["block"] == lbcomm.DEFAULT_BLOCK_SIZE else "--", color="k" if full else None)
         ax.axvline(a.freeze, color="grey", ls=":", lw=1)
         ax.text(a.freeze, 0.98, " freeze", va="top", color="grey", fontsize=8, transform=ax.get_xaxis_transform())
-        ax.set_title(f"{LABEL[kind]} vs {LABEL[base]}")
+        also = " and ZeroOneAdam" if kind == "onebit_adam" and any(r["kind"] == "zeroone" for r in results) else ""
+        ax.set_title(f"{LABEL[kind]}{also} vs {LABEL[base]}")
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -352,7 +408,13 @@ def parse_args(argv=None):
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--blocks", default="none,256,2048,16384",
                    help="block sizes of the 1-bit runs ('none': the single-scale scheme)")
-    p.add_argument("--only", default="", help="comma list of adamw,lamb,onebit_adam,onebit_lamb (default: all)")
+    p.add_argument("--only", default="", help="comma list of adamw,onebit_adam,zeroone,lamb,onebit_lamb (default: all)")
+    p.add_argument("--var-update-scaler", type=int, default=32,
+                   help="ZeroOneAdam's kappa (paper: 16; 32 measured 0.5 points better on this run)")
+    p.add_argument("--local-step-scaler", type=int, default=48,
+                   help="ZeroOneAdam's alpha, scaled to the run (paper: 32678 for ~10^5 steps; 48 keeps the bytes "
+                        "after freeze_step under half of OneBitAdam's here, 64 does not)")
+    p.add_argument("--local-step-clipper", type=int, default=16, help="ZeroOneAdam's H (the paper's default)")
     p.add_argument("--eval-every", type=int, default=40)
     p.add_argument("--eval-seqs", type=int, default=128)
     p.add_argument("--final-eval-seqs", type=int, default=1024)
@@ -375,8 +437,9 @@ def parse_args(argv=None):
 
 def main(argv=None):
     a = parse_args(argv)
-    kinds = [k for k in ("adamw", "onebit_adam", "lamb", "onebit_lamb") if not a.only or k in a.only.split(",")]
-    runs = [(k, b) for k in kinds for b in (a.blocks if k in BASELINE else [None])]
+    kinds = [k for k in KINDS if not a.only or k in a.only.split(",")]
+    runs = [(k, b) for k in kinds
+            for b in (a.blocks if k in BASELINE else [lbcomm.DEFAULT_BLOCK_SIZE] if k in TWIN else [None])]
     train, val, root, nfiles = load_corpus(int(a.train_mb * 2**20), 2**20)
     n_params = sum(p.numel() for p in ByteLM(a.d_model, a.layers, a.heads, a.ctx).parameters())
     print(f"corpus: {root} ({nfiles} files): {train.numel():,} train bytes, {val.numel():,} held-out bytes")

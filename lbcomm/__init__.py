@@ -10,7 +10,7 @@ from .compressed import (DEFAULT_BLOCK_SIZE, CompressionState, NonFiniteError, c
 from .ddp import (OneBitHookState, onebit_hook, onebit_optimizer_bf16_hook, onebit_optimizer_fp16_hook,
                   onebit_optimizer_hook, onebit_optimizer_hook_for)
 from .integrations import attach
-from .optim import Lamb, Lars, OneBitAdam, OneBitLamb
+from .optim import Lamb, Lars, OneBitAdam, OneBitLamb, ZeroOneAdam
 from .topology import HierarchicalState, Topology, hierarchical_allreduce_
 
 __version__ = "0.1.0"
@@ -24,6 +24,7 @@ __all__ = [
     "HierarchicalState",
     "hierarchical_allreduce_",
     "OneBitAdam",
+    "ZeroOneAdam",
     "OneBitLamb",
     "Lamb",
     "Lars",

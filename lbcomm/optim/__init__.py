@@ -8,7 +8,7 @@ step; `Lamb` and `Lars` are the full-precision baselines. One module per idea:
 * `functional`: the update math over flat slices (AdamW, LAMB, 1-bit LAMB's factor);
 * `base`: `BaseOptimizer`, validation, the step skeleton, warmup averaging, checkpoints;
 * `onebit`: `OneBitOptimizer`, the freeze, the mask and the compressed momentum;
-* `adam`, `lamb`, `lars`: the optimizers; `reference`: the plain-torch simulation (test oracle).
+* `adam`, `lamb`, `lars`, `zeroone`: the optimizers; `reference`: the plain-torch simulation (test oracle).
 """
 import warnings
 
@@ -17,8 +17,9 @@ from .base import BaseOptimizer
 from .lamb import Lamb, OneBitLamb
 from .lars import Lars
 from .onebit import OneBitOptimizer
+from .zeroone import ZeroOneAdam
 
-__all__ = ["OneBitAdam", "OneBitLamb", "Lamb", "Lars", "BaseOptimizer", "OneBitOptimizer"]
+__all__ = ["OneBitAdam", "OneBitLamb", "Lamb", "Lars", "ZeroOneAdam", "BaseOptimizer", "OneBitOptimizer"]
 
 
 def __getattr__(name):

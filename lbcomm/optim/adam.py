@@ -17,6 +17,9 @@ __all__ = ["OneBitAdam"]
 
 
 class OneBitAdam(OneBitOptimizer):
+    # the variance's step count in the warmup update (None: the step; ZeroOneAdam counts its updates)
+    _WARMUP_VSTEP: Optional[str] = None
+
     def __init__(
         self,
         params,
@@ -47,7 +50,7 @@ class OneBitAdam(OneBitOptimizer):
 
     def _warmup_update(self, L: FlatLayout, active: List[bool]) -> None:
         m, v = self._flat["exp_avg"], self._flat["exp_avg_sq"]
-        for seg in self._segments(L, active):
+        for seg in self._segments(L, active, vstep=self._WARMUP_VSTEP):
             self._moments(seg)
             group = self.param_groups[seg.group]
             lr, wd = group["lr"], group["weight_decay"]

@@ -1,0 +1,58 @@
+"""`CountingTransport`: any transport, with the bytes this rank sends and the collectives
+it starts counted (what `lbcomm.ZeroOneAdam.comm_stats` and bench/convergence.py report).
+
+Bytes are those of the algorithms the transports run: a ring all-reduce of B bytes sends
+2 (p-1)/p B per rank and bucket, an all-gather of a B-byte contribution (p-1) B, an
+all-to-all of a [p, L] buffer (p-1) L (its own row stays). Each collective call is one
+communication round (an all-reduce cut into buckets: one round per bucket, all in flight
+at once).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from torch import Tensor
+
+from ..common import ring_allreduce_bytes
+from .base import buckets
+
+__all__ = ["CountingTransport"]
+
+
+class CountingTransport:
+    """Wraps `inner` (a transport of `lbcomm.comm`); every attribute other than the three
+    collectives is the inner transport's.
+
+    Attributes:
+        bytes_sent (int): bytes this rank sent so far.
+        rounds (int): collectives started so far (buckets counted one by one).
+    """
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.bytes_sent = 0
+        self.rounds = 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def _count(self, nbytes: float, rounds: int = 1) -> None:
+        if self.inner.world_size > 1:
+            self.bytes_sent += int(round(nbytes))
+            self.rounds += rounds
+
+    def all_to_all(self, out: Tensor, inp: Tensor, async_op: bool = False):
+        p = self.inner.world_size
+        self._count(inp.numel() * inp.element_size() * (p - 1) / p)
+        return self.inner.all_to_all(out, inp, async_op=async_op)
+
+    def all_gather(self, out: Tensor, inp: Tensor, async_op: bool = False):
+        self._count(inp.numel() * inp.element_size() * (self.inner.world_size - 1))
+        return self.inner.all_gather(out, inp, async_op=async_op)
+
+    def all_reduce(self, tensor: Tensor, op: str = "sum", async_op: bool = False,
+                   bucket_bytes: Optional[int] = None):
+        parts = buckets(tensor.reshape(-1), bucket_bytes)
+        self._count(sum(ring_allreduce_bytes(b.numel() * b.element_size(), self.inner.world_size) for b in parts),
+                    len(parts))
+        return self.inner.all_reduce(tensor, op=op, async_op=async_op, bucket_bytes=bucket_bytes)
