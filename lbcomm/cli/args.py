@@ -253,8 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"comma-separated subset of {','.join(TRAIN_METHODS)}; {','.join(NODE_TRAIN_METHODS)} "
                          f"need --ranks-per-node > 1 (default: {','.join(FLAT_TRAIN_METHODS)}; with nodes "
                          f"{','.join(DEFAULT_NODE_TRAIN_METHODS)}); also, never by default, "
-                         f"{','.join(STATS_METHODS)} (DDP with torch's Python allreduce hook alone, and with "
-                         "lbcomm.stats' gradient statistics around it; OneBitAdam with them)")
+                         f"{','.join(STATS_METHODS)} (to time the gradient-noise statistics: DDP with a plain Python "
+                         "allreduce hook, the same with the statistics around it, and 1-bit Adam with them)")
     tr.add_argument("--nodes", type=_int_at_least(1), default=None,
                     help="emulated nodes: world size = nodes x ranks per node; with --bandwidth the ranks of a "
                          "node share one network namespace (unshaped loopback) and the nodes are joined by shaped "
