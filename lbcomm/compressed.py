@@ -254,10 +254,11 @@ class CompressionState:
         when they were saved for another world size, rank, size or block size (they cannot
         be mapped onto this layout; see `redistribute_errors` for another world size).
 
-        A shard of another rank of the same world is what frameworks hand every rank when
-        they save the optimizer of rank 0 only: that reset is logged at INFO and becomes a
-        WARNING at the next call, unless this rank's own shard is loaded before it (as the
-        integrations do right after the framework's load)."""
+        A shard of another rank of the same world (or of another world size) is what
+        frameworks hand every rank when they save the optimizer of rank 0 only: that reset is
+        logged at INFO and becomes a WARNING at the next call, unless this rank's own shard
+        (or the redistributed state) is loaded before it, as the integrations do right after
+        the framework's load."""
         self._ensure_idle()
         layout = (sd.get("numel"), sd.get("world_size"), sd.get("rank"), sd.get("block_size"))
         mine = (self.numel, self.world_size, self.rank, self.block_size)
@@ -277,10 +278,13 @@ class CompressionState:
                     "torch.distributed.checkpoint")
                 _log.info("%s (warned again at the next call unless this rank's own shard is loaded first)",
                           self._foreign_shard)
-            else:
-                _log.warning("lbcomm: compression error buffers were saved for (numel, world_size, rank, block_size)="
-                             "%s but this run has %s; resetting them to zero and continuing (another world size: "
-                             "lbcomm.load_sharded redistributes them exactly)", layout, mine)
+            else:  # deferred like a foreign shard: an elastic load (LbcommCallback, load_sharded) may follow
+                self._foreign_shard = (
+                    f"lbcomm: compression error buffers were saved for (numel, world_size, rank, block_size)={layout} "
+                    f"but this run has {mine}; resetting them to zero and continuing (another world size: "
+                    "lbcomm.load_sharded redistributes them exactly)")
+                _log.info("%s (warned again at the next call unless a redistributed state is loaded first)",
+                          self._foreign_shard)
             return False
         self._worker_error.copy_(sd["worker_error"].reshape(self._worker_error.shape))
         self._server_error.copy_(sd["server_error"].reshape(self._server_error.shape))

@@ -32,7 +32,8 @@ from __future__ import annotations
 import gc
 import logging
 import os
-from typing import Any, Optional
+import warnings
+from typing import Any, Iterator, Optional
 
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
@@ -53,15 +54,22 @@ def _world_rank():
     return 1, 0
 
 
+def _live(cls) -> Iterator[Any]:
+    """The live objects of class `cls` (callbacks are handed neither the Trainer nor its DDP).
+    Quietly: isinstance() on some deprecated torch objects warns."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        found = [obj for obj in gc.get_objects() if isinstance(obj, cls)]
+    return iter(found)
+
+
 def _ddp_of(model) -> Optional[DistributedDataParallel]:
     """The live DistributedDataParallel whose module is `model` (Trainer hands callbacks
     the unwrapped model, and ``trainer.model_wrapped`` is not reachable from them)."""
-    for obj in gc.get_objects():
-        if isinstance(obj, DistributedDataParallel):
-            inner = obj.module
-            inner = getattr(inner, "_orig_mod", inner)  # torch.compile inside DDP
-            if inner is model:
-                return obj
+    for obj in _live(DistributedDataParallel):
+        inner = getattr(obj.module, "_orig_mod", obj.module)  # torch.compile inside DDP
+        if inner is model:
+            return obj
     return None
 
 
@@ -69,8 +77,8 @@ def _trainer_of(callback) -> Any:
     """The live Trainer whose callbacks include `callback` (callbacks are not handed the Trainer)."""
     from transformers import Trainer
 
-    for obj in gc.get_objects():
-        if isinstance(obj, Trainer) and any(c is callback for c in getattr(obj.callback_handler, "callbacks", ())):
+    for obj in _live(Trainer):
+        if any(c is callback for c in getattr(obj.callback_handler, "callbacks", ())):
             return obj
     return None
 
