@@ -17,17 +17,15 @@ import datetime
 import json
 import os
 import sys
-import tempfile
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 import lbcomm  # noqa: E402
 from lbcomm.stats import BatchSizeController, GradientNoiseScale  # noqa: E402
-from convergence import ByteLM, evaluate, lm_loss, load_corpus, sample  # noqa: E402
+from convergence import ByteLM, evaluate, lm_loss, load_corpus, sample, spawn_ranks  # noqa: E402
 
 
 def train(a, data, val, rank, world, adaptive):
@@ -89,13 +87,7 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     train_data, val, root, _ = load_corpus(4 * 2**20, 2**20)
-    with tempfile.TemporaryDirectory() as d:
-        data_path, out_path = os.path.join(d, "data.pt"), os.path.join(d, "out.json")
-        torch.save({"train": train_data, "val": val}, data_path)
-        mp.start_processes(rank_main, args=(a.ranks, a, data_path, os.path.join(d, "init"), out_path),
-                           nprocs=a.ranks, start_method="spawn")
-        with open(out_path) as f:
-            out = json.load(f)
+    out = spawn_ranks(rank_main, a.ranks, (a,), train_data, val)
     print(f"Lamb on {a.ranks} ranks, {a.samples} sequences of {a.ctx} bytes, start batch {a.micro * a.ranks}, "
           f"norm test eta {a.eta}, max batch {a.max_batch}")
     print(f"{'step':>6}{'samples seen':>14}{'new batch':>11}{'B_simple':>10}")

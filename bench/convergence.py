@@ -435,6 +435,19 @@ def parse_args(argv=None):
     return a
 
 
+def spawn_ranks(rank_main, world: int, extra: tuple, train: torch.Tensor, val: torch.Tensor):
+    """Run `rank_main(rank, world, *extra, data_path, init_dir, out_path)` on `world` spawned
+    gloo ranks with the corpus in `data_path`; returns what rank 0 wrote to `out_path` (JSON).
+    Shared by the benchmarks built on this corpus."""
+    with tempfile.TemporaryDirectory() as d:
+        data_path, out_path = os.path.join(d, "data.pt"), os.path.join(d, "results.json")
+        torch.save({"train": train, "val": val}, data_path)
+        mp.start_processes(rank_main, args=(world, *extra, data_path, os.path.join(d, "init"), out_path),
+                           nprocs=world, start_method="spawn")
+        with open(out_path) as f:
+            return json.load(f)
+
+
 def main(argv=None):
     a = parse_args(argv)
     kinds = [k for k in KINDS if not a.only or k in a.only.split(",")]
@@ -446,13 +459,7 @@ def main(argv=None):
     print(f"model: {n_params:,} parameters; {len(runs)} runs of {a.steps} steps on {a.ranks} gloo ranks "
           f"(freeze_step {a.freeze}, lbcomm {'with' if lbcomm.ops.HAS_EXTENSION else 'WITHOUT'} its C++ kernels)")
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory() as d:
-        data_path, out_path = os.path.join(d, "data.pt"), os.path.join(d, "results.json")
-        torch.save({"train": train, "val": val}, data_path)
-        mp.start_processes(rank_main, args=(a.ranks, a, runs, data_path, os.path.join(d, "init"), out_path),
-                           nprocs=a.ranks, start_method="spawn")
-        with open(out_path) as f:
-            results = json.load(f)
+    results = spawn_ranks(rank_main, a.ranks, (a, runs), train, val)
     for r in results:
         r["curve"] = [tuple(c) for c in r["curve"]]
     report(results, a, a.plot)

@@ -32,18 +32,16 @@ import json
 import math
 import os
 import sys
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 import lbcomm  # noqa: E402
 from lbcomm.stats import AdaScale, GradientNoiseScale, allreduce_gradients_  # noqa: E402
-from convergence import ByteLM, evaluate, lm_loss, load_corpus, lr_factor, sample  # noqa: E402
+from convergence import ByteLM, evaluate, lm_loss, load_corpus, lr_factor, sample, spawn_ranks  # noqa: E402
 
 FAMILY = {"sgd": "sgd", "sgd_linear": "sgd", "adascale_sgd": "sgd", "lars": "lars", "lars_legw": "lars",
           "lamb": "lamb", "lamb_sqrt": "lamb", "onebit_lamb": "lamb"}
@@ -340,13 +338,7 @@ def main(argv=None):
     print(f"corpus: {root} ({nfiles} files); {len(plan)} runs on {a.ranks} gloo ranks; base batch {a.batch}, "
           f"{a.steps} base steps; scales {a.scales}")
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory() as d:
-        data_path, out_path = os.path.join(d, "data.pt"), os.path.join(d, "results.json")
-        torch.save({"train": train, "val": val}, data_path)
-        mp.start_processes(rank_main, args=(a.ranks, a, plan, data_path, os.path.join(d, "init"), out_path),
-                           nprocs=a.ranks, start_method="spawn")
-        with open(out_path) as f:
-            results = json.load(f)
+    results = spawn_ranks(rank_main, a.ranks, (a, plan), train, val)
     report(results, a)
     if a.plot:
         plot(results, a, a.plot)
