@@ -75,7 +75,8 @@ class ZeroOneAdam(OneBitAdam):
         self._schedule = self._initial_schedule()
         self._last_kind: Optional[str] = None
         self._counts = {k: 0 for k in _KINDS}
-        OneBitOptimizer.__init__(self, params, defaults, process_group=process_group, backend=backend)
+        # flat compression only: its local steps and syncs are not built on the hierarchical reduction
+        OneBitOptimizer.__init__(self, params, defaults, process_group=process_group, backend=backend, topology="flat")
 
     @staticmethod
     def _initial_schedule() -> Dict[str, Any]:
