@@ -254,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
                          f"need --ranks-per-node > 1 (default: {','.join(FLAT_TRAIN_METHODS)}; with nodes "
                          f"{','.join(DEFAULT_NODE_TRAIN_METHODS)}); also, never by default, "
                          f"{','.join(STATS_METHODS)} (DDP with torch's Python allreduce hook alone, and with "
-                         "lbcomm.stats' gradient statistics around it; the onebit_adam method with them)")
+                         "lbcomm.stats' gradient statistics around it; OneBitAdam with them)")
     tr.add_argument("--nodes", type=_int_at_least(1), default=None,
                     help="emulated nodes: world size = nodes x ranks per node; with --bandwidth the ranks of a "
                          "node share one network namespace (unshaped loopback) and the nodes are joined by shaped "
