@@ -17,9 +17,8 @@ state = lbcomm.OneBitHookState(start_iter=4)          # ... 1-bit gradients from
 attach(model, state)                                  # = model.register_comm_hook(state, lbcomm.onebit_hook)
 
 out, start = sys.argv[1], 0
-if "--resume" in sys.argv:  # every rank reads its own shard, before the first backward
-    info = lbcomm.load_sharded(f"{out}/step-6", opt, model.module)
-    state.load_state_dict(info["extra"]["hook"])
+if "--resume" in sys.argv:  # every rank reads its shard(s), before the first backward; any number of ranks
+    info = lbcomm.load_sharded(f"{out}/step-6", opt, model.module, hook_state=state)
     start = info["extra"]["step"]
 for step in range(start, 9):
     g = torch.Generator().manual_seed(1000 * rank + step)  # this rank's batch of this step
@@ -29,8 +28,8 @@ for step in range(start, 9):
     loss.backward()
     opt.step()
     if step + 1 == 6 and start == 0:  # every rank saves its shard (its error feedback differs)
-        lbcomm.save_sharded(f"{out}/step-6", opt, model.module, extra={"hook": state.state_dict(), "step": 6})
+        lbcomm.save_sharded(f"{out}/step-6", opt, model.module, hook_state=state, extra={"step": 6})
 stats = state.compression_stats()
 print(f"rank {rank}: loss {loss.item():.6f}, sent {stats['bytes_sent']} bytes, ratio {stats['compression_ratio']:.1f}x")
-lbcomm.save_sharded(f"{out}/final-{start}", opt, model.module, extra={"hook": state.state_dict()})
+lbcomm.save_sharded(f"{out}/final-{start}", opt, model.module, hook_state=state)
 dist.destroy_process_group()
