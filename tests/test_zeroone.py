@@ -311,6 +311,7 @@ def test_one_rank_first_step_is_the_plain_formula():
 def test_state_dict_before_the_first_step_and_validation():
     model = _mlp()
     opt = lbcomm.ZeroOneAdam(model.parameters(), var_freeze_step=3, var_update_scaler=1, local_step_scaler=1)
+    assert opt.topology == "flat"  # never the hierarchical reduction, also under multi-node torchrun
     sd = opt.state_dict()
     assert sd["lbcomm"]["layout"] is None
     opt.load_state_dict(sd)
