@@ -39,6 +39,27 @@ def _random_shards(numel, world, block, seed):
     return shards
 
 
+@pytest.mark.parametrize("old, new", [(4, 2), (2, 4)])
+def test_lightning_checkpoint_entries_are_redistributed(old, new):
+    """Lightning's checkpoint holds every rank's entry: resumed on another number of ranks,
+    each new rank's error feedback is the redistribution of all of them (total preserved)
+    and the hook's units go to OneBitHookState.load_state_dict(all_ranks=...)."""
+    pytest.importorskip("lightning")
+    from lbcomm.integrations.lightning import _redistributed_entry
+
+    shards = _random_shards(1000, old, 64, seed=old)
+    hooks = [{"rank": r} for r in range(old)]
+    entries = [_redistributed_entry([{"compression": c, "hook": h} for c, h in zip(shards, hooks)], new, r)
+               for r in range(new)]
+    assert all(e["hook_all_ranks"] == hooks for e in entries)
+    assert [e["compression"]["rank"] for e in entries] == list(range(new))
+    torch.testing.assert_close(_total([e["compression"] for e in entries]), _total(shards), rtol=1e-6, atol=1e-6)
+    one = _redistributed_entry([{"compression": c, "hook": None} for c in shards], 1, 0)
+    assert one["compression"] is None and one["compression_reset"]  # one rank compresses nothing
+    with pytest.raises(ValueError, match="inconsistent"):
+        _redistributed_entry([{"compression": shards[0], "hook": None}, {"compression": None, "hook": None}], new, 0)
+
+
 @pytest.mark.parametrize("old, new", [(4, 2), (2, 4), (3, 5), (4, 1)])
 @pytest.mark.parametrize("numel", [1, 1000, 4099])
 def test_redistribution_preserves_the_total_error(old, new, numel):

@@ -13,7 +13,11 @@ really use lbcomm and resume it exactly.
   Lightning's ``optimizer_states``. Top-k and ``last.ckpt`` handling stay Lightning's.
 * Resume (``trainer.fit(..., ckpt_path=...)``): after Lightning has restored the optimizer
   (rank 0's state on every rank), every rank restores its own entry at train start, so the
-  continuation is bitwise identical to a run that never stopped (same world size).
+  continuation is bitwise identical to a run that never stopped (same world size). With
+  another number of ranks every rank reads all saved entries and the error feedback is
+  redistributed (`lbcomm.compressed.redistribute_errors`, the hook's units likewise:
+  the total carried error of DESIGN.md §1 is preserved); hierarchical error feedback
+  restarts from zero, logged.
 
 * Clipping: after the freeze of a lbcomm optimizer every rank holds its local gradient,
   and ``Trainer(gradient_clip_val=x)`` (by norm) would clip each by its own norm. The
@@ -39,6 +43,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
+from ..compressed import redistribute_errors
 from ..ddp import OneBitHookState
 from .attach import LBCOMM_OPTIMIZERS, attach, check_callback_args, unwrap_optimizer
 
@@ -59,6 +64,34 @@ def _to_cpu(obj: Any) -> Any:
     return obj
 
 
+def _redistributed_entry(ranks, world: int, rank: int) -> Dict[str, Any]:
+    """This rank's entry from the entries of every rank of another world size: the
+    optimizer's error feedback redistributed (its total preserved); the hook's units are
+    redistributed by `OneBitHookState.load_state_dict(all_ranks=...)`."""
+    saved_world = len(ranks)
+    comps = [r["compression"] for r in ranks]
+    entry: Dict[str, Any] = {"compression": None, "hook": ranks[0]["hook"],
+                             "hook_all_ranks": [r["hook"] for r in ranks] if ranks[0]["hook"] is not None else None}
+    if world == 1:  # nothing is compressed on one rank
+        _log.warning("LbcommCallback: the checkpoint was saved by %s ranks; with one rank nothing is compressed, so "
+                     "the saved error feedback is dropped", saved_world)
+        return {"compression": None, "hook": None, "compression_reset": True}
+    if all(c is None for c in comps):
+        pass
+    elif any(c is None for c in comps):
+        raise ValueError("LbcommCallback: some ranks of the checkpoint hold compression state and others do not; the "
+                         "checkpoint is inconsistent")
+    elif "worker_error" not in comps[0]:  # a HierarchicalState: its layout depends on the node shape
+        _log.warning("LbcommCallback: the checkpoint was saved by %s ranks with a hierarchical momentum reduction; its "
+                     "error feedback is not redistributed onto %s ranks and starts from zero", saved_world, world)
+        entry["compression_reset"] = True
+    else:
+        entry["compression"] = redistribute_errors(comps, world, rank)
+    _log.info("LbcommCallback: the checkpoint was saved by %s ranks and this run has %s; the error feedback of all "
+              "saved ranks is redistributed onto this world (its total is preserved)", saved_world, world)
+    return entry
+
+
 class LbcommCallback(Callback):
     """Attach lbcomm to Lightning's DDP and keep every rank's lbcomm state in its checkpoints.
 
@@ -68,9 +101,10 @@ class LbcommCallback(Callback):
             lbcomm optimizer (default: None).
         warmup_fp16 (bool, optional): average the warmup gradients of a lbcomm optimizer
             in fp16 (default: False).
-        strict (bool, optional): resuming from a checkpoint without lbcomm entries (or
-            saved by another world size) raises; False logs a warning and continues with
-            the other ranks' error feedback reset (default: True).
+        strict (bool, optional): resuming from a checkpoint without lbcomm entries raises;
+            False logs a warning and continues with the other ranks' error feedback reset
+            (default: True). Another world size is not an error: the saved error feedback
+            is redistributed onto this one.
         max_grad_norm (float, optional): clip the gradients of the lbcomm optimizer by one
             norm shared by all ranks (`lbcomm.optim.BaseOptimizer.clip_grad_norm_`) before
             every optimizer step and log it as ``lbcomm_grad_norm``; leave the Trainer's
@@ -189,8 +223,9 @@ class LbcommCallback(Callback):
         elif entry.get("format") != _FORMAT or entry.get("version") != _VERSION:
             raise ValueError(f"LbcommCallback: unsupported lbcomm entry in the checkpoint ({entry.get('format')!r} "
                              f"version {entry.get('version')!r})")
-        elif entry["world_size"] != world:
-            problem = f"the checkpoint was saved by {entry['world_size']} ranks and this run has {world}"
+        if problem is None and entry["world_size"] != world:  # elastic resume
+            self._pending = _redistributed_entry(entry["ranks"], world, rank)
+            return
         if problem is not None:
             msg = (f"LbcommCallback: {problem}; Lightning restores rank 0's optimizer state on every rank, so the "
                    "other ranks' compression error feedback restarts from zero")
@@ -205,12 +240,14 @@ class LbcommCallback(Callback):
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        if self.hook_state is not None:
+        if self.hook_state is not None and not (pending.get("compression_reset") and pending["hook"] is None):
             if pending["hook"] is None:
                 raise ValueError("LbcommCallback: the checkpoint holds no OneBitHookState (saved without hook_state=)")
-            self.hook_state.load_state_dict(pending["hook"])
+            self.hook_state.load_state_dict(pending["hook"], all_ranks=pending.get("hook_all_ranks"))
         comp = None if self._optimizer is None else self._optimizer.compression_state
-        if (comp is None) != (pending["compression"] is None):
+        if pending.get("compression_reset"):
+            pass  # hierarchical errors of another world size: left reset by Lightning's load (logged)
+        elif (comp is None) != (pending["compression"] is None):
             raise ValueError("LbcommCallback: the optimizer's compression stage does not match the checkpoint's "
                              f"(optimizer frozen: {getattr(self._optimizer, 'frozen', None)}, saved error feedback: "
                              f"{pending['compression'] is not None})")
