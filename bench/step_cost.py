@@ -7,7 +7,7 @@ rule (max_update=None, the unbounded fused update) and the default max_update (O
 median step time of each and their ratio (target: within 3 %).
 
 Kind "hook": DDP + onebit_hook + SGD momentum, normalize=None (published) vs the default
-normalize="warmup" (two extra elementwise passes per compressed bucket); a step is then
+normalize="warmup" (the weights read by the compression and the decode); a step is then
 forward, backward (the compressed allreduce of every bucket) and the SGD step.
 
     python bench/step_cost.py [--numel N] [--kinds adam,lamb,hook]

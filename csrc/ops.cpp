@@ -71,10 +71,23 @@ float* check_error_out(const at::Tensor& error, const std::optional<at::Tensor>&
   return o.data_ptr<float>();
 }
 
+// Optional per-coordinate weights: float32, numel elements, on the device of the data;
+// returns them contiguous (kept alive by the launch) or an undefined tensor.
+at::Tensor check_weights(const std::optional<at::Tensor>& weights, const at::Tensor& like, int64_t numel,
+                         const char* op) {
+  if (!weights.has_value()) return at::Tensor();
+  const at::Tensor& w = *weights;
+  check_f32(w, op, "weights");
+  check_same_device(like, w, op, "weights");
+  TORCH_CHECK_VALUE(w.numel() == numel, op, ": weights must have one element per coordinate (", numel,
+                    "), got ", w.numel());
+  return w.contiguous();
+}
+
 }  // namespace
 
 WorkerLaunch prepare_worker(const at::Tensor& x, const at::Tensor& error, std::optional<int64_t> block_size,
-                            const std::optional<at::Tensor>& error_out) {
+                            const std::optional<at::Tensor>& error_out, const std::optional<at::Tensor>& weights) {
   constexpr const char* op = "lbcomm::worker_compress";
   WorkerLaunch L;
   const InType t = in_type(x, op);
@@ -90,6 +103,7 @@ WorkerLaunch prepare_worker(const at::Tensor& x, const at::Tensor& error, std::o
   TORCH_CHECK_VALUE(x.numel() <= p * m, op, ": x has ", x.numel(), " elements but error holds only ", p * m,
                     " (", p, " chunks of ", m, ")");
   L.input = x.contiguous();
+  L.weights = check_weights(weights, error, x.numel(), op);
   const auto u8 = error.options().dtype(at::kByte);
   const int64_t nb = num_blocks(m, block);
   L.packed = error.dim() == 2 ? at::empty({p, m / 8}, u8) : at::empty({m / 8}, u8);
@@ -105,7 +119,8 @@ WorkerLaunch prepare_worker(const at::Tensor& x, const at::Tensor& error, std::o
                       block,
                       L.packed.data_ptr<uint8_t>(),
                       L.scales.data_ptr<float>(),
-                      block == 0 ? L.partials.data_ptr<double>() : nullptr};
+                      block == 0 ? L.partials.data_ptr<double>() : nullptr,
+                      L.weights.defined() ? L.weights.data_ptr<float>() : nullptr};
   return L;
 }
 
@@ -153,7 +168,8 @@ ServerLaunch prepare_server(const at::Tensor& packed, const at::Tensor& scales, 
 
 namespace {
 UnpackLaunch prepare_unpack_impl(const at::Tensor& packed, const at::Tensor& scales, int64_t numel,
-                                 std::optional<int64_t> block_size, const at::Tensor* out, const char* op) {
+                                 std::optional<int64_t> block_size, const at::Tensor* out, const char* op,
+                                 const std::optional<at::Tensor>& weights = std::nullopt) {
   UnpackLaunch L;
   TORCH_CHECK_TYPE(packed.scalar_type() == at::kByte, op, ": expected packed uint8, got ", packed.scalar_type());
   check_f32(scales, op, "scales");
@@ -177,6 +193,7 @@ UnpackLaunch prepare_unpack_impl(const at::Tensor& packed, const at::Tensor& sca
   } else {
     L.out = at::empty({numel}, scales.options());
   }
+  L.weights = check_weights(weights, packed, numel, op);
   L.args = UnpackArgs{P.data_ptr<uint8_t>(),
                       p > 1 ? P.stride(0) : m / 8,
                       S.data_ptr<float>(),
@@ -185,7 +202,8 @@ UnpackLaunch prepare_unpack_impl(const at::Tensor& packed, const at::Tensor& sca
                       m,
                       block,
                       numel,
-                      L.out.data_ptr<float>()};
+                      L.out.data_ptr<float>(),
+                      L.weights.defined() ? L.weights.data_ptr<float>() : nullptr};
   return L;
 }
 }  // namespace
@@ -196,8 +214,9 @@ UnpackLaunch prepare_unpack(const at::Tensor& packed, const at::Tensor& scales, 
 }
 
 UnpackLaunch prepare_unpack_into(const at::Tensor& packed, const at::Tensor& scales,
-                                 std::optional<int64_t> block_size, const at::Tensor& out) {
-  return prepare_unpack_impl(packed, scales, out.numel(), block_size, &out, "lbcomm::unpack_into");
+                                 std::optional<int64_t> block_size, const at::Tensor& out,
+                                 const std::optional<at::Tensor>& weights) {
+  return prepare_unpack_impl(packed, scales, out.numel(), block_size, &out, "lbcomm::unpack_into", weights);
 }
 
 namespace {
@@ -211,8 +230,9 @@ void parallel_units(int64_t units, int64_t unit_elems, const F& f) {
 
 std::tuple<at::Tensor, at::Tensor> worker_compress_cpu(const at::Tensor& x, const at::Tensor& error,
                                                        std::optional<int64_t> block_size,
-                                                       const std::optional<at::Tensor>& error_out) {
-  WorkerLaunch L = prepare_worker(x, error, block_size, error_out);
+                                                       const std::optional<at::Tensor>& error_out,
+                                                       const std::optional<at::Tensor>& weights) {
+  WorkerLaunch L = prepare_worker(x, error, block_size, error_out, weights);
   const WorkerArgs& a = L.args;
   const int64_t units = cpu::worker_units(a), unit = a.block > 0 ? a.block : kPartialBlock;
   for (int pass = 0; pass < cpu::worker_num_passes(a); ++pass) {
@@ -249,13 +269,13 @@ at::Tensor unpack_cpu(const at::Tensor& packed, const at::Tensor& scales, int64_
 }
 
 void unpack_into_cpu(const at::Tensor& packed, const at::Tensor& scales, std::optional<int64_t> block_size,
-                     const at::Tensor& out) {
-  run_unpack_cpu(prepare_unpack_into(packed, scales, block_size, out));
+                     const at::Tensor& out, const std::optional<at::Tensor>& weights) {
+  run_unpack_cpu(prepare_unpack_into(packed, scales, block_size, out, weights));
 }
 
 bool has_avx2_op() { return cpu::has_avx2(); }
 // Bumped whenever an op's schema or semantics change, so Python can detect a stale build.
-int64_t abi_version_op() { return 2; }
+int64_t abi_version_op() { return 3; }
 bool built_with_cuda_op() {
 #ifdef LBCOMM_WITH_CUDA
   return true;
@@ -267,12 +287,14 @@ bool built_with_cuda_op() {
 }  // namespace
 
 TORCH_LIBRARY(lbcomm, m) {
-  m.def("worker_compress(Tensor x, Tensor(a!) error, int? block_size, Tensor(b!)? error_out=None) -> (Tensor, Tensor)");
+  m.def(
+      "worker_compress(Tensor x, Tensor(a!) error, int? block_size, Tensor(b!)? error_out=None, "
+      "Tensor? weights=None) -> (Tensor, Tensor)");
   m.def(
       "server_compress(Tensor packed, Tensor scales, Tensor(a!) error, int? block_size, int? numel=None, "
       "Tensor(b!)? error_out=None) -> (Tensor, Tensor)");
   m.def("unpack(Tensor packed, Tensor scales, int numel, int? block_size) -> Tensor");
-  m.def("unpack_into(Tensor packed, Tensor scales, int? block_size, Tensor(a!) out) -> ()");
+  m.def("unpack_into(Tensor packed, Tensor scales, int? block_size, Tensor(a!) out, Tensor? weights=None) -> ()");
   m.def("cpu_has_avx2() -> bool", &has_avx2_op);
   m.def("abi_version() -> int", &abi_version_op);
   m.def("built_with_cuda() -> bool", &built_with_cuda_op);

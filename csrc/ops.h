@@ -15,6 +15,7 @@ struct WorkerLaunch {
   WorkerArgs args;
   at::Tensor packed, scales, partials;
   at::Tensor input;  // x made contiguous, kept alive for the launch
+  at::Tensor weights;  // the weights made contiguous (or undefined), kept alive likewise
 };
 struct ServerLaunch {
   ServerArgs args;
@@ -22,13 +23,16 @@ struct ServerLaunch {
 };
 struct UnpackLaunch {
   UnpackArgs args;
-  at::Tensor out;
+  at::Tensor out, weights;
 };
 
 // Validate inputs (TORCH_CHECK with the op name and what was received), allocate outputs on
 // the inputs' device and fill the raw-pointer arguments. error_out == nullopt means in place.
+// weights (optional): float32 per-coordinate weights of x's numel (worker: x / w is
+// compressed) or out's numel (unpack_into: the decoded value times w is written).
 WorkerLaunch prepare_worker(const at::Tensor& x, const at::Tensor& error, std::optional<int64_t> block_size,
-                            const std::optional<at::Tensor>& error_out);
+                            const std::optional<at::Tensor>& error_out,
+                            const std::optional<at::Tensor>& weights = std::nullopt);
 ServerLaunch prepare_server(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& error,
                             std::optional<int64_t> block_size, std::optional<int64_t> numel,
                             const std::optional<at::Tensor>& error_out);
@@ -36,6 +40,7 @@ UnpackLaunch prepare_unpack(const at::Tensor& packed, const at::Tensor& scales, 
                             std::optional<int64_t> block_size);
 // The same into a caller's contiguous float32 tensor of numel elements (no allocation).
 UnpackLaunch prepare_unpack_into(const at::Tensor& packed, const at::Tensor& scales,
-                                 std::optional<int64_t> block_size, const at::Tensor& out);
+                                 std::optional<int64_t> block_size, const at::Tensor& out,
+                                 const std::optional<at::Tensor>& weights = std::nullopt);
 
 }  // namespace lbcomm

@@ -365,7 +365,7 @@ class _Call:
     """One compressed allreduce: validation, the schedule and the phases."""
 
     def __init__(self, name: str, state: CompressionState, source: Source, sink: Sink, checked: bool,
-                 result: Callable[[bool], Any]):
+                 result: Callable[[bool], Any], weights: Optional[Tensor] = None):
         if not isinstance(state, CompressionState):
             raise TypeError(f"{name}: state must be a CompressionState, got {type(state).__name__}")
         self.name, self.state, self.checked, self.result = name, state, bool(checked), result
@@ -380,8 +380,16 @@ class _Call:
             self._check_tensor(sink, "the output")
         elif not callable(sink):
             raise TypeError(f"{name}: expected a tensor or a callable sink(lo, hi, values), got {type(sink).__name__}")
+        if weights is not None:
+            if not isinstance(weights, Tensor) or weights.dtype != torch.float32 or weights.numel() != state.numel \
+                    or weights.device != state.device:
+                got = (f"{weights.dtype} {tuple(weights.shape)} on {weights.device}" if isinstance(weights, Tensor)
+                       else type(weights).__name__)
+                raise ValueError(f"{name}: weights must be a float32 tensor of {state.numel} elements on "
+                                 f"{state.device} (one per coordinate), got {got}")
+            weights = weights.reshape(-1)
         state._ensure_idle()
-        self.source, self.sink = source, sink
+        self.source, self.sink, self.weights = source, sink, weights
         self.flat_source: Optional[Tensor] = None  # the tensor source as one flat view (made on first use)
 
     def _check_tensor(self, t: Tensor, what: str) -> None:
@@ -518,7 +526,8 @@ class _Call:
         q8, block, m, n0 = layout.sign_bytes, st.block_size, st.chunk, st.numel
         if len(st.piece_spans) == 1 and (block is None or isinstance(self.source, Tensor)):
             # one kernel call over every chunk (the only way with one scale for everything)
-            packed, scales = ops.worker_compress(self._input(0, n0), st._worker_error, block)
+            packed, scales = ops.worker_compress(self._input(0, n0), st._worker_error, block,
+                                                 weights=self.weights)
             send[:, :q8].copy_(packed)
             self._scales(send, s).copy_(scales)
         else:
@@ -526,8 +535,10 @@ class _Call:
             for j in range(st.world_size):
                 for a, b in block_ranges(lo, hi, block, cap):
                     g0 = j * m + a
-                    x = self._input(g0, max(g0, min(j * m + b, n0)))
-                    packed, scales = ops.worker_compress(x, st._worker_error[j, a:b], block)
+                    g1 = max(g0, min(j * m + b, n0))
+                    w = None if self.weights is None else self.weights[g0:g1]
+                    packed, scales = ops.worker_compress(self._input(g0, g1), st._worker_error[j, a:b], block,
+                                                         weights=w)
                     send[j, (a - lo) // 8:(b - lo) // 8].copy_(packed)
                     first = (a - lo) // block
                     self._scales(send[j], s)[first:first + scales.numel()].copy_(scales)
@@ -561,7 +572,8 @@ class _Call:
         whole, write, copy_back = self._sink_target()
         if whole is not None and len(st.piece_spans) == 1:
             g = st._wire[0].gathered
-            ops.unpack_into(g[:, :st._row_layouts[0].sign_bytes], self._scales(g, 0), block, whole)
+            ops.unpack_into(g[:, :st._row_layouts[0].sign_bytes], self._scales(g, 0), block, whole,
+                            weights=self.weights)
         else:
             for s, (lo, hi) in enumerate(st.piece_spans):
                 g = st._wire[s].gathered
@@ -574,7 +586,8 @@ class _Call:
                         count = -(-(b - a) // block) if block else 1
                         scales = self._scales(g[k:k + 1], s)[:, first:first + count]
                         out = whole[g0:g1] if write is None else st._staging_buffer(st._staging_cap)[:g1 - g0]
-                        ops.unpack_into(g[k:k + 1, (a - lo) // 8:(b - lo) // 8], scales, block, out)
+                        w = None if self.weights is None else self.weights[g0:g1]
+                        ops.unpack_into(g[k:k + 1, (a - lo) // 8:(b - lo) // 8], scales, block, out, weights=w)
                         if write is not None:
                             write(g0, g1, out)
         if copy_back:
@@ -652,7 +665,8 @@ def _drive(call: _Call, async_op: bool):
     return result
 
 
-def reduce_(state: CompressionState, source: Source, sink: Sink, *, checked: bool = False, async_op: bool = False):
+def reduce_(state: CompressionState, source: Source, sink: Sink, *, checked: bool = False, async_op: bool = False,
+            weights: Optional[Tensor] = None):
     """The compressed allreduce that every entry point, optimizer and hook goes through:
     the approximate MEAN of `source` over the ranks of the state's group, into `sink`.
 
@@ -681,6 +695,13 @@ def reduce_(state: CompressionState, source: Source, sink: Sink, *, checked: boo
             in flight per process group (on torch.distributed: later collectives are issued
             from callbacks, so two concurrent calls could interleave differently on
             different ranks; the wire headers then make every rank raise) (default: False).
+        weights (Tensor, optional): float32 per-coordinate weights w > 0 of
+            `state.numel` elements on `state.device`, the same on every rank: the call
+            compresses source / w (the error feedback lives in those units) and writes
+            the decoded mean times w, both fused into the passes the call makes anyway.
+            Bitwise the same as dividing the input by w in fp32 before the call and
+            multiplying the result by w after it. With one rank the sink receives the
+            input unchanged (default: None).
 
     Returns:
         True when the result was written, False when the call was skipped for non-finite
@@ -688,10 +709,11 @@ def reduce_(state: CompressionState, source: Source, sink: Sink, *, checked: boo
         ``nonfinite="raise"`` a NonFiniteError is raised instead (on every rank). With one
         rank nothing is compressed: the sink receives the input unchanged.
     """
-    return _drive(_Call("reduce_", state, source, sink, checked, bool), async_op)
+    return _drive(_Call("reduce_", state, source, sink, checked, bool, weights), async_op)
 
 
-def compressed_allreduce_(tensor: Tensor, state: CompressionState, *, async_op: bool = False):
+def compressed_allreduce_(tensor: Tensor, state: CompressionState, *, async_op: bool = False,
+                          weights: Optional[Tensor] = None):
     """In-place approximate MEAN of `tensor` over the ranks of the state's group, in about
     1 bit per element; allocates nothing (the primary entry point, like `dist.all_reduce`).
 
@@ -701,6 +723,7 @@ def compressed_allreduce_(tensor: Tensor, state: CompressionState, *, async_op: 
             result cast back. Left unchanged by a call skipped for non-finite input.
         state (CompressionState): this rank's error feedback for this tensor size.
         async_op (bool, optional): return a Future (see `reduce_`) (default: False).
+        weights (Tensor, optional): per-coordinate weights (see `reduce_`) (default: None).
 
     Returns:
         `tensor` (or a Future of it), bitwise identical on every rank; `state.last_skipped`
@@ -712,11 +735,13 @@ def compressed_allreduce_(tensor: Tensor, state: CompressionState, *, async_op: 
         >>> lbcomm.compressed_allreduce_(grad, state)          # grad now holds the mean
         >>> fut = lbcomm.compressed_allreduce_(grad, state, async_op=True)
     """
-    return _drive(_Call("compressed_allreduce_", state, tensor, tensor, False, lambda applied: tensor), async_op)
+    return _drive(_Call("compressed_allreduce_", state, tensor, tensor, False, lambda applied: tensor, weights),
+                  async_op)
 
 
 def compressed_allreduce(
-    tensor: Tensor, state: CompressionState, group=None, async_op: bool = False, out: Optional[Tensor] = None
+    tensor: Tensor, state: CompressionState, group=None, async_op: bool = False, out: Optional[Tensor] = None,
+    weights: Optional[Tensor] = None,
 ):
     """Approximate MEAN of `tensor` over the ranks of the state's group, into `out`.
 
@@ -730,6 +755,7 @@ def compressed_allreduce(
             `out` is decoded without allocating. Left unchanged by a call skipped for
             non-finite input. Leaving it out is deprecated: the call then allocates (and
             page-faults) a new output every time; use `compressed_allreduce_` or pass out=.
+        weights (Tensor, optional): per-coordinate weights (see `reduce_`) (default: None).
 
     Returns:
         `out` (or a Future of it), bitwise identical on every rank. Without `out`: a new
@@ -755,4 +781,4 @@ def compressed_allreduce(
             out.fill_(float("nan"))
         return out
 
-    return _drive(_Call("compressed_allreduce", state, tensor, out, False, result), async_op)
+    return _drive(_Call("compressed_allreduce", state, tensor, out, False, result, weights), async_op)

@@ -19,7 +19,7 @@ from .wire import num_blocks
 
 __all__ = ["worker_compress", "server_compress", "unpack", "unpack_into", "HAS_EXTENSION", "extension_problem", "cpu_has_avx2"]
 
-ABI_VERSION = 2  # must match abi_version() in csrc/ops.cpp
+ABI_VERSION = 3  # must match abi_version() in csrc/ops.cpp
 _log = logging.getLogger(__name__)
 _FIX = "rebuild it with `pip install --no-build-isolation -e .` in the lbcomm checkout"
 
@@ -74,9 +74,11 @@ def cpu_has_avx2() -> bool:
 
 
 def worker_compress(
-    x: Tensor, error: Tensor, block_size: Optional[int], error_out: Optional[Tensor] = None
+    x: Tensor, error: Tensor, block_size: Optional[int], error_out: Optional[Tensor] = None,
+    weights: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
-    """Phase 0: y = x + error, one RMS scale per block, sign bits packed LSB first.
+    """Phase 0: y = x + error (x / weights + error with weights), one RMS scale per block,
+    sign bits packed LSB first.
 
     Args:
         x (Tensor): float32/float16/bfloat16, numel <= error.numel().
@@ -85,13 +87,16 @@ def worker_compress(
         block_size (int or None): elements per scale block (multiple of 32); None gives one
             scale for the whole tensor.
         error_out (Tensor, optional): receives the new error instead of `error`.
+        weights (Tensor, optional): float32 per-coordinate weights, x.numel() elements:
+            x is divided by them in fp32 (x.float() / weights, the quotient rounded once)
+            inside the kernel, so the error lives in the divided units.
 
     Returns:
         (packed uint8 [p, m/8], scales float32 [p, nb]); 1-D shapes for a 1-D error.
     """
     if _use_kernel(error.device):
-        return torch.ops.lbcomm.worker_compress(x, error, block_size, error_out)
-    packed, scales, new_error = _ref.worker_compress(x, error, block_size)
+        return torch.ops.lbcomm.worker_compress(x, error, block_size, error_out, weights)
+    packed, scales, new_error = _ref.worker_compress(x, error, block_size, weights)
     (error if error_out is None else error_out).copy_(new_error)
     if error.dim() == 1:
         return packed.reshape(-1), scales.reshape(-1)
@@ -124,21 +129,24 @@ def unpack(packed: Tensor, scales: Tensor, numel: int, block_size: Optional[int]
     return _ref.unpack(packed, scales, numel, block_size)
 
 
-def unpack_into(packed: Tensor, scales: Tensor, block_size: Optional[int], out: Tensor) -> Tensor:
+def unpack_into(packed: Tensor, scales: Tensor, block_size: Optional[int], out: Tensor,
+                weights: Optional[Tensor] = None) -> Tensor:
     """Decode into `out` (float32/float16/bfloat16, out.numel() elements) without allocating
-    when out is contiguous float32; returns out."""
+    when out is contiguous float32; returns out. With `weights` (float32, out.numel()
+    elements) each decoded value is multiplied by its weight (one fp32 product) as it is
+    written."""
     direct = out.dtype == torch.float32 and out.is_contiguous()
     if direct and _use_kernel(packed.device):
-        torch.ops.lbcomm.unpack_into(packed, scales, block_size, out.view(-1))
+        torch.ops.lbcomm.unpack_into(packed, scales, block_size, out.view(-1), weights)
     else:
-        out.copy_(unpack(packed, scales, out.numel(), block_size).view(out.shape))
+        out.copy_(_ref.unpack(packed, scales, out.numel(), block_size, weights).view(out.shape))
     return out
 
 
 if HAS_EXTENSION:
 
     @torch.library.register_fake("lbcomm::worker_compress")
-    def _(x, error, block_size, error_out=None):
+    def _(x, error, block_size, error_out=None, weights=None):
         m = error.shape[-1]
         lead = tuple(error.shape[:-1])
         return error.new_empty(lead + (m // 8,), dtype=torch.uint8), error.new_empty(lead + (num_blocks(m, block_size),))
@@ -153,5 +161,5 @@ if HAS_EXTENSION:
         return scales.new_empty((numel,))
 
     @torch.library.register_fake("lbcomm::unpack_into")
-    def _(packed, scales, block_size, out):
+    def _(packed, scales, block_size, out, weights=None):
         return None

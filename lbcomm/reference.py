@@ -5,7 +5,9 @@ fused kernels against, and the fallback when the C++ extension is not available.
 rounding steps are spelled out so that a fused kernel that follows the same recipe gives
 the same bits:
 
-* y = x + e and e' = y - copysign(scale, y) are single fp32 operations;
+* y = x + e and e' = y - copysign(scale, y) are single fp32 operations; with
+  per-coordinate weights w the worker compresses y = x / w + e (the fp32 quotient rounded
+  once, then the sum) and the decode writes value * w (one fp32 product);
 * a block scale is sqrt(sum(y^2) / count) with the sum of squares in float64, rounded to
   fp32 once at the end;
 * the server's average is acc = sum_j (+-a_j) in fp32 in rank order, then acc * (1/p) with
@@ -93,16 +95,19 @@ def _sign_error(v: Tensor, scale: Tensor, real: Tensor) -> Tuple[Tensor, Tensor]
 
 
 def worker_compress(
-    x: Tensor, error: Tensor, block_size: Optional[int]
+    x: Tensor, error: Tensor, block_size: Optional[int], weights: Optional[Tensor] = None
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """Phase 0. error is [p, m] (or flat p*m with p = 1); returns (packed [p, m/8],
-    scales [p, nb], new_error [p, m]) and leaves `error` untouched."""
+    scales [p, nb], new_error [p, m]) and leaves `error` untouched. weights (x.numel()
+    fp32, optional): compress x / weights instead of x."""
     err = error.reshape(1, -1) if error.dim() == 1 else error
     p, m = err.shape
     n0 = x.numel()
     real = _real_mask(p, m, n0, err.device)
     flat = torch.zeros(p * m, dtype=torch.float32, device=err.device)
     flat[:n0] = x.reshape(-1).to(torch.float32)
+    if weights is not None:
+        flat[:n0] = flat[:n0] / weights.reshape(-1).to(torch.float32)
     y = torch.where(real, flat.reshape(p, m) + err, torch.zeros((), device=err.device))
     scales = _block_rms(y, real, block_size)
     packed, new_error = _sign_error(y, _expand(scales, m, block_size), real)
@@ -134,14 +139,18 @@ def server_compress(
     return out_packed[0], out_scales[0], new_error[0]
 
 
-def unpack(packed: Tensor, scales: Tensor, numel: int, block_size: Optional[int]) -> Tensor:
-    """Decode packed [p, m/8] with scales [p, nb] into fp32 [numel]."""
+def unpack(packed: Tensor, scales: Tensor, numel: int, block_size: Optional[int],
+           weights: Optional[Tensor] = None) -> Tensor:
+    """Decode packed [p, m/8] with scales [p, nb] into fp32 [numel], times weights
+    (numel fp32, optional)."""
     packed2 = packed.reshape(1, -1) if packed.dim() == 1 else packed
     scales2 = scales.reshape(1, -1) if scales.dim() == 1 else scales
     m = packed2.shape[1] * 8
     per_elem = _expand(scales2.to(torch.float32), m, block_size)
-    out = _signed(unpack_signs(packed2), per_elem)
-    return out.reshape(-1)[:numel].clone()
+    out = _signed(unpack_signs(packed2), per_elem).reshape(-1)[:numel]
+    if weights is not None:
+        return out * weights.reshape(-1).to(torch.float32)
+    return out.clone()
 
 
 def compressed_allreduce(
@@ -149,19 +158,22 @@ def compressed_allreduce(
     worker_errors: Sequence[Tensor],
     server_errors: Sequence[Tensor],
     block_size: Optional[int],
+    weights: Optional[Tensor] = None,
 ) -> Tuple[Tensor, List[Tensor], List[Tensor]]:
     """The whole algorithm for p simulated ranks in one process.
 
     xs: p tensors of n0 elements; worker_errors: p tensors [p, m]; server_errors: p
-    tensors [m]. Returns (out [n0] fp32, new worker errors, new server errors).
-    World size 1 returns x unchanged (no compression), errors untouched.
+    tensors [m]; weights (n0 fp32, the same on every rank, optional): every rank
+    compresses x / weights and the decoded mean is multiplied by weights.
+    Returns (out [n0] fp32, new worker errors, new server errors).
+    World size 1 returns x unchanged (no compression, weights unused), errors untouched.
     """
     p = len(xs)
     n0 = xs[0].numel()
     if p == 1:
         return xs[0].reshape(-1).to(torch.float32).clone(), list(worker_errors), list(server_errors)
     m = server_errors[0].numel()
-    worker = [worker_compress(x, e.reshape(p, m), block_size) for x, e in zip(xs, worker_errors)]
+    worker = [worker_compress(x, e.reshape(p, m), block_size, weights) for x, e in zip(xs, worker_errors)]
     new_worker = [w[2].reshape(worker_errors[r].shape) for r, w in enumerate(worker)]
     packed_out, scales_out, new_server = [], [], []
     for k in range(p):
@@ -176,7 +188,7 @@ def compressed_allreduce(
         packed_out.append(sp)
         scales_out.append(ss)
         new_server.append(se)
-    out = unpack(torch.stack(packed_out), torch.stack(scales_out), n0, block_size)
+    out = unpack(torch.stack(packed_out), torch.stack(scales_out), n0, block_size, weights)
     return out, new_worker, new_server
 
 

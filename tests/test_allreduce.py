@@ -4,7 +4,7 @@ import torch
 
 import lbcomm
 from lbcomm import reference as R
-from lbcomm.compressed import PIECE_MIN
+from lbcomm.compressed import PIECE_MIN, reduce_
 from dist_util import run_ranks
 
 SIZES = [1, 7, 1000, 4099]
@@ -148,6 +148,62 @@ def test_pieces_are_bitwise_the_whole(p, n0, block, pieces, lengths):
         assert got == lengths
         assert extra == 2 * (p - 1) * (len(lengths) - 1) * 24  # a header per extra piece
         assert untouched, "a skipped call must leave out and the errors alone"
+
+
+def _run_weights(rank, p, n0, steps):
+    """Per-coordinate weights (the same on every rank) fused into the call, next to a twin
+    state fed x / w and multiplied by w afterwards; whole and cut states, in place, out=,
+    a callable source and a half sink."""
+    w = torch.exp(torch.randn(n0, generator=torch.Generator().manual_seed(7)))
+    got = {}
+    for block, pieces in ((None, 1), (64, 1), (64, 3)):
+        fused = lbcomm.CompressionState(n0, block_size=block, pieces=pieces)
+        twin = lbcomm.CompressionState(n0, block_size=block, pieces=pieces)
+        outs = []
+        for t in range(steps):
+            x = _inputs(rank, t, n0)
+            if t % 3 == 0:
+                out = x.clone()
+                lbcomm.compressed_allreduce_(out, fused, weights=w)
+            elif t % 3 == 1:
+                out = lbcomm.compressed_allreduce(x, fused, out=torch.empty_like(x), weights=w)
+            else:
+                def source(lo, hi, buf, x=x):
+                    buf.copy_(x[lo:hi])
+                half = torch.empty(n0, dtype=torch.bfloat16)
+                assert reduce_(fused, source, half, checked=True, weights=w) is True
+                out = half
+            old = x / w
+            lbcomm.compressed_allreduce_(old, twin)
+            old.mul_(w)
+            outs.append((out.clone(), old.to(out.dtype)))
+        same_errors = torch.equal(fused.worker_error, twin.worker_error) and \
+            torch.equal(fused.server_error, twin.server_error)
+        got[(block, pieces)] = (outs, same_errors)
+    return got
+
+
+@pytest.mark.parametrize("p,n0", [(2, 1000), (3, 4099)])
+def test_weights_fused_match_reference_and_divide_multiply(p, n0):
+    steps = 6
+    results = run_ranks(_run_weights, p, n0, steps)
+    w = torch.exp(torch.randn(n0, generator=torch.Generator().manual_seed(7)))
+    for (block, pieces), (outs, same_errors) in results[0].items():
+        assert same_errors, "the errors must be those of dividing first"
+        m = R.chunk_size(n0, p)
+        we, se = [torch.zeros(p, m) for _ in range(p)], [torch.zeros(m) for _ in range(p)]
+        for t, (fused, old) in enumerate(outs):
+            assert torch.equal(fused, old), (block, pieces, t)  # bitwise: divide, reduce, multiply
+            for r in range(1, p):
+                assert torch.equal(results[r][(block, pieces)][0][t][0], fused)
+            ref, we, se = R.compressed_allreduce([_inputs(r, t, n0) for r in range(p)], we, se, block, w)
+            assert torch.equal(fused, ref.to(fused.dtype)), (block, pieces, t)
+
+
+def test_bad_weights_are_refused():
+    state = lbcomm.CompressionState(10)
+    with pytest.raises(ValueError, match="weights must be a float32 tensor of 10 elements"):
+        lbcomm.compressed_allreduce_(torch.ones(10), state, weights=torch.ones(9))
 
 
 def _auto_pieces(rank, p):

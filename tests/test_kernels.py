@@ -77,6 +77,63 @@ def test_worker_compress_matches_reference(n0, p, block, dtype, in_place):
     assert torch.all(new_err.view(-1)[n0:] == 0)
 
 
+def _weights(n, seed=0):
+    """Per-coordinate weights > 0 spanning many binades, tiny and huge ones too."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.exp(torch.randn(n, generator=g) * 3)
+    if n > 4:
+        w[:4] = torch.tensor([1e-20, 1e20, 1.0, 0.1])
+    return w
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block", [None, 32, 2048])
+@pytest.mark.parametrize("n0,p", [(1, 1), (33, 3), (5000, 5), (70001, 3)])
+def test_worker_compress_with_weights(n0, p, block, dtype):
+    """x / w fused: the reference's arithmetic; for fp32 x bit for bit the same as dividing
+    first (what the 1-bit hook did before the fusion)."""
+    x, e = _worker_inputs(n0, p, dtype)
+    w = _weights(n0)
+    ref_packed, ref_scales, ref_err = R.worker_compress(x, e, block, w)
+    err, out = e.clone(), torch.full_like(e, float("nan"))
+    packed, scales = ops.worker_compress(x, err, block, weights=w)
+    packed2, scales2 = ops.worker_compress(x, e, block, error_out=out, weights=w)
+    assert torch.equal(packed, ref_packed) and torch.equal(packed2, ref_packed) and torch.equal(scales2, scales)
+    torch.testing.assert_close(scales, ref_scales, rtol=1e-6, atol=0)
+    torch.testing.assert_close(err, ref_err, rtol=1e-6, atol=1e-6)
+    assert torch.equal(out, err)
+    assert torch.all(err.view(-1)[n0:] == 0)
+    divided_err = e.clone()
+    divided = ops.worker_compress(x.float() / w, divided_err, block)
+    if dtype == torch.float32:
+        assert torch.equal(divided[0], packed) and torch.equal(divided[1], scales) and torch.equal(divided_err, err)
+
+
+@pytest.mark.parametrize("block", [None, 64])
+@pytest.mark.parametrize("p,m,numel", [(1, 32, 5), (3, 4096, 12000), (4, 8192, 32768)])
+def test_unpack_into_with_weights(p, m, numel, block):
+    packed = torch.randint(0, 256, (p, m // 8), dtype=torch.uint8)
+    scales = torch.rand(p, R.num_blocks(m, block))
+    w = _weights(numel, seed=1)
+    out = torch.full((numel,), float("nan"))
+    assert ops.unpack_into(packed, scales, block, out, weights=w) is out
+    assert torch.equal(out, R.unpack(packed, scales, numel, block, w))
+    assert torch.equal(out, ops.unpack(packed, scales, numel, block) * w)  # decode, then multiply
+    half = torch.empty(numel, dtype=torch.bfloat16)  # the non-direct path
+    assert torch.equal(ops.unpack_into(packed, scales, block, half, weights=w), out.to(torch.bfloat16))
+
+
+def test_bad_weights_are_refused_clearly():
+    x, e = _worker_inputs(100, 2)
+    with pytest.raises(ValueError, match="one element per coordinate"):
+        ops.worker_compress(x, e, 64, weights=torch.ones(99))
+    with pytest.raises(TypeError, match="weights float32"):
+        ops.worker_compress(x, e, 64, weights=torch.ones(100, dtype=torch.float64))
+    packed, scales = ops.worker_compress(x, e, 64)
+    with pytest.raises(ValueError, match="one element per coordinate"):
+        ops.unpack_into(packed, scales, 64, torch.empty(100), weights=torch.ones(101))
+
+
 @pytest.mark.parametrize("block", BLOCKS)
 @pytest.mark.parametrize("m_real,p", [(32, 1), (64, 2), (1000, 3), (4096, 4), (9000, 5)])
 @pytest.mark.parametrize("in_place", [True, False])
@@ -192,6 +249,9 @@ def test_opcheck(block):
     torch.library.opcheck(torch.ops.lbcomm.server_compress.default, (packed, scales, torch.randn(m), block, 50, None))
     torch.library.opcheck(torch.ops.lbcomm.unpack.default, (packed, scales, 90, block))
     torch.library.opcheck(torch.ops.lbcomm.unpack_into.default, (packed, scales, block, torch.empty(90)))
+    w = torch.rand(100) + 0.5
+    torch.library.opcheck(torch.ops.lbcomm.worker_compress.default, (x, e.clone(), block, None, w))
+    torch.library.opcheck(torch.ops.lbcomm.unpack_into.default, (packed, scales, block, torch.empty(90), w[:90]))
 
 
 def test_portable_path_matches_reference():
@@ -214,6 +274,12 @@ def test_portable_path_matches_reference():
         "      assert torch.equal(pk2, rp2); torch.testing.assert_close(sc2, rs2, rtol=1e-6, atol=0)\n"
         "      torch.testing.assert_close(s, re2, rtol=1e-6, atol=1e-6)\n"
         "      assert torch.equal(ops.unpack(pk, sc, n0, block), R.unpack(pk, sc, n0, block))\n"
+        "      w = torch.rand(n0) * 4 + 0.01; e = torch.randn(p, m); e.view(-1)[n0:] = 0\n"
+        "      rp, rs, re = R.worker_compress(x, e, block, w); pk, sc = ops.worker_compress(x, e, block, weights=w)\n"
+        "      assert torch.equal(pk, rp); torch.testing.assert_close(sc, rs, rtol=1e-6, atol=0)\n"
+        "      torch.testing.assert_close(e, re, rtol=1e-6, atol=1e-6)\n"
+        "      o = torch.empty(n0); ops.unpack_into(pk, sc, block, o, weights=w)\n"
+        "      assert torch.equal(o, R.unpack(pk, sc, n0, block, w))\n"
         "print('portable ok')\n"
     )
     env = dict(os.environ, LBCOMM_DISABLE_AVX2="1")

@@ -59,14 +59,17 @@ struct Groups {
   }
 };
 
-// Phase 0 value of a real element: y = x + e (one fp32 rounding).
+// Phase 0 value of a real element: y = x + e (one fp32 rounding); with weights
+// y = x / w + e (the IEEE quotient, then the sum).
 template <typename T>
 struct WorkerSrc {
   const T* x;
   const float* error;
+  const float* weights;  // nullptr or indexed like x
 
   __device__ __forceinline__ float operator()(int64_t f, int64_t /*group*/) const {
-    return __fadd_rn(load_in(x, f), error[f]);
+    const float v = load_in(x, f);
+    return __fadd_rn(weights ? __fdiv_rn(v, weights[f]) : v, error[f]);
   }
 };
 
@@ -223,6 +226,11 @@ __global__ void __launch_bounds__(kThreads) unpack_kernel(UnpackArgs a, bool vec
     float v[8];
 #pragma unroll
     for (int t = 0; t < 8; ++t) v[t] = set_sign(s, (byte >> t) & 1u);
+    if (a.weights) {
+#pragma unroll
+      for (int t = 0; t < 8; ++t)
+        if (f + t < a.numel) v[t] = __fmul_rn(v[t], a.weights[f + t]);
+    }
     if (vec4 && f + 8 <= a.numel) {
       float4* o = reinterpret_cast<float4*>(a.out + f);
       o[0] = make_float4(v[0], v[1], v[2], v[3]);
@@ -285,7 +293,7 @@ bool aligned(const void* ptr, uintptr_t bytes) { return reinterpret_cast<uintptr
 
 template <typename T>
 int worker_typed(const WorkerArgs& a, cudaStream_t stream) {
-  const WorkerSrc<T> src{static_cast<const T*>(a.x), a.error};
+  const WorkerSrc<T> src{static_cast<const T*>(a.x), a.error, a.weights};
   const int64_t n = a.p * a.m;
   const int64_t numel = a.numel < 0 ? 0 : a.numel;
   Out out{a.error_out, reinterpret_cast<uint32_t*>(a.packed), a.scales, nullptr};

@@ -30,9 +30,10 @@ void* current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
 
 std::tuple<at::Tensor, at::Tensor> worker_compress_cuda(const at::Tensor& x, at::Tensor& error,
                                                         std::optional<int64_t> block_size,
-                                                        const std::optional<at::Tensor>& error_out) {
+                                                        const std::optional<at::Tensor>& error_out,
+                                                        const std::optional<at::Tensor>& weights) {
   const auto guard = guard_for(error);
-  WorkerLaunch launch = prepare_worker(x, error, block_size, error_out);
+  WorkerLaunch launch = prepare_worker(x, error, block_size, error_out, weights);
   check_launch(cuda::worker_compress(launch.args, current_stream()), "worker_compress");
   return std::make_tuple(launch.packed, launch.scales);
 }
@@ -56,9 +57,9 @@ at::Tensor unpack_cuda(const at::Tensor& packed, const at::Tensor& scales, int64
 }
 
 void unpack_into_cuda(const at::Tensor& packed, const at::Tensor& scales, std::optional<int64_t> block_size,
-                      const at::Tensor& out) {
+                      const at::Tensor& out, const std::optional<at::Tensor>& weights) {
   const auto guard = guard_for(packed);
-  UnpackLaunch launch = prepare_unpack_into(packed, scales, block_size, out);
+  UnpackLaunch launch = prepare_unpack_into(packed, scales, block_size, out, weights);
   check_launch(cuda::unpack(launch.args, current_stream()), "unpack_into");
 }
 

@@ -61,6 +61,11 @@ class Unit:
 
     def _allreduce(self, t: Tensor) -> None:
         w = self.weights
+        if not isinstance(self.compression, HierarchicalState) and (w is None or t.dtype == torch.float32):
+            # the weights fused into the compression's own passes (bitwise as divide, reduce, multiply)
+            compressed_allreduce(t, self.compression, out=t, weights=w)
+            return
+        # hierarchical (intra-node mean first) or half gradients: separate passes
         if w is not None:
             t.div_(w)
         if isinstance(self.compression, HierarchicalState):

@@ -84,8 +84,10 @@ class OneBitHookState:
             same weights on every rank, saved in checkpoints), so that a coordinate's
             compression noise is proportional to its own gradients, not to the largest of
             its block (rarely active features, nearly dead units, rare embedding rows, biases
-            next to weights); costs one fp32 per gradient element and two elementwise passes
-            per compressed bucket. None: the published algorithm, which compresses the
+            next to weights); costs one fp32 per gradient element, read by the compression
+            and by the decode, into which the division and the multiplication are fused
+            (fp32 buckets of a flat topology; half buckets and the hierarchical path take
+            two extra elementwise passes). None: the published algorithm, which compresses the
             gradients as they are (default: "warmup").
         normalize_floor (float, optional): the floor of the weights relative to the RMS of
             the bucket's weights, > 0 (default: 0.1).
