@@ -278,13 +278,18 @@ class CompressionState:
                     "torch.distributed.checkpoint")
                 _log.info("%s (warned again at the next call unless this rank's own shard is loaded first)",
                           self._foreign_shard)
-            else:  # deferred like a foreign shard: an elastic load (LbcommCallback, load_sharded) may follow
+            elif layout[0] == mine[0] and layout[3] == mine[3]:
+                # another world size: deferred like a foreign shard, since an elastic load
+                # (the callbacks, load_sharded, ElasticLoadPlanner) may follow the framework's
                 self._foreign_shard = (
                     f"lbcomm: compression error buffers were saved for (numel, world_size, rank, block_size)={layout} "
                     f"but this run has {mine}; resetting them to zero and continuing (another world size: "
                     "lbcomm.load_sharded redistributes them exactly)")
                 _log.info("%s (warned again at the next call unless a redistributed state is loaded first)",
                           self._foreign_shard)
+            else:  # another tensor or block size: nothing can map it
+                _log.warning("lbcomm: compression error buffers were saved for (numel, world_size, rank, block_size)="
+                             "%s but this run has %s; resetting them to zero and continuing", layout, mine)
             return False
         self._worker_error.copy_(sd["worker_error"].reshape(self._worker_error.shape))
         self._server_error.copy_(sd["server_error"].reshape(self._server_error.shape))

@@ -304,9 +304,19 @@ def test_state_dict_resumes_bitwise():
 def test_state_dict_of_another_layout_resets_with_warning(caplog):
     a = lbcomm.CompressionState(100)
     sd = a.state_dict()
-    sd["world_size"] = 4
-    sd["worker_error"] = torch.ones(4 * 32)
+    other = dict(sd, numel=99, worker_error=torch.ones(99))  # another tensor: warned at once
     with caplog.at_level("WARNING"):
-        assert not a.load_state_dict(sd)
+        assert not a.load_state_dict(other)
     assert "resetting" in caplog.text
     assert torch.count_nonzero(a.worker_error) == 0
+    caplog.clear()
+    # another world size: logged at INFO (a redistributed load may follow, as the callbacks
+    # do after the framework's own load), warned at the next call if none did
+    elastic = dict(sd, world_size=4, worker_error=torch.ones(4 * 32))
+    with caplog.at_level("INFO"):
+        assert not a.load_state_dict(elastic)
+    assert [r.levelname for r in caplog.records if "resetting" in r.getMessage()] == ["INFO"]
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        lbcomm.compressed_allreduce_(torch.ones(100), a)
+    assert "resetting" in caplog.text and "redistributes them exactly" in caplog.text
