@@ -10,9 +10,12 @@ _TCP_INFO_BYTES_SENT = 200  # __u64 tcpi_bytes_sent (Linux >= 4.19): payload byt
 
 
 def tcp_bytes_sent() -> int:
-    """Payload bytes this process has sent on all its TCP sockets so far, read from the
-    kernel (TCP_INFO) — independent of what lbcomm or torch report."""
+    """Payload bytes this process has sent on its TCP sockets so far, read from the kernel
+    (TCP_INFO) — independent of what lbcomm or torch report. The rendezvous store's
+    connection (MASTER_PORT) is left out: its keep-alive traffic comes at any time and is
+    not the training's communication."""
     assert socket.getdefaulttimeout() is None  # wrapping an fd must not change its blocking mode
+    store_port = int(os.environ.get("MASTER_PORT", "0"))
     total = 0
     for fd in os.listdir("/proc/self/fd"):
         try:
@@ -23,6 +26,8 @@ def tcp_bytes_sent() -> int:
             continue
         try:
             if s.type != socket.SOCK_STREAM or s.family not in (socket.AF_INET, socket.AF_INET6):
+                continue
+            if store_port and store_port in (s.getsockname()[1], s.getpeername()[1]):
                 continue
             info = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
         except OSError:
