@@ -4,10 +4,14 @@ from integrations_util import assert_bitwise
 
 # Besides the gradient communication, a training step of the frameworks sends a little:
 # their own scalar collectives (loss / token counts) and gloo's message headers. It is
-# measured in the warmup (step bytes minus the fp32 ring volume); the compressed call's
-# collectives (all-to-all, all-gather and the small finiteness agreement, whose payload
-# bytes_per_call() counts) may add gloo's message headers on top, at most this many bytes.
-HEADER_SLACK = 1024
+# measured in the warmup (step bytes minus the fp32 ring volume). A compression-stage step
+# may carry a little more: gloo's headers of the compressed call's collectives (all-to-all,
+# all-gather, the finiteness agreement; bytes_per_call() counts their payload), the
+# shared-norm clipping's scalar allreduce (none in the warmup), and now and then bytes of
+# a small collective counted in the next step (CI runs measured 1.1 and 1.6 KB over the
+# warmup's overhead). 4 KB is still far below DDP's fp32 allreduce (>= 66 KB here), which
+# check_wire also excludes with its own assertion.
+HEADER_SLACK = 4096
 
 
 def ring_bytes(numel, world):
