@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from dist_util import run_ranks
+from test_fsdp import _batch  # the same synthetic regression batches as the HSDP hook's tests
 
 N, G = 2, 2
 STEPS, FREEZE, BLOCK = 8, 4, 64
@@ -31,12 +32,6 @@ LR = 0.01
 def _model():
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
-
-
-def _batch(rank, step):
-    g = torch.Generator().manual_seed(1000 * rank + step)
-    x = torch.randn(8, 16, generator=g)
-    return x, torch.sin(x[:, :8] * 2)
 
 
 def _sharded(mesh):
