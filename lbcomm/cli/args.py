@@ -186,6 +186,16 @@ def _add_common(p: argparse.ArgumentParser, default_world: Optional[int]) -> Non
                    help="seconds before the ranks are stopped (default: 3600)")
 
 
+def _add_nodes(p, what: str) -> None:
+    """--nodes and --ranks-per-node of the allreduce and train benchmarks."""
+    p.add_argument("--nodes", type=_int_at_least(1), default=None,
+                   help="emulated nodes: world size = nodes x ranks per node; with --bandwidth the ranks of a "
+                        "node share one network namespace (unshaped loopback) and the nodes are joined by shaped "
+                        "links, whose interface counters give the bytes between nodes")
+    p.add_argument("--ranks-per-node", type=_int_at_least(1), default=None,
+                   help=f"ranks per node (consecutive ranks): {what} (default: 1)")
+
+
 def _sub(sub, name: str, help: str, description: str, epilog: str = "") -> argparse.ArgumentParser:
     return sub.add_parser(name, help=help, description=description, epilog=epilog,
                           formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -220,12 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="comma-separated subset of fp32,fp16,onebit,hier; hier is the hierarchical call (fp32 "
                          "inside a node, 1 bit between nodes) (default: fp32,fp16,onebit, and hier with "
                          "--ranks-per-node > 1)")
-    ar.add_argument("--nodes", type=_int_at_least(1), default=None,
-                    help="emulated nodes: with --ranks-per-node, world size = nodes x ranks per node; with "
-                         "--bandwidth the ranks of a node share one network namespace (unshaped loopback) and "
-                         "the nodes are joined by shaped links")
-    ar.add_argument("--ranks-per-node", type=_int_at_least(1), default=None,
-                    help="ranks per node (consecutive ranks); the hier method groups them (default: 1)")
+    _add_nodes(ar, "the hier method groups them")
     ar.add_argument("--iters", type=_positive, default=20, help="timed iterations (default: 20)")
     ar.add_argument("--warmup", type=_int_at_least(0), default=3, help="untimed iterations first (default: 3)")
     ar.add_argument("--block-size", type=_block_size, default=2048,
@@ -254,14 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
                          f"need --ranks-per-node > 1 (default: {','.join(FLAT_TRAIN_METHODS)}; with nodes "
                          f"{','.join(DEFAULT_NODE_TRAIN_METHODS)}); also, never by default, "
                          f"{','.join(STATS_METHODS)} (to time the gradient-noise statistics: DDP with a plain Python "
-                         "allreduce hook, the same with the statistics around it, and 1-bit Adam with them)")
-    tr.add_argument("--nodes", type=_int_at_least(1), default=None,
-                    help="emulated nodes: world size = nodes x ranks per node; with --bandwidth the ranks of a "
-                         "node share one network namespace (unshaped loopback) and the nodes are joined by shaped "
-                         "links, whose interface counters give the bytes between nodes")
-    tr.add_argument("--ranks-per-node", type=_int_at_least(1), default=None,
-                    help="ranks per node (consecutive ranks): the HSDP mesh's shard dimension and the "
-                         "hierarchical hook's nodes (default: 1)")
+                         "allreduce hook, the same with the statistics around it (exact, and from a sample of "
+                         "coordinates), and 1-bit Adam with them)")
+    _add_nodes(tr, "the HSDP mesh's shard dimension and the hierarchical hook's nodes")
     tr.add_argument("--preset", choices=sorted(MODEL_PRESETS), default="small",
                     help="model and batch preset (default: small); the options below override it")
     for name, what in (("vocab", "vocabulary"), ("d-model", "width"), ("layers", "blocks"), ("heads", "heads"),
