@@ -5,9 +5,11 @@ alternating rounds: a plain training step (forward, backward, fused AdamW step),
 same step followed by the statistics' local work on its gradients: ``measure(exact=True)``
 (the squared norm, what `allreduce_gradients_`, the optimizers' warmup and `stats_hook`
 compute; the hook's exact mode reads the result once more, timed as a second norm), and
-``measure(exact=False)`` (norm + a sample of 4096 coordinates, the compression stage).
+``measure(exact=False)`` (a sample of 4096 coordinates alone, the compression stage and
+``stats_hook(exact=False)``).
 Their communication, one fp32 scalar or 4098 fp32 values in one allreduce per step, is
-not in this figure: see ``lbcomm-bench train --methods ddp_hook,ddp_stats,onebit_adam,onebit_adam_stats``.
+not in this figure: see ``lbcomm-bench train --methods
+ddp_hook,ddp_stats,ddp_stats_sample,onebit_adam,onebit_adam_stats``.
 
     python bench/stats_cost.py [--preset small] [--rounds 10] [--steps 3]
 """

@@ -165,19 +165,20 @@ class GradientNoiseScale:
     # ------------------------------------------------------------------ measuring
     def measure(self, grads: Sequence[Optional[Tensor]], exact: bool) -> Tensor:
         """This rank's fp32 vector to average over the ranks: [|g|^2] when the caller has the
-        exact averaged gradient (`exact`), else [|g|^2, |x|^2, x] with x the scaled sample of
-        sketch_size coordinates (drawn from seed and `draws`, advanced here). `grads` is the
-        local gradient as a list of tensors (None counts as zeros)."""
+        exact averaged gradient (`exact`: one pass over the gradient), else [|x|^2, |x|^2, x]
+        with x the scaled sample of sketch_size coordinates (drawn from seed and `draws`,
+        advanced here; only they are read: the estimators then use the sample's local and
+        global norms alike). `grads` is the local gradient as a list of tensors (None counts
+        as zeros)."""
         present = [g for g in grads if g is not None]
         dev = present[0].device if present else torch.device("cpu")
+        if not exact:  # the sample alone: the whole gradient is not read (the estimators use |x|^2)
+            x = self._sample(grads, dev)
+            sq = x.square().sum().reshape(1)
+            return torch.cat([sq, sq, x])
         if present:  # one fused pass (torch's foreach norm) over all of them
-            local = torch.nn.utils.get_total_norm(present, 2.0).float().square().reshape(1)
-        else:
-            local = torch.zeros(1, dtype=torch.float32, device=dev)
-        if exact:
-            return local
-        x = self._sample(grads, dev)
-        return torch.cat([local, x.square().sum().reshape(1), x])
+            return torch.nn.utils.get_total_norm(present, 2.0).float().square().reshape(1)
+        return torch.zeros(1, dtype=torch.float32, device=dev)
 
     def _sample(self, grads: Sequence[Optional[Tensor]], dev: torch.device) -> Tensor:
         sizes = [0 if g is None else g.numel() for g in grads]
@@ -226,7 +227,7 @@ class GradientNoiseScale:
         self._ema[1] = self.beta * self._ema[1] + (1 - self.beta) * tr
         self._weight = 1 - self.beta ** self.steps
         self.last = dict(local_sq=local, global_sq=glob, grad_sq=g2, trace_sigma=tr, local_batch=b,
-                         global_batch=b * world_size, exact=exact, exact_local_sq=float(r[0]))
+                         global_batch=b * world_size, exact=exact)
         if self.log_every and self.steps % self.log_every == 0:
             _log.info("gradient statistics at step %s: |G|^2 %.4g, tr(Sigma) %.4g, noise scale B_simple %.4g "
                       "samples (global batch %d, %s)", self.steps, self.grad_sq, self.trace_sigma, self.noise_scale,

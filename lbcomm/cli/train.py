@@ -69,10 +69,10 @@ METHODS = FLAT_METHODS + NODE_METHODS
 DEFAULT_NODE_METHODS = ("ddp", "onebit_hook", "onebit_hook_hier", "hsdp", "hsdp_onebit", "fsdp_onebit_adam")
 # Not run by default: ``ddp`` and ``onebit_adam`` with lbcomm.stats' gradient statistics (the
 # noise scale), to measure what the statistics cost: DDP's allreduce wrapped in
-# ``lbcomm.stats.stats_hook`` (exact), and OneBitAdam's ``gradient_stats`` (a coordinate
+# ``lbcomm.stats.stats_hook`` (exact; ``ddp_stats_sample``: a coordinate sample), and OneBitAdam's ``gradient_stats`` (a coordinate
 # sample in its compression stage); ``ddp_hook`` is DDP with torch's Python allreduce_hook
 # alone, the baseline of ``ddp_stats``.
-STATS_METHODS = ("ddp_hook", "ddp_stats", "onebit_adam_stats")
+STATS_METHODS = ("ddp_hook", "ddp_stats", "ddp_stats_sample", "onebit_adam_stats")
 COMPRESSION_START = 2  # PowerSGD's start_powerSGD_iter and onebit_hook's start_iter (DDP needs > 1)
 # Untimed steps so that every method is in its compressed stage when timing starts.
 MIN_WARMUP_STEPS = COMPRESSION_START + 2
@@ -200,13 +200,13 @@ class _Setup:
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
             ddp.register_comm_hook(None, default_hooks.allreduce_hook)
-        elif method == "ddp_stats":
+        elif method in ("ddp_stats", "ddp_stats_sample"):
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
             from ..stats import GradientNoiseScale, StatsHookState, stats_hook
 
             self.hook_state = StatsHookState(GradientNoiseScale(cfg["batch"], log_every=0),
-                                             default_hooks.allreduce_hook, None, exact=True)
+                                             default_hooks.allreduce_hook, None, exact=method == "ddp_stats")
             ddp.register_comm_hook(self.hook_state, stats_hook)
         elif method != "ddp":
             raise ValueError(f"unknown training method {method!r}; choose from {METHODS + STATS_METHODS}")
