@@ -31,7 +31,19 @@ m the decoded momentum, d = sqrt(v^) + eps the frozen denominator, b1c = 1 - b1^
 
 The hook (SGD momentum on compressed gradients): scale rule, block size, start fraction, and
 ``norm``: per-coordinate normalization by the full-precision start's gradient RMS
-(OneBitHookState(normalize="warmup"), the default).
+(OneBitHookState(normalize="warmup"), the default). Parts of a hook rule name:
+
+    mom         compress each rank's momentum (mu 0.9, started from the start's momentum)
+                and hand SGD m^_t - mu m^_{t-1} (OneBitHookState(momentum=0.9))
+    fact        weights re-estimated every step from an EMA (beta 0.9; fact99: 0.99, fact5:
+                0.5) of the ranks' mean squares of what is compressed, factored per matrix
+                into rows x columns; error feedback rescaled by w_old / w_new
+                (OneBitHookState(normalize="adaptive"))
+    _avgwarm    the EMA started from the averaged gradients of the start (else the ranks'
+                mean squares); _cold: not started, first value at the first compressed step
+    _zm         momentum started from zero instead of the start's momentum
+    _kN         weights re-estimated every N steps only; _norescale: errors not rescaled
+    _fX         floor X x the unit's RMS of the weights (default 0.1); _bN: block size N
 
     python bench/robust_sim.py --check                 # the simulated allreduce vs lbcomm.reference
     python bench/robust_sim.py --tasks all --json out   # the whole study (minutes)
@@ -57,7 +69,8 @@ from lbcomm.reference import chunk_size  # noqa: E402
 
 ADAM_RULES = ["published", "mask1e-3", "clip", "clipmax", "floor", "precond", "precond_clip", "meanabs"]
 LAMB_RULES = ["published", "mask1e-3", "clip", "clipmax", "precond", "precond_clip", "precond_clipmax"]
-HOOK_RULES = ["rms", "meanabs", "rms_b256", "rms_start50", "meanabs_start50", "norm", "norm_b256", "norm_start50"]
+HOOK_RULES = ["rms", "meanabs", "rms_b256", "rms_start50", "meanabs_start50", "norm", "norm_b256", "norm_start50",
+              "mom", "mom_norm", "fact99", "mom_fact99", "mom_fact", "mom_fact5", "mom_fact99_avgwarm"]
 
 
 # ---------------------------------------------------------------------- compressed allreduce
@@ -349,7 +362,7 @@ class SimSGD:
         self.rule = rule
         scale = "meanabs" if rule.startswith("meanabs") else "rms"
         if "_b" in rule:
-            block = int(rule.split("_b")[1])
+            block = int(rule.split("_b")[1].split("_")[0])
         self.comp = Compressor(flat.n, p, block, scale) if hook else None
         # "norm": OneBitHookState(normalize="warmup"): compress g / w, decode x w, w = the RMS of
         # the averaged gradients of the full-precision start, floored at 0.1 x its RMS
@@ -357,20 +370,83 @@ class SimSGD:
         self.buf = None
         self.t = 0
         self.first_update_ratio = None
+        # "fact": w re-estimated every step from a factored (row x column, Adafactor-like) EMA of
+        # the ranks' mean squared local gradients; costs an fp32 allreduce of rows + columns
+        self.fact = "fact" in rule
+        self.fbeta = 0.99 if "fact99" in rule else 0.5 if "fact5" in rule else 0.9
+        self.mom, self.mloc, self.mhat = "mom" in rule, None, None
+        self.rows = self.cols = None
+        self.shapes = [tuple(q.shape) for q in flat.params]
+
+    def _factored(self, sq):
+        """Update the row/column EMAs with sq [n] and return w [n] (floored, > 0)."""
+        if self.rows is None:
+            self.rows, self.cols = [None] * len(self.shapes), [None] * len(self.shapes)
+        out = torch.empty_like(sq)
+        b = self.fbeta
+        for i, (shp, sl) in enumerate(zip(self.shapes, self.f.slices())):
+            s = sq[sl]
+            if len(shp) >= 2:
+                s2 = s.view(shp[0], -1)
+                r, c = s2.sum(1), s2.sum(0)
+                self.rows[i] = r if self.rows[i] is None else b * self.rows[i] + (1 - b) * r
+                self.cols[i] = c if self.cols[i] is None else b * self.cols[i] + (1 - b) * c
+                v = torch.outer(self.rows[i], self.cols[i]) / self.rows[i].sum().clamp(min=1e-30)
+                out[sl] = v.reshape(-1)
+            else:
+                self.rows[i] = s if self.rows[i] is None else b * self.rows[i] + (1 - b) * s
+                out[sl] = self.rows[i]
+        w = out.sqrt()
+        fl = float("0" + self.rule.split("_f0")[1].split("_")[0]) if "_f0" in self.rule else 0.1
+        w = torch.maximum(w, fl * w.square().mean().sqrt())
+        return torch.where(w > 0, w, 1.0)
+
+    def _rescale(self, w_old, w_new):
+        """Error feedback kept in gradient units across a change of w."""
+        c, n = self.comp, self.f.n
+        r = w_old / w_new
+        c.worker[:, :n] *= r
+        c.server.view(-1)[:n] *= r
 
     def step(self, theta, grads, lr):
         self.t += 1
-        if self.hook and self.t > self.start:
-            if self.norm and self.w is None:
-                rms = (self.sumsq / self.count).sqrt()
-                w = torch.maximum(rms, 0.1 * rms.square().mean().sqrt())
-                self.w = torch.where(w > 0, w, 1.0)
-            g = self.comp(grads / self.w) * self.w if self.norm else self.comp(grads)
-        else:
+        if not (self.hook and self.t > self.start):
             g = grads.mean(0)
             if self.norm:
                 self.sumsq += g * g
                 self.count += 1
+            if self.fact and "_cold" not in self.rule:  # warm the row/column EMAs
+                self._factored(g * g if "_avgwarm" in self.rule else (grads * grads).mean(0))
+        else:
+            x = grads
+            if self.mom:
+                # compress each rank's local momentum; hand the optimizer the gradient that
+                # makes its buffer equal the decoded momentum: g = m^_t - mu m^_{t-1}
+                if self.mloc is None:
+                    init = torch.zeros_like(self.buf) if "_zm" in self.rule else self.buf
+                    self.mloc = init.expand(self.p, -1).clone()
+                    self.mhat = init.clone()
+                self.mloc = self.mu * self.mloc + grads
+                x = self.mloc
+            every = int(self.rule.split("_k")[1].split("_")[0]) if "_k" in self.rule else 1
+            if self.fact and (self.w is None or (self.t - self.start) % every == 0):
+                b0 = self.fbeta
+                self.fbeta = b0 ** every
+                w = self._factored((x * x).mean(0))
+                self.fbeta = b0
+                if self.w is not None and "norescale" not in self.rule:
+                    self._rescale(self.w, w)
+                self.w = w
+            elif self.norm and self.w is None:
+                rms = (self.sumsq / self.count).sqrt()
+                w = torch.maximum(rms, 0.1 * rms.square().mean().sqrt())
+                self.w = torch.where(w > 0, w, 1.0)
+            d = self.comp(x / self.w) * self.w if self.w is not None else self.comp(x)
+            if self.mom:
+                g = d - self.mu * self.mhat
+                self.mhat = d
+            else:
+                g = d
         if not torch.isfinite(g).all():
             raise FloatingPointError("non-finite gradient")
         if self.wd:

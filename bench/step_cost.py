@@ -7,15 +7,17 @@ rule (max_update=None, the unbounded fused update) and the default max_update (O
 median step time of each and their ratio (target: within 3 %).
 
 Kind "hook": DDP + onebit_hook + SGD momentum, normalize=None (published) vs the default
-normalize="warmup" (the weights read by the compression and the decode); a step is then
+normalize="warmup" (the weights read by the compression and the decode), or the options
+of --hook-options (e.g. '{"momentum": 0.9, "normalize": "adaptive"}'); a step is then
 forward, backward (the compressed allreduce of every bucket) and the SGD step.
 
-    python bench/step_cost.py [--numel N] [--kinds adam,lamb,hook]
+    python bench/step_cost.py [--numel N] [--kinds adam,lamb,hook] [--hook-options JSON]
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import statistics
 import sys
@@ -45,11 +47,11 @@ def make(kind, params, rule):
 class HookTwin:
     """DDP (8 bias-free Linear layers side x side) + onebit_hook + SGD, past its start."""
 
-    def __init__(self, side, rule, g):
+    def __init__(self, side, rule, g, options):
         torch.manual_seed(0)
         model = torch.nn.Sequential(*[torch.nn.Linear(side, side, bias=False) for _ in range(8)])
         self.ddp = torch.nn.parallel.DistributedDataParallel(model)
-        state = lbcomm.OneBitHookState(start_iter=2, **({"normalize": None} if rule == "published" else {}))
+        state = lbcomm.OneBitHookState(start_iter=2, **({"normalize": None} if rule == "published" else options))
         self.ddp.register_comm_hook(state, lbcomm.onebit_hook)
         self.opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
         self.x = torch.randn(4, side, generator=g)
@@ -74,7 +76,7 @@ def rank_main(rank, world, a, init_file, out):
         twins = {}
         for mu in RULES:
             if kind == "hook":
-                twins[mu] = HookTwin(side, mu, g)
+                twins[mu] = HookTwin(side, mu, g, json.loads(a.hook_options or "{}"))
                 continue
             torch.manual_seed(0)
             params = [torch.nn.Parameter(torch.randn(side, side) * 0.02) for _ in range(8)]
@@ -104,6 +106,8 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--kinds", default="adam,lamb")
+    p.add_argument("--hook-options", default="", help="JSON dict of the hook's OneBitHookState options "
+                   "(default: its defaults)")
     a = p.parse_args(argv)
     a.kinds = a.kinds.split(",")
     with tempfile.TemporaryDirectory() as d:
@@ -116,8 +120,8 @@ def main(argv=None):
     for kind, t in times.items():
         m0, m1 = statistics.median(t["published"]), statistics.median(t["default"])
         if kind == "hook":
-            print(f"  onebit_hook+SGD normalize=None {m0 * 1e3:8.2f} ms   normalize='warmup' {m1 * 1e3:8.2f} ms   "
-                  f"ratio {m1 / m0:.3f}")
+            print(f"  onebit_hook+SGD normalize=None {m0 * 1e3:8.2f} ms   {a.hook_options or 'defaults'} "
+                  f"{m1 * 1e3:8.2f} ms   ratio {m1 / m0:.3f}")
             continue
         print(f"  OneBit{kind.capitalize():<5} max_update=None {m0 * 1e3:8.2f} ms   max_update={default[kind]:<8} "
               f"{m1 * 1e3:8.2f} ms   ratio {m1 / m0:.3f}")

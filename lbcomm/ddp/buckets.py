@@ -8,6 +8,7 @@ which DDP's first iteration showed them), not by bucket index, so that a checkpo
 outlives DDP's rebuild of its buckets.
 """
 import logging
+import math
 import queue
 import threading
 import weakref
@@ -22,7 +23,8 @@ from ..common import new_future
 from ..compressed import CompressionState, compressed_allreduce
 from ..topology import HierarchicalState, hierarchical_allreduce_
 
-__all__ = ["Unit", "GradientStats", "BucketPlanner", "BucketWorker"]
+__all__ = ["Unit", "GradientStats", "Transform", "BucketPlanner", "BucketWorker", "factored_squares",
+           "factored_weights"]
 
 _log = logging.getLogger(__name__)
 
@@ -39,32 +41,45 @@ class Unit:
     compression noise of a coordinate is proportional to its own weight rather than to its
     block's largest gradients. The weights are the same on every rank."""
 
-    __slots__ = ("key", "shapes", "compression", "weights")
+    __slots__ = ("key", "shapes", "compression", "weights", "transform", "last_skipped")
 
     def __init__(self, key: Key, shapes: List[Tuple[int, ...]], compression: CompressionState,
                  weights: Optional[Tensor] = None):
         self.key, self.shapes, self.compression, self.weights = key, shapes, compression, weights
+        self.transform: Optional["Transform"] = None  # momentum / adaptive weights, see Transform
+        self.last_skipped = False
 
     def reduce(self, buf: Tensor, slices: Optional[Slices]) -> CompressionState:
         """Compressed allreduce of this unit's gradients in `buf`, in place: all of `buf`
-        (slices None) or the given slices of it."""
+        (slices None) or the given slices of it. ``last_skipped`` tells whether the call
+        was skipped for NaN/Inf on some rank (every rank alike; `buf` is then untouched)."""
+        run = self._allreduce if self.transform is None else self._transformed
         if slices is None:
-            self._allreduce(buf)
+            run(buf)
             return self.compression
         flat = torch.cat([buf[o:o + n] for o, n in slices])
-        self._allreduce(flat)
+        run(flat)
         at = 0
         for o, n in slices:
             buf[o:o + n].copy_(flat[at:at + n])
             at += n
         return self.compression
 
-    def _allreduce(self, t: Tensor) -> None:
+    def _transformed(self, t: Tensor) -> None:
+        skipped = self.transform.reduce(self, t)
+        self.last_skipped = skipped or self.compression.last_skipped
+
+    def _allreduce(self, t: Tensor, out: Optional[Tensor] = None) -> None:
+        """t (or, given, `out`: then t is left alone) <- the compressed mean of t."""
         w = self.weights
         if not isinstance(self.compression, HierarchicalState) and (w is None or t.dtype == torch.float32):
             # the weights fused into the compression's own passes (bitwise as divide, reduce, multiply)
-            compressed_allreduce(t, self.compression, out=t, weights=w)
+            compressed_allreduce(t, self.compression, out=t if out is None else out, weights=w)
+            self.last_skipped = self.compression.last_skipped
             return
+        if out is not None:
+            out.copy_(t)
+            t = out
         # hierarchical (intra-node mean first) or half gradients: separate passes
         if w is not None:
             t.div_(w)
@@ -74,6 +89,20 @@ class Unit:
             compressed_allreduce(t, self.compression, out=t)
         if w is not None:
             t.mul_(w)
+        self.last_skipped = self.compression.last_skipped
+
+    def rescale_errors(self, ratio: Tensor) -> None:
+        """Multiply the error feedback of every coordinate by `ratio` (numel): it is kept
+        in the units of the weights, which then change from w_old to w_new with ratio =
+        w_old / w_new, so that the carried error stays the same in gradient units (flat
+        CompressionState only: the worker error holds the padded tensor, the server error
+        this rank's chunk)."""
+        st = self.compression
+        n = st.numel
+        st.worker_error[:n].mul_(ratio)
+        lo = min(n, st.rank * st.chunk)
+        hi = min(n, lo + st.chunk)
+        st.server_error[:hi - lo].mul_(ratio[lo:hi])
 
 
 class GradientStats:
@@ -84,23 +113,41 @@ class GradientStats:
     floor; an all-zero unit gets weight 1). Sync-free (device ops only). Every rank
     accumulates the same averaged gradients, so every rank makes the same weights."""
 
-    __slots__ = ("sums", "counts")
+    __slots__ = ("sums", "counts", "moms")
 
     def __init__(self):
         self.sums: Dict[int, Tensor] = {}
         self.counts: Dict[int, int] = {}
+        self.moms: Dict[int, Tensor] = {}  # momentum of the averaged gradients (OneBitHookState(momentum=))
 
-    def add(self, key: Key, numels: List[int], avg: Tensor) -> None:
-        """Add the averaged bucket `avg` holding the parameters `key` of `numels` elements."""
+    def add(self, key: Key, numels: List[int], avg: Tensor, momentum: Optional[float] = None) -> None:
+        """Add the averaged bucket `avg` holding the parameters `key` of `numels` elements
+        (and, with `momentum`, update their momentum m = momentum m + avg, as torch's SGD)."""
         g = avg.detach().float()
+        finite = bool(torch.isfinite(g).all()) if momentum is not None else True
         sq = torch.where(torch.isfinite(g), g * g, 0.0)  # a skipped (NaN) bucket adds nothing
-        for k, piece in zip(key, sq.split(numels)):
+        for k, piece, gk in zip(key, sq.split(numels), g.split(numels)):
             acc = self.sums.get(k)
             if acc is None:
                 self.sums[k], self.counts[k] = piece.clone(), 1
             else:
                 acc.add_(piece)
                 self.counts[k] += 1
+            if momentum is not None and finite:  # an optimizer skips a NaN step
+                m = self.moms.get(k)
+                self.moms[k] = gk.clone() if m is None else torch.add(gk, m, alpha=momentum)
+
+    def start(self, key: Key, shapes: List[Tuple[int, ...]]) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+        """(factored mean squares, momentum) of the unit `key` over the start, each None
+        where a parameter's start was not seen; pops them."""
+        sums = [self.sums.pop(k, None) for k in key]
+        counts = [self.counts.pop(k, 1) for k in key]
+        moms = [self.moms.pop(k, None) for k in key]
+        stats = None
+        if key and all(x is not None for x in sums):
+            stats = factored_squares(torch.cat([x / c for x, c in zip(sums, counts)]), shapes, squared=True)
+        mom = torch.cat(moms) if key and all(x is not None for x in moms) else None
+        return stats, mom
 
     def weights(self, key: Key, floor: float) -> Optional[Tensor]:
         """The weights of the unit `key`, or None if the start of one of its parameters was
@@ -112,11 +159,171 @@ class GradientStats:
         return torch.where(w > 0, w, 1.0)
 
     def state_dict(self) -> List[Dict[str, Any]]:
-        return [{"param": k, "sumsq": v, "count": self.counts[k]} for k, v in self.sums.items()]
+        return [{"param": k, "sumsq": v, "count": self.counts[k], "momentum": self.moms.get(k)}
+                for k, v in self.sums.items()]
 
     def load_state_dict(self, entries: List[Dict[str, Any]]) -> None:
         self.sums = {int(e["param"]): e["sumsq"].clone() for e in entries}
         self.counts = {int(e["param"]): int(e["count"]) for e in entries}
+        self.moms = {int(e["param"]): e["momentum"].clone() for e in entries if e.get("momentum") is not None}
+
+
+def _matrix(shape: Tuple[int, ...]) -> bool:
+    """Factored as rows x columns: at least 2-D with more than one row and column."""
+    return len(shape) >= 2 and shape[0] > 1 and math.prod(shape[1:]) > 1
+
+
+def factored_squares(x: Tensor, shapes: List[Tuple[int, ...]], squared: bool = False) -> Tensor:
+    """Second-moment statistics of a unit `x` holding parameters of `shapes` in order: per
+    parameter viewed as [shape[0], rest], the sums of x^2 over each row and over each
+    column; x^2 itself for the others (biases, norm weights). Concatenated, fp32.
+    ``squared``: x already holds the squares."""
+    out, at = [], 0
+    for shp in shapes:
+        n = math.prod(shp)
+        piece = x[at:at + n] if squared else x[at:at + n].square()  # per parameter: stays in cache
+        at += n
+        if _matrix(shp):
+            v = piece.view(shp[0], -1)
+            out += [v.sum(1), v.sum(0)]
+        else:
+            out.append(piece)
+    return torch.cat(out)
+
+
+def factored_weights(stats: Tensor, shapes: List[Tuple[int, ...]], floor: float,
+                     out: Optional[Tensor] = None) -> Tensor:
+    """Per-coordinate weights from `factored_squares` statistics: for a matrix the outer
+    product sqrt(r / sum(r)) sqrt(c)^T (the square root of the rank-1 fit r c^T / sum(r)
+    of its mean squares, as in Adafactor), sqrt(v) for the others; floored at `floor` x
+    the unit's RMS of them (computed from the factors); an all-zero unit gets 1. Written
+    into `out` when given (two passes over the weights)."""
+    tiny = torch.finfo(torch.float32).tiny
+    factors, at, sumsq, numel = [], 0, stats.new_zeros(()), 0
+    for shp in shapes:
+        if _matrix(shp):
+            k = math.prod(shp[1:])
+            r, c = stats[at:at + shp[0]], stats[at + shp[0]:at + shp[0] + k]
+            at += shp[0] + k
+            a = (r / r.sum().clamp(min=tiny)).sqrt()
+            b = c.sqrt()
+            sumsq = sumsq + a.square().sum() * b.square().sum()
+            factors.append((a, b))
+            numel += shp[0] * k
+        else:
+            n = math.prod(shp)
+            v = stats[at:at + n].sqrt()
+            at += n
+            sumsq = sumsq + v.square().sum()
+            factors.append((v, None))
+            numel += n
+    w = torch.empty(numel, dtype=torch.float32, device=stats.device) if out is None else out
+    at = 0
+    for a, b in factors:
+        if b is None:
+            w[at:at + a.numel()].copy_(a)
+            at += a.numel()
+        else:
+            torch.outer(a, b, out=w[at:at + a.numel() * b.numel()].view(a.numel(), b.numel()))
+            at += a.numel() * b.numel()
+    rms = float((sumsq / numel).sqrt())
+    if not rms > 0:
+        return w.fill_(1.0)
+    return w.clamp_min_(floor * rms)
+
+
+class Transform:
+    """What a unit compresses in place of its averaged gradient (OneBitHookState's
+    ``momentum=`` and ``normalize="adaptive"``), per rank:
+
+    * momentum mu: x = g + mu m_local (this rank's momentum of its own gradients) is
+      compressed, and the unit returns m^_t - mu m^_{t-1} with m^ the decoded mean of the
+      ranks' momenta: an SGD with momentum mu then holds exactly m^ in its buffer (1-bit
+      Adam's reason to compress the momentum: the compression error of a step enters the
+      parameters once, not summed over the momentum's memory). m_local and m^ start from
+      the momentum of the averaged gradients over the full-precision start.
+    * adaptive: the weights (x / w compressed, decoded times w) are re-estimated every call
+      from an EMA (`beta`) of the ranks' mean factored squares of x (`factored_squares`,
+      rows + columns per matrix: one small all-gather per call, summed in rank order so
+      that every rank makes the same weights), started from the full-precision start's
+      averaged gradients. When the weights change the error feedback is rescaled by
+      w_old / w_new, so that it stays the same in gradient units (DESIGN.md §1's
+      telescoping holds for x, not only for x / w). A non-finite statistic on any rank
+      (NaN/Inf in x) skips the call on every rank before any state changes.
+    """
+
+    __slots__ = ("momentum", "adaptive", "beta", "floor", "local", "decoded", "ema", "group", "spare", "scratch")
+
+    def __init__(self, momentum: Optional[float], adaptive: bool, beta: float, floor: float, group,
+                 local: Optional[Tensor] = None, ema: Optional[Tensor] = None):
+        self.momentum, self.adaptive, self.beta, self.floor, self.group = momentum, adaptive, beta, floor, group
+        self.local = local  # this rank's momentum (None: zeros at the first call)
+        self.decoded = None if local is None else local.clone()  # m^ of the last call (the same on every rank)
+        self.ema = ema  # factored mean squares (adaptive)
+        self.spare: Optional[Tensor] = None  # a weights buffer to reuse
+        self.scratch: Optional[Tuple[Tensor, Tensor]] = None  # x and d of a call
+
+    def extra_bytes(self, unit: "Unit") -> int:
+        """Bytes this rank sends per call besides the compressed allreduce: the statistics' all-gather."""
+        if not self.adaptive or self.group is None:
+            return 0
+        p = dist.get_world_size(self.group)
+        return (p - 1) * 4 * sum(shp[0] + math.prod(shp[1:]) if _matrix(shp) else math.prod(shp)
+                                 for shp in unit.shapes)
+
+    def reduce(self, unit: "Unit", t: Tensor) -> bool:
+        """Reduce the unit's gradient `t` in place; True if skipped for NaN/Inf on some rank.
+        Works in two scratch buffers swapped with the state's (no allocation per call)."""
+        g = t.detach().float()
+        mu = self.momentum
+        if self.scratch is None or self.scratch[0].shape != g.shape or self.scratch[0].device != g.device:
+            self.scratch = (torch.empty_like(g), torch.empty_like(g))
+        x, d = self.scratch
+        if mu is not None:
+            if self.local is None:
+                self.local, self.decoded = torch.zeros_like(g), torch.zeros_like(g)
+            torch.add(g, self.local, alpha=mu, out=x)
+        else:
+            x.copy_(g)
+        if self.adaptive:
+            stats = factored_squares(x, unit.shapes)
+            parts = [torch.empty_like(stats) for _ in range(dist.get_world_size(self.group))]
+            dist.all_gather(parts, stats, group=self.group)
+            total = parts[0]
+            for q in parts[1:]:
+                total = total + q
+            total = total / len(parts)
+            if not bool(torch.isfinite(total).all()):
+                return True
+            self.ema = total if self.ema is None else torch.add(total * (1 - self.beta), self.ema, alpha=self.beta)
+            w = factored_weights(self.ema, unit.shapes, self.floor, out=self.spare)
+            self.spare = unit.weights  # the weights of the last call: the next call writes over them
+            if self.spare is not None:
+                unit.rescale_errors(self.spare / w)
+            unit.weights = w
+        unit._allreduce(x, out=d)
+        if unit.last_skipped:
+            return True
+        if mu is None:
+            t.copy_(d)
+            return False
+        if t.dtype == torch.float32:
+            torch.sub(d, self.decoded, alpha=mu, out=t)
+        else:
+            t.copy_(torch.sub(d, self.decoded, alpha=mu))
+        # x is the new momentum and d the new decoded one; the old buffers become scratch
+        self.scratch = (self.local, self.decoded)
+        self.local, self.decoded = x, d
+        return False
+
+    def state_dict(self) -> Dict[str, Any]:
+        copy = lambda v: None if v is None else v.clone()  # noqa: E731 - the buffers are reused in place
+        return {"momentum": self.momentum, "adaptive": self.adaptive, "local": copy(self.local),
+                "decoded": copy(self.decoded), "ema": copy(self.ema)}
+
+    def load_state_dict(self, sd: Dict[str, Any], device) -> None:
+        to = lambda v: None if v is None else v.to(device, copy=True)  # noqa: E731 - reused in place
+        self.local, self.decoded, self.ema = to(sd.get("local")), to(sd.get("decoded")), to(sd.get("ema"))
 
 
 class BucketPlanner:
@@ -209,14 +416,19 @@ class BucketPlanner:
             else:
                 state.load_state_dict(saved["compression"])  # warns and resets on another world size
                 w = saved.get("weights")
-                unit.weights = None if w is None else w.to(device)
+                unit.weights = None if w is None else w.to(device, copy=True)  # adaptive weights are rewritten
+                if saved.get("transform") is not None:  # completed by the hook's settings (OneBitHookState)
+                    unit.transform = Transform(None, False, 0.0, 0.0, None)
+                    unit.transform.load_state_dict(saved["transform"], device)
         self._units[key] = unit
         return unit
 
     def state_dict(self) -> List[Dict[str, Any]]:
         """Every unit's error feedback, the unmatched loaded ones included."""
         units = [{"params": list(u.key), "shapes": list(u.shapes), "compression": u.compression.state_dict(),
-                  "weights": u.weights} for u in self._units.values()]
+                  "weights": None if u.weights is None else u.weights.clone(),  # adaptive ones are rewritten
+                  "transform": None if u.transform is None else u.transform.state_dict()}
+                 for u in self._units.values()]
         return units + [{"params": list(k), **entry} for k, entry in self._saved.items()]
 
     def load_state_dict(self, entries: List[Dict[str, Any]]) -> None:
@@ -225,7 +437,8 @@ class BucketPlanner:
         self._units.clear()
         self.bucket_units.clear()
         self._saved = {tuple(e["params"]): {"shapes": e["shapes"], "compression": e["compression"],
-                                            "weights": e.get("weights")} for e in entries}
+                                            "weights": e.get("weights"), "transform": e.get("transform")}
+                       for e in entries}
 
 
 class BucketWorker:
@@ -266,8 +479,8 @@ class BucketWorker:
         fut = new_future(buf.device)
         if self._jobs is None:
             self._jobs = queue.SimpleQueue()
-            threading.Thread(target=_serve, args=(weakref.ref(self), self._jobs), name="lbcomm-onebit-hook",
-                             daemon=True).start()
+            threading.Thread(target=_serve, args=(weakref.ref(self), self._jobs, torch.get_num_threads()),
+                             name="lbcomm-onebit-hook", daemon=True).start()
             weakref.finalize(self, self._jobs.put, None)  # the thread ends with the worker
         with self._lock:
             self._inflight += 1
@@ -285,8 +498,11 @@ class BucketWorker:
             self._inflight -= 1
 
 
-def _serve(ref, jobs: queue.SimpleQueue) -> None:
-    """The thread of a BucketWorker. Holds the worker weakly."""
+def _serve(ref, jobs: queue.SimpleQueue, threads: int) -> None:
+    """The thread of a BucketWorker. Holds the worker weakly. Its torch ops use the
+    submitting thread's intra-op thread count (OpenMP's is per thread: a new thread would
+    otherwise take every core, and ranks sharing cores would oversubscribe them)."""
+    torch.set_num_threads(threads)
     while True:
         job = jobs.get()
         worker = ref() if job is not None else None

@@ -19,7 +19,7 @@ from ..common import FLOAT_DTYPES, NONFINITE_POLICIES, completed_future, ring_al
 from ..compressed import DEFAULT_BLOCK_SIZE, CompressionState, redistribute_errors
 from ..topology import HierarchicalState, Topology
 from ..wire import check_block_size
-from .buckets import BucketPlanner, BucketWorker, GradientStats, Plan
+from .buckets import BucketPlanner, BucketWorker, GradientStats, Plan, Transform, Unit
 from .claims import HOOK, claim_gradients
 
 __all__ = ["OneBitHookState", "onebit_hook"]
@@ -89,8 +89,27 @@ class OneBitHookState:
             (fp32 buckets of a flat topology; half buckets and the hierarchical path take
             two extra elementwise passes). None: the published algorithm, which compresses the
             gradients as they are (default: "warmup").
+            ``"adaptive"``: the weights are re-estimated at every compressed call from an EMA
+            (``normalize_beta``) of the ranks' mean squares of what is compressed, factored
+            per parameter matrix into rows x columns (the rank-1 fit, as in Adafactor: one
+            small all-gather of rows + columns per bucket and call, summed in rank order so
+            that every rank makes the same weights; started from the full-precision start),
+            and the error feedback is rescaled by w_old / w_new when they change, so that a
+            unit that comes alive after the start (a dead ReLU unit, a new embedding row) is
+            weighted by its current gradients; flat topology only.
         normalize_floor (float, optional): the floor of the weights relative to the RMS of
             the bucket's weights, > 0 (default: 0.1).
+        normalize_beta (float, optional): the EMA coefficient of ``normalize="adaptive"``, in
+            [0, 1) (default: 0.99).
+        momentum (float or None, optional): compress each rank's momentum of its own gradients
+            (m = g + momentum m, started from the momentum of the averaged gradients over the
+            full-precision start) instead of its gradient, and return m^_t - momentum m^_{t-1},
+            m^ the decoded mean momentum: with ``torch.optim.SGD(momentum=momentum)`` the
+            optimizer's buffer is then exactly m^ (plus its weight decay terms), and a
+            step's compression error enters the parameters once instead of being summed over
+            the momentum's memory (why 1-bit Adam compresses its momentum). Set it to the
+            optimizer's momentum (SGD's ``momentum``, Adam's beta1); costs two fp32 buffers
+            per gradient element. None: compress the gradients (default: None).
         topology (Topology or str or None, optional): nodes of fast-linked ranks
             (`lbcomm.topology`): each bucket is then averaged in full precision inside the
             node and 1-bit compressed only between nodes (`hierarchical_allreduce_`), G
@@ -117,6 +136,8 @@ class OneBitHookState:
         "block_size",
         "normalize",
         "normalize_floor",
+        "normalize_beta",
+        "momentum",
         # The settings that seldom change.
         "nonfinite",
         "compression_stats_logging_frequency",
@@ -147,13 +168,26 @@ class OneBitHookState:
         topology=None,
         normalize: Optional[str] = "warmup",
         normalize_floor: float = 0.1,
+        momentum: Optional[float] = None,
+        normalize_beta: float = 0.99,
     ):
         if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter <= 1:
             raise ValueError(f"Invalid start_iter: {start_iter!r} (must be > 1 because DDP rebuilds buckets after "
                              "iteration 1, and the error feedback belongs to the rebuilt buckets)")
         check_block_size(block_size)
-        if normalize not in (None, "warmup"):
-            raise ValueError(f"Invalid normalize: {normalize!r} (use 'warmup', or None for the published algorithm)")
+        if normalize not in (None, "warmup", "adaptive"):
+            raise ValueError(f"Invalid normalize: {normalize!r} (use 'warmup', 'adaptive', or None for the published "
+                             "algorithm)")
+        if momentum is not None and (isinstance(momentum, bool) or not isinstance(momentum, (int, float))
+                                     or not 0 <= momentum < 1):
+            raise ValueError(f"Invalid momentum: {momentum!r} (a number in [0, 1): the optimizer's momentum, or None "
+                             "to compress the gradients)")
+        if isinstance(normalize_beta, bool) or not isinstance(normalize_beta, (int, float)) or \
+                not 0 <= normalize_beta < 1:
+            raise ValueError(f"Invalid normalize_beta: {normalize_beta!r} (must be in [0, 1))")
+        if normalize == "adaptive" and topology is not None and not (isinstance(topology, Topology) and topology.flat):
+            raise ValueError("OneBitHookState: normalize='adaptive' runs on the flat compressed allreduce; with a "
+                             "topology use normalize='warmup'")
         if isinstance(normalize_floor, bool) or not isinstance(normalize_floor, (int, float)) or \
                 not 0 < normalize_floor < math.inf:
             raise ValueError(f"Invalid normalize_floor: {normalize_floor!r} (must be a number > 0)")
@@ -163,12 +197,15 @@ class OneBitHookState:
         if isinstance(freq, bool) or not isinstance(freq, int) or freq < 1:
             raise ValueError(f"Invalid compression_stats_logging_frequency: {freq!r} (must be an int >= 1)")
         _log.info("OneBitHookState config: start_iter = %s; block_size = %s; nonfinite = %s; "
-                  "compression_stats_logging_frequency = %s", start_iter, block_size, nonfinite, freq)
+                  "compression_stats_logging_frequency = %s; normalize = %s; momentum = %s", start_iter, block_size,
+                  nonfinite, freq, normalize, momentum)
         self.process_group = process_group
         self.start_iter = start_iter
         self.block_size = block_size
         self.normalize = normalize
         self.normalize_floor = float(normalize_floor)
+        self.momentum = None if momentum is None else float(momentum)
+        self.normalize_beta = float(normalize_beta)
         self.nonfinite = nonfinite
         self.compression_stats_logging_frequency = freq
         if not (topology is None or topology == "auto" or isinstance(topology, Topology)):
@@ -207,7 +244,7 @@ class OneBitHookState:
 
     # ------------------------------------------------------------------ pickling
     _CONFIG = ("start_iter", "block_size", "nonfinite", "compression_stats_logging_frequency", "normalize",
-               "normalize_floor")
+               "normalize_floor", "momentum", "normalize_beta")
 
     def __getstate__(self):
         """The settings and `state_dict`; the process group is not serializable and is left out."""
@@ -220,7 +257,8 @@ class OneBitHookState:
         self.topology = None
         _log.warning("NOTE: the OneBitHookState's process group is set to the default group (the world); set "
                      "`state.process_group` before the next iteration if another group is desired.")
-        defaults = {"normalize": None, "normalize_floor": 0.1}  # pickled before the option: as trained then
+        # pickled before the options existed: as trained then
+        defaults = {"normalize": None, "normalize_floor": 0.1, "momentum": None, "normalize_beta": 0.99}
         for name in self._CONFIG:
             setattr(self, name, state[name] if name in state else defaults[name])
         self._init_internal()
@@ -241,6 +279,9 @@ class OneBitHookState:
             self.worker = BucketWorker(self.process_group)
             topo = Topology.auto() if self.topology == "auto" else self.topology
             if topo is not None and not topo.flat:
+                if self.normalize == "adaptive":
+                    raise ValueError("OneBitHookState: topology='auto' found several nodes; normalize='adaptive' runs "
+                                     "on the flat compressed allreduce only (use normalize='warmup' with a topology)")
                 self.hier_topology = topo.private()
                 _log.info("onebit_hook: hierarchical compression, %s", self.hier_topology)
         return self.worker
@@ -369,9 +410,14 @@ def _redistribute_units(all_ranks: Sequence[Dict[str, Any]], world: int, rank: i
         if "worker_error" not in shards[0]:  # a HierarchicalState: its layout depends on the node shape
             dropped += 1
             continue
+        tr = entry.get("transform")
+        if tr is not None and tr.get("local") is not None:  # every new rank: the mean of the saved momenta
+            tr = {**tr, "local": torch.stack([units[key]["transform"]["local"].double() for units in per_rank])
+                  .mean(0).float()}
         out.append({"params": list(key), "shapes": entry["shapes"],
                     "compression": redistribute_errors(shards, world, rank),
-                    "weights": entry.get("weights")})  # the same on every rank: any world size
+                    "weights": entry.get("weights"),  # the same on every rank: any world size
+                    "transform": tr})
     if dropped:
         _log.warning("onebit_hook: %s hierarchical unit(s) cannot be redistributed onto another world size; their "
                      "error feedback is reset to zero", dropped)
@@ -389,15 +435,38 @@ def _new_compression(state: OneBitHookState, numel: int, device: torch.device):
                             nonfinite=state.nonfinite, backend="torch")
 
 
+def _set_transform(state: OneBitHookState, unit: Unit) -> None:
+    """Give `unit` the Transform of the state's momentum / adaptive settings (started from
+    the full-precision start's statistics), or none."""
+    adaptive = state.normalize == "adaptive"
+    if state.momentum is None and not adaptive:
+        unit.transform = None
+        return
+    tr = unit.transform
+    if tr is None:
+        stats, mom = state.grad_stats.start(unit.key, unit.shapes)
+        tr = unit.transform = Transform(state.momentum, adaptive, state.normalize_beta, state.normalize_floor,
+                                        state.worker.group, local=mom, ema=stats if adaptive else None)
+    else:  # restored from a checkpoint: this run's settings
+        tr.momentum, tr.adaptive, tr.beta, tr.floor, tr.group = (state.momentum, adaptive, state.normalize_beta,
+                                                                 state.normalize_floor, state.worker.group)
+        if tr.momentum is None:
+            tr.local = tr.decoded = None
+        if not adaptive:
+            tr.ema = None
+
+
 def _reduce_bucket(state: OneBitHookState, plan: Plan, report_iter: Optional[int], buf: Tensor) -> None:
     """The compressed allreduce of one bucket, in place, on the worker thread; counts it in
     the statistics and logs them when `report_iter` is given."""
     skipped = False
     for unit, slices in plan:
         st = unit.reduce(buf, slices)
-        skipped = skipped or st.last_skipped
+        skipped = skipped or unit.last_skipped
         state.compressed_calls += 1
         state.total_bytes_sent += st.bytes_per_call()
+        if unit.transform is not None:
+            state.total_bytes_sent += unit.transform.extra_bytes(unit)
         state.total_bytes_uncompressed += int(ring_allreduce_bytes(st.numel * buf.element_size(),
                                                                    state.worker.world_size))
     if skipped:
@@ -445,16 +514,19 @@ def onebit_hook(state: OneBitHookState, bucket: dist.GradBucket) -> torch.future
         state.total_bytes_sent += nbytes
         state.total_bytes_uncompressed += nbytes
         fut = allreduce_hook(state.process_group, bucket)
-        if state.normalize is not None:  # statistics per parameter: DDP's initial and rebuilt buckets alike
-            stats, numels = state.grad_stats, [p.numel() for p in params]
-            fut = fut.then(lambda f: (stats.add(key, numels, f.value()), f.value())[1])
+        if state.normalize is not None or state.momentum is not None:
+            # statistics per parameter: DDP's initial and rebuilt buckets alike
+            stats, numels, mu = state.grad_stats, [p.numel() for p in params], state.momentum
+            fut = fut.then(lambda f: (stats.add(key, numels, f.value(), mu), f.value())[1])
         state.maybe_increase_iter(bucket)
         return fut
     new_weights = None
-    if state.normalize is not None:
+    if state.normalize == "warmup":
         new_weights = functools.partial(state.grad_stats.weights, floor=state.normalize_floor)
     plan = state.planner.plan(bucket, key, params, functools.partial(_new_compression, state),
                               *([new_weights] if new_weights else []))
+    for unit, _ in plan:
+        _set_transform(state, unit)
     fut = worker.submit(buf, functools.partial(_reduce_bucket, state, plan, state.stats_report_due(bucket)))
     state.maybe_increase_iter(bucket)
     return fut
