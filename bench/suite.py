@@ -75,11 +75,11 @@ def build(method, model, lr, task, world, a):
     if method == "lars":
         return model, lbcomm.Lars(model.parameters(), **lars)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
+    extra = json.loads(a.hook_options) if a.hook_options else {}
     if method == "lars_hook":  # Lars sees onebit_hook's claim and does not average again
-        ddp.register_comm_hook(lbcomm.OneBitHookState(start_iter=freeze_of(task)), lbcomm.onebit_hook)
+        ddp.register_comm_hook(lbcomm.OneBitHookState(start_iter=freeze_of(task), **extra), lbcomm.onebit_hook)
         return ddp, lbcomm.Lars(model.parameters(), **lars)
     if method == "sgd_hook":
-        extra = json.loads(a.hook_options) if a.hook_options else {}
         ddp.register_comm_hook(lbcomm.OneBitHookState(start_iter=freeze_of(task), **extra), lbcomm.onebit_hook)
     return ddp, torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
 
@@ -240,7 +240,8 @@ def parse_args(argv=None):
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--onebit-options", default="", help="JSON dict of extra OneBitAdam/OneBitLamb options")
-    p.add_argument("--hook-options", default="", help="JSON dict of extra OneBitHookState options")
+    p.add_argument("--hook-options", default="", help="JSON dict of extra OneBitHookState options (sgd_hook and "
+                   "lars_hook)")
     p.add_argument("--json", default="", help="write the raw results here")
     p.add_argument("--plot", default="", help="PNG of the ratio table")
     p.add_argument("--report", nargs="+", default=[], metavar="JSON",
