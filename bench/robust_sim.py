@@ -215,6 +215,9 @@ class SimOneBit:
         t = self.t
         bc1 = 1 - b1 ** t
         sl = self.f.slices()
+        if "fv" in self.rule:  # EMA of the ranks' mean squared local gradients (factored when used)
+            sq = (grads * grads).mean(0)
+            self.vloc = sq.clone() if getattr(self, "vloc", None) is None else self.vloc.mul_(b2).add_(sq, alpha=1 - b2)
         if self.freeze is None or t <= self.freeze:
             g = grads.mean(0)
             self.m.lerp_(g, 1 - b1)
@@ -287,6 +290,13 @@ class SimOneBit:
             digits = self.rule.split("_")[0][5:]
             frac = float(digits) / 10 ** (len(digits) - 1) if digits else 1.0
             u0 = new_m / bc1 / torch.maximum(d, frac * d_fresh)
+        elif "fv" in self.rule:
+            # the denominator never below the factored local second moment / p: a lower bound on
+            # E[(mean gradient)^2] = mu^2 + sigma^2 / (p b) >= (mu^2 + sigma^2 / b) / p
+            shapes = [tuple(q.shape) for q in self.f.params]
+            vf = factored(self.vloc, shapes) / (1 if "fvfull" in self.rule else math.sqrt(self.p) if "fvhalf" in self.rule else self.p)
+            d_fv = vf.sqrt() + eps  # started at its first value: no bias to correct
+            u0 = new_m / bc1 / torch.maximum(d, d_fv)
         else:
             u0 = new_m / bc1 / d
         if self.rule.startswith("fresh") and "clip" not in self.rule:
@@ -340,6 +350,22 @@ def adam_bound(betas, t: Optional[int]) -> float:
     if t:
         bound *= math.sqrt(1 - b2 ** t) / (1 - b1 ** t)
     return bound
+
+
+def factored(sq: Tensor, shapes) -> Tensor:
+    """The rank-1 (rows x columns) fit of sq [n] per matrix of `shapes`, sq itself elsewhere."""
+    out, at = torch.empty_like(sq), 0
+    for shp in shapes:
+        n = math.prod(shp)
+        s = sq[at:at + n]
+        if len(shp) >= 2 and shp[0] > 1 and n // shp[0] > 1:
+            v = s.view(shp[0], -1)
+            r, c = v.sum(1), v.sum(0)
+            out[at:at + n] = (torch.outer(r, c) / r.sum().clamp(min=1e-30)).reshape(-1)
+        else:
+            out[at:at + n] = s
+        at += n
+    return out
 
 
 def _block_rms(x: Tensor, block: Optional[int]) -> Tensor:
