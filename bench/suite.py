@@ -6,6 +6,7 @@ For each task and each pair (full precision vs 1-bit)
     lbcomm.Lamb                           vs  lbcomm.OneBitLamb
     DDP + torch.optim.SGD(momentum 0.9)   vs  DDP + lbcomm.onebit_hook + the same SGD
     lbcomm.Lars                           vs  DDP + lbcomm.onebit_hook + lbcomm.Lars
+    AdamW                                 vs  DDP + lbcomm.onebit_hook + AdamW (adamw_hook, on request)
 
 every lr of the task's small grid is run from the same initial weights on the same samples
 (4 gloo ranks, each its quarter of the global batch; variance frozen / compression started
@@ -42,12 +43,13 @@ import tasks as T  # noqa: E402
 from convergence import average_grads  # noqa: E402
 
 METHODS = ("adamw", "onebit_adam", "lamb", "onebit_lamb", "sgd", "sgd_hook", "lars", "lars_hook")
-TWIN = {"onebit_adam": "adamw", "onebit_lamb": "lamb", "sgd_hook": "sgd", "lars_hook": "lars"}
+EXTRA_METHODS = ("adamw_hook",)  # on request only: DDP + onebit_hook + torch AdamW
+TWIN = {"onebit_adam": "adamw", "onebit_lamb": "lamb", "sgd_hook": "sgd", "lars_hook": "lars", "adamw_hook": "adamw"}
 FAMILY = {"adamw": "adam", "onebit_adam": "adam", "lamb": "lamb", "onebit_lamb": "lamb", "sgd": "sgd",
-          "sgd_hook": "sgd", "lars": "lars", "lars_hook": "lars"}
+          "sgd_hook": "sgd", "lars": "lars", "lars_hook": "lars", "adamw_hook": "adam"}
 LABEL = {"adamw": "AdamW", "onebit_adam": "OneBitAdam", "lamb": "Lamb", "onebit_lamb": "OneBitLamb",
          "sgd": "SGD+DDP", "sgd_hook": "SGD+onebit_hook", "lars": "Lars",
-         "lars_hook": "Lars+onebit_hook"}
+         "lars_hook": "Lars+onebit_hook", "adamw_hook": "AdamW+onebit_hook"}
 LARS_TRUST = 0.02  # trust_coefficient of the LARS runs (their lr grid is tasks.GRIDS["lars"])
 QUICK_TASKS = ("rare_features", "dead_relu", "zipf_embed")
 
@@ -79,8 +81,10 @@ def build(method, model, lr, task, world, a):
     if method == "lars_hook":  # Lars sees onebit_hook's claim and does not average again
         ddp.register_comm_hook(lbcomm.OneBitHookState(start_iter=freeze_of(task), **extra), lbcomm.onebit_hook)
         return ddp, lbcomm.Lars(model.parameters(), **lars)
-    if method == "sgd_hook":
+    if method in ("sgd_hook", "adamw_hook"):
         ddp.register_comm_hook(lbcomm.OneBitHookState(start_iter=freeze_of(task), **extra), lbcomm.onebit_hook)
+    if method == "adamw_hook":
+        return ddp, torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=wd)
     return ddp, torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
 
 
@@ -192,7 +196,7 @@ def report(results, a):
         print(f"{LABEL[m] + ' / ' + LABEL[base]:<30}" + "".join(f"{c:>16}" for c in cells))
     print("(dN: diverged at N lrs of the grid where the twin did not; diverged = non-finite or worse than at init)")
     print("\nlargest first compressed update of one coordinate over the grid, in units of the current lr")
-    for m in ("onebit_adam", "onebit_lamb", "sgd_hook", "lars_hook"):
+    for m in ("onebit_adam", "onebit_lamb", "sgd_hook", "lars_hook", "adamw_hook"):
         if m in a.methods:
             print(f"  {LABEL[m]:<16}" + "".join(
                 f"{(format(s[t][m][3], '.3g') if s[t][m][3] is not None else '-'):>16}" for t in tasks_))
@@ -240,8 +244,8 @@ def parse_args(argv=None):
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--onebit-options", default="", help="JSON dict of extra OneBitAdam/OneBitLamb options")
-    p.add_argument("--hook-options", default="", help="JSON dict of extra OneBitHookState options (sgd_hook and "
-                   "lars_hook)")
+    p.add_argument("--hook-options", default="", help="JSON dict of extra OneBitHookState options (sgd_hook, "
+                   "lars_hook, adamw_hook)")
     p.add_argument("--json", default="", help="write the raw results here")
     p.add_argument("--plot", default="", help="PNG of the ratio table")
     p.add_argument("--report", nargs="+", default=[], metavar="JSON",
@@ -249,7 +253,7 @@ def parse_args(argv=None):
     a = p.parse_args(argv)
     a.tasks = a.tasks.split(",") if a.tasks else list(QUICK_TASKS if a.quick else T.TASKS)
     a.methods = [m for m in a.methods.split(",") if m]
-    unknown = [m for m in a.methods if m not in METHODS] + [t for t in a.tasks if t not in T.TASKS]
+    unknown = [m for m in a.methods if m not in METHODS + EXTRA_METHODS] + [t for t in a.tasks if t not in T.TASKS]
     if unknown:
         p.error(f"unknown method or task: {unknown}")
     return a

@@ -244,8 +244,8 @@ class Transform:
       the momentum of the averaged gradients over the full-precision start.
     * adaptive: the weights (x / w compressed, decoded times w) are re-estimated every call
       from an EMA (`beta`) of the ranks' mean factored squares of x (`factored_squares`,
-      rows + columns per matrix: one small all-gather per call, summed in rank order so
-      that every rank makes the same weights), started from the full-precision start's
+      rows + columns per matrix: one small reduce + broadcast per call, so that every
+      rank makes the same weights), started from the full-precision start's
       averaged gradients. When the weights change the error feedback is rescaled by
       w_old / w_new, so that it stays the same in gradient units (DESIGN.md §1's
       telescoping holds for x, not only for x / w). A non-finite statistic on any rank
@@ -264,12 +264,12 @@ class Transform:
         self.scratch: Optional[Tuple[Tensor, Tensor]] = None  # x and d of a call
 
     def extra_bytes(self, unit: "Unit") -> int:
-        """Bytes this rank sends per call besides the compressed allreduce: the statistics' all-gather."""
+        """Bytes per call besides the compressed allreduce: the statistics' reduce and
+        broadcast, counted as two fp32 vectors of rows + columns (what a rank sends at
+        most in a tree; the first rank of a flat broadcast sends more)."""
         if not self.adaptive or self.group is None:
             return 0
-        p = dist.get_world_size(self.group)
-        return (p - 1) * 4 * sum(shp[0] + math.prod(shp[1:]) if _matrix(shp) else math.prod(shp)
-                                 for shp in unit.shapes)
+        return 2 * 4 * sum(shp[0] + math.prod(shp[1:]) if _matrix(shp) else math.prod(shp) for shp in unit.shapes)
 
     def reduce(self, unit: "Unit", t: Tensor) -> bool:
         """Reduce the unit's gradient `t` in place; True if skipped for NaN/Inf on some rank.
@@ -286,13 +286,13 @@ class Transform:
         else:
             x.copy_(g)
         if self.adaptive:
-            stats = factored_squares(x, unit.shapes)
-            parts = [torch.empty_like(stats) for _ in range(dist.get_world_size(self.group))]
-            dist.all_gather(parts, stats, group=self.group)
-            total = parts[0]
-            for q in parts[1:]:
-                total = total + q
-            total = total / len(parts)
+            # summed on the group's first rank and broadcast from it: the same bits on every
+            # rank, and each rank sends O(rows + columns) bytes whatever the world size
+            total = factored_squares(x, unit.shapes)
+            root = dist.get_global_rank(self.group, 0)
+            dist.reduce(total, dst=root, group=self.group)
+            dist.broadcast(total, src=root, group=self.group)
+            total = total / dist.get_world_size(self.group)
             if not bool(torch.isfinite(total).all()):
                 return True
             self.ema = total if self.ema is None else torch.add(total * (1 - self.beta), self.ema, alpha=self.beta)

@@ -92,8 +92,8 @@ class OneBitHookState:
             ``"adaptive"``: the weights are re-estimated at every compressed call from an EMA
             (``normalize_beta``) of the ranks' mean squares of what is compressed, factored
             per parameter matrix into rows x columns (the rank-1 fit, as in Adafactor: one
-            small all-gather of rows + columns per bucket and call, summed in rank order so
-            that every rank makes the same weights; started from the full-precision start),
+            small reduce + broadcast of rows + columns per bucket and call, so that every
+            rank makes the same weights; started from the full-precision start),
             and the error feedback is rescaled by w_old / w_new when they change, so that a
             unit that comes alive after the start (a dead ReLU unit, a new embedding row) is
             weighted by its current gradients; flat topology only.
@@ -107,8 +107,10 @@ class OneBitHookState:
             m^ the decoded mean momentum: with ``torch.optim.SGD(momentum=momentum)`` the
             optimizer's buffer is then exactly m^ (plus its weight decay terms), and a
             step's compression error enters the parameters once instead of being summed over
-            the momentum's memory (why 1-bit Adam compresses its momentum). Set it to the
-            optimizer's momentum (SGD's ``momentum``, Adam's beta1); costs two fp32 buffers
+            the momentum's memory (why 1-bit Adam compresses its momentum). For SGD with
+            momentum (set it to SGD's ``momentum``): measured worse with AdamW (Adam squares
+            what it is handed, and the difference of two decoded momenta inflates its
+            variance) and no better with Lars (README); costs two fp32 buffers
             per gradient element. None: compress the gradients (default: None).
         topology (Topology or str or None, optional): nodes of fast-linked ranks
             (`lbcomm.topology`): each bucket is then averaged in full precision inside the
