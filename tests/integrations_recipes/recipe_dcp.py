@@ -35,4 +35,5 @@ for step in range(start, 9):
 print(f"rank {rank}: loss {loss.item():.6f}, compressed allreduce sends {opt.compression_state.bytes_per_call()} "
       "bytes per step")
 lbcomm.save_sharded(f"{out}/final-{start}", opt, model.module)
+del model  # DDP's reducer goes before its process group (torch 2.13 + gloo may abort at exit otherwise)
 dist.destroy_process_group()

@@ -32,4 +32,5 @@ for step in range(start, 9):
 stats = state.compression_stats()
 print(f"rank {rank}: loss {loss.item():.6f}, sent {stats['bytes_sent']} bytes, ratio {stats['compression_ratio']:.1f}x")
 lbcomm.save_sharded(f"{out}/final-{start}", opt, model.module, hook_state=state)
+del model  # DDP's reducer goes before its process group (torch 2.13 + gloo may abort at exit otherwise)
 dist.destroy_process_group()
