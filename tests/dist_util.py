@@ -66,3 +66,14 @@ def run_ranks(fn, p, *args, timeout=120, pg_timeout=60):
                 raise AssertionError("\n".join(errors)) from None
             raise
         return [torch.load(os.path.join(d, f"{r}.pt"), weights_only=False)["ok"] for r in range(p)]
+
+
+def same(a, b) -> bool:
+    """Bitwise equality of nested tensors, dicts, lists and tuples (state dicts)."""
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b

@@ -15,7 +15,7 @@ from torch import nn
 
 import lbcomm
 from lbcomm.optim import reference as SIM
-from dist_util import run_ranks
+from dist_util import run_ranks, same as _same
 
 OPTS = {"adam": lbcomm.OneBitAdam, "lamb": lbcomm.OneBitLamb}
 
@@ -89,16 +89,6 @@ def _snapshot(model, opt):
         "errors": None if comp is None else (comp["worker_error"].clone(), comp["server_error"].clone()),
         "global_step": sd["lbcomm"]["global_step"],
     }
-
-
-def _same(a, b):
-    if isinstance(a, torch.Tensor):
-        return torch.equal(a, b)
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 # ---------------------------------------------------------------------- the 4-rank suite

@@ -14,7 +14,7 @@ from torch import nn
 
 import lbcomm
 from lbcomm.optim import reference as SIM
-from dist_util import run_ranks
+from dist_util import run_ranks, same as _same
 
 
 def _mlp(seed=0, d_in=12, d_h=24, d_out=5):
@@ -46,16 +46,6 @@ def _backward(model, opt, rank, t, dead_inputs=False):
 
 def _params(model):
     return [q.detach().clone() for q in model.parameters()]
-
-
-def _same(a, b):
-    if isinstance(a, torch.Tensor):
-        return torch.equal(a, b)
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 def _snapshot(model, opt):
