@@ -124,8 +124,9 @@ class GradientStats:
         """Add the averaged bucket `avg` holding the parameters `key` of `numels` elements
         (and, with `momentum`, update their momentum m = momentum m + avg, as torch's SGD)."""
         g = avg.detach().float()
-        finite = bool(torch.isfinite(g).all()) if momentum is not None else True
-        sq = torch.where(torch.isfinite(g), g * g, 0.0)  # a skipped (NaN) bucket adds nothing
+        finite = torch.isfinite(g)
+        ok = finite.all()  # a device scalar: no sync; an optimizer skips a NaN step, the momentum too
+        sq = torch.where(finite, g * g, 0.0)  # a skipped (NaN) bucket adds nothing
         for k, piece, gk in zip(key, sq.split(numels), g.split(numels)):
             acc = self.sums.get(k)
             if acc is None:
@@ -133,9 +134,10 @@ class GradientStats:
             else:
                 acc.add_(piece)
                 self.counts[k] += 1
-            if momentum is not None and finite:  # an optimizer skips a NaN step
+            if momentum is not None:
                 m = self.moms.get(k)
-                self.moms[k] = gk.clone() if m is None else torch.add(gk, m, alpha=momentum)
+                self.moms[k] = torch.where(ok, gk, 0.0) if m is None else \
+                    torch.where(ok, torch.add(gk, m, alpha=momentum), m)
 
     def start(self, key: Key, shapes: List[Tuple[int, ...]]) -> Tuple[Optional[Tensor], Optional[Tensor]]:
         """(factored mean squares, momentum) of the unit `key` over the start, each None
