@@ -260,7 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
                          f"{','.join(DEFAULT_NODE_TRAIN_METHODS)}); also, never by default, "
                          f"{','.join(STATS_METHODS)} (to time the gradient-noise statistics: DDP with a plain Python "
                          "allreduce hook, the same with the statistics around it (exact, and from a sample of "
-                         "coordinates), and 1-bit Adam with them)")
+                         "coordinates), and 1-bit Adam with them; and the published compression-stage rules, "
+                         "to time the robust defaults against them: the hook without per-coordinate weights and "
+                         "with every parameter compressed, 1-bit Adam without its update bound)")
     _add_nodes(tr, "the HSDP mesh's shard dimension and the hierarchical hook's nodes")
     tr.add_argument("--preset", choices=sorted(MODEL_PRESETS), default="small",
                     help="model and batch preset (default: small); the options below override it")

@@ -69,10 +69,15 @@ METHODS = FLAT_METHODS + NODE_METHODS
 DEFAULT_NODE_METHODS = ("ddp", "onebit_hook", "onebit_hook_hier", "hsdp", "hsdp_onebit", "fsdp_onebit_adam")
 # Not run by default: ``ddp`` and ``onebit_adam`` with lbcomm.stats' gradient statistics (the
 # noise scale), to measure what the statistics cost: DDP's allreduce wrapped in
-# ``lbcomm.stats.stats_hook`` (exact; ``ddp_stats_sample``: a coordinate sample), and OneBitAdam's ``gradient_stats`` (a coordinate
-# sample in its compression stage); ``ddp_hook`` is DDP with torch's Python allreduce_hook
-# alone, the baseline of ``ddp_stats``.
-STATS_METHODS = ("ddp_hook", "ddp_stats", "ddp_stats_sample", "onebit_adam_stats")
+# ``lbcomm.stats.stats_hook`` (exact; ``ddp_stats_sample``: a coordinate sample), and OneBitAdam's
+# ``gradient_stats`` (a coordinate sample in its compression stage); ``ddp_hook`` is DDP with
+# torch's Python allreduce_hook alone, the baseline of ``ddp_stats``.
+# Also not by default: the published rules of the compression stage, to measure what the
+# robust defaults cost (issue 16): ``onebit_hook_published`` (normalize=None, exact_numel=0)
+# against ``onebit_hook`` (normalize="warmup", exact_numel=4096), ``onebit_adam_published``
+# (max_update=None) against ``onebit_adam`` (max_update=1.0).
+STATS_METHODS = ("ddp_hook", "ddp_stats", "ddp_stats_sample", "onebit_adam_stats",
+                 "onebit_hook_published", "onebit_adam_published")
 COMPRESSION_START = 2  # PowerSGD's start_powerSGD_iter and onebit_hook's start_iter (DDP needs > 1)
 # Untimed steps so that every method is in its compressed stage when timing starts.
 MIN_WARMUP_STEPS = COMPRESSION_START + 2
@@ -157,14 +162,15 @@ class _Setup:
             self.model = model
             self.opt = torch.optim.AdamW(model.parameters(), lr=lr, **fused)
             return
-        if method in ("onebit_adam", "onebit_adam_stats"):
+        if method in ("onebit_adam", "onebit_adam_stats", "onebit_adam_published"):
             # The optimizer does all the communication itself (averaged gradients in the
             # warmup, one compressed allreduce of the momentum after it), as in its docstring;
             # DDP would only add bucket copies in the compression stage.
             from ..optim import OneBitAdam
 
             self.model = model
-            self.opt = OneBitAdam(model.parameters(), lr=lr, freeze_step=freeze_step)
+            published = dict(max_update=None) if method == "onebit_adam_published" else {}
+            self.opt = OneBitAdam(model.parameters(), lr=lr, freeze_step=freeze_step, **published)
             if method == "onebit_adam_stats":
                 from ..stats import GradientNoiseScale
 
@@ -186,7 +192,7 @@ class _Setup:
             self.hook_state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=4,
                                                           start_powerSGD_iter=COMPRESSION_START)
             ddp.register_comm_hook(self.hook_state, powerSGD_hook.powerSGD_hook)
-        elif method in ("onebit_hook", "onebit_hook_hier"):
+        elif method in ("onebit_hook", "onebit_hook_hier", "onebit_hook_published"):
             from ..ddp import OneBitHookState, onebit_hook
 
             topology = None  # flat
@@ -194,7 +200,9 @@ class _Setup:
                 from ..topology import Topology
 
                 topology = Topology.from_mesh(mesh)
-            self.hook_state = OneBitHookState(process_group=None, start_iter=COMPRESSION_START, topology=topology)
+            published = dict(normalize=None, exact_numel=0) if method == "onebit_hook_published" else {}
+            self.hook_state = OneBitHookState(process_group=None, start_iter=COMPRESSION_START, topology=topology,
+                                              **published)
             ddp.register_comm_hook(self.hook_state, onebit_hook)
         elif method == "ddp_hook":
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -221,7 +229,8 @@ class _Setup:
 
     def check_stage(self) -> None:
         """Fail loudly if a method is not in the stage we mean to time."""
-        if self.method in ("onebit_adam", "onebit_adam_stats", "fsdp_onebit_adam") and not self.opt.frozen:
+        if self.method in ("onebit_adam", "onebit_adam_stats", "onebit_adam_published", "fsdp_onebit_adam") \
+                and not self.opt.frozen:
             raise RuntimeError(f"{self.method}: OneBitAdam is not in its compression stage; raise --warmup-steps")
 
 
