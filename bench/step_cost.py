@@ -6,7 +6,7 @@ rule (max_update=None, the unbounded fused update) and the default max_update (O
 1.0, OneBitLamb "warmup") on twin optimizers, so machine noise hits both alike. Printed:
 median step time of each and their ratio (target: within 3 %).
 
-Kind "hook": DDP + onebit_hook + SGD momentum, normalize=None (published) vs the default
+Kind "hook": DDP + onebit_hook + SGD momentum, normalize=None, exact_numel=0 (published) vs the default
 normalize="warmup" (the weights read by the compression and the decode), or the options
 of --hook-options (e.g. '{"momentum": 0.9, "normalize": "adaptive"}'); a step is then
 forward, backward (the compressed allreduce of every bucket) and the SGD step.
@@ -51,7 +51,8 @@ class HookTwin:
         torch.manual_seed(0)
         model = torch.nn.Sequential(*[torch.nn.Linear(side, side, bias=False) for _ in range(8)])
         self.ddp = torch.nn.parallel.DistributedDataParallel(model)
-        state = lbcomm.OneBitHookState(start_iter=2, **({"normalize": None} if rule == "published" else options))
+        state = lbcomm.OneBitHookState(start_iter=2, **({"normalize": None, "exact_numel": 0} if rule == "published"
+                                                              else options))
         self.ddp.register_comm_hook(state, lbcomm.onebit_hook)
         self.opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
         self.x = torch.randn(4, side, generator=g)

@@ -78,11 +78,11 @@ def build(method, model, lr, task, world, a):
         return model, lbcomm.Lars(model.parameters(), **lars)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     extra = json.loads(a.hook_options) if a.hook_options else {}
+    if method in ("lars_hook", "sgd_hook", "adamw_hook"):
+        ddp.hook_state = lbcomm.OneBitHookState(start_iter=freeze_of(task), **extra)  # its bytes are reported
+        ddp.register_comm_hook(ddp.hook_state, lbcomm.onebit_hook)
     if method == "lars_hook":  # Lars sees onebit_hook's claim and does not average again
-        ddp.register_comm_hook(lbcomm.OneBitHookState(start_iter=freeze_of(task), **extra), lbcomm.onebit_hook)
         return ddp, lbcomm.Lars(model.parameters(), **lars)
-    if method in ("sgd_hook", "adamw_hook"):
-        ddp.register_comm_hook(lbcomm.OneBitHookState(start_iter=freeze_of(task), **extra), lbcomm.onebit_hook)
     if method == "adamw_hook":
         return ddp, torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=wd)
     return ddp, torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
@@ -120,7 +120,11 @@ def one_run(rank, world, task, method, lr, a):
             diverged = step + 1
             break
     final = float("nan") if diverged else T.evaluate(task, model)
+    hook = getattr(net, "hook_state", None)
+    sent = None if hook is None else hook.compression_stats()  # this rank's bytes, start included
     return {"task": task.name, "method": method, "lr": lr, "final": final, "init": init, "diverged": diverged,
+            "bytes_sent": None if sent is None else sent["bytes_sent"],
+            "bytes_uncompressed": None if sent is None else sent["bytes_uncompressed"],
             "first_update_ratio": first_ratio, "param_max_at_first_update": first_pmax,
             "max_param": None if diverged else max(float(p.detach().abs().max()) for p in model.parameters())}
 
@@ -200,6 +204,16 @@ def report(results, a):
         if m in a.methods:
             print(f"  {LABEL[m]:<16}" + "".join(
                 f"{(format(s[t][m][3], '.3g') if s[t][m][3] is not None else '-'):>16}" for t in tasks_))
+    hooks = [m for m in ("sgd_hook", "lars_hook", "adamw_hook") if m in a.methods]
+    if hooks:
+        print("\nhook bytes sent per rank / an fp32 ring allreduce's, whole run (start included), at the best lr")
+        for m in hooks:
+            cells = []
+            for t in tasks_:
+                r = [r for r in results if r["task"] == t and r["method"] == m and r["lr"] == s[t][m][1]]
+                ok = r and r[0].get("bytes_sent") and r[0].get("bytes_uncompressed")
+                cells.append(f"1/{r[0]['bytes_uncompressed'] / r[0]['bytes_sent']:.1f}" if ok else "-")
+            print(f"  {LABEL[m]:<16}" + "".join(f"{c:>16}" for c in cells))
     print("\nbest lr per method: " + "; ".join(
         f"{t}: " + ", ".join(f"{LABEL[m]} {s[t][m][1]}" for m in a.methods) for t in tasks_))
     if failures:

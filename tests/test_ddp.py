@@ -89,7 +89,7 @@ def _hook_training(rank, make_opt, steps, start_iter):
     model = _model()
     ddp = DDP(model, bucket_cap_mb=BUCKET_MB)
     opt = make_opt(ddp.parameters())
-    state = OneBitHookState(None, start_iter=start_iter, compression_stats_logging_frequency=5)
+    state = OneBitHookState(None, start_iter=start_iter, compression_stats_logging_frequency=5, exact_numel=0)
     returned = []
 
     def probe(state, bucket):  # onebit_hook, noting whether its future was still pending on return
@@ -138,7 +138,7 @@ def _resume(rank, ckpt_dir, total, cut, start_iter):
             opt_state, hook_sd = info["extra"]["opt"], info["extra"]["hook"]
         ddp = DDP(model, bucket_cap_mb=BUCKET_MB)
         opt = _sgd(ddp.parameters())
-        state = OneBitHookState(None, start_iter=start_iter)
+        state = OneBitHookState(None, start_iter=start_iter, exact_numel=0)
         if load is not None:
             opt.load_state_dict(opt_state)
             state.load_state_dict(hook_sd)
@@ -192,7 +192,7 @@ def _nonfinite(rank, start_iter):
     model = _model()
     ddp = DDP(model, bucket_cap_mb=BUCKET_MB)
     opt = _sgd(ddp.parameters())
-    state = OneBitHookState(None, start_iter=start_iter)
+    state = OneBitHookState(None, start_iter=start_iter, exact_numel=0)
     ddp.register_comm_hook(state, onebit_hook)
     _train(ddp, opt, rank, start_iter + 1)
     before = state.state_dict()

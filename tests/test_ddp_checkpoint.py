@@ -57,7 +57,7 @@ def generate(rank, p):
     """Run by make_ddp_hook_state.py with the code whose format is being frozen. The
     checkpoint is written at once (its tensors are the live ones, changed by later steps)."""
     model, ddp, opt = _build()
-    hook = OneBitHookState(None, start_iter=START_ITER, block_size=256)
+    hook = OneBitHookState(None, start_iter=START_ITER, block_size=256, exact_numel=0)
     ddp.register_comm_hook(hook, onebit_hook)
     _train(ddp, opt, rank, 0, CUT)
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "hook": hook.state_dict(), "pickled": hook},
@@ -70,7 +70,7 @@ def _resume(rank, p, how):
     saved = torch.load(os.path.join(DATA, f"rank{rank}.pt"), weights_only=False)
     model, ddp, opt = _build(saved)
     if how == "state_dict":
-        hook = OneBitHookState(None, start_iter=START_ITER, block_size=256)
+        hook = OneBitHookState(None, start_iter=START_ITER, block_size=256, exact_numel=0)
         hook.load_state_dict(saved["hook"])
     else:  # the pickled object itself (__setstate__)
         hook = saved["pickled"]

@@ -21,7 +21,7 @@ from lbcomm.ddp import OneBitHookState, onebit_hook
 from test_hook_normalize import _model, _relayout
 
 P, START, STEPS, BLOCK, MU, BETA = 2, 3, 7, 256, 0.9, 0.99
-OPTS = dict(block_size=BLOCK, normalize="adaptive", momentum=MU, normalize_beta=BETA)
+OPTS = dict(block_size=BLOCK, normalize="adaptive", momentum=MU, normalize_beta=BETA, exact_numel=0)
 
 
 def _batch(s, rank):

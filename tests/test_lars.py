@@ -169,7 +169,7 @@ def _ddp_onebit_hook(rank):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 64), nn.LayerNorm(64), nn.ReLU(), nn.Linear(64, 4))
     ddp = DDP(model)
-    state = lbcomm.OneBitHookState(start_iter=3, nonfinite="skip")
+    state = lbcomm.OneBitHookState(start_iter=3, nonfinite="skip", exact_numel=0)
     ddp.register_comm_hook(state, lbcomm.onebit_hook)
     opt = lbcomm.Lars(ddp.parameters(), lr=2.0, weight_decay=1e-3, trust_coefficient=0.01, nonfinite="skip")
     calls = []

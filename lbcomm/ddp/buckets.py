@@ -20,7 +20,7 @@ from torch import Tensor
 
 from ..comm import world_info
 from ..common import new_future
-from ..compressed import CompressionState, compressed_allreduce
+from ..compressed import CompressionState, NonFiniteError, compressed_allreduce
 from ..topology import HierarchicalState, hierarchical_allreduce_
 
 __all__ = ["Unit", "GradientStats", "Transform", "BucketPlanner", "BucketWorker", "factored_squares",
@@ -41,13 +41,39 @@ class Unit:
     compression noise of a coordinate is proportional to its own weight rather than to its
     block's largest gradients. The weights are the same on every rank."""
 
-    __slots__ = ("key", "shapes", "compression", "weights", "transform", "last_skipped")
+    __slots__ = ("key", "shapes", "compression", "weights", "transform", "last_skipped", "exact", "exact_group")
 
     def __init__(self, key: Key, shapes: List[Tuple[int, ...]], compression: CompressionState,
                  weights: Optional[Tensor] = None):
         self.key, self.shapes, self.compression, self.weights = key, shapes, compression, weights
         self.transform: Optional["Transform"] = None  # momentum / adaptive weights, see Transform
         self.last_skipped = False
+        # (max numel, index or None): the coordinates of the parameters of at most max numel
+        # elements, averaged exactly (fp32 allreduce on `exact_group`) instead of compressed
+        self.exact: Optional[Tuple[int, Optional[Tensor]]] = None
+        self.exact_group = None
+
+    def set_exact(self, max_numel: int, group, device: torch.device) -> None:
+        """Average the parameters of at most `max_numel` elements exactly, on `group`."""
+        self.exact_group = group
+        if self.exact is not None and self.exact[0] == max_numel:
+            return
+        spans, at = [], 0
+        for shp in self.shapes:
+            n = math.prod(shp)
+            if n <= max_numel:
+                spans.append(torch.arange(at, at + n))
+            at += n
+        index = torch.cat(spans).to(device) if spans else None
+        self.exact = (max_numel, index)
+
+    def exact_numel(self) -> int:
+        index = self.exact[1] if self.exact is not None else None
+        return 0 if index is None else index.numel()
+
+    def fully_exact(self) -> bool:
+        """Every parameter of the unit is averaged exactly: no compressed call at all."""
+        return self.exact_numel() == self.compression.numel
 
     def reduce(self, buf: Tensor, slices: Optional[Slices]) -> CompressionState:
         """Compressed allreduce of this unit's gradients in `buf`, in place: all of `buf`
@@ -70,7 +96,42 @@ class Unit:
         self.last_skipped = skipped or self.compression.last_skipped
 
     def _allreduce(self, t: Tensor, out: Optional[Tensor] = None) -> None:
-        """t (or, given, `out`: then t is left alone) <- the compressed mean of t."""
+        """t (or, given, `out`: then t is left alone) <- the compressed mean of t, with the
+        exact coordinates (`set_exact`) replaced by their exact mean and their error
+        feedback kept at zero. Their fp32 allreduce runs beside the compressed call; they
+        stay in its input, so its NaN/Inf consensus covers them (a non-finite value on any
+        rank skips the call on every rank before anything changes)."""
+        index = self.exact[1] if self.exact is not None else None
+        if index is None:
+            self._compressed(t, out)
+            return
+        exact = t.index_select(0, index).float()  # before the compressed call writes over t
+        work = dist.all_reduce(exact, group=self.exact_group, async_op=True)
+        if self.fully_exact():  # no compressed call to check the values: a consensus of its own
+            work.wait()
+            self.last_skipped = not bool(torch.isfinite(exact).all())
+            if self.last_skipped and self.compression.nonfinite == "raise":
+                raise NonFiniteError("onebit_hook: a parameter averaged exactly (exact_numel) holds NaN or Inf on "
+                                     "at least one rank")
+            if not self.last_skipped:
+                (t if out is None else out).copy_(exact.div_(dist.get_world_size(self.exact_group)))
+            return
+        try:
+            self._compressed(t, out)
+        finally:
+            work.wait()  # also when the compressed call raised: no collective left in flight
+        if self.last_skipped:
+            return
+        exact.div_(dist.get_world_size(self.exact_group))
+        (t if out is None else out).index_copy_(0, index, exact.to(t.dtype))
+        st = self.compression
+        if isinstance(st, CompressionState):  # the flat layout (see rescale_errors)
+            st.worker_error.index_fill_(0, index, 0.0)
+            lo = st.rank * st.chunk
+            mine = index[(index >= lo) & (index < lo + st.chunk)] - lo
+            st.server_error.index_fill_(0, mine, 0.0)
+
+    def _compressed(self, t: Tensor, out: Optional[Tensor]) -> None:
         w = self.weights
         if not isinstance(self.compression, HierarchicalState) and (w is None or t.dtype == torch.float32):
             # the weights fused into the compression's own passes (bitwise as divide, reduce, multiply)

@@ -112,6 +112,14 @@ class OneBitHookState:
             what it is handed, and the difference of two decoded momenta inflates its
             variance) and no better with Lars (README); costs two fp32 buffers
             per gradient element. None: compress the gradients (default: None).
+        exact_numel (int, optional): parameters of at most this many elements (biases,
+            norm weights, the small heads and stems of small models) are averaged exactly by
+            an fp32 allreduce beside the compressed call instead of being compressed (their
+            error feedback stays zero): 1-bit compression saves little on them and costs
+            the most accuracy there (README, "Convergence suite"); their bytes are counted
+            in ``bytes_sent`` as a ring allreduce. 0: every parameter compressed, the
+            published algorithm (default: 4096). A state_dict saved with another value (or
+            before the option existed: 0) resumes with the saved value, with a warning.
         topology (Topology or str or None, optional): nodes of fast-linked ranks
             (`lbcomm.topology`): each bucket is then averaged in full precision inside the
             node and 1-bit compressed only between nodes (`hierarchical_allreduce_`), G
@@ -140,6 +148,7 @@ class OneBitHookState:
         "normalize_floor",
         "normalize_beta",
         "momentum",
+        "exact_numel",
         # The settings that seldom change.
         "nonfinite",
         "compression_stats_logging_frequency",
@@ -172,6 +181,7 @@ class OneBitHookState:
         normalize_floor: float = 0.1,
         momentum: Optional[float] = None,
         normalize_beta: float = 0.99,
+        exact_numel: int = 4096,
     ):
         if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter <= 1:
             raise ValueError(f"Invalid start_iter: {start_iter!r} (must be > 1 because DDP rebuilds buckets after "
@@ -193,14 +203,17 @@ class OneBitHookState:
         if isinstance(normalize_floor, bool) or not isinstance(normalize_floor, (int, float)) or \
                 not 0 < normalize_floor < math.inf:
             raise ValueError(f"Invalid normalize_floor: {normalize_floor!r} (must be a number > 0)")
+        if isinstance(exact_numel, bool) or not isinstance(exact_numel, int) or exact_numel < 0:
+            raise ValueError(f"Invalid exact_numel: {exact_numel!r} (an int >= 0: parameters of at most this many "
+                             "elements are averaged exactly; 0 compresses every parameter)")
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"Invalid nonfinite policy: {nonfinite!r} (use one of {NONFINITE_POLICIES})")
         freq = compression_stats_logging_frequency
         if isinstance(freq, bool) or not isinstance(freq, int) or freq < 1:
             raise ValueError(f"Invalid compression_stats_logging_frequency: {freq!r} (must be an int >= 1)")
         _log.info("OneBitHookState config: start_iter = %s; block_size = %s; nonfinite = %s; "
-                  "compression_stats_logging_frequency = %s; normalize = %s; momentum = %s", start_iter, block_size,
-                  nonfinite, freq, normalize, momentum)
+                  "compression_stats_logging_frequency = %s; normalize = %s; momentum = %s; exact_numel = %s",
+                  start_iter, block_size, nonfinite, freq, normalize, momentum, exact_numel)
         self.process_group = process_group
         self.start_iter = start_iter
         self.block_size = block_size
@@ -208,6 +221,7 @@ class OneBitHookState:
         self.normalize_floor = float(normalize_floor)
         self.momentum = None if momentum is None else float(momentum)
         self.normalize_beta = float(normalize_beta)
+        self.exact_numel = exact_numel
         self.nonfinite = nonfinite
         self.compression_stats_logging_frequency = freq
         if not (topology is None or topology == "auto" or isinstance(topology, Topology)):
@@ -246,7 +260,7 @@ class OneBitHookState:
 
     # ------------------------------------------------------------------ pickling
     _CONFIG = ("start_iter", "block_size", "nonfinite", "compression_stats_logging_frequency", "normalize",
-               "normalize_floor", "momentum", "normalize_beta")
+               "normalize_floor", "momentum", "normalize_beta", "exact_numel")
 
     def __getstate__(self):
         """The settings and `state_dict`; the process group is not serializable and is left out."""
@@ -260,7 +274,8 @@ class OneBitHookState:
         _log.warning("NOTE: the OneBitHookState's process group is set to the default group (the world); set "
                      "`state.process_group` before the next iteration if another group is desired.")
         # pickled before the options existed: as trained then
-        defaults = {"normalize": None, "normalize_floor": 0.1, "momentum": None, "normalize_beta": 0.99}
+        defaults = {"normalize": None, "normalize_floor": 0.1, "momentum": None, "normalize_beta": 0.99,
+                    "exact_numel": 0}
         for name in self._CONFIG:
             setattr(self, name, state[name] if name in state else defaults[name])
         self._init_internal()
@@ -342,6 +357,7 @@ class OneBitHookState:
             "iter": self.iter,
             "start_iter": self.start_iter,
             "block_size": self.block_size,
+            "exact_numel": self.exact_numel,
             "world_size": self.worker.world_size if self.worker is not None else world_info(self.process_group)[0],
             "units": self.planner.state_dict(),
             "grad_stats": self.grad_stats.state_dict(),
@@ -369,6 +385,12 @@ class OneBitHookState:
                              f"{state_dict.get('version') if isinstance(state_dict, dict) else None!r}, expected "
                              f"{_STATE_VERSION})")
         world, rank = world_info(self.process_group)
+        saved_exact = int(state_dict.get("exact_numel", 0))  # saved before the option: every parameter compressed
+        if saved_exact != self.exact_numel:
+            _log.warning("onebit_hook: the state was saved with exact_numel=%s and this OneBitHookState has %s; it "
+                         "resumes with the saved %s so that the run continues as it was trained (set "
+                         "state.exact_numel after loading to change it)", saved_exact, self.exact_numel, saved_exact)
+            self.exact_numel = saved_exact
         self.iter = int(state_dict["iter"])
         self._next_stats_report = max(self.start_iter, self.iter)
         stats = state_dict.get("stats", {})
@@ -465,12 +487,14 @@ def _reduce_bucket(state: OneBitHookState, plan: Plan, report_iter: Optional[int
     for unit, slices in plan:
         st = unit.reduce(buf, slices)
         skipped = skipped or unit.last_skipped
-        state.compressed_calls += 1
-        state.total_bytes_sent += st.bytes_per_call()
-        if unit.transform is not None:
-            state.total_bytes_sent += unit.transform.extra_bytes(unit)
-        state.total_bytes_uncompressed += int(ring_allreduce_bytes(st.numel * buf.element_size(),
-                                                                   state.worker.world_size))
+        world = state.worker.world_size
+        if not unit.fully_exact():
+            state.compressed_calls += 1
+            state.total_bytes_sent += st.bytes_per_call()
+            if unit.transform is not None:
+                state.total_bytes_sent += unit.transform.extra_bytes(unit)
+        state.total_bytes_sent += int(ring_allreduce_bytes(unit.exact_numel() * 4, world))
+        state.total_bytes_uncompressed += int(ring_allreduce_bytes(st.numel * buf.element_size(), world))
     if skipped:
         state.skipped_calls += 1
         buf.fill_(float("nan"))  # what a plain allreduce of NaN/Inf gives, on every rank
@@ -529,6 +553,30 @@ def onebit_hook(state: OneBitHookState, bucket: dist.GradBucket) -> torch.future
                               *([new_weights] if new_weights else []))
     for unit, _ in plan:
         _set_transform(state, unit)
+        if state.exact_numel:
+            unit.set_exact(state.exact_numel, worker.group, buf.device)
+        else:
+            unit.exact = None
     fut = worker.submit(buf, functools.partial(_reduce_bucket, state, plan, state.stats_report_due(bucket)))
+    if bucket.is_last() and state.iter == state.start_iter:
+        _report_exact(state)
     state.maybe_increase_iter(bucket)
     return fut
+
+
+def _report_exact(state: OneBitHookState) -> None:
+    """Say how much of the model `exact_numel` leaves uncompressed (a warning when it is
+    most of it: a small model may then not be compressed at all)."""
+    units = state.planner.units()
+    total = sum(u.compression.numel for u in units)
+    exact = sum(u.exact_numel() for u in units)
+    if not exact:
+        return
+    share = exact / max(total, 1)
+    msg = ("onebit_hook: %s of %s gradient elements (%.1f %%) belong to parameters of at most exact_numel=%s "
+           "elements and are averaged exactly in fp32, not compressed")
+    if share > 0.5:
+        _log.warning(msg + "; that is most of this model: pass exact_numel=0 (or a smaller value) to compress them",
+                     exact, total, 100 * share, state.exact_numel)
+    else:
+        _log.info(msg, exact, total, 100 * share, state.exact_numel)
