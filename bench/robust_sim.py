@@ -44,6 +44,10 @@ The hook (SGD momentum on compressed gradients): scale rule, block size, start f
     _zm         momentum started from zero instead of the start's momentum
     _kN         weights re-estimated every N steps only; _norescale: errors not rescaled
     _fX         floor X x the unit's RMS of the weights (default 0.1); _bN: block size N
+    _exN        the parameters of at most N elements averaged exactly, their errors kept at
+                zero (OneBitHookState(exact_numel=N)); also for the optimizers' rules
+                (clipwarm_ex4096); _exlayerK: only parameter K of the flat order; _exvec: the
+                vectors only
 
     python bench/robust_sim.py --check                 # the simulated allreduce vs lbcomm.reference
     python bench/robust_sim.py --tasks all --json out   # the whole study (minutes)
@@ -107,6 +111,7 @@ class Compressor:
         self.worker = torch.zeros(p, p * self.m)
         self.server = torch.zeros(p, self.m)
         self.real = (torch.arange(p * self.m) < n)
+        self.exact: Optional[Tensor] = None  # bool [n]: averaged exactly, zero error (OneBitHookState(exact_numel))
 
     def __call__(self, xs: Tensor) -> Tensor:
         """xs [p, n] -> approximate mean [n]."""
@@ -127,7 +132,29 @@ class Compressor:
         sc2 = _scales(z, real_k, self.block, self.rule)
         out = torch.where(real_k, _code(z, sc2), 0.0)
         self.server = z - out
-        return out.reshape(-1)[:n].clone()
+        res = out.reshape(-1)[:n].clone()
+        if self.exact is not None:
+            res = torch.where(self.exact, xs.mean(0), res)
+            keep = torch.nn.functional.pad(~self.exact, (0, p * m - n))
+            self.worker = self.worker * keep
+            self.server = self.server * keep.view(p, m)
+        return res
+
+
+def exact_mask(flat: "Flat", rule: str) -> Optional[Tensor]:
+    """Rule parts ``_exN``: the parameters of at most N elements averaged exactly;
+    ``_exlayerK``: parameter K of the flat order (the hook's: reversed) only; ``_exvec``:
+    the 1-D parameters."""
+    if "_exvec" in rule:  # the vectors (biases, norm weights) only
+        return torch.cat([torch.full((k,), len(q.shape) < 2) for k, q in zip(flat.numels, flat.params)])
+    if "_exlayer" in rule:
+        k = int(rule.split("_exlayer")[1].split("_")[0])
+        sl = flat.slices()[k]
+        return (torch.arange(flat.n) >= sl.start) & (torch.arange(flat.n) < sl.stop)
+    if "_ex" in rule:
+        limit = int(rule.split("_ex")[1].split("_")[0])
+        return torch.cat([torch.full((k,), k <= limit) for k in flat.numels])
+    return None
 
 
 def check_against_reference(n=5000, p=4, block=256, steps=3) -> float:
@@ -194,6 +221,8 @@ class SimOneBit:
     def __init__(self, flat: Flat, p: int, *, lr, lamb: bool, freeze: Optional[int], rule="published",
                  betas=(0.9, 0.999), eps=1e-8, wd=0.01, block=2048, max_coeff=10.0, min_coeff=0.01,
                  coeff_beta=0.9, factor_max=4.0, factor_min=0.5, factor_threshold=0.1):
+        self.rule_ex = rule  # with its _exN part (exact_mask); the rule itself without it
+        rule = rule.split("_ex")[0] if "_ex" in rule else rule
         self.f, self.p, self.lr, self.lamb, self.freeze, self.rule = flat, p, lr, lamb, freeze, rule
         self.b1, self.b2 = betas
         self.eps, self.wd, self.block = eps, wd, block
@@ -253,6 +282,7 @@ class SimOneBit:
         umax_p = torch.cat([u_last[s].max().expand(s.stop - s.start) for s in self.f.slices()])
         fz = {"d": d, "keep": keep, "umax_p": umax_p, "comp": Compressor(self.f.n, self.p, self.block,
                                                        "meanabs" if self.rule == "meanabs" else "rms")}
+        fz["comp"].exact = exact_mask(self.f, self.rule_ex)
         if self.lamb:
             rms = torch.stack([self.m[s].norm() / math.sqrt(s.stop - s.start) for s in self.f.slices()])
             k = torch.where(rms > 0, rms.mean() / rms, torch.ones_like(rms))
@@ -390,6 +420,8 @@ class SimSGD:
         if "_b" in rule:
             block = int(rule.split("_b")[1].split("_")[0])
         self.comp = Compressor(flat.n, p, block, scale) if hook else None
+        if self.comp is not None:
+            self.comp.exact = exact_mask(flat, rule)
         # "norm": OneBitHookState(normalize="warmup"): compress g / w, decode x w, w = the RMS of
         # the averaged gradients of the full-precision start, floored at 0.1 x its RMS
         self.norm, self.sumsq, self.count, self.w = "norm" in rule, torch.zeros(flat.n), 0, None
