@@ -322,17 +322,19 @@ def test_bench_emulated_nodes_count_inter_node_bytes(tmp_path):
 
 def _hook_resume(rank, p):
     """onebit_hook with a topology: a run resumed from every rank's hook state_dict
-    continues bitwise as the run that never stopped."""
+    continues bitwise as the run that never stopped; also with exact_numel (the biases
+    averaged exactly beside the hierarchical call)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import lbcomm
 
-    def run(steps, saved=None, save_at=None):
+    def run(steps, saved=None, save_at=None, exact_numel=0):
         torch.manual_seed(0)
         model = DDP(torch.nn.Sequential(torch.nn.Linear(13, 40), torch.nn.Tanh(), torch.nn.Linear(40, 5)))
         if saved is not None:
             model.module.load_state_dict(saved["model"])
-        state = lbcomm.OneBitHookState(start_iter=2, block_size=32, topology=_mesh_topology(N, G), exact_numel=0)
+        state = lbcomm.OneBitHookState(start_iter=2, block_size=32, topology=_mesh_topology(N, G),
+                                       exact_numel=exact_numel)
         if saved is not None:
             state.load_state_dict(saved["hook"])
         model.register_comm_hook(state, lbcomm.onebit_hook)
@@ -350,13 +352,22 @@ def _hook_resume(rank, p):
                             "hook": state.state_dict(), "step": save_at}
         return {k: v.clone() for k, v in model.module.state_dict().items()}, snapshot
 
-    whole, snap = run(8, save_at=4)
-    resumed, _ = run(8, saved=snap)
-    return all(torch.equal(whole[k], resumed[k]) for k in whole)
+    out = {}
+    for exact in (0, 64):  # 64: the two biases (40 and 5 elements) exact, the weights compressed
+        whole, snap = run(8, save_at=4, exact_numel=exact)
+        resumed, _ = run(8, saved=snap, exact_numel=exact)
+        out[exact] = (all(torch.equal(whole[k], resumed[k]) for k in whole), whole)
+    return out
 
 
 def test_onebit_hook_with_topology_resumes_bitwise():
-    assert all(run_ranks(_hook_resume, 4, timeout=300))
+    res = run_ranks(_hook_resume, 4, timeout=300)
+    for exact in (0, 64):
+        assert all(r[exact][0] for r in res), f"exact_numel={exact}: a resumed rank differs"
+        for r in res[1:]:  # replicas identical
+            assert all(torch.equal(v, r[exact][1][k]) for k, v in res[0][exact][1].items())
+    # the exact biases change the run (they are not compressed), the weights too through them
+    assert not torch.equal(res[0][0][1]["0.bias"], res[0][64][1]["0.bias"])
 
 
 def test_bench_train_nodes_loopback(tmp_path):
