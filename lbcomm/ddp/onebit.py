@@ -160,6 +160,7 @@ class OneBitHookState:
         "grad_stats",  # GradientStats of the full-precision start (normalize="warmup")
         "worker",  # BucketWorker (made at the first hook call): the thread and the private process group
         "_next_stats_report",
+        "_exact_reported",  # the exact_numel share has been logged (once per state)
         # Statistics.
         "total_bytes_sent",
         "total_bytes_uncompressed",
@@ -239,6 +240,7 @@ class OneBitHookState:
         self.worker: Optional[BucketWorker] = None
         self.hier_topology: Optional[Topology] = None
         self._next_stats_report = self.start_iter
+        self._exact_reported = False
         self.total_bytes_sent = 0
         self.total_bytes_uncompressed = 0
         self.compressed_calls = 0
@@ -558,7 +560,8 @@ def onebit_hook(state: OneBitHookState, bucket: dist.GradBucket) -> torch.future
         else:
             unit.exact = None
     fut = worker.submit(buf, functools.partial(_reduce_bucket, state, plan, state.stats_report_due(bucket)))
-    if bucket.is_last() and state.iter == state.start_iter:
+    if bucket.is_last() and not state._exact_reported:  # the first compressed iteration, also after a resume
+        state._exact_reported = True
         _report_exact(state)
     state.maybe_increase_iter(bucket)
     return fut
