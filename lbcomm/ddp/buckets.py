@@ -41,7 +41,8 @@ class Unit:
     compression noise of a coordinate is proportional to its own weight rather than to its
     block's largest gradients. The weights are the same on every rank."""
 
-    __slots__ = ("key", "shapes", "compression", "weights", "transform", "last_skipped", "exact", "exact_group")
+    __slots__ = ("key", "shapes", "compression", "weights", "transform", "last_skipped", "exact", "exact_group",
+                 "_exact_server")
 
     def __init__(self, key: Key, shapes: List[Tuple[int, ...]], compression: CompressionState,
                  weights: Optional[Tensor] = None):
@@ -52,6 +53,7 @@ class Unit:
         # elements, averaged exactly (fp32 allreduce on `exact_group`) instead of compressed
         self.exact: Optional[Tuple[int, Optional[Tensor]]] = None
         self.exact_group = None
+        self._exact_server: Optional[Tuple[Tuple[int, int], Tensor]] = None  # ((lo, chunk), index in the chunk)
 
     def set_exact(self, max_numel: int, group, device: torch.device) -> None:
         """Average the parameters of at most `max_numel` elements exactly, on `group`."""
@@ -66,6 +68,7 @@ class Unit:
             at += n
         index = torch.cat(spans).to(device) if spans else None
         self.exact = (max_numel, index)
+        self._exact_server = None
 
     def exact_numel(self) -> int:
         index = self.exact[1] if self.exact is not None else None
@@ -127,9 +130,11 @@ class Unit:
         st = self.compression
         if isinstance(st, CompressionState):  # the flat layout (see rescale_errors)
             st.worker_error.index_fill_(0, index, 0.0)
-            lo = st.rank * st.chunk
-            mine = index[(index >= lo) & (index < lo + st.chunk)] - lo
-            st.server_error.index_fill_(0, mine, 0.0)
+            span = (st.rank * st.chunk, st.chunk)
+            if self._exact_server is None or self._exact_server[0] != span:  # once per layout: a mask syncs
+                lo = span[0]
+                self._exact_server = (span, index[(index >= lo) & (index < lo + st.chunk)] - lo)
+            st.server_error.index_fill_(0, self._exact_server[1], 0.0)
 
     def _compressed(self, t: Tensor, out: Optional[Tensor]) -> None:
         w = self.weights
