@@ -52,8 +52,8 @@ def _run(rank, steps, normalize="warmup", state=None, first=0, model_state=None,
 
     index = {id(q): i for i, q in enumerate(model.parameters())}
 
-    errors = lambda: [u.compression.worker_error.clone() for u in st.planner.units()] + \
-        [u.compression.server_error.clone() for u in st.planner.units()]  # noqa: E731
+    errors = lambda: [u.compression.worker_error.clone() for u in hook.planner.units()] + \
+        [u.compression.server_error.clone() for u in hook.planner.units()]  # noqa: E731
 
     def probe(st, bucket):  # DDP's first iteration has another bucket layout than the later ones
         order = [index[id(q)] for q in bucket.parameters()]
@@ -63,8 +63,6 @@ def _run(rank, steps, normalize="warmup", state=None, first=0, model_state=None,
         local, before = bucket.buffer().clone(), errors()
         return onebit_hook(st, bucket).then(lambda f: (seen.append((local, f.value().clone(), order, before,
                                                                     errors())), f.value())[1])
-
-    st = hook
 
     ddp.register_comm_hook(hook, probe)
     for s in range(first, first + steps):

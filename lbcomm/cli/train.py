@@ -78,6 +78,8 @@ DEFAULT_NODE_METHODS = ("ddp", "onebit_hook", "onebit_hook_hier", "hsdp", "hsdp_
 # (max_update=None) against ``onebit_adam`` (max_update=1.0).
 STATS_METHODS = ("ddp_hook", "ddp_stats", "ddp_stats_sample", "onebit_adam_stats",
                  "onebit_hook_published", "onebit_adam_published")
+# OneBitAdam doing its own communication (checked to be in its compression stage when timed).
+ONEBIT_ADAM_METHODS = ("onebit_adam", "onebit_adam_stats", "onebit_adam_published")
 COMPRESSION_START = 2  # PowerSGD's start_powerSGD_iter and onebit_hook's start_iter (DDP needs > 1)
 # Untimed steps so that every method is in its compressed stage when timing starts.
 MIN_WARMUP_STEPS = COMPRESSION_START + 2
@@ -162,7 +164,7 @@ class _Setup:
             self.model = model
             self.opt = torch.optim.AdamW(model.parameters(), lr=lr, **fused)
             return
-        if method in ("onebit_adam", "onebit_adam_stats", "onebit_adam_published"):
+        if method in ONEBIT_ADAM_METHODS:
             # The optimizer does all the communication itself (averaged gradients in the
             # warmup, one compressed allreduce of the momentum after it), as in its docstring;
             # DDP would only add bucket copies in the compression stage.
@@ -229,8 +231,7 @@ class _Setup:
 
     def check_stage(self) -> None:
         """Fail loudly if a method is not in the stage we mean to time."""
-        if self.method in ("onebit_adam", "onebit_adam_stats", "onebit_adam_published", "fsdp_onebit_adam") \
-                and not self.opt.frozen:
+        if self.method in ONEBIT_ADAM_METHODS + ("fsdp_onebit_adam",) and not self.opt.frozen:
             raise RuntimeError(f"{self.method}: OneBitAdam is not in its compression stage; raise --warmup-steps")
 
 

@@ -56,14 +56,15 @@ class Unit:
         self._exact_server: Optional[Tuple[Tuple[int, int], Tensor]] = None  # ((lo, chunk), index in the chunk)
 
     def set_exact(self, max_numel: int, group, device: torch.device) -> None:
-        """Average the parameters of at most `max_numel` elements exactly, on `group`."""
+        """Average the parameters of at most `max_numel` elements exactly, on `group` (0:
+        none, every parameter compressed)."""
         self.exact_group = group
         if self.exact is not None and self.exact[0] == max_numel:
             return
         spans, at = [], 0
         for shp in self.shapes:
             n = math.prod(shp)
-            if n <= max_numel:
+            if 0 < n <= max_numel:
                 spans.append(torch.arange(at, at + n))
             at += n
         index = torch.cat(spans).to(device) if spans else None
@@ -108,6 +109,7 @@ class Unit:
         if index is None:
             self._compressed(t, out)
             return
+        dst = t if out is None else out
         exact = t.index_select(0, index).float()  # before the compressed call writes over t
         work = dist.all_reduce(exact, group=self.exact_group, async_op=True)
         if self.fully_exact():  # no compressed call to check the values: a consensus of its own
@@ -117,7 +119,7 @@ class Unit:
                 raise NonFiniteError("onebit_hook: a parameter averaged exactly (exact_numel) holds NaN or Inf on "
                                      "at least one rank")
             if not self.last_skipped:
-                (t if out is None else out).copy_(exact.div_(dist.get_world_size(self.exact_group)))
+                dst.copy_(exact.div_(dist.get_world_size(self.exact_group)))
             return
         try:
             self._compressed(t, out)
@@ -126,7 +128,7 @@ class Unit:
         if self.last_skipped:
             return
         exact.div_(dist.get_world_size(self.exact_group))
-        (t if out is None else out).index_copy_(0, index, exact.to(t.dtype))
+        dst.index_copy_(0, index, exact.to(t.dtype))
         st = self.compression
         if isinstance(st, CompressionState):  # the flat layout (see rescale_errors)
             st.worker_error.index_fill_(0, index, 0.0)

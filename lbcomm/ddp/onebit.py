@@ -555,10 +555,7 @@ def onebit_hook(state: OneBitHookState, bucket: dist.GradBucket) -> torch.future
                               *([new_weights] if new_weights else []))
     for unit, _ in plan:
         _set_transform(state, unit)
-        if state.exact_numel:
-            unit.set_exact(state.exact_numel, worker.group, buf.device)
-        else:
-            unit.exact = None
+        unit.set_exact(state.exact_numel, worker.group, buf.device)
     fut = worker.submit(buf, functools.partial(_reduce_bucket, state, plan, state.stats_report_due(bucket)))
     if bucket.is_last() and not state._exact_reported:  # the first compressed iteration, also after a resume
         state._exact_reported = True
