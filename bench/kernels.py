@@ -1,7 +1,8 @@
 """Kernel bandwidth against a torch copy of the same bytes, measured side by side.
 
 For each op the minimum memory traffic is counted (worker: read x and e, write e and the
-bits: 12n + n/8 bytes for fp32; 4n more with per-coordinate weights) and a torch copy moving that many bytes (read + write)
+bits: 12n + n/8 bytes for fp32; 4n more with fp32 per-coordinate weights, 2n with bf16
+ones, the 1-bit hook's) and a torch copy moving that many bytes (read + write)
 is timed in the same process; the printed ratio is copy time / kernel time, so 1.0 means
 the kernel runs at copy bandwidth. Target (issue 2): >= 0.8.
 
@@ -85,6 +86,9 @@ def bench_size(n: int, p: int, block, reps: int, device: str = "cpu"):
     w = torch.rand(n, device=device) + 0.5  # per-coordinate weights (the 1-bit hook's normalization)
     t = median_time(lambda: ops.worker_compress(x, err, block, weights=w), reps, device=device)
     rows.append(("worker_compress+weights", t, traffic + 4 * n))
+    wb = w.to(torch.bfloat16)  # what the hook's normalize="warmup" keeps
+    t = median_time(lambda: ops.worker_compress(x, err, block, weights=wb), reps, device=device)
+    rows.append(("worker_compress+bf16 weights", t, traffic + 2 * n))
 
     # The server reduces one chunk of n elements (as if the tensor were p * n long).
     mc = chunk_size(n, 1)
@@ -101,7 +105,9 @@ def bench_size(n: int, p: int, block, reps: int, device: str = "cpu"):
     rows.append(("unpack_into", t, n // 8 + 4 * n))
     t = median_time(lambda: ops.unpack_into(pk, sc, block, out, weights=w), reps, device=device)
     rows.append(("unpack_into+weights", t, n // 8 + 8 * n))
-    del x, err, packed, scales, s_err, pk, sc, out, w  # free the device memory before the copies
+    t = median_time(lambda: ops.unpack_into(pk, sc, block, out, weights=wb), reps, device=device)
+    rows.append(("unpack_into+bf16 weights", t, n // 8 + 6 * n))
+    del x, err, packed, scales, s_err, pk, sc, out, w, wb  # free the device memory before the copies
     return [(name, t, traffic, copy_time(traffic, reps, device)) for name, t, traffic in rows]
 
 
@@ -132,7 +138,7 @@ def main(argv=None):
         where = f"AVX2={ops.cpu_has_avx2()}"
     print(f"lbcomm kernels vs torch copy of the same bytes; block_size={block}, p={args.world_size}, "
           f"{where}, torch {torch.__version__}")
-    hdr = f"{'op':<26}{'elements':>10}{'threads':>8}{'time ms':>10}{'GB/s':>8}{'copy GB/s':>11}{'ratio':>7}"
+    hdr = f"{'op':<30}{'elements':>10}{'threads':>8}{'time ms':>10}{'GB/s':>8}{'copy GB/s':>11}{'ratio':>7}"
     print(hdr)
     print("-" * len(hdr))
     out = []
@@ -144,7 +150,7 @@ def main(argv=None):
                 row = dict(op=name, elements=n, threads=threads, time_s=t, gbps=traffic / t / 1e9,
                            copy_gbps=traffic / tc / 1e9, ratio=tc / t, device=args.device, world_size=p)
                 out.append(row)
-                print(f"{name:<26}{n:>10}{threads:>8}{t * 1e3:>10.3f}{row['gbps']:>8.2f}{row['copy_gbps']:>11.2f}"
+                print(f"{name:<30}{n:>10}{threads:>8}{t * 1e3:>10.3f}{row['gbps']:>8.2f}{row['copy_gbps']:>11.2f}"
                       f"{row['ratio']:>7.2f}")
     if args.json:
         with open(args.json, "w") as f:

@@ -24,6 +24,8 @@ m the decoded momentum, d = sqrt(v^) + eps the frozen denominator, b1c = 1 - b1^
     precond_clip  both
     clipwarm    u = clamp(m^ / d, -U_p, U_p), U_p = max_i |m^_i / d_i| of tensor p at the freeze
                 (the largest full-precision step of that tensor in the last warmup step)
+    clipallK    U_p = K x the largest |m^ / d| of tensor p over the whole warmup (running max)
+    clipcoordK  per coordinate: K x its own largest |m^ / d| over the warmup
     uclip       compress clamp(m_local / d, -1, 1) (masked coordinates 0), clamp the decoded
                 direction to +-1, m = d x decoded: a coordinate's compressed update is
                 at most its block's RMS update (and at most lr); no k_p scaling for LAMB
@@ -44,6 +46,7 @@ The hook (SGD momentum on compressed gradients): scale rule, block size, start f
     _zm         momentum started from zero instead of the start's momentum
     _kN         weights re-estimated every N steps only; _norescale: errors not rescaled
     _fX         floor X x the unit's RMS of the weights (default 0.1); _bN: block size N
+                (also for the optimizers' rules)
     _exN        the parameters of at most N elements averaged exactly, their errors kept at
                 zero (OneBitHookState(exact_numel=N)); also for the optimizers' rules
                 (clipwarm_ex4096); _exlayerK: only parameter K of the flat order; _exvec: the
@@ -226,6 +229,8 @@ class SimOneBit:
         self.f, self.p, self.lr, self.lamb, self.freeze, self.rule = flat, p, lr, lamb, freeze, rule
         self.b1, self.b2 = betas
         self.eps, self.wd, self.block = eps, wd, block
+        if "_b" in self.rule_ex:  # _bN: block size N
+            self.block = int(self.rule_ex.split("_b")[1].split("_")[0])
         n = flat.n
         self.m, self.v = torch.zeros(n), torch.zeros(n)
         self.t = 0
@@ -253,6 +258,8 @@ class SimOneBit:
             self.v.mul_(b2).addcmul_(g, g, value=1 - b2)
             d = self.v.sqrt() / math.sqrt(1 - b2 ** t) + eps
             u = self.m / bc1 / d
+            if "clipall" in self.rule or "clipcoord" in self.rule:  # running max of |u| over the warmup
+                self.urun = u.abs() if getattr(self, "urun", None) is None else torch.maximum(self.urun, u.abs())
             if not self.lamb:
                 theta = theta * (1 - lr * wd) - lr * u
             else:
@@ -280,6 +287,9 @@ class SimOneBit:
             d = torch.maximum(d, 0.1 * _block_rms(d, self.block))
         u_last = (self.m / (1 - self.b1 ** self.freeze) / d).abs()
         umax_p = torch.cat([u_last[s].max().expand(s.stop - s.start) for s in self.f.slices()])
+        if getattr(self, "urun", None) is not None:
+            umax_p = self.urun.clone() if "clipcoord" in self.rule else \
+                torch.cat([self.urun[s].max().expand(s.stop - s.start) for s in self.f.slices()])
         fz = {"d": d, "keep": keep, "umax_p": umax_p, "comp": Compressor(self.f.n, self.p, self.block,
                                                        "meanabs" if self.rule == "meanabs" else "rms")}
         fz["comp"].exact = exact_mask(self.f, self.rule_ex)
@@ -335,8 +345,11 @@ class SimOneBit:
             u0 = u0.clamp(-1.0, 1.0)
         elif "clipmax" in self.rule:
             u0 = u0.clamp(-self.umax, self.umax)
+        elif "clipall" in self.rule or "clipcoord" in self.rule:  # the warmup's running max, per tensor / coordinate
+            k = float(self.rule.split("_")[0].replace("fv", "").replace("clipall", "").replace("clipcoord", "") or 1)
+            u0 = torch.maximum(torch.minimum(u0, k * fz["umax_p"]), -k * fz["umax_p"])
         elif "clipwarm" in self.rule:  # per tensor: the largest |u| of the last warmup step (x K: clipwarmK)
-            k = float(self.rule.split("clipwarm")[1] or 1)
+            k = float(self.rule.split("clipwarm")[1].split("_")[0] or 1)
             u0 = torch.maximum(torch.minimum(u0, k * fz["umax_p"]), -k * fz["umax_p"])
         if not self.lamb:
             self.m = new_m

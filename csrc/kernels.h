@@ -23,7 +23,8 @@ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // Scale-groups per chunk: the number of scale slots a chunk carries.
 inline int64_t num_blocks(int64_t m, int64_t block) { return block > 0 ? ceil_div(m, block) : 1; }
 
-// Phase 0. y = x + e (x / w + e with per-coordinate weights: the fp32 quotient, then the
+// Phase 0. y = x + e (x / w + e with per-coordinate weights, fp32 or bf16 read exactly as
+// fp32: the fp32 quotient, then the
 // sum, two roundings); one RMS scale per block (or one for everything when block == 0);
 // packed[k, :] holds the sign bits of chunk k; error_out = y - scale * sgn(y).
 // error and error_out may alias (in-place update).
@@ -37,7 +38,8 @@ struct WorkerArgs {
   uint8_t* packed;      // [p, m / 8] contiguous
   float* scales;        // [p, num_blocks(m, block)] contiguous
   double* partials;     // block == 0 only: ceil_div(p * m, kPartialBlock) doubles of scratch
-  const float* weights; // nullptr, or numel weights w > 0 indexed like x (divide x by them)
+  const void* weights;  // nullptr, or numel weights w > 0 indexed like x (divide x by them)
+  InType wtype;         // F32 or BF16 (read as their exact fp32 values)
 };
 
 // Phase 2. z = (sum_j sgn_j * a_j) * (1 / p) + s, accumulated in fp32 over j = 0..p-1 in
@@ -67,7 +69,8 @@ struct UnpackArgs {
   int64_t p, m, block;
   int64_t numel;          // elements written, <= p * m
   float* out;
-  const float* weights;   // nullptr, or numel weights indexed like out (multiply by them)
+  const void* weights;    // nullptr, or numel weights indexed like out (multiply by them)
+  InType wtype;           // F32 or BF16 (read as their exact fp32 values)
 };
 
 // CPU kernels (csrc/cpu/kernels.cpp). Work is split into independent units so the caller

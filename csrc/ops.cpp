@@ -71,17 +71,23 @@ float* check_error_out(const at::Tensor& error, const std::optional<at::Tensor>&
   return o.data_ptr<float>();
 }
 
-// Optional per-coordinate weights: float32, numel elements, on the device of the data;
-// returns them contiguous (kept alive by the launch) or an undefined tensor.
+// Optional per-coordinate weights: float32 or bfloat16 (half the bytes to read; the
+// weights are exact in either), numel elements, on the device of the data; returns them
+// contiguous (kept alive by the launch) or an undefined tensor.
 at::Tensor check_weights(const std::optional<at::Tensor>& weights, const at::Tensor& like, int64_t numel,
                          const char* op) {
   if (!weights.has_value()) return at::Tensor();
   const at::Tensor& w = *weights;
-  check_f32(w, op, "weights");
+  TORCH_CHECK_TYPE(w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16, op,
+                   ": expected weights float32 or bfloat16, got ", w.scalar_type());
   check_same_device(like, w, op, "weights");
   TORCH_CHECK_VALUE(w.numel() == numel, op, ": weights must have one element per coordinate (", numel,
                     "), got ", w.numel());
   return w.contiguous();
+}
+
+InType weights_type(const at::Tensor& w) {
+  return w.defined() && w.scalar_type() == at::kBFloat16 ? InType::BF16 : InType::F32;
 }
 
 }  // namespace
@@ -120,7 +126,8 @@ WorkerLaunch prepare_worker(const at::Tensor& x, const at::Tensor& error, std::o
                       L.packed.data_ptr<uint8_t>(),
                       L.scales.data_ptr<float>(),
                       block == 0 ? L.partials.data_ptr<double>() : nullptr,
-                      L.weights.defined() ? L.weights.data_ptr<float>() : nullptr};
+                      L.weights.defined() ? L.weights.data_ptr() : nullptr,
+                      weights_type(L.weights)};
   return L;
 }
 
@@ -203,7 +210,8 @@ UnpackLaunch prepare_unpack_impl(const at::Tensor& packed, const at::Tensor& sca
                       block,
                       numel,
                       L.out.data_ptr<float>(),
-                      L.weights.defined() ? L.weights.data_ptr<float>() : nullptr};
+                      L.weights.defined() ? L.weights.data_ptr() : nullptr,
+                      weights_type(L.weights)};
   return L;
 }
 }  // namespace

@@ -386,11 +386,12 @@ class _Call:
         elif not callable(sink):
             raise TypeError(f"{name}: expected a tensor or a callable sink(lo, hi, values), got {type(sink).__name__}")
         if weights is not None:
-            if not isinstance(weights, Tensor) or weights.dtype != torch.float32 or weights.numel() != state.numel \
+            if not isinstance(weights, Tensor) or weights.dtype not in (torch.float32, torch.bfloat16) \
+                    or weights.numel() != state.numel \
                     or weights.device != state.device:
                 got = (f"{weights.dtype} {tuple(weights.shape)} on {weights.device}" if isinstance(weights, Tensor)
                        else type(weights).__name__)
-                raise ValueError(f"{name}: weights must be a float32 tensor of {state.numel} elements on "
+                raise ValueError(f"{name}: weights must be a float32 or bfloat16 tensor of {state.numel} elements on "
                                  f"{state.device} (one per coordinate), got {got}")
             weights = weights.reshape(-1)
         state._ensure_idle()
@@ -700,8 +701,9 @@ def reduce_(state: CompressionState, source: Source, sink: Sink, *, checked: boo
             in flight per process group (on torch.distributed: later collectives are issued
             from callbacks, so two concurrent calls could interleave differently on
             different ranks; the wire headers then make every rank raise) (default: False).
-        weights (Tensor, optional): float32 per-coordinate weights w > 0 of
-            `state.numel` elements on `state.device`, the same on every rank: the call
+        weights (Tensor, optional): float32 or bfloat16 per-coordinate weights w > 0 of
+            `state.numel` elements on `state.device`, the same on every rank (bfloat16
+            halves what the call reads; either is used at its exact fp32 value): the call
             compresses source / w (the error feedback lives in those units) and writes
             the decoded mean times w, both fused into the passes the call makes anyway.
             Bitwise the same as dividing the input by w in fp32 before the call and

@@ -87,8 +87,9 @@ def worker_compress(
         block_size (int or None): elements per scale block (multiple of 32); None gives one
             scale for the whole tensor.
         error_out (Tensor, optional): receives the new error instead of `error`.
-        weights (Tensor, optional): float32 per-coordinate weights, x.numel() elements:
-            x is divided by them in fp32 (x.float() / weights, the quotient rounded once)
+        weights (Tensor, optional): float32 or bfloat16 per-coordinate weights, x.numel()
+            elements: x is divided by their fp32 values (x.float() / weights.float(), the
+            quotient rounded once)
             inside the kernel, so the error lives in the divided units.
 
     Returns:
@@ -132,8 +133,8 @@ def unpack(packed: Tensor, scales: Tensor, numel: int, block_size: Optional[int]
 def unpack_into(packed: Tensor, scales: Tensor, block_size: Optional[int], out: Tensor,
                 weights: Optional[Tensor] = None) -> Tensor:
     """Decode into `out` (float32/float16/bfloat16, out.numel() elements) without allocating
-    when out is contiguous float32; returns out. With `weights` (float32, out.numel()
-    elements) each decoded value is multiplied by its weight (one fp32 product) as it is
+    when out is contiguous float32; returns out. With `weights` (float32 or bfloat16,
+    out.numel() elements) each decoded value is multiplied by its weight (one fp32 product) as it is
     written."""
     direct = out.dtype == torch.float32 and out.is_contiguous()
     if direct and _use_kernel(packed.device):

@@ -99,7 +99,7 @@ def worker_compress(
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """Phase 0. error is [p, m] (or flat p*m with p = 1); returns (packed [p, m/8],
     scales [p, nb], new_error [p, m]) and leaves `error` untouched. weights (x.numel()
-    fp32, optional): compress x / weights instead of x."""
+    fp32 or bf16, optional): compress x / weights.float() instead of x."""
     err = error.reshape(1, -1) if error.dim() == 1 else error
     p, m = err.shape
     n0 = x.numel()
@@ -142,7 +142,7 @@ def server_compress(
 def unpack(packed: Tensor, scales: Tensor, numel: int, block_size: Optional[int],
            weights: Optional[Tensor] = None) -> Tensor:
     """Decode packed [p, m/8] with scales [p, nb] into fp32 [numel], times weights
-    (numel fp32, optional)."""
+    (numel fp32 or bf16, optional, at their fp32 values)."""
     packed2 = packed.reshape(1, -1) if packed.dim() == 1 else packed
     scales2 = scales.reshape(1, -1) if scales.dim() == 1 else scales
     m = packed2.shape[1] * 8
@@ -163,7 +163,7 @@ def compressed_allreduce(
     """The whole algorithm for p simulated ranks in one process.
 
     xs: p tensors of n0 elements; worker_errors: p tensors [p, m]; server_errors: p
-    tensors [m]; weights (n0 fp32, the same on every rank, optional): every rank
+    tensors [m]; weights (n0 fp32 or bf16, the same on every rank, optional): every rank
     compresses x / weights and the decoded mean is multiplied by weights.
     Returns (out [n0] fp32, new worker errors, new server errors).
     World size 1 returns x unchanged (no compression, weights unused), errors untouched.

@@ -153,10 +153,12 @@ def test_pieces_are_bitwise_the_whole(p, n0, block, pieces, lengths):
 def _run_weights(rank, p, n0, steps):
     """Per-coordinate weights (the same on every rank) fused into the call, next to a twin
     state fed x / w and multiplied by w afterwards; whole and cut states, in place, out=,
-    a callable source and a half sink."""
-    w = torch.exp(torch.randn(n0, generator=torch.Generator().manual_seed(7)))
+    a callable source and a half sink; fp32 and bf16 weights."""
+    w32 = torch.exp(torch.randn(n0, generator=torch.Generator().manual_seed(7)))
     got = {}
-    for block, pieces in ((None, 1), (64, 1), (64, 3)):
+    for block, pieces, wdt in ((None, 1, torch.float32), (64, 1, torch.float32), (64, 3, torch.float32),
+                               (64, 3, torch.bfloat16), (None, 1, torch.bfloat16)):
+        w = w32.to(wdt)
         fused = lbcomm.CompressionState(n0, block_size=block, pieces=pieces)
         twin = lbcomm.CompressionState(n0, block_size=block, pieces=pieces)
         outs = []
@@ -173,13 +175,13 @@ def _run_weights(rank, p, n0, steps):
                 half = torch.empty(n0, dtype=torch.bfloat16)
                 assert reduce_(fused, source, half, checked=True, weights=w) is True
                 out = half
-            old = x / w
+            old = x / w.float()
             lbcomm.compressed_allreduce_(old, twin)
-            old.mul_(w)
+            old.mul_(w.float())
             outs.append((out.clone(), old.to(out.dtype)))
         same_errors = torch.equal(fused.worker_error, twin.worker_error) and \
             torch.equal(fused.server_error, twin.server_error)
-        got[(block, pieces)] = (outs, same_errors)
+        got[(block, pieces, wdt)] = (outs, same_errors)
     return got
 
 
@@ -187,23 +189,26 @@ def _run_weights(rank, p, n0, steps):
 def test_weights_fused_match_reference_and_divide_multiply(p, n0):
     steps = 6
     results = run_ranks(_run_weights, p, n0, steps)
-    w = torch.exp(torch.randn(n0, generator=torch.Generator().manual_seed(7)))
-    for (block, pieces), (outs, same_errors) in results[0].items():
+    w32 = torch.exp(torch.randn(n0, generator=torch.Generator().manual_seed(7)))
+    for (block, pieces, wdt), (outs, same_errors) in results[0].items():
+        w = w32.to(wdt)
         assert same_errors, "the errors must be those of dividing first"
         m = R.chunk_size(n0, p)
         we, se = [torch.zeros(p, m) for _ in range(p)], [torch.zeros(m) for _ in range(p)]
         for t, (fused, old) in enumerate(outs):
             assert torch.equal(fused, old), (block, pieces, t)  # bitwise: divide, reduce, multiply
             for r in range(1, p):
-                assert torch.equal(results[r][(block, pieces)][0][t][0], fused)
+                assert torch.equal(results[r][(block, pieces, wdt)][0][t][0], fused)
             ref, we, se = R.compressed_allreduce([_inputs(r, t, n0) for r in range(p)], we, se, block, w)
             assert torch.equal(fused, ref.to(fused.dtype)), (block, pieces, t)
 
 
 def test_bad_weights_are_refused():
     state = lbcomm.CompressionState(10)
-    with pytest.raises(ValueError, match="weights must be a float32 tensor of 10 elements"):
+    with pytest.raises(ValueError, match="weights must be a float32 or bfloat16 tensor of 10 elements"):
         lbcomm.compressed_allreduce_(torch.ones(10), state, weights=torch.ones(9))
+    with pytest.raises(ValueError, match="got torch.float16"):
+        lbcomm.compressed_allreduce_(torch.ones(10), state, weights=torch.ones(10, dtype=torch.float16))
 
 
 def _auto_pieces(rank, p):

@@ -186,6 +186,32 @@ def test_server_compress_reads_strided_rows(block):
     _assert_error_close(err, ref[2], ref[1])
 
 
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block", [None, 32, 2048])
+@pytest.mark.parametrize("n0,p", [(1, 1), (33, 3), (1000, 2), (2**20 + 5, 4)])
+def test_weights_match_reference(n0, p, block, dtype, wdtype):
+    """Per-coordinate weights (the 1-bit hook's normalization), fp32 and bf16: the worker
+    divides by them, unpack_into multiplies by them, as the reference does."""
+    m = R.chunk_size(n0, p)
+    x, e = _x(n0, dtype), _error(p, m, n0)
+    w = (torch.exp(torch.randn(n0, device=DEV) * 3)).to(wdtype)
+    ref_packed, ref_scales, ref_err = R.worker_compress(x, e, block, w)
+    err = e.clone()
+    packed, scales = ops.worker_compress(x, err, block, weights=w)
+    assert torch.equal(packed, ref_packed)
+    torch.testing.assert_close(scales, ref_scales, rtol=1e-6, atol=0)
+    _assert_error_close(err, ref_err, ref_scales)
+    divided_err = e.clone()  # bitwise what dividing first gives
+    divided = ops.worker_compress(x.float() / w.float(), divided_err, block)
+    if dtype == torch.float32:
+        assert torch.equal(divided[0], packed) and torch.equal(divided[1], scales) and torch.equal(divided_err, err)
+    out = torch.full((n0,), float("nan"), device=DEV)
+    assert ops.unpack_into(packed, scales, block, out, weights=w) is out
+    assert torch.equal(out, R.unpack(packed, scales, n0, block, w))
+    assert torch.equal(out, ops.unpack(packed, scales, n0, block) * w.float())
+
+
 @pytest.mark.parametrize("block", [None, 32, 2048, 65536])
 @pytest.mark.parametrize("p", [1, 2, 5])
 @pytest.mark.parametrize("n0", SIZES)

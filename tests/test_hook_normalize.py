@@ -6,7 +6,9 @@ independent pure-torch reference (`lbcomm.reference.compressed_allreduce`):
   RMS of the averaged gradients of iterations 0 .. start_iter-1 (DDP's first iteration in
   its initial bucket layout), floored at ``normalize_floor`` x the bucket's RMS of it;
   normalize=None is the published compression of g itself;
-* a checkpoint taken before ``start_iter`` (the statistics) resumes bitwise;
+* a checkpoint taken before ``start_iter`` (the statistics) resumes bitwise; the weights are
+  bf16, and a checkpoint whose weights are fp32 (an earlier version's) keeps them and resumes
+  the same run bitwise;
 * ``exact_numel``: the parameters of at most that many elements get the exact mean and keep
   zero error feedback, the others are compressed as above; a NaN in one of them on one rank
   makes the bucket NaN on every rank with the error feedback unchanged.
@@ -94,6 +96,18 @@ def _scenarios(rank, p):
                           model_state=model.state_dict(), opt_state=opt.state_dict())
     out["resumed"] = [q.detach().clone() for q in model.parameters()]
     out["saved_stats"] = len(sd["grad_stats"])
+    # after the start: the saved weights are bf16; as fp32 (a checkpoint of an earlier version)
+    # they are kept fp32 and give the same run (the kernels use a bf16 weight's exact fp32 value)
+    _, model, opt, hook = _run(rank, START + 1)
+    sd = hook.state_dict()
+    units = sd["units"]
+    saved = [e["weights"].dtype for e in units]
+    for e in units:
+        e["weights"] = e["weights"].float()
+    _, model, _, hook = _run(rank, STEPS - START - 1, state=sd, first=START + 1,
+                             model_state=model.state_dict(), opt_state=opt.state_dict())
+    out["resumed_fp32"] = {"params": [q.detach().clone() for q in model.parameters()], "saved": saved,
+                           "loaded": [u.weights.dtype for u in hook.planner.units()]}
     return out
 
 
@@ -119,7 +133,7 @@ def _expected(res, normalize, scenario=None):
         got = [_relayout(*seen[0][t][1:3], layout) for t in range(START)]  # what the statistics saw
         rms = torch.stack([g * g for g in got]).sum(0).div(len(got)).sqrt()
         w = torch.maximum(rms, 0.1 * rms.square().mean().sqrt())
-        w = torch.where(w > 0, w, torch.ones_like(w))
+        w = torch.where(w > 0, w, torch.ones_like(w)).to(torch.bfloat16).float()  # the hook keeps them in bf16
     n = locals_[0][0].numel()
     m = R.chunk_size(n, P)
     we, se = [torch.zeros(P, m) for _ in range(P)], [torch.zeros(m) for _ in range(P)]
@@ -160,6 +174,11 @@ def test_hook_normalize_matches_reference_and_resumes_bitwise(res):
     assert all(torch.equal(a[t][1], b[t][1]) for t in range(START))
     assert not torch.equal(a[START][1], b[START][1])
     for r in range(P):
+        fp32 = res[r]["resumed_fp32"]
+        assert fp32["saved"] and all(d == torch.bfloat16 for d in fp32["saved"]), fp32["saved"]
+        assert fp32["loaded"] and all(d == torch.float32 for d in fp32["loaded"]), fp32["loaded"]
+        assert all(torch.equal(x, y) for x, y in zip(fp32["params"], res[r]["warmup"]["params"])), \
+            f"rank {r}: resumed with fp32 weights differs from the straight run"
         assert res[r]["saved_stats"] == 4  # one entry per parameter
         assert all(torch.equal(x, y) for x, y in zip(res[r]["resumed"], res[r]["warmup"]["params"])), \
             f"rank {r}: resumed before start_iter differs from the straight run"

@@ -86,14 +86,15 @@ def _weights(n, seed=0):
     return w
 
 
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block", [None, 32, 2048])
 @pytest.mark.parametrize("n0,p", [(1, 1), (33, 3), (5000, 5), (70001, 3)])
-def test_worker_compress_with_weights(n0, p, block, dtype):
+def test_worker_compress_with_weights(n0, p, block, dtype, wdtype):
     """x / w fused: the reference's arithmetic; for fp32 x bit for bit the same as dividing
-    first (what the 1-bit hook did before the fusion)."""
+    first (what the 1-bit hook did before the fusion); bf16 weights at their fp32 values."""
     x, e = _worker_inputs(n0, p, dtype)
-    w = _weights(n0)
+    w = _weights(n0).to(wdtype)
     ref_packed, ref_scales, ref_err = R.worker_compress(x, e, block, w)
     err, out = e.clone(), torch.full_like(e, float("nan"))
     packed, scales = ops.worker_compress(x, err, block, weights=w)
@@ -104,21 +105,22 @@ def test_worker_compress_with_weights(n0, p, block, dtype):
     assert torch.equal(out, err)
     assert torch.all(err.view(-1)[n0:] == 0)
     divided_err = e.clone()
-    divided = ops.worker_compress(x.float() / w, divided_err, block)
+    divided = ops.worker_compress(x.float() / w.float(), divided_err, block)
     if dtype == torch.float32:
         assert torch.equal(divided[0], packed) and torch.equal(divided[1], scales) and torch.equal(divided_err, err)
 
 
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block", [None, 64])
 @pytest.mark.parametrize("p,m,numel", [(1, 32, 5), (3, 4096, 12000), (4, 8192, 32768)])
-def test_unpack_into_with_weights(p, m, numel, block):
+def test_unpack_into_with_weights(p, m, numel, block, wdtype):
     packed = torch.randint(0, 256, (p, m // 8), dtype=torch.uint8)
     scales = torch.rand(p, R.num_blocks(m, block))
-    w = _weights(numel, seed=1)
+    w = _weights(numel, seed=1).to(wdtype)
     out = torch.full((numel,), float("nan"))
     assert ops.unpack_into(packed, scales, block, out, weights=w) is out
     assert torch.equal(out, R.unpack(packed, scales, numel, block, w))
-    assert torch.equal(out, ops.unpack(packed, scales, numel, block) * w)  # decode, then multiply
+    assert torch.equal(out, ops.unpack(packed, scales, numel, block) * w.float())  # decode, then multiply
     half = torch.empty(numel, dtype=torch.bfloat16)  # the non-direct path
     assert torch.equal(ops.unpack_into(packed, scales, block, half, weights=w), out.to(torch.bfloat16))
 
@@ -127,8 +129,9 @@ def test_bad_weights_are_refused_clearly():
     x, e = _worker_inputs(100, 2)
     with pytest.raises(ValueError, match="one element per coordinate"):
         ops.worker_compress(x, e, 64, weights=torch.ones(99))
-    with pytest.raises(TypeError, match="weights float32"):
-        ops.worker_compress(x, e, 64, weights=torch.ones(100, dtype=torch.float64))
+    for bad in (torch.float64, torch.float16):
+        with pytest.raises(TypeError, match="weights float32 or bfloat16"):
+            ops.worker_compress(x, e, 64, weights=torch.ones(100, dtype=bad))
     packed, scales = ops.worker_compress(x, e, 64)
     with pytest.raises(ValueError, match="one element per coordinate"):
         ops.unpack_into(packed, scales, 64, torch.empty(100), weights=torch.ones(101))
@@ -280,6 +283,10 @@ def test_portable_path_matches_reference():
         "      torch.testing.assert_close(e, re, rtol=1e-6, atol=1e-6)\n"
         "      o = torch.empty(n0); ops.unpack_into(pk, sc, block, o, weights=w)\n"
         "      assert torch.equal(o, R.unpack(pk, sc, n0, block, w))\n"
+        "      wb = w.to(torch.bfloat16); e = torch.randn(p, m); e.view(-1)[n0:] = 0\n"
+        "      rp, rs, re = R.worker_compress(x, e, block, wb); pk, sc = ops.worker_compress(x, e, block, weights=wb)\n"
+        "      assert torch.equal(pk, rp); torch.testing.assert_close(e, re, rtol=1e-6, atol=1e-6)\n"
+        "      ops.unpack_into(pk, sc, block, o, weights=wb); assert torch.equal(o, R.unpack(pk, sc, n0, block, wb))\n"
         "print('portable ok')\n"
     )
     env = dict(os.environ, LBCOMM_DISABLE_AVX2="1")

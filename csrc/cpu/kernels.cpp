@@ -67,7 +67,7 @@ double worker_y_scalar(const WorkerArgs& a, int64_t start, int64_t i0, int64_t r
   double s = 0.0;
   for (int64_t i = i0; i < real; ++i) {
     float x = load_x(a.x, a.xtype, start + i);
-    if (a.weights) x = x / a.weights[start + i];
+    if (a.weights) x = x / load_x(a.weights, a.wtype, start + i);
     const float y = x + a.error[start + i];
     dst[i] = y;
     s += static_cast<double>(y) * y;
@@ -116,11 +116,12 @@ void sign_pack_scalar(const float* v, float* err, uint8_t* out, int64_t i0, int6
 }
 
 // Decode [i0, i1) of chunk row k, a range within one scale block (constant scale), times
-// the row's weights w when given.
-void unpack_scalar(const uint8_t* bits, float* out, int64_t i0, int64_t i1, float sc, const float* w) {
+// the weights w[woff + i] (of type wt) when given.
+void unpack_scalar(const uint8_t* bits, float* out, int64_t i0, int64_t i1, float sc, const void* w, InType wt,
+                   int64_t woff) {
   for (int64_t i = i0; i < i1; ++i) {
     const float v = ((bits[i >> 3] >> (i & 7)) & 1) ? -std::fabs(sc) : sc;
-    out[i] = w ? v * w[i] : v;
+    out[i] = w ? v * load_x(w, wt, woff + i) : v;
   }
 }
 
@@ -159,7 +160,7 @@ LBCOMM_AVX2 double worker_y_avx2(const WorkerArgs& a, int64_t start, int64_t rea
   int64_t i = 0;
   for (; i + 8 <= real; i += 8) {
     __m256 x = load8(a.x, a.xtype, start + i);
-    if (a.weights) x = _mm256_div_ps(x, _mm256_loadu_ps(a.weights + start + i));  // IEEE quotient, as scalar
+    if (a.weights) x = _mm256_div_ps(x, load8(a.weights, a.wtype, start + i));  // IEEE quotient, as scalar
     const __m256 y = _mm256_add_ps(x, _mm256_loadu_ps(a.error + start + i));
     _mm256_storeu_ps(dst + i, y);
     acc_sq(y, lo, hi);
@@ -242,16 +243,18 @@ LBCOMM_AVX2 void sign_pack_avx2(const float* v, float* err, uint8_t* out, int64_
   sign_pack_scalar(v, err, out, i, real, len, scale);
 }
 
-LBCOMM_AVX2 void unpack_avx2(const uint8_t* bits, float* out, int64_t i0, int64_t i1, float sc, const float* w) {
+LBCOMM_AVX2 void unpack_avx2(const uint8_t* bits, float* out, int64_t i0, int64_t i1, float sc, const void* w,
+                             InType wt, int64_t woff) {
   const __m256 vs = _mm256_set1_ps(sc);
   int64_t i = i0;  // i0 % 8 == 0: segments start on block or unit boundaries
   if (w) {
     for (; i + 8 <= i1; i += 8)
-      _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_or_ps(vs, sign_bits(bits[i >> 3])), _mm256_loadu_ps(w + i)));
+      _mm256_storeu_ps(out + i,
+                       _mm256_mul_ps(_mm256_or_ps(vs, sign_bits(bits[i >> 3])), load8(w, wt, woff + i)));
   } else {
     for (; i + 8 <= i1; i += 8) _mm256_storeu_ps(out + i, _mm256_or_ps(vs, sign_bits(bits[i >> 3])));
   }
-  unpack_scalar(bits, out, i, i1, sc, w);
+  unpack_scalar(bits, out, i, i1, sc, w, wt, woff);
 }
 #endif  // LBCOMM_X86
 
@@ -397,19 +400,18 @@ void unpack_range(const UnpackArgs& a, int64_t begin, int64_t end) {
     if (limit < i1) i1 = limit;
     const uint8_t* bits = a.packed + k * a.packed_stride;
     float* out = a.out + k * a.m;
-    const float* w = a.weights ? a.weights + k * a.m : nullptr;
     for (int64_t s0 = i0; s0 < i1;) {  // segments of constant scale
       const int64_t b = a.block > 0 ? s0 / a.block : 0;
       const int64_t s1 = a.block > 0 ? std::min(i1, (b + 1) * a.block) : i1;
       const float sc = a.scales[k * a.scales_stride + b];
 #ifdef LBCOMM_X86
       if (kAvx2) {
-        unpack_avx2(bits, out, s0, s1, sc, w);
+        unpack_avx2(bits, out, s0, s1, sc, a.weights, a.wtype, k * a.m);
         s0 = s1;
         continue;
       }
 #endif
-      unpack_scalar(bits, out, s0, s1, sc, w);
+      unpack_scalar(bits, out, s0, s1, sc, a.weights, a.wtype, k * a.m);
       s0 = s1;
     }
   }

@@ -61,15 +61,21 @@ struct Groups {
 
 // Phase 0 value of a real element: y = x + e (one fp32 rounding); with weights
 // y = x / w + e (the IEEE quotient, then the sum).
+// Weight f (fp32 or bf16, read as its exact fp32 value).
+__device__ __forceinline__ float load_weight(const void* w, InType t, int64_t f) {
+  return t == InType::BF16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(w)[f]) : static_cast<const float*>(w)[f];
+}
+
 template <typename T>
 struct WorkerSrc {
   const T* x;
   const float* error;
-  const float* weights;  // nullptr or indexed like x
+  const void* weights;  // nullptr or indexed like x
+  InType wtype;
 
   __device__ __forceinline__ float operator()(int64_t f, int64_t /*group*/) const {
     const float v = load_in(x, f);
-    return __fadd_rn(weights ? __fdiv_rn(v, weights[f]) : v, error[f]);
+    return __fadd_rn(weights ? __fdiv_rn(v, load_weight(weights, wtype, f)) : v, error[f]);
   }
 };
 
@@ -229,7 +235,7 @@ __global__ void __launch_bounds__(kThreads) unpack_kernel(UnpackArgs a, bool vec
     if (a.weights) {
 #pragma unroll
       for (int t = 0; t < 8; ++t)
-        if (f + t < a.numel) v[t] = __fmul_rn(v[t], a.weights[f + t]);
+        if (f + t < a.numel) v[t] = __fmul_rn(v[t], load_weight(a.weights, a.wtype, f + t));
     }
     if (vec4 && f + 8 <= a.numel) {
       float4* o = reinterpret_cast<float4*>(a.out + f);
@@ -293,7 +299,7 @@ bool aligned(const void* ptr, uintptr_t bytes) { return reinterpret_cast<uintptr
 
 template <typename T>
 int worker_typed(const WorkerArgs& a, cudaStream_t stream) {
-  const WorkerSrc<T> src{static_cast<const T*>(a.x), a.error, a.weights};
+  const WorkerSrc<T> src{static_cast<const T*>(a.x), a.error, a.weights, a.wtype};
   const int64_t n = a.p * a.m;
   const int64_t numel = a.numel < 0 ? 0 : a.numel;
   Out out{a.error_out, reinterpret_cast<uint32_t*>(a.packed), a.scales, nullptr};

@@ -178,7 +178,7 @@ class GradientStats:
     per parameter (by its number, so that DDP's initial and rebuilt bucket layouts add up
     alike), and the weights of a unit made from it (`weights`): the RMS over the start,
     floored at `floor` x the unit's RMS of it (coordinates never or rarely seen get the
-    floor; an all-zero unit gets weight 1). Sync-free (device ops only). Every rank
+    floor; an all-zero unit gets weight 1), rounded to bfloat16. Sync-free (device ops only). Every rank
     accumulates the same averaged gradients, so every rank makes the same weights."""
 
     __slots__ = ("sums", "counts", "moms")
@@ -226,7 +226,9 @@ class GradientStats:
             return None
         rms = torch.cat([self.sums.pop(k).div_(self.counts.pop(k)) for k in key]).sqrt_()
         w = torch.maximum(rms, floor * rms.square().mean().sqrt())
-        return torch.where(w > 0, w, 1.0)
+        # bf16: the compressed call reads the weights twice per call, and any w > 0 does (the
+        # call divides and multiplies by the same bf16 value, exact in fp32)
+        return torch.where(w > 0, w, 1.0).to(torch.bfloat16)
 
     def state_dict(self) -> List[Dict[str, Any]]:
         return [{"param": k, "sumsq": v, "count": self.counts[k], "momentum": self.moms.get(k)}

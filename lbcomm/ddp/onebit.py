@@ -84,7 +84,7 @@ class OneBitHookState:
             same weights on every rank, saved in checkpoints), so that a coordinate's
             compression noise is proportional to its own gradients, not to the largest of
             its block (rarely active features, nearly dead units, rare embedding rows, biases
-            next to weights); costs one fp32 per gradient element, read by the compression
+            next to weights); costs one bf16 per gradient element, read by the compression
             and by the decode, into which the division and the multiplication are fused
             (fp32 buckets of a flat topology; half buckets and the hierarchical path take
             two extra elementwise passes). None: the published algorithm, which compresses the
