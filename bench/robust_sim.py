@@ -249,8 +249,13 @@ class SimOneBit:
         t = self.t
         bc1 = 1 - b1 ** t
         sl = self.f.slices()
-        if "fv" in self.rule:  # EMA of the ranks' mean squared local gradients (factored when used)
+        frozen_now = self.freeze is not None and t > self.freeze
+        if "fv" in self.rule and ("fvf" not in self.rule or frozen_now):
+            # EMA of the ranks' mean squared local gradients (factored when used); fvf: from the
+            # freeze on, started at p x the frozen variance (so that the bound starts at d)
             sq = (grads * grads).mean(0)
+            if "fvf" in self.rule and getattr(self, "vloc", None) is None:
+                self.vloc = self.v / (1 - self.b2 ** self.freeze) * self.p
             self.vloc = sq.clone() if getattr(self, "vloc", None) is None else self.vloc.mul_(b2).add_(sq, alpha=1 - b2)
         if self.freeze is None or t <= self.freeze:
             g = grads.mean(0)

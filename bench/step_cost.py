@@ -11,7 +11,12 @@ normalize="warmup" (the weights read by the compression and the decode), or the 
 of --hook-options (e.g. '{"momentum": 0.9, "normalize": "adaptive"}'); a step is then
 forward, backward (the compressed allreduce of every bucket) and the SGD step.
 
-    python bench/step_cost.py [--numel N] [--kinds adam,lamb,hook] [--hook-options JSON]
+Kind "hook_lm": the train benchmark's TinyLM "small" (13.8M parameters, batch 1 x 32 tokens,
+biases and LayerNorms among them) under DDP + onebit_hook + AdamW, four hook configurations
+interleaved: published (normalize=None, exact_numel=0), the weights only (exact_numel=0),
+the exact small parameters only (normalize=None), and the defaults; --numel is ignored.
+
+    python bench/step_cost.py [--numel N] [--kinds adam,lamb,hook,hook_lm] [--hook-options JSON]
 """
 from __future__ import annotations
 
@@ -65,6 +70,33 @@ class HookTwin:
         self.opt.step()
 
 
+LM_CONFIGS = {"published": dict(normalize=None, exact_numel=0), "weights only": dict(exact_numel=0),
+              "exact only": dict(normalize=None), "defaults": {}}
+
+
+class LMTwin:
+    """DDP (TinyLM "small") + onebit_hook with `options` + AdamW, past its start."""
+
+    def __init__(self, options, g):
+        from lbcomm.cli.train import MODEL_PRESETS, TinyLM
+
+        self.cfg = cfg = MODEL_PRESETS["small"]
+        torch.manual_seed(0)
+        model = TinyLM(cfg["vocab"], cfg["d_model"], cfg["layers"], cfg["heads"], cfg["seq_len"] + 1)
+        self.ddp = torch.nn.parallel.DistributedDataParallel(model)
+        self.ddp.register_comm_hook(lbcomm.OneBitHookState(start_iter=2, **options), lbcomm.onebit_hook)
+        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        self.g = g
+        for _ in range(4):
+            self.step()
+
+    def step(self):
+        x = torch.randint(0, self.cfg["vocab"], (self.cfg["batch"], self.cfg["seq_len"] + 1), generator=self.g)
+        self.opt.zero_grad(set_to_none=False)
+        self.ddp(x).backward()
+        self.opt.step()
+
+
 def rank_main(rank, world, a, init_file, out):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
@@ -75,7 +107,9 @@ def rank_main(rank, world, a, init_file, out):
     times = {}
     for kind in a.kinds:
         twins = {}
-        for mu in RULES:
+        if kind == "hook_lm":
+            twins = {name: LMTwin(options, g) for name, options in LM_CONFIGS.items()}
+        for mu in (RULES if kind != "hook_lm" else ()):
             if kind == "hook":
                 twins[mu] = HookTwin(side, mu, g, json.loads(a.hook_options or "{}"))
                 continue
@@ -87,9 +121,10 @@ def rank_main(rank, world, a, init_file, out):
             for _ in range(3):  # warmup, freeze, first compressed step
                 opt.step()
             twins[mu] = opt
-        t = {mu: [] for mu in RULES}
+        names = list(twins)
+        t = {mu: [] for mu in names}
         for r in range(a.rounds):
-            for mu in (RULES if r % 2 == 0 else RULES[::-1]):  # neither always goes first
+            for mu in (names if r % 2 == 0 else names[::-1]):  # none always goes first
                 dist.barrier()
                 t0 = time.perf_counter()
                 for _ in range(a.steps):
@@ -115,10 +150,15 @@ def main(argv=None):
         out = os.path.join(d, "t.pt")
         mp.start_processes(rank_main, args=(2, a, os.path.join(d, "init"), out), nprocs=2, start_method="spawn")
         times = torch.load(out)
-    print(f"compression-stage step, {a.numel:,} parameters, 2 gloo ranks, median of {a.rounds} alternating rounds "
-          f"of {a.steps} steps")
+    size = f"{a.numel:,} parameters" if a.kinds != ["hook_lm"] else "TinyLM small"
+    print(f"compression-stage step, {size}, 2 gloo ranks, median of {a.rounds} alternating rounds of {a.steps} steps")
     default = {"adam": "1.0", "lamb": "'warmup'"}
     for kind, t in times.items():
+        if kind == "hook_lm":
+            m0 = statistics.median(t["published"])
+            print("  TinyLM small, DDP + onebit_hook + AdamW, batch 1: " + "   ".join(
+                f"{name} {statistics.median(v) * 1e3:.2f} ms ({statistics.median(v) / m0:.3f})" for name, v in t.items()))
+            continue
         m0, m1 = statistics.median(t["published"]), statistics.median(t["default"])
         if kind == "hook":
             print(f"  onebit_hook+SGD normalize=None {m0 * 1e3:8.2f} ms   {a.hook_options or 'defaults'} "
