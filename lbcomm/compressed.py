@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Any, Callable, Dict, Generator, List, NamedTuple, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Generator, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -197,6 +197,13 @@ class CompressionState:
     @property
     def server_error(self) -> Tensor:
         return self._server_error
+
+    def served_span(self) -> Tuple[int, int]:
+        """[lo, hi): the input coordinates whose server error this rank holds (its chunk,
+        clamped to numel): server_error[i - lo] belongs to coordinate i; the worker error is
+        indexed like the (padded) input itself."""
+        lo = min(self.numel, self.rank * self.chunk)
+        return lo, min(self.numel, lo + self.chunk)
 
     @property
     def padded_numel(self) -> int:

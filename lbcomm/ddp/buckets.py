@@ -132,10 +132,10 @@ class Unit:
         st = self.compression
         if isinstance(st, CompressionState):  # the flat layout (see rescale_errors)
             st.worker_error.index_fill_(0, index, 0.0)
-            span = (st.rank * st.chunk, st.chunk)
+            span = st.served_span()
             if self._exact_server is None or self._exact_server[0] != span:  # once per layout: a mask syncs
-                lo = span[0]
-                self._exact_server = (span, index[(index >= lo) & (index < lo + st.chunk)] - lo)
+                lo, hi = span
+                self._exact_server = (span, index[(index >= lo) & (index < hi)] - lo)
             st.server_error.index_fill_(0, self._exact_server[1], 0.0)
 
     def _compressed(self, t: Tensor, out: Optional[Tensor]) -> None:
@@ -166,10 +166,8 @@ class Unit:
         CompressionState only: the worker error holds the padded tensor, the server error
         this rank's chunk)."""
         st = self.compression
-        n = st.numel
-        st.worker_error[:n].mul_(ratio)
-        lo = min(n, st.rank * st.chunk)
-        hi = min(n, lo + st.chunk)
+        st.worker_error[:st.numel].mul_(ratio)
+        lo, hi = st.served_span()
         st.server_error[:hi - lo].mul_(ratio[lo:hi])
 
 
