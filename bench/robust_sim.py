@@ -61,6 +61,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 import time
 from typing import Dict, List, Optional
@@ -351,7 +352,7 @@ class SimOneBit:
         elif "clipmax" in self.rule:
             u0 = u0.clamp(-self.umax, self.umax)
         elif "clipall" in self.rule or "clipcoord" in self.rule:  # the warmup's running max, per tensor / coordinate
-            k = float(self.rule.split("_")[0].replace("fv", "").replace("clipall", "").replace("clipcoord", "") or 1)
+            k = float(re.search(r"clip(?:all|coord)([0-9.]*)", self.rule).group(1) or 1)
             u0 = torch.maximum(torch.minimum(u0, k * fz["umax_p"]), -k * fz["umax_p"])
         elif "clipwarm" in self.rule:  # per tensor: the largest |u| of the last warmup step (x K: clipwarmK)
             k = float(self.rule.split("clipwarm")[1].split("_")[0] or 1)

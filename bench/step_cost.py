@@ -97,6 +97,20 @@ class LMTwin:
         self.opt.step()
 
 
+def twin(kind, rule, side, g, a):
+    """A HookTwin, or an optimizer of 8 side x side parameters past its first compressed step."""
+    if kind == "hook":
+        return HookTwin(side, rule, g, json.loads(a.hook_options or "{}"))
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(side, side) * 0.02) for _ in range(8)]
+    for p in params:
+        p.grad = torch.randn(side, side, generator=g) * 1e-3
+    opt = make(kind, params, rule)
+    for _ in range(3):  # warmup, freeze, first compressed step
+        opt.step()
+    return opt
+
+
 def rank_main(rank, world, a, init_file, out):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
@@ -106,21 +120,10 @@ def rank_main(rank, world, a, init_file, out):
     g = torch.Generator().manual_seed(rank)
     times = {}
     for kind in a.kinds:
-        twins = {}
         if kind == "hook_lm":
             twins = {name: LMTwin(options, g) for name, options in LM_CONFIGS.items()}
-        for mu in (RULES if kind != "hook_lm" else ()):
-            if kind == "hook":
-                twins[mu] = HookTwin(side, mu, g, json.loads(a.hook_options or "{}"))
-                continue
-            torch.manual_seed(0)
-            params = [torch.nn.Parameter(torch.randn(side, side) * 0.02) for _ in range(8)]
-            for p in params:
-                p.grad = torch.randn(side, side, generator=g) * 1e-3
-            opt = make(kind, params, mu)
-            for _ in range(3):  # warmup, freeze, first compressed step
-                opt.step()
-            twins[mu] = opt
+        else:
+            twins = {mu: twin(kind, mu, side, g, a) for mu in RULES}
         names = list(twins)
         t = {mu: [] for mu in names}
         for r in range(a.rounds):

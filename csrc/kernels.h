@@ -23,9 +23,9 @@ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // Scale-groups per chunk: the number of scale slots a chunk carries.
 inline int64_t num_blocks(int64_t m, int64_t block) { return block > 0 ? ceil_div(m, block) : 1; }
 
-// Phase 0. y = x + e (x / w + e with per-coordinate weights, fp32 or bf16 read exactly as
-// fp32: the fp32 quotient, then the
-// sum, two roundings); one RMS scale per block (or one for everything when block == 0);
+// Phase 0. y = x + e (x / w + e with per-coordinate weights, fp32 or bf16 read as their exact
+// fp32 values: the fp32 quotient, then the sum, two roundings); one RMS scale per block (or
+// one for everything when block == 0);
 // packed[k, :] holds the sign bits of chunk k; error_out = y - scale * sgn(y).
 // error and error_out may alias (in-place update).
 struct WorkerArgs {

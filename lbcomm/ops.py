@@ -89,8 +89,7 @@ def worker_compress(
         error_out (Tensor, optional): receives the new error instead of `error`.
         weights (Tensor, optional): float32 or bfloat16 per-coordinate weights, x.numel()
             elements: x is divided by their fp32 values (x.float() / weights.float(), the
-            quotient rounded once)
-            inside the kernel, so the error lives in the divided units.
+            quotient rounded once) inside the kernel, so the error lives in the divided units.
 
     Returns:
         (packed uint8 [p, m/8], scales float32 [p, nb]); 1-D shapes for a 1-D error.
@@ -134,8 +133,8 @@ def unpack_into(packed: Tensor, scales: Tensor, block_size: Optional[int], out: 
                 weights: Optional[Tensor] = None) -> Tensor:
     """Decode into `out` (float32/float16/bfloat16, out.numel() elements) without allocating
     when out is contiguous float32; returns out. With `weights` (float32 or bfloat16,
-    out.numel() elements) each decoded value is multiplied by its weight (one fp32 product) as it is
-    written."""
+    out.numel() elements) each decoded value is multiplied by its weight's fp32 value (one
+    fp32 product) as it is written."""
     direct = out.dtype == torch.float32 and out.is_contiguous()
     if direct and _use_kernel(packed.device):
         torch.ops.lbcomm.unpack_into(packed, scales, block_size, out.view(-1), weights)

@@ -59,13 +59,13 @@ struct Groups {
   }
 };
 
-// Phase 0 value of a real element: y = x + e (one fp32 rounding); with weights
-// y = x / w + e (the IEEE quotient, then the sum).
 // Weight f (fp32 or bf16, read as its exact fp32 value).
 __device__ __forceinline__ float load_weight(const void* w, InType t, int64_t f) {
-  return t == InType::BF16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(w)[f]) : static_cast<const float*>(w)[f];
+  return t == InType::BF16 ? load_in(static_cast<const __nv_bfloat16*>(w), f) : load_in(static_cast<const float*>(w), f);
 }
 
+// Phase 0 value of a real element: y = x + e (one fp32 rounding); with weights
+// y = x / w + e (the IEEE quotient, then the sum).
 template <typename T>
 struct WorkerSrc {
   const T* x;

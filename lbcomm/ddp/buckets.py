@@ -176,8 +176,9 @@ class GradientStats:
     per parameter (by its number, so that DDP's initial and rebuilt bucket layouts add up
     alike), and the weights of a unit made from it (`weights`): the RMS over the start,
     floored at `floor` x the unit's RMS of it (coordinates never or rarely seen get the
-    floor; an all-zero unit gets weight 1), rounded to bfloat16. Sync-free (device ops only). Every rank
-    accumulates the same averaged gradients, so every rank makes the same weights."""
+    floor; an all-zero unit gets weight 1), rounded to bfloat16. Sync-free (device ops
+    only). Every rank accumulates the same averaged gradients, so every rank makes the same
+    weights."""
 
     __slots__ = ("sums", "counts", "moms")
 
