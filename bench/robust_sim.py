@@ -31,6 +31,11 @@ m the decoded momentum, d = sqrt(v^) + eps the frozen denominator, b1c = 1 - b1^
                 at most its block's RMS update (and at most lr); no k_p scaling for LAMB
     meanabs     block scale mean|y| instead of rms(y) (L2-optimal scale for signs)
 
+OneBitLamb's layer coefficient (suffixes of a LAMB rule; default c_frz x f, the paper's):
+    _live       LAMB's own trust ratio clamp(||w|| / ||u||) of every compressed step
+    _wn         c_frz x f x ||w|| / ||w at the freeze|| (LAMB's c grows with ||w||)
+    _nof        no variance factor f (c_frz alone)
+
 The hook (SGD momentum on compressed gradients): scale rule, block size, start fraction, and
 ``norm``: per-coordinate normalization by the full-precision start's gradient RMS
 (OneBitHookState(normalize="warmup"), the default). Parts of a hook rule name:
@@ -280,6 +285,7 @@ class SimOneBit:
                     new[s] = theta[s] - lr * c * u[s]
                 theta = new
             if self.freeze is not None and t == self.freeze:
+                self.theta_last = theta
                 self._on_freeze()
             return theta
         return self._compressed(theta, grads, lr)
@@ -306,6 +312,7 @@ class SimOneBit:
             fz["v_fresh"] = self.v.clone()
             fz["f_last"] = torch.ones(len(self.f.numels))
             fz["c"] = torch.where(self.c_frz == 0, torch.ones_like(self.c_frz), self.c_frz)
+            fz["wn"] = torch.stack([self.theta_last[s].norm() for s in self.f.slices()])
         self.frozen = fz
 
     def _compressed(self, theta, grads, lr):
@@ -376,7 +383,16 @@ class SimOneBit:
                 last = fz["f_last"][i]
                 f = torch.clamp(f, min=last * (1 - fthr), max=last * (1 + fthr))
                 fz["f_last"][i] = f
+                if "_nof" in self.rule:  # no variance factor: the frozen coefficient alone
+                    f = torch.tensor(1.0)
                 coef = fz["c"][i] * f
+                if "_wn" in self.rule:  # the frozen coefficient follows ||w|| (LAMB's c is ||w|| / ||u||)
+                    pn = theta[s].norm()
+                    if fz["wn"][i] > 0:
+                        coef = coef * pn / fz["wn"][i]
+                if "_live" in self.rule:  # LAMB's own trust ratio of this step's update, every step
+                    pn, un = theta[s].norm(), u.norm()
+                    coef = (pn / un).clamp(minc, maxc) if pn > 0 and un > 0 else torch.tensor(1.0)
                 if "trust" in self.rule:  # never a longer layer step than LAMB's own trust ratio gives
                     pn, un = theta[s].norm(), u.norm()
                     if pn > 0 and un > 0:
@@ -578,10 +594,11 @@ def run(task, method: str, lr: float, rule: str = "published", p: int = 4, freez
             "first_update_ratio": getattr(opt, "first_update_ratio", None)}
 
 
-def study(task_names: List[str], quick: bool, rules: Dict[str, List[str]], out: Optional[str]) -> List[Dict]:
+def study(task_names: List[str], quick: bool, rules: Dict[str, List[str]], out: Optional[str],
+          seed: int = 0, grid: str = "coarse") -> List[Dict]:
     results = []
     for name in task_names:
-        task = T.make_task(name, quick=quick)
+        task = T.make_task(name, quick=quick, seed=seed, grid=grid)
         for method in ("adamw", "onebit_adam", "lamb", "onebit_lamb", "sgd", "sgd_hook"):
             for rule in rules.get(method, []):
                 for lr in task.grids[FAMILY[method]]:
@@ -640,6 +657,8 @@ def main(argv=None):
     ap.add_argument("--adam-rules", default=",".join(ADAM_RULES))
     ap.add_argument("--lamb-rules", default=",".join(LAMB_RULES))
     ap.add_argument("--hook-rules", default=",".join(HOOK_RULES))
+    ap.add_argument("--seed", type=int, default=0, help="the tasks' seed (data, initial weights)")
+    ap.add_argument("--grid", choices=("coarse", "fine"), default="coarse")
     ap.add_argument("--json", default="")
     ap.add_argument("--table-only", default="", help="print the table of a saved --json")
     a = ap.parse_args(argv)
@@ -656,7 +675,7 @@ def main(argv=None):
     rules = {"adamw": ["-"], "lamb": ["-"], "sgd": ["-"], "onebit_adam": split(a.adam_rules),
              "onebit_lamb": split(a.lamb_rules), "sgd_hook": split(a.hook_rules)}
     rules = {k: v for k, v in rules.items() if v}
-    results = study(names, a.quick, rules, a.json)
+    results = study(names, a.quick, rules, a.json, a.seed, a.grid)
     print()
     print(table(results))
 

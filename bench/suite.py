@@ -135,7 +135,7 @@ def rank_main(rank, world, a, out_path, init_file):
                             timeout=datetime.timedelta(seconds=600))
     results = []
     for name in a.tasks:
-        task = T.make_task(name, quick=a.quick, seed=a.seed)
+        task = T.make_task(name, quick=a.quick, seed=a.seed, grid=a.grid)
         for method in a.methods:
             for lr in task.grids[FAMILY[method]]:
                 t0 = time.perf_counter()
@@ -258,6 +258,9 @@ def parse_args(argv=None):
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--seed", type=int, default=0, help="the tasks' seed (data, initial weights)")
+    p.add_argument("--grid", choices=("coarse", "fine"), default="coarse",
+                   help="the lr grids of bench/tasks.py (coarse: 4 lrs, 3.16x apart) or with their "
+                   "geometric midpoints (fine: 7 lrs)")
     p.add_argument("--onebit-options", default="", help="JSON dict of extra OneBitAdam/OneBitLamb options")
     p.add_argument("--hook-options", default="", help="JSON dict of extra OneBitHookState options (sgd_hook, "
                    "lars_hook, adamw_hook)")

@@ -85,6 +85,12 @@ def test_suite_tasks_are_deterministic_and_the_simulation_matches_the_reference(
     assert all((x == y).all() for x, y in zip(b1, b2))
     assert not (t1.batch(8)[0] == b1[0]).all()
     assert robust_sim.check_against_reference() < 1e-5
+    # --grid fine: the coarse grid's points with their geometric midpoints, for every family
+    fine = T.make_task("rare_features", quick=True, grid="fine").grids
+    assert fine["lamb"] == [3e-3, 5.5e-3, 1e-2, 1.7e-2, 3e-2, 5.5e-2, 1e-1]
+    assert all(fine[k][::2] == v for k, v in T.GRIDS.items())
+    with pytest.raises(ValueError, match="grid"):
+        T.make_task("rare_features", grid="dense")
 
 
 @pytest.mark.parametrize("task,lr", [("rare_features", 0.03), ("dead_relu", 0.03), ("zipf_embed", 0.03)])
