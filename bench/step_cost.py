@@ -2,8 +2,8 @@
 
 2 gloo ranks, a model of --numel parameters (8 equal Linear weights), fixed random local
 gradients; after the freeze, rounds of --steps steps alternate between the published
-rule (max_update=None, the unbounded fused update) and the default max_update (OneBitAdam
-1.0, OneBitLamb "warmup") on twin optimizers, so machine noise hits both alike. Printed:
+rule (max_update=None, the unbounded fused update) and the default max_update (1.0 for
+OneBitAdam and OneBitLamb) on twin optimizers, so machine noise hits both alike. Printed:
 median step time of each and their ratio (target: within 3 %).
 
 Kind "hook": DDP + onebit_hook + SGD momentum, normalize=None, exact_numel=0 (published) vs the default
@@ -155,7 +155,7 @@ def main(argv=None):
         times = torch.load(out)
     size = f"{a.numel:,} parameters" if a.kinds != ["hook_lm"] else "TinyLM small"
     print(f"compression-stage step, {size}, 2 gloo ranks, median of {a.rounds} alternating rounds of {a.steps} steps")
-    default = {"adam": "1.0", "lamb": "'warmup'"}
+    default = {"adam": "1.0", "lamb": "1.0"}
     for kind, t in times.items():
         if kind == "hook_lm":
             m0 = statistics.median(t["published"])

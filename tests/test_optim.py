@@ -148,8 +148,8 @@ SIM_RUNS = {
                  kw=dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01, block_size=64)),
     "lamb_single_scale": dict(name="lamb", steps=16, freeze=4,
                               kw=dict(lr=2e-2, weight_decay=0.0, block_size=None)),
-    # max_update (DESIGN.md §3 "Robustness"): the defaults above are 1.0 (Adam) and "warmup"
-    # (LAMB); these pin the other forms, and a bound tight enough to clamp many coordinates
+    # max_update (DESIGN.md §3 "Robustness"): the defaults above are 1.0 (both); these pin
+    # the other forms, and a bound tight enough to clamp many coordinates
     "adam_published": dict(name="adam", steps=16, freeze=4,
                            kw=dict(lr=1e-2, weight_decay=0.01, block_size=64, max_update=None)),
     "adam_tight": dict(name="adam", steps=16, freeze=4,
@@ -160,6 +160,8 @@ SIM_RUNS = {
                            kw=dict(lr=1e-2, weight_decay=0.01, block_size=64, max_update=None)),
     "lamb_tight": dict(name="lamb", steps=16, freeze=4,
                        kw=dict(lr=1e-2, weight_decay=0.01, block_size=64, max_update=0.05)),
+    "lamb_warmup": dict(name="lamb", steps=16, freeze=4,
+                        kw=dict(lr=1e-2, weight_decay=0.01, block_size=64, max_update="warmup")),
 }
 
 

@@ -168,7 +168,7 @@ class OneBitLamb(OneBitOptimizer, Lamb):
         bias_correction: bool = True,
         block_size: Optional[int] = DEFAULT_BLOCK_SIZE,
         mask_threshold: float = 1e-10,
-        max_update: Union[float, str, None] = "warmup",
+        max_update: Union[float, str, None] = 1.0,
         nonfinite: str = "raise",
         bucket_cap_mb: float = 25.0,
         detect_averaged_grads: bool = True,
@@ -360,10 +360,11 @@ OneBitLamb.__doc__ = r"""Implements 1-bit LAMB: LAMB in the warmup, then a froze
     by :math:`1-\beta_2^{T_w}` (the correction frozen with the variance). The mask, the
     flat fp32 state, the checkpoints and the non-finite handling are those of
     :class:`OneBitAdam`. :math:`U_p` (max_update) bounds each coordinate of :math:`u_0`
-    (no clamp when None); with the default "warmup" it is the largest
-    :math:`|\hat{m}/(\sqrt{\hat{v}}+\epsilon)|` of parameter tensor p after the last warmup
-    step, so compression never gives a coordinate a larger direction than LAMB's warmup gave
-    that tensor (see :class:`OneBitAdam` for why the compressed momentum needs a bound).
+    (no clamp when None); the default 1.0 is OneBitAdam's: no coordinate's direction beyond
+    the largest steady Adam step (see :class:`OneBitAdam` for why the compressed momentum
+    needs a bound). "warmup" takes the largest :math:`|\hat{m}/(\sqrt{\hat{v}}+\epsilon)|` of
+    parameter tensor p after the last warmup step instead (the earlier default; the README's
+    "Robust compression stage" has the measurement that replaced it).
 
     Args:
         params (iterable): iterable of parameters or named parameters to optimize
@@ -393,7 +394,7 @@ OneBitLamb.__doc__ = r"""Implements 1-bit LAMB: LAMB in the warmup, then a froze
             coefficient: "warmup" (per parameter tensor, its largest |u0| after the last
             warmup step, recorded at the freeze and saved in checkpoints), a number > 0,
             "auto" (Adam's largest possible |u0|, (1-b1) / sqrt((1-b2)(1-b1^2/b2)), needs
-            b1^2 < b2), or None (the published, unbounded update) (default: "warmup")
+            b1^2 < b2), or None (the published, unbounded update) (default: 1.0)
         nonfinite (str, optional): "raise" or "skip" a step with NaN/Inf, state unchanged
             (default: "raise")
         bucket_cap_mb (float, optional): bucket size of the warmup gradient allreduce (default: 25)

@@ -203,7 +203,7 @@ def simulate_onebit_lamb(params0, grads, *, lr: float, betas=(0.9, 0.999), eps: 
                          weight_decay: float = 0.0, freeze_step: int, block_size: Optional[int],
                          max_coeff: float = 10.0, min_coeff: float = 0.01, coeff_beta: float = 0.9,
                          factor_max: float = 4.0, factor_min: float = 0.5, factor_threshold: float = 0.1,
-                         bias_correction: bool = True, mask_threshold: float = 1e-10, max_update="warmup",
+                         bias_correction: bool = True, mask_threshold: float = 1e-10, max_update=1.0,
                          nodes: Optional[int] = None, shards: Optional[int] = None):
     """1-bit LAMB. Returns the parameters after every step (nodes, shards: as
     simulate_onebit_adam; LAMB's norms are those of whole parameters). In the compression stage each
