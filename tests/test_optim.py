@@ -162,6 +162,12 @@ SIM_RUNS = {
                        kw=dict(lr=1e-2, weight_decay=0.01, block_size=64, max_update=0.05)),
     "lamb_warmup": dict(name="lamb", steps=16, freeze=4,
                         kw=dict(lr=1e-2, weight_decay=0.01, block_size=64, max_update="warmup")),
+    # exact_numel: the biases, LayerNorm and the 5 x 24 head (<= 200 elements) averaged exactly,
+    # the 24 x 12 and 24 x 24 matrices compressed
+    "adam_exact": dict(name="adam", steps=16, freeze=4,
+                       kw=dict(lr=1e-2, weight_decay=0.01, block_size=64, exact_numel=200)),
+    "lamb_exact": dict(name="lamb", steps=16, freeze=4,
+                       kw=dict(lr=1e-2, weight_decay=0.01, block_size=64, exact_numel=200)),
 }
 
 
@@ -696,3 +702,24 @@ def test_warmup_bound_is_recorded_at_the_freeze_and_checkpointed(name):
     assert _max_diff(model, twin) == 0.0
     for q, t in zip(model.parameters(), twin.parameters()):
         assert torch.equal(opt.state[q]["max_update_bound"], twin_opt.state[t]["max_update_bound"])
+
+
+@pytest.mark.parametrize("name", ["adam", "lamb"])
+def test_exact_numel_takes_effect(four_ranks, name):
+    """The exact runs equal their simulation bitwise (above); the same gradients with every
+    parameter compressed end elsewhere, so the exact averaging did something."""
+    cfg, key = SIM_RUNS[f"{name}_exact"], f"{name}_exact"
+    recs = [r["sim"][key] for r in four_ranks]
+    grads = [[recs[r]["grads"][t] for r in range(4)] for t in range(cfg["steps"])]
+    simulate = SIM.simulate_onebit_adam if name == "adam" else SIM.simulate_onebit_lamb
+    compressed = simulate(recs[0]["params0"], grads, freeze_step=cfg["freeze"], **dict(cfg["kw"], exact_numel=0))
+    assert max((a - b).abs().max().item() for a, b in zip(compressed[-1], recs[0]["params"][-1])) > 1e-6
+
+
+@pytest.mark.parametrize("cls", [lbcomm.OneBitAdam, lbcomm.OneBitLamb])
+def test_exact_numel_is_validated(cls):
+    model = _mlp()
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match="exact_numel"):
+            cls(model.parameters(), exact_numel=bad)
+    assert cls(model.parameters(), exact_numel=4096).param_groups[0]["exact_numel"] == 4096

@@ -33,6 +33,7 @@ class OneBitAdam(OneBitOptimizer):
         block_size: Optional[int] = DEFAULT_BLOCK_SIZE,
         mask_threshold: float = 1e-10,
         max_update: Union[float, str, None] = 1.0,
+        exact_numel: int = 0,
         nonfinite: str = "raise",
         bucket_cap_mb: float = 25.0,
         detect_averaged_grads: bool = True,
@@ -43,7 +44,8 @@ class OneBitAdam(OneBitOptimizer):
     ) -> None:
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, freeze_step=freeze_step,
                         bias_correction=bias_correction, block_size=block_size, mask_threshold=mask_threshold,
-                        max_update=max_update, nonfinite=nonfinite, bucket_cap_mb=bucket_cap_mb,
+                        max_update=max_update, exact_numel=exact_numel, nonfinite=nonfinite,
+                        bucket_cap_mb=bucket_cap_mb,
                         detect_averaged_grads=detect_averaged_grads)
         super().__init__(params, defaults, process_group=process_group, backend=backend, topology=topology,
                          shard_group=shard_group)
@@ -168,6 +170,14 @@ OneBitAdam.__doc__ = r"""Implements 1-bit Adam: AdamW in the warmup, then a froz
             largest value Adam's update can take (7.27 at betas (0.9, 0.999), needs
             b1^2 < b2); None: the published, unbounded update (with block_size=None, exactly
             the published algorithm) (default: 1.0)
+        exact_numel (int, optional): in the compression stage, the parameters of at most
+            this many elements get the exact mean of the ranks' gradients (one fp32
+            allreduce before the compressed call) instead of 1-bit compression, their
+            compression errors held at zero: biases, norm weights and small heads, where
+            sign compression saves little and costs the most accuracy. Flat reduction of
+            unsharded parameters only (a ValueError for FSDP2 shards or a hierarchical
+            topology; topology="auto" then stays flat, with a warning) (default: 0: all
+            compressed, the published algorithm)
         nonfinite (str, optional): what a step does when the averaged gradients (warmup) or
             the momenta of any rank (compression) hold NaN/Inf: "raise" a NonFiniteError
             on every rank, or "skip" the step on every rank (``last_step_skipped`` is set,

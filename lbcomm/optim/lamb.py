@@ -169,6 +169,7 @@ class OneBitLamb(OneBitOptimizer, Lamb):
         block_size: Optional[int] = DEFAULT_BLOCK_SIZE,
         mask_threshold: float = 1e-10,
         max_update: Union[float, str, None] = 1.0,
+        exact_numel: int = 0,
         nonfinite: str = "raise",
         bucket_cap_mb: float = 25.0,
         detect_averaged_grads: bool = True,
@@ -180,6 +181,7 @@ class OneBitLamb(OneBitOptimizer, Lamb):
         self._subclass_defaults = dict(freeze_step=freeze_step, coeff_beta=coeff_beta, factor_max=factor_max,
                                        factor_min=factor_min, factor_threshold=factor_threshold,
                                        block_size=block_size, mask_threshold=mask_threshold, max_update=max_update,
+                                       exact_numel=exact_numel,
                                        nonfinite=nonfinite, detect_averaged_grads=detect_averaged_grads)
         super().__init__(params, lr, betas, eps, weight_decay, max_coeff=max_coeff, min_coeff=min_coeff,
                          bias_correction=bias_correction, bucket_cap_mb=bucket_cap_mb, process_group=process_group,
@@ -396,6 +398,14 @@ OneBitLamb.__doc__ = r"""Implements 1-bit LAMB: LAMB in the warmup, then a froze
             warmup step, recorded at the freeze and saved in checkpoints), a number > 0,
             "auto" (Adam's largest possible |u0|, (1-b1) / sqrt((1-b2)(1-b1^2/b2)), needs
             b1^2 < b2), or None (the published, unbounded update) (default: 1.0)
+        exact_numel (int, optional): in the compression stage, the parameters of at most
+            this many elements get the exact mean of the ranks' gradients (one fp32
+            allreduce before the compressed call) instead of 1-bit compression, their
+            compression errors held at zero: biases, norm weights and small heads, where
+            sign compression saves little and costs the most accuracy. Flat reduction of
+            unsharded parameters only (a ValueError for FSDP2 shards or a hierarchical
+            topology; topology="auto" then stays flat, with a warning) (default: 0: all
+            compressed, the published algorithm)
         nonfinite (str, optional): "raise" or "skip" a step with NaN/Inf, state unchanged
             (default: "raise")
         bucket_cap_mb (float, optional): bucket size of the warmup gradient allreduce (default: 25)

@@ -15,6 +15,11 @@ freeze, the momentum mask, the compressed momentum allreduce and its error state
   compressed allreduce; the result reaches a sink (m itself, or a callable that sees m' and
   the old m range by range), masked. m is written only after every rank has the result, so
   a non-finite value on any rank leaves every rank's state exactly as it was.
+* exact_numel (OneBitAdam / OneBitLamb, flat reduction): the parameters of at most that
+  many elements take their new momentum from the gradients averaged exactly (one fp32
+  allreduce before the compressed call, as the hook's exact_numel); the compressed call
+  still carries them, but its result there is replaced and their errors are zeroed after
+  every call, so they never enter the error feedback.
 
 Topology (DESIGN.md §4b): with nodes of several ranks (``topology``: a `Topology`, or
 "auto" under torchrun with more than one node) the compression stage's one reduction is the
@@ -67,7 +72,8 @@ class OneBitOptimizer(BaseOptimizer):
     `_on_freeze` and `_frozen_buffers` (flat buffers created at the freeze).
     """
 
-    _GLOBAL_OPTIONS = BaseOptimizer._GLOBAL_OPTIONS + ("freeze_step", "block_size", "nonfinite", "mask_threshold")
+    _GLOBAL_OPTIONS = BaseOptimizer._GLOBAL_OPTIONS + ("freeze_step", "block_size", "nonfinite", "mask_threshold",
+                                                       "exact_numel")
     # max_update_bound: max_update="warmup"'s U_p, recorded at the freeze; -1 = not recorded
     # (before the freeze, and in checkpoints saved before it existed: unbounded, as they were)
     _param_vectors: Dict[str, float] = {"step": 0.0, "variance_step": 0.0, "max_update_bound": -1.0}
@@ -88,7 +94,13 @@ class OneBitOptimizer(BaseOptimizer):
         self._stage: Optional[Tensor] = None  # bounded staging buffer of the one-rank path
         self._hier_buf: Optional[Tensor] = None  # the hierarchical reduction's whole momentum
         self._probe_compression = True  # the compression stage's check for averaged gradients is undecided
+        self._exact: Optional[tuple] = None  # (exact_numel, [(lo, hi)], index) of the exactly averaged params
         super().__init__(*args, **kwargs)
+        if self._exact_limit() > 0 and (self.shard_group is not None or
+                                        (isinstance(self.topology, Topology) and not self.topology.flat)):
+            raise ValueError(f"{type(self).__name__}: exact_numel > 0 is implemented for the flat reduction of "
+                             "unsharded parameters only (not for FSDP2 shards or a hierarchical topology); pass "
+                             "exact_numel=0")
         # onebit_hook on the same parameters would compress them a second time
         claim_gradients([p for g in self.param_groups for p in g["params"]], self, type(self).__name__)
 
@@ -102,6 +114,10 @@ class OneBitOptimizer(BaseOptimizer):
         if not 0.0 <= group["mask_threshold"] < 1.0:
             raise ValueError(f"Invalid mask_threshold: {group['mask_threshold']} (need 0 <= mask_threshold < 1)")
         F.resolve_max_update(group["max_update"], group["betas"])
+        ex = group.get("exact_numel", 0)
+        if isinstance(ex, bool) or not isinstance(ex, int) or ex < 0:
+            raise ValueError(f"Invalid exact_numel: {ex!r} (must be an int >= 0: parameters of at most that many "
+                             "elements are averaged exactly in the compression stage; 0 compresses all)")
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """Add a param group (see torch.optim.Optimizer.add_param_group). Allowed during
@@ -166,6 +182,7 @@ class OneBitOptimizer(BaseOptimizer):
             self._user_masks = {new.index[id(old.params[j])]: m for j, m in self._user_masks.items()
                                 if id(old.params[j]) in new.index}
         self._stage = None
+        self._exact = None
 
     def _check_layout_change(self) -> None:
         if self._frozen:
@@ -286,6 +303,7 @@ class OneBitOptimizer(BaseOptimizer):
                 if scale is not None:
                     out.mul_(scale[i])
 
+        source.momentum = (m, weights, scale)  # for the exact parameters (_exact_mean)
         return source
 
     def _reduce_momentum(self, L: FlatLayout, source: Source, sink: Sink) -> bool:
@@ -310,17 +328,95 @@ class OneBitOptimizer(BaseOptimizer):
             return True
         if isinstance(self._comp, HierarchicalState):
             return self._reduce_hierarchical(L, source, sink)
+        exact = self._exact_mean(L, source)
+        if exact is False:
+            return False
         direct = isinstance(sink, Tensor)
-        target = sink if direct else (lambda lo, hi, values: self._deliver(sink, lo, hi, values))
+        if exact is None:
+            target = sink if direct else (lambda lo, hi, values: self._deliver(sink, lo, hi, values))
+        else:
+            ranges, index, mean = exact
+            target = sink if direct else (lambda lo, hi, values: self._deliver(
+                sink, lo, hi, self._put_exact(values, lo, hi, ranges, mean)))
         try:  # every rank sees every server scale, so all ranks agree on the verdict
             applied = reduce_(self._comp, source, target, checked=True)
         except NonFiniteError:
             applied = False
+        if exact is not None:  # their errors stay zero: the exact mean replaced what compression made of them
+            st, index = self._comp, exact[1]
+            st.worker_error.index_fill_(0, index, 0.0)
+            lo, hi = st.served_span()
+            st.server_error.index_fill_(0, index[(index >= lo) & (index < hi)] - lo, 0.0)
+            if applied and direct:
+                sink.index_copy_(0, index, exact[2])
         if self._sharded():
             self._check_shards_agree(applied)
         if applied and direct:
             self._mask_range(sink, 0, n)
         return applied
+
+    def _exact_limit(self) -> int:
+        """exact_numel (OneBitAdam / OneBitLamb; 0 for optimizers without the option)."""
+        return int(self.param_groups[0].get("exact_numel", 0)) if self.param_groups else 0
+
+    def _exact_part(self, L: FlatLayout):
+        """([(lo, hi)], index) of the parameters of at most exact_numel elements in the flat
+        momentum (adjacent ones merged), or None."""
+        limit = self._exact_limit()
+        if self._exact is None or self._exact[0] != limit:
+            ranges: List[tuple] = []
+            for i, q in enumerate(L.params):
+                lo, hi = L.offsets[i], L.offsets[i] + L.numels[i]
+                if limit and 0 < q.numel() <= limit:
+                    if ranges and ranges[-1][1] == lo:
+                        ranges[-1] = (ranges[-1][0], hi)
+                    else:
+                        ranges.append((lo, hi))
+            index = torch.cat([torch.arange(a, b) for a, b in ranges]).to(self._device(L)) if ranges else None
+            self._exact = (limit, ranges, index)
+        return None if self._exact[2] is None else self._exact[1:]
+
+    def _exact_mean(self, L: FlatLayout, source: Source):
+        """The new momentum of the exact parameters from their gradients averaged exactly
+        (one fp32 allreduce before the compressed call; m is the same on every rank, so this
+        is the exact mean of the ranks' new momenta): (ranges, index, values), values
+        scaled like the source's; None without exact parameters; False (on every rank
+        alike) when the mean gradient is not finite."""
+        part = self._exact_part(L)
+        if part is None:
+            return None
+        ranges, index = part
+        m, weights, scale = source.momentum
+        g = torch.zeros(index.numel(), dtype=torch.float32, device=index.device)
+        at = {}  # parameter -> its place in g
+        k = 0
+        for lo, hi in ranges:
+            for i, a, b in L.overlapping(lo, hi):
+                grad = L.grad(i)
+                if grad is not None:
+                    g[k + L.offsets[i] + a - lo:k + L.offsets[i] + b - lo].copy_(grad.reshape(-1)[a:b])
+                at[i] = k + L.offsets[i] + a - lo
+            k += hi - lo
+        self.transport.all_reduce(g, op="mean")
+        if not bool(torch.isfinite(g).all()):
+            return False
+        for i, o in at.items():  # in place: the mean gradient becomes the new momentum
+            part_g = g[o:o + L.numels[i]]
+            torch.lerp(L.view(m, i).reshape(-1), part_g, weights[i], out=part_g)
+            if scale is not None:
+                part_g.mul_(scale[i])
+        return ranges, index, g
+
+    @staticmethod
+    def _put_exact(values: Tensor, lo: int, hi: int, ranges, mean: Tensor) -> Tensor:
+        """values (the decoded [lo, hi)) with the exact parameters' coordinates from `mean`."""
+        k = 0
+        for a, b in ranges:
+            x, y = max(a, lo), min(b, hi)
+            if x < y:
+                values[x - lo:y - lo].copy_(mean[k + x - a:k + y - a])
+            k += b - a
+        return values
 
     def _check_shards_agree(self, applied: bool) -> None:
         """Sharded: the replicate groups of the other shards reached the same verdict. The
@@ -429,6 +525,11 @@ class OneBitOptimizer(BaseOptimizer):
 
             if self.backend != "mpi" and dist.is_available() and dist.is_initialized():
                 topo = Topology.auto()
+            if topo is not None and not topo.flat and self._exact_limit() > 0:
+                _log.warning("%s: exact_numel=%s needs the flat reduction: the momentum is compressed across all %s "
+                             "ranks, not hierarchically over %s (pass exact_numel=0 for the hierarchical call)",
+                             type(self).__name__, self._exact_limit(), tr.world_size, topo)
+                topo = None
         if topo is not None and topo.flat:
             topo = None
         self._topology, self._topology_resolved = topo, True
@@ -469,11 +570,18 @@ class OneBitOptimizer(BaseOptimizer):
         if self._comp is not None:
             p = self.transport.world_size
             agreement = int(ring_allreduce_bytes(4, p))  # the finiteness agreement, one fp32 scalar
-            sent = self._comp.bytes_per_call(checked=True) + agreement
+            compressed = self._comp.bytes_per_call(checked=True)
+            part = self._exact_part(L) if isinstance(self._comp, CompressionState) else None
+            exact = 0 if part is None else int(ring_allreduce_bytes(4 * part[1].numel(), p))
+            sent = compressed + exact + agreement
             fp32 = ring_allreduce_bytes(4 * L.total, p)
             _log.info("%s: the compression stage sends %s bytes per step and rank (compressed allreduce %s + "
-                      "finiteness agreement %s) against %d for an fp32 ring allreduce of the gradients: %.1fx less",
-                      type(self).__name__, sent, sent - agreement, agreement, fp32, fp32 / sent)
+                      "exact parameters %s + finiteness agreement %s) against %d for an fp32 ring allreduce of the "
+                      "gradients: %.1fx less", type(self).__name__, sent, compressed, exact, agreement, fp32,
+                      fp32 / sent)
+            if part is not None:
+                _log.info("%s: %s momentum elements (the parameters of at most exact_numel=%s elements) are averaged "
+                          "exactly", type(self).__name__, part[1].numel(), self._exact_limit())
         _log.info("%s: variance frozen after step %s; from now on one compressed allreduce of %s momentum elements "
                   "per step over %s ranks (block_size %s); %s coordinates held at zero (variance exactly zero: %s, "
                   "at most mask_threshold x mean: %s, user masks: %s params)", type(self).__name__,

@@ -31,16 +31,26 @@ def _mean(per_rank: Sequence[Tensor]) -> Tensor:
 class _Compressor:
     """Error-feedback state of all p ranks for one flat momentum of n elements."""
 
-    def __init__(self, n: int, p: int, block_size: Optional[int]):
+    def __init__(self, n: int, p: int, block_size: Optional[int], exact: Optional[Tensor] = None):
         m = R.chunk_size(n, p)
-        self.p, self.block_size = p, block_size
+        self.p, self.block_size, self.m = p, block_size, m
         self.worker = [torch.zeros(p, m) for _ in range(p)]
         self.server = [torch.zeros(m) for _ in range(p)]
+        # exact_numel: these coordinates get the exact mean, their errors are held at zero
+        self.exact = exact.nonzero().view(-1) if exact is not None and bool(exact.any()) else None
 
-    def __call__(self, xs: List[Tensor]) -> Tensor:
+    def __call__(self, xs: List[Tensor], exact_values: Optional[Tensor] = None) -> Tensor:
+        """exact_values: the new momentum from the exactly averaged gradients (what the
+        exact coordinates get)."""
         if self.p == 1:
             return xs[0].clone()
         out, self.worker, self.server = R.compressed_allreduce(xs, self.worker, self.server, self.block_size)
+        if self.exact is not None:
+            e = self.exact
+            out[e] = exact_values[e]
+            for r in range(self.p):
+                self.worker[r].view(-1)[e] = 0.0
+                self.server[r][e[(e >= r * self.m) & (e < (r + 1) * self.m)] - r * self.m] = 0.0
         return out
 
 
@@ -60,7 +70,7 @@ class _HierCompressor:
             self.worker.append([torch.zeros(self.N, m) for _ in range(self.N)])
             self.server.append([torch.zeros(m) for _ in range(self.N)])
 
-    def __call__(self, xs: List[Tensor]) -> Tensor:
+    def __call__(self, xs: List[Tensor], exact_values: Optional[Tensor] = None) -> Tensor:
         per_node = [xs[a * self.G:(a + 1) * self.G] for a in range(self.N)]
         out, self.worker, self.server = R.hierarchical_allreduce(per_node, self.worker, self.server, self.block_size)
         return out
@@ -77,7 +87,7 @@ class _ShardCompressor:
         self.pieces = [[t.chunk(shards)[l] if t.dim() else t for t in like] for l in range(shards)]
         self.comps = [_Compressor(sum(t.numel() for t in pieces), p, block_size) for pieces in self.pieces]
 
-    def __call__(self, xs: List[Tensor]) -> Tensor:
+    def __call__(self, xs: List[Tensor], exact_values: Optional[Tensor] = None) -> Tensor:
         per_rank = [_split(x, self.like) for x in xs]
         out_shards = []
         for l, comp in enumerate(self.comps):
@@ -87,14 +97,19 @@ class _ShardCompressor:
 
 
 def _compressor(like: Sequence[Tensor], p: int, nodes: Optional[int], block_size: Optional[int],
-                shards: Optional[int] = None):
+                shards: Optional[int] = None, exact_numel: int = 0):
     """The flat call over p ranks, the hierarchical one on `nodes` nodes of p / nodes ranks,
-    or one flat call per FSDP shard (`shards`)."""
+    or one flat call per FSDP shard (`shards`); exact_numel: the parameters of at most that
+    many elements averaged exactly (flat call only)."""
     n = sum(t.numel() for t in like)
+    flat = nodes is None or nodes == 1 or nodes == p
+    if exact_numel and not (flat and (shards is None or shards == 1)):
+        raise ValueError("exact_numel is simulated for the flat call only")
     if shards is not None and shards > 1:
         return _ShardCompressor(like, p, shards, block_size)
-    if nodes is None or nodes == 1 or nodes == p:
-        return _Compressor(n, p, block_size)
+    if flat:
+        exact = _cat([torch.full((t.numel(),), 0 < t.numel() <= exact_numel) for t in like]) if exact_numel else None
+        return _Compressor(n, p, block_size, exact)
     return _HierCompressor(n, p, nodes, block_size)
 
 
@@ -139,20 +154,22 @@ def simulate_onebit_adam(params0: Sequence[Tensor], grads: Sequence[Sequence[Seq
                          betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0, freeze_step: int,
                          block_size: Optional[int], bias_correction: bool = True,
                          mask_threshold: float = 1e-10, max_update=1.0, nodes: Optional[int] = None,
-                         shards: Optional[int] = None) -> List[List[Tensor]]:
+                         shards: Optional[int] = None, exact_numel: int = 0) -> List[List[Tensor]]:
     """1-bit Adam. grads[t][r][i]: gradient of parameter i on rank r at step t + 1.
     Returns the parameters after every step. nodes: the compression stage's reduction is
     the hierarchical one on that many nodes (ranks node by node; None: flat). shards: the
     parameters are FSDP2-sharded in that many pieces along dim 0 and each shard's momentum
     is compressed on its own across the p ranks (the nodes; grads[t][r] is node r's mean
     gradient). In the compression stage each coordinate's
-    step lr m^ / (sqrt(v^) + eps) is clamped to lr U (max_update; None: unbounded)."""
+    step lr m^ / (sqrt(v^) + eps) is clamped to lr U (max_update; None: unbounded).
+    exact_numel: the momentum of parameters of at most that many elements is averaged
+    exactly instead of compressed, its compression errors held at zero."""
     b1, b2 = betas
     p = len(grads[0])
     theta = [t.detach().float().clone() for t in params0]
     m = [torch.zeros_like(t) for t in theta]
     v = [torch.zeros_like(t) for t in theta]
-    comp = _compressor(theta, p, nodes, block_size, shards)
+    comp = _compressor(theta, p, nodes, block_size, shards, exact_numel)
     keep = bounds = None
     history = []
     for step, g_step in enumerate(grads, start=1):
@@ -169,7 +186,9 @@ def simulate_onebit_adam(params0: Sequence[Tensor], grads: Sequence[Sequence[Seq
                 bounds = _bounds(max_update, betas, m, v, *bc, eps)
             local = [_cat([torch.lerp(m[i], g_step[r][i].float(), 1 - b1) for i in range(len(theta))])
                      for r in range(p)]
-            m = [torch.where(k, mi, 0.0) for mi, k in zip(_split(comp(local), theta), keep)]
+            exact = _cat([torch.lerp(m[i], _mean([g_step[r][i].float() for r in range(p)]), 1 - b1)
+                          for i in range(len(theta))]) if exact_numel else None
+            m = [torch.where(k, mi, 0.0) for mi, k in zip(_split(comp(local, exact), theta), keep)]
             vstep = freeze_step
         bc1 = 1 - b1 ** step if bias_correction else 1.0
         bc2 = 1 - b2 ** vstep if bias_correction else 1.0
@@ -204,20 +223,20 @@ def simulate_onebit_lamb(params0, grads, *, lr: float, betas=(0.9, 0.999), eps: 
                          max_coeff: float = 10.0, min_coeff: float = 0.01, coeff_beta: float = 0.9,
                          factor_max: float = 4.0, factor_min: float = 0.5, factor_threshold: float = 0.1,
                          bias_correction: bool = True, mask_threshold: float = 1e-10, max_update=1.0,
-                         nodes: Optional[int] = None, shards: Optional[int] = None):
-    """1-bit LAMB. Returns the parameters after every step (nodes, shards: as
+                         nodes: Optional[int] = None, shards: Optional[int] = None, exact_numel: int = 0):
+    """1-bit LAMB. Returns the parameters after every step (nodes, shards, exact_numel: as
     simulate_onebit_adam; LAMB's norms are those of whole parameters). In the compression stage each
     coordinate of u0 = m^ / (sqrt(v^) + eps) is clamped to [-U, U] (max_update; None: unbounded)."""
     return _lamb(params0, grads, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_coeff=max_coeff,
                  min_coeff=min_coeff, bias_correction=bias_correction, freeze_step=freeze_step,
                  block_size=block_size, coeff_beta=coeff_beta, factor_max=factor_max, factor_min=factor_min,
                  factor_threshold=factor_threshold, mask_threshold=mask_threshold, max_update=max_update,
-                 nodes=nodes, shards=shards)
+                 nodes=nodes, shards=shards, exact_numel=exact_numel)
 
 
 def _lamb(params0, grads, *, lr, betas, eps, weight_decay, max_coeff, min_coeff, bias_correction, freeze_step,
           block_size=None, coeff_beta=0.9, factor_max=4.0, factor_min=0.5, factor_threshold=0.1, mask_threshold=0.0,
-          max_update=None, nodes=None, shards=None):
+          max_update=None, nodes=None, shards=None, exact_numel=0):
     b1, b2 = betas
     p = len(grads[0])
     n_params = len(params0)
@@ -225,7 +244,7 @@ def _lamb(params0, grads, *, lr, betas, eps, weight_decay, max_coeff, min_coeff,
     m = [torch.zeros_like(t) for t in theta]
     v = [torch.zeros_like(t) for t in theta]
     c_frz = [torch.zeros(()) for _ in theta]
-    comp = _compressor(theta, p, nodes, block_size, shards)
+    comp = _compressor(theta, p, nodes, block_size, shards, exact_numel)
     frozen: Dict[str, list] = {}
     history = []
     for step, g_step in enumerate(grads, start=1):
@@ -261,7 +280,9 @@ def _lamb(params0, grads, *, lr, betas, eps, weight_decay, max_coeff, min_coeff,
         bc2 = 1 - b2 ** freeze_step if bias_correction else 1.0
         local = [_cat([torch.lerp(m[i], g_step[r][i].float(), 1 - b1) * k[i] for i in range(n_params)])
                  for r in range(p)]
-        new_m = [torch.where(keep[i], mi / k[i], 0.0) for i, mi in enumerate(_split(comp(local), theta))]
+        exact = _cat([torch.lerp(m[i], _mean([g_step[r][i].float() for r in range(p)]), 1 - b1) * k[i]
+                      for i in range(n_params)]) if exact_numel else None
+        new_m = [torch.where(keep[i], mi / k[i], 0.0) for i, mi in enumerate(_split(comp(local, exact), theta))]
         for i in range(n_params):
             g_tilde = (new_m[i] - b1 * m[i]) / (1 - b1)
             m[i] = new_m[i]
