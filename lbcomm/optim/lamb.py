@@ -398,14 +398,8 @@ OneBitLamb.__doc__ = r"""Implements 1-bit LAMB: LAMB in the warmup, then a froze
             warmup step, recorded at the freeze and saved in checkpoints), a number > 0,
             "auto" (Adam's largest possible |u0|, (1-b1) / sqrt((1-b2)(1-b1^2/b2)), needs
             b1^2 < b2), or None (the published, unbounded update) (default: 1.0)
-        exact_numel (int, optional): in the compression stage, the parameters of at most
-            this many elements get the exact mean of the ranks' gradients (one fp32
-            allreduce before the compressed call) instead of 1-bit compression, their
-            compression errors held at zero: biases, norm weights and small heads, where
-            sign compression saves little and costs the most accuracy. Flat reduction of
-            unsharded parameters only (a ValueError for FSDP2 shards or a hierarchical
-            topology; topology="auto" then stays flat, with a warning) (default: 0: all
-            compressed, the published algorithm)
+        exact_numel (int, optional): the parameters of at most this many elements averaged
+            exactly in the compression stage, as in :class:`OneBitAdam` (default: 0)
         nonfinite (str, optional): "raise" or "skip" a step with NaN/Inf, state unchanged
             (default: "raise")
         bucket_cap_mb (float, optional): bucket size of the warmup gradient allreduce (default: 25)
