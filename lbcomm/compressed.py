@@ -188,6 +188,7 @@ class CompressionState:
         self.calls = 0
         self.skipped = 0
         self.last_skipped = False
+        self._zeroed: Optional[Tuple[Tensor, Tuple[int, int], Tensor]] = None  # zero_errors_at's server index
 
     # ------------------------------------------------------------------ state
     @property
@@ -204,6 +205,18 @@ class CompressionState:
         indexed like the (padded) input itself."""
         lo = min(self.numel, self.rank * self.chunk)
         return lo, min(self.numel, lo + self.chunk)
+
+    def zero_errors_at(self, index: Tensor) -> None:
+        """Zero both errors of the input coordinates `index` (int64, ascending): coordinates
+        averaged exactly beside the compressed call (exact_numel). The server part of
+        `index` is derived once per index tensor (a boolean mask syncs on a GPU): pass the
+        same tensor every call."""
+        self._worker_error.view(-1).index_fill_(0, index, 0.0)
+        span = self.served_span()
+        if self._zeroed is None or self._zeroed[0] is not index or self._zeroed[1] != span:
+            lo, hi = span
+            self._zeroed = (index, span, index[(index >= lo) & (index < hi)] - lo)
+        self._server_error.index_fill_(0, self._zeroed[2], 0.0)
 
     @property
     def padded_numel(self) -> int:

@@ -41,8 +41,7 @@ class Unit:
     compression noise of a coordinate is proportional to its own weight rather than to its
     block's largest gradients. The weights are the same on every rank."""
 
-    __slots__ = ("key", "shapes", "compression", "weights", "transform", "last_skipped", "exact", "exact_group",
-                 "_exact_server")
+    __slots__ = ("key", "shapes", "compression", "weights", "transform", "last_skipped", "exact", "exact_group")
 
     def __init__(self, key: Key, shapes: List[Tuple[int, ...]], compression: CompressionState,
                  weights: Optional[Tensor] = None):
@@ -53,7 +52,6 @@ class Unit:
         # elements, averaged exactly (fp32 allreduce on `exact_group`) instead of compressed
         self.exact: Optional[Tuple[int, Optional[Tensor]]] = None
         self.exact_group = None
-        self._exact_server: Optional[Tuple[Tuple[int, int], Tensor]] = None  # ((lo, chunk), index in the chunk)
 
     def set_exact(self, max_numel: int, group, device: torch.device) -> None:
         """Average the parameters of at most `max_numel` elements exactly, on `group` (0:
@@ -69,7 +67,6 @@ class Unit:
             at += n
         index = torch.cat(spans).to(device) if spans else None
         self.exact = (max_numel, index)
-        self._exact_server = None
 
     def exact_numel(self) -> int:
         index = self.exact[1] if self.exact is not None else None
@@ -129,14 +126,8 @@ class Unit:
             return
         exact.div_(dist.get_world_size(self.exact_group))
         dst.index_copy_(0, index, exact.to(t.dtype))
-        st = self.compression
-        if isinstance(st, CompressionState):  # the flat layout (see rescale_errors)
-            st.worker_error.index_fill_(0, index, 0.0)
-            span = st.served_span()
-            if self._exact_server is None or self._exact_server[0] != span:  # once per layout: a mask syncs
-                lo, hi = span
-                self._exact_server = (span, index[(index >= lo) & (index < hi)] - lo)
-            st.server_error.index_fill_(0, self._exact_server[1], 0.0)
+        if isinstance(self.compression, CompressionState):  # the flat layout (see rescale_errors)
+            self.compression.zero_errors_at(index)
 
     def _compressed(self, t: Tensor, out: Optional[Tensor]) -> None:
         w = self.weights

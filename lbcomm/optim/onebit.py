@@ -94,7 +94,7 @@ class OneBitOptimizer(BaseOptimizer):
         self._stage: Optional[Tensor] = None  # bounded staging buffer of the one-rank path
         self._hier_buf: Optional[Tensor] = None  # the hierarchical reduction's whole momentum
         self._probe_compression = True  # the compression stage's check for averaged gradients is undecided
-        self._exact: Optional[tuple] = None  # (exact_numel, [(lo, hi)], index) of the exactly averaged params
+        self._exact: Optional[tuple] = None  # (exact_numel, index, places): _exact_part
         super().__init__(*args, **kwargs)
         if self._exact_limit() > 0 and (self.shard_group is not None or
                                         (isinstance(self.topology, Topology) and not self.topology.flat)):
@@ -332,23 +332,19 @@ class OneBitOptimizer(BaseOptimizer):
         if exact is False:
             return False
         direct = isinstance(sink, Tensor)
-        if exact is None:
-            target = sink if direct else (lambda lo, hi, values: self._deliver(sink, lo, hi, values))
-        else:
-            ranges, index, mean = exact
-            target = sink if direct else (lambda lo, hi, values: self._deliver(
-                sink, lo, hi, self._put_exact(values, lo, hi, ranges, mean)))
+
+        def deliver(lo: int, hi: int, values: Tensor) -> None:  # a callable sink sees the exact values already
+            self._deliver(sink, lo, hi, values if exact is None else self._put_exact(L, values, lo, hi, exact))
+
         try:  # every rank sees every server scale, so all ranks agree on the verdict
-            applied = reduce_(self._comp, source, target, checked=True)
+            applied = reduce_(self._comp, source, sink if direct else deliver, checked=True)
         except NonFiniteError:
             applied = False
         if exact is not None:  # their errors stay zero: the exact mean replaced what compression made of them
-            st, index = self._comp, exact[1]
-            st.worker_error.index_fill_(0, index, 0.0)
-            lo, hi = st.served_span()
-            st.server_error.index_fill_(0, index[(index >= lo) & (index < hi)] - lo, 0.0)
+            index, _, mean = exact
+            self._comp.zero_errors_at(index)
             if applied and direct:
-                sink.index_copy_(0, index, exact[2])
+                sink.index_copy_(0, index, mean)
         if self._sharded():
             self._check_shards_agree(applied)
         if applied and direct:
@@ -360,62 +356,57 @@ class OneBitOptimizer(BaseOptimizer):
         return int(self.param_groups[0].get("exact_numel", 0)) if self.param_groups else 0
 
     def _exact_part(self, L: FlatLayout):
-        """([(lo, hi)], index) of the parameters of at most exact_numel elements in the flat
-        momentum (adjacent ones merged), or None."""
+        """(index, places) of the parameters of at most exact_numel elements: their flat
+        coordinates (int64, ascending) and (parameter, its first element in index) pairs;
+        None without such parameters."""
         limit = self._exact_limit()
         if self._exact is None or self._exact[0] != limit:
-            ranges: List[tuple] = []
+            places, spans, at = [], [], 0
             for i, q in enumerate(L.params):
-                lo, hi = L.offsets[i], L.offsets[i] + L.numels[i]
                 if limit and 0 < q.numel() <= limit:
-                    if ranges and ranges[-1][1] == lo:
-                        ranges[-1] = (ranges[-1][0], hi)
-                    else:
-                        ranges.append((lo, hi))
-            index = torch.cat([torch.arange(a, b) for a, b in ranges]).to(self._device(L)) if ranges else None
-            self._exact = (limit, ranges, index)
-        return None if self._exact[2] is None else self._exact[1:]
+                    places.append((i, at))
+                    spans.append(torch.arange(L.offsets[i], L.offsets[i] + L.numels[i]))
+                    at += L.numels[i]
+            index = torch.cat(spans).to(self._device(L)) if spans else None
+            self._exact = (limit, index, places)
+        return None if self._exact[1] is None else self._exact[1:]
 
     def _exact_mean(self, L: FlatLayout, source: Source):
         """The new momentum of the exact parameters from their gradients averaged exactly
         (one fp32 allreduce before the compressed call; m is the same on every rank, so this
-        is the exact mean of the ranks' new momenta): (ranges, index, values), values
-        scaled like the source's; None without exact parameters; False (on every rank
-        alike) when the mean gradient is not finite."""
+        is the exact mean of the ranks' new momenta): (index, places, values) (`_exact_part`),
+        values scaled like the source's; None without exact parameters; False (on every
+        rank alike) when the mean gradient is not finite."""
         part = self._exact_part(L)
         if part is None:
             return None
-        ranges, index = part
+        index, places = part
         m, weights, scale = source.momentum
         g = torch.zeros(index.numel(), dtype=torch.float32, device=index.device)
-        at = {}  # parameter -> its place in g
-        k = 0
-        for lo, hi in ranges:
-            for i, a, b in L.overlapping(lo, hi):
-                grad = L.grad(i)
-                if grad is not None:
-                    g[k + L.offsets[i] + a - lo:k + L.offsets[i] + b - lo].copy_(grad.reshape(-1)[a:b])
-                at[i] = k + L.offsets[i] + a - lo
-            k += hi - lo
+        for i, o in places:
+            grad = L.grad(i)
+            if grad is not None:
+                g[o:o + L.numels[i]].copy_(grad.reshape(-1))
         self.transport.all_reduce(g, op="mean")
         if not bool(torch.isfinite(g).all()):
             return False
-        for i, o in at.items():  # in place: the mean gradient becomes the new momentum
+        for i, o in places:  # in place: the mean gradient becomes the new momentum
             part_g = g[o:o + L.numels[i]]
             torch.lerp(L.view(m, i).reshape(-1), part_g, weights[i], out=part_g)
             if scale is not None:
                 part_g.mul_(scale[i])
-        return ranges, index, g
+        return index, places, g
 
     @staticmethod
-    def _put_exact(values: Tensor, lo: int, hi: int, ranges, mean: Tensor) -> Tensor:
-        """values (the decoded [lo, hi)) with the exact parameters' coordinates from `mean`."""
-        k = 0
-        for a, b in ranges:
+    def _put_exact(L: FlatLayout, values: Tensor, lo: int, hi: int, exact) -> Tensor:
+        """values (the decoded [lo, hi)) with the exact parameters' coordinates from
+        `_exact_mean`'s result."""
+        _, places, mean = exact
+        for i, o in places:
+            a, b = L.offsets[i], L.offsets[i] + L.numels[i]
             x, y = max(a, lo), min(b, hi)
             if x < y:
-                values[x - lo:y - lo].copy_(mean[k + x - a:k + y - a])
-            k += b - a
+                values[x - lo:y - lo].copy_(mean[o + x - a:o + y - a])
         return values
 
     def _check_shards_agree(self, applied: bool) -> None:
@@ -572,7 +563,7 @@ class OneBitOptimizer(BaseOptimizer):
             agreement = int(ring_allreduce_bytes(4, p))  # the finiteness agreement, one fp32 scalar
             compressed = self._comp.bytes_per_call(checked=True)
             part = self._exact_part(L) if isinstance(self._comp, CompressionState) else None
-            exact = 0 if part is None else int(ring_allreduce_bytes(4 * part[1].numel(), p))
+            exact = 0 if part is None else int(ring_allreduce_bytes(4 * part[0].numel(), p))
             sent = compressed + exact + agreement
             fp32 = ring_allreduce_bytes(4 * L.total, p)
             _log.info("%s: the compression stage sends %s bytes per step and rank (compressed allreduce %s + "
@@ -581,7 +572,7 @@ class OneBitOptimizer(BaseOptimizer):
                       fp32 / sent)
             if part is not None:
                 _log.info("%s: %s momentum elements (the parameters of at most exact_numel=%s elements) are averaged "
-                          "exactly", type(self).__name__, part[1].numel(), self._exact_limit())
+                          "exactly", type(self).__name__, part[0].numel(), self._exact_limit())
         _log.info("%s: variance frozen after step %s; from now on one compressed allreduce of %s momentum elements "
                   "per step over %s ranks (block_size %s); %s coordinates held at zero (variance exactly zero: %s, "
                   "at most mask_threshold x mean: %s, user masks: %s params)", type(self).__name__,
