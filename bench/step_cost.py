@@ -16,7 +16,11 @@ biases and LayerNorms among them) under DDP + onebit_hook + AdamW, four hook con
 interleaved: published (normalize=None, exact_numel=0), the weights only (exact_numel=0),
 the exact small parameters only (normalize=None), and the defaults; --numel is ignored.
 
-    python bench/step_cost.py [--numel N] [--kinds adam,lamb,hook,hook_lm] [--hook-options JSON]
+Kinds "adam_lm" / "lamb_lm": the same TinyLM "small" trained by OneBitAdam / OneBitLamb
+themselves (no DDP), published (max_update=None, exact_numel=0) against the defaults
+(max_update=1.0, exact_numel=4096: the biases and LayerNorms averaged exactly).
+
+    python bench/step_cost.py [--numel N] [--kinds adam,lamb,hook,hook_lm,adam_lm,lamb_lm] [--hook-options JSON]
 """
 from __future__ import annotations
 
@@ -75,17 +79,23 @@ LM_CONFIGS = {"published": dict(normalize=None, exact_numel=0), "weights only": 
 
 
 class LMTwin:
-    """DDP (TinyLM "small") + onebit_hook with `options` + AdamW, past its start."""
+    """TinyLM "small", past its start: DDP + onebit_hook with `options` + AdamW, or (`onebit`:
+    "adam" / "lamb") the 1-bit optimizer with `options` averaging by itself."""
 
-    def __init__(self, options, g):
+    def __init__(self, options, g, onebit=None):
         from lbcomm.cli.train import MODEL_PRESETS, TinyLM
 
         self.cfg = cfg = MODEL_PRESETS["small"]
         torch.manual_seed(0)
         model = TinyLM(cfg["vocab"], cfg["d_model"], cfg["layers"], cfg["heads"], cfg["seq_len"] + 1)
-        self.ddp = torch.nn.parallel.DistributedDataParallel(model)
-        self.ddp.register_comm_hook(lbcomm.OneBitHookState(start_iter=2, **options), lbcomm.onebit_hook)
-        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        if onebit is None:
+            self.ddp = torch.nn.parallel.DistributedDataParallel(model)
+            self.ddp.register_comm_hook(lbcomm.OneBitHookState(start_iter=2, **options), lbcomm.onebit_hook)
+            self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        else:
+            self.ddp = model
+            cls = {"adam": lbcomm.OneBitAdam, "lamb": lbcomm.OneBitLamb}[onebit]
+            self.opt = cls(model.parameters(), lr=1e-4, freeze_step=2, **options)
         self.g = g
         for _ in range(4):
             self.step()
@@ -95,6 +105,9 @@ class LMTwin:
         self.opt.zero_grad(set_to_none=False)
         self.ddp(x).backward()
         self.opt.step()
+
+
+OPT_LM_CONFIGS = {"published": dict(max_update=None, exact_numel=0), "defaults": {}}
 
 
 def twin(kind, rule, side, g, a):
@@ -122,6 +135,8 @@ def rank_main(rank, world, a, init_file, out):
     for kind in a.kinds:
         if kind == "hook_lm":
             twins = {name: LMTwin(options, g) for name, options in LM_CONFIGS.items()}
+        elif kind.endswith("_lm"):
+            twins = {name: LMTwin(options, g, onebit=kind[:-3]) for name, options in OPT_LM_CONFIGS.items()}
         else:
             twins = {mu: twin(kind, mu, side, g, a) for mu in RULES}
         names = list(twins)
@@ -153,7 +168,7 @@ def main(argv=None):
         out = os.path.join(d, "t.pt")
         mp.start_processes(rank_main, args=(2, a, os.path.join(d, "init"), out), nprocs=2, start_method="spawn")
         times = torch.load(out)
-    size = f"{a.numel:,} parameters" if a.kinds != ["hook_lm"] else "TinyLM small"
+    size = f"{a.numel:,} parameters" if not all(k.endswith("_lm") for k in a.kinds) else "TinyLM small"
     print(f"compression-stage step, {size}, 2 gloo ranks, median of {a.rounds} alternating rounds of {a.steps} steps")
     default = {"adam": "1.0", "lamb": "1.0"}
     for kind, t in times.items():
@@ -161,6 +176,11 @@ def main(argv=None):
             m0 = statistics.median(t["published"])
             print("  TinyLM small, DDP + onebit_hook + AdamW, batch 1: " + "   ".join(
                 f"{name} {statistics.median(v) * 1e3:.2f} ms ({statistics.median(v) / m0:.3f})" for name, v in t.items()))
+            continue
+        if kind.endswith("_lm"):
+            m0, m1 = statistics.median(t["published"]), statistics.median(t["defaults"])
+            print(f"  TinyLM small, OneBit{kind[:-3].capitalize()}, batch 1: published (max_update=None, exact_numel=0) "
+                  f"{m0 * 1e3:.2f} ms   defaults {m1 * 1e3:.2f} ms   ratio {m1 / m0:.3f}")
             continue
         m0, m1 = statistics.median(t["published"]), statistics.median(t["default"])
         if kind == "hook":

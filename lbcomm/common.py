@@ -31,3 +31,20 @@ def completed_future(value, device: Optional[torch.device] = None) -> torch.futu
 def ring_allreduce_bytes(nbytes: float, world_size: int) -> float:
     """Bytes one rank sends in a ring allreduce of an `nbytes` buffer: 2 (p-1)/p nbytes."""
     return 2 * (world_size - 1) / world_size * nbytes if world_size > 1 else 0.0
+
+
+def report_exact_share(log, who: str, what: str, exact: int, total: int, limit: int) -> None:
+    """Log how many of `total` elements exact_numel=`limit` averages exactly instead of
+    compressing: INFO, or a WARNING when that is most of the model (a small model may then
+    not be compressed at all)."""
+    if not exact:
+        return
+    share = exact / max(total, 1)
+    msg = ("%s: %s of %s %s elements (%.1f %%) belong to parameters of at most exact_numel=%s elements and are "
+           "averaged exactly in fp32, not compressed")
+    args = (who, exact, total, what, 100 * share, limit)
+    if share > 0.5:
+        log.warning(msg + "; that is most of this model: pass exact_numel=0 (or a smaller value) to compress them",
+                    *args)
+    else:
+        log.info(msg, *args)

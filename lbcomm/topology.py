@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -303,6 +303,7 @@ class HierarchicalState:
         self.calls = self.skipped = 0
         self.last_skipped = False
         self._verified = False
+        self._zeroed: Optional[Tuple[Tensor, Tensor]] = None  # zero_errors_at's slice index
         if topology.flat:
             self.span = (0, numel)
             self.compression = CompressionState(numel, group=topology.flat_group, device=device,
@@ -357,6 +358,19 @@ class HierarchicalState:
 
     def reset(self) -> None:
         self.compression.reset()
+
+    def zero_errors_at(self, index: Tensor) -> None:
+        """Zero the errors of the input coordinates `index` (int64, ascending; averaged
+        exactly beside the call, exact_numel): those in this rank's slice, see
+        CompressionState.zero_errors_at (the intra-node stages keep no errors). Pass the
+        same tensor every call: the slice's part is derived once."""
+        if self.topology.flat:
+            self.compression.zero_errors_at(index)
+            return
+        if self._zeroed is None or self._zeroed[0] is not index:
+            lo, hi = self.span
+            self._zeroed = (index, index[(index >= lo) & (index < hi)] - lo)
+        self.compression.zero_errors_at(self._zeroed[1])
 
     def _layout(self) -> tuple:
         t = self.topology

@@ -14,6 +14,9 @@ gloo ranks as 2 nodes x 2, one spawn for every check:
   per-shard compression and whole-parameter norms; replicas identical.
 * Data parallel with a topology (no FSDP): OneBitAdam and OneBitLamb with
   Topology.node_by_node(2) equal the simulation with the hierarchical reference call.
+* exact_numel=EXACT (the biases and the second layer averaged exactly, the first layer
+  compressed) on FSDP2 and hierarchically: equal to the simulation with the same option,
+  the exact coordinates' errors zero, the compressed ones' not.
 """
 import os
 
@@ -27,6 +30,7 @@ N, G = 2, 2
 STEPS, FREEZE, BLOCK = 8, 4, 64
 NAN_WARMUP, NAN_COMP, SAVE_AFTER = 2, 6, 6  # NaN injected before these steps; checkpoint after
 LR = 0.01
+EXACT = 300  # of 16x32 + 32 + 32x8 + 8: all but the first weight
 
 
 def _model():
@@ -59,6 +63,21 @@ def _same(a, b):
     if a["errors"] is not None:
         pairs += list(zip(a["errors"], b["errors"]))
     return all(torch.equal(x, y) for x, y in pairs)
+
+
+def _exact_errors(opt):
+    """(largest |error| at the exact coordinates, largest elsewhere) of this rank's worker
+    error (its slice when hierarchical); None without exact_numel."""
+    part = opt._exact_part(opt._layout)
+    if part is None:
+        return None
+    st = opt.compression_state
+    lo, hi = getattr(st, "span", (0, opt._layout.total))
+    err = st.worker_error.reshape(-1)[:hi - lo]
+    exact = torch.zeros(hi - lo, dtype=torch.bool)
+    idx = part[0]
+    exact[idx[(idx >= lo) & (idx < hi)] - lo] = True
+    return float(err[exact].abs().max()) if bool(exact.any()) else 0.0, float(err[~exact].abs().max())
 
 
 def _fsdp_run(rank, cls, opts, ckpt=None, resume=None, nan=True):
@@ -98,10 +117,10 @@ def _fsdp_run(rank, cls, opts, ckpt=None, resume=None, nan=True):
         params.append([p.to_local().clone() for p in model.parameters()])
         if ckpt is not None and step == SAVE_AFTER:
             dcp.save({"model": model.state_dict(), "optim": RankLocal(opt)}, checkpoint_id=ckpt)
-    return {"grads": grads, "params": params, "nan_ok": nan_ok, "frozen": opt.frozen}
+    return {"grads": grads, "params": params, "nan_ok": nan_ok, "frozen": opt.frozen, "errors": _exact_errors(opt)}
 
 
-def _dp_run(rank, p, cls, opts):
+def _dp_run(rank, p, cls, opts, reload=True):
     """Plain data parallel (every rank the whole model), the hierarchical momentum reduction."""
     from lbcomm import Topology
 
@@ -116,6 +135,10 @@ def _dp_run(rank, p, cls, opts):
         grads.append([q.grad.clone() for q in model.parameters()])
         opt.step()
         params.append([q.detach().clone() for q in model.parameters()])
+    out = {"grads": grads, "params": params, "hier": type(opt.compression_state).__name__,
+           "errors": _exact_errors(opt)}
+    if not reload:
+        return out
     # a checkpoint of the hierarchical errors loaded on a flat reduction: reset, with a warning
     import logging
 
@@ -128,7 +151,7 @@ def _dp_run(rank, p, cls, opts):
     st = flat.compression_state
     reload = (type(st).__name__, float(st.worker_error.abs().sum() + st.server_error.abs().sum()),
               any("topology (nodes, ranks per node)=(2, 2)" in w for w in warnings))
-    return {"grads": grads, "params": params, "hier": type(opt.compression_state).__name__, "reload": reload}
+    return dict(out, reload=reload)
 
 
 def _refusals():
@@ -169,6 +192,10 @@ def _all(rank, p, ckpt):
     out["lamb"] = _fsdp_run(rank, OneBitLamb, {"weight_decay": 0.01}, nan=False)
     out["dp_adam"] = _dp_run(rank, p, OneBitAdam, {})
     out["dp_lamb"] = _dp_run(rank, p, OneBitLamb, {"weight_decay": 0.01})
+    out["adam_exact"] = _fsdp_run(rank, OneBitAdam, {"exact_numel": EXACT}, nan=False)
+    out["lamb_exact"] = _fsdp_run(rank, OneBitLamb, {"weight_decay": 0.01, "exact_numel": EXACT}, nan=False)
+    out["dp_adam_exact"] = _dp_run(rank, p, OneBitAdam, {"exact_numel": EXACT}, reload=False)
+    out["dp_lamb_exact"] = _dp_run(rank, p, OneBitLamb, {"weight_decay": 0.01, "exact_numel": EXACT}, reload=False)
     return out
 
 
@@ -279,3 +306,38 @@ def test_topology_data_parallel_equals_hierarchical_simulation(results, kind):
         for t in range(STEPS):
             for got, want in zip(r[run]["params"][t], hist[t]):
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["adam", "lamb"])
+@pytest.mark.parametrize("where", ["fsdp", "dp"])
+def test_exact_numel_sharded_and_hierarchical_equal_simulation(results, kind, where):
+    """exact_numel on FSDP2 shards (each shard's exact coordinates averaged over the
+    replicate group) and with the hierarchical reduction (over all ranks): the runs equal
+    the simulation with the same option and end away from the all-compressed one; the
+    exact coordinates' errors stay zero on every rank, the compressed ones' do not."""
+    from lbcomm.optim.reference import simulate_onebit_adam, simulate_onebit_lamb
+
+    res = results
+    run = ("dp_" if where == "dp" else "") + kind + "_exact"
+    p0 = list(_model().parameters())
+    sim = simulate_onebit_adam if kind == "adam" else simulate_onebit_lamb
+    kw = dict(lr=LR, weight_decay=0.01, freeze_step=FREEZE, block_size=BLOCK)
+    if where == "dp":
+        grads = [[r[run]["grads"][t] for r in res] for t in range(STEPS)]
+        kw["nodes"] = N
+        got = [[r[run]["params"][t] for t in range(STEPS)] for r in res]
+        assert all(r[run]["hier"] == "HierarchicalState" for r in res)
+    else:
+        grads = _node_grads(res, run)
+        kw["shards"] = G
+        got = [[[_full(res, run, t, i) for i in range(len(p0))] for t in range(STEPS)]]
+    hist = sim(p0, grads, exact_numel=EXACT, **kw)
+    for per_step in got:
+        for t in range(STEPS):
+            for a, b in zip(per_step[t], hist[t]):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    compressed = sim(p0, grads, exact_numel=0, **kw)
+    assert max((a - b).abs().max().item() for a, b in zip(compressed[-1], hist[-1])) > 1e-5
+    for r in res:
+        at_exact, elsewhere = r[run]["errors"]
+        assert at_exact == 0.0 and elsewhere > 0.0

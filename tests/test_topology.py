@@ -350,13 +350,22 @@ def _hook_resume(rank, p):
             if step + 1 == save_at:
                 snapshot = {"model": {k: v.clone() for k, v in model.module.state_dict().items()},
                             "hook": state.state_dict(), "step": save_at}
-        return {k: v.clone() for k, v in model.module.state_dict().items()}, snapshot
+        errors = []  # per unit: (largest |worker error| at exact coordinates, elsewhere) of this rank's slice
+        for unit in state.planner.units():
+            st, index = unit.compression, unit.exact[1] if unit.exact else None
+            if index is not None:
+                lo, hi = st.span
+                err = st.worker_error.reshape(-1)[:hi - lo]
+                at = torch.zeros(hi - lo, dtype=torch.bool)
+                at[index[(index >= lo) & (index < hi)] - lo] = True
+                errors.append((float(err[at].abs().max()) if bool(at.any()) else 0.0, float(err[~at].abs().max())))
+        return {k: v.clone() for k, v in model.module.state_dict().items()}, snapshot, errors
 
     out = {}
     for exact in (0, 64):  # 64: the two biases (40 and 5 elements) exact, the weights compressed
-        whole, snap = run(8, save_at=4, exact_numel=exact)
-        resumed, _ = run(8, saved=snap, exact_numel=exact)
-        out[exact] = (all(torch.equal(whole[k], resumed[k]) for k in whole), whole)
+        whole, snap, errors = run(8, save_at=4, exact_numel=exact)
+        resumed, _, _ = run(8, saved=snap, exact_numel=exact)
+        out[exact] = (all(torch.equal(whole[k], resumed[k]) for k in whole), whole, errors)
     return out
 
 
@@ -368,6 +377,9 @@ def test_onebit_hook_with_topology_resumes_bitwise():
             assert all(torch.equal(v, r[exact][1][k]) for k, v in res[0][exact][1].items())
     # the exact biases change the run (they are not compressed), the weights too through them
     assert not torch.equal(res[0][0][1]["0.bias"], res[0][64][1]["0.bias"])
+    # the exact coordinates' errors are held at zero in every rank's slice, the others' not
+    for r in res:
+        assert r[64][2] and all(at == 0.0 and elsewhere > 0.0 for at, elsewhere in r[64][2]), r[64][2]
 
 
 def test_bench_train_nodes_loopback(tmp_path):

@@ -126,8 +126,7 @@ class Unit:
             return
         exact.div_(dist.get_world_size(self.exact_group))
         dst.index_copy_(0, index, exact.to(t.dtype))
-        if isinstance(self.compression, CompressionState):  # the flat layout (see rescale_errors)
-            self.compression.zero_errors_at(index)
+        self.compression.zero_errors_at(index)  # flat or hierarchical: they never enter the error feedback
 
     def _compressed(self, t: Tensor, out: Optional[Tensor]) -> None:
         w = self.weights

@@ -15,7 +15,7 @@ from torch import Tensor
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from ..comm import world_info
-from ..common import FLOAT_DTYPES, NONFINITE_POLICIES, completed_future, ring_allreduce_bytes
+from ..common import FLOAT_DTYPES, NONFINITE_POLICIES, completed_future, report_exact_share, ring_allreduce_bytes
 from ..compressed import DEFAULT_BLOCK_SIZE, CompressionState, redistribute_errors
 from ..topology import HierarchicalState, Topology
 from ..wire import check_block_size
@@ -565,18 +565,7 @@ def onebit_hook(state: OneBitHookState, bucket: dist.GradBucket) -> torch.future
 
 
 def _report_exact(state: OneBitHookState) -> None:
-    """Say how much of the model `exact_numel` leaves uncompressed (a warning when it is
-    most of it: a small model may then not be compressed at all)."""
+    """Say how much of the model `exact_numel` leaves uncompressed."""
     units = state.planner.units()
-    total = sum(u.compression.numel for u in units)
-    exact = sum(u.exact_numel() for u in units)
-    if not exact:
-        return
-    share = exact / max(total, 1)
-    msg = ("onebit_hook: %s of %s gradient elements (%.1f %%) belong to parameters of at most exact_numel=%s "
-           "elements and are averaged exactly in fp32, not compressed")
-    if share > 0.5:
-        _log.warning(msg + "; that is most of this model: pass exact_numel=0 (or a smaller value) to compress them",
-                     exact, total, 100 * share, state.exact_numel)
-    else:
-        _log.info(msg, exact, total, 100 * share, state.exact_numel)
+    report_exact_share(_log, "onebit_hook", "gradient", sum(u.exact_numel() for u in units),
+                       sum(u.compression.numel for u in units), state.exact_numel)

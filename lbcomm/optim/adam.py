@@ -171,13 +171,14 @@ OneBitAdam.__doc__ = r"""Implements 1-bit Adam: AdamW in the warmup, then a froz
             b1^2 < b2); None: the published, unbounded update (with block_size=None, exactly
             the published algorithm) (default: 1.0)
         exact_numel (int, optional): in the compression stage, the parameters of at most
-            this many elements get the exact mean of the ranks' gradients (one fp32
-            allreduce before the compressed call) instead of 1-bit compression, their
+            this many elements (whole parameters, also under FSDP2) get the exact mean of
+            the ranks' gradients (one fp32 allreduce over the ranks the momentum is reduced
+            over, before the compressed call) instead of 1-bit compression, their
             compression errors held at zero: biases, norm weights and small heads, where
-            sign compression saves little and costs the most accuracy. Flat reduction of
-            unsharded parameters only (a ValueError for FSDP2 shards or a hierarchical
-            topology; topology="auto" then stays flat, with a warning) (default: 0: all
-            compressed, the published algorithm)
+            sign compression saves little and costs the most accuracy. Flat, hierarchical
+            and FSDP2 alike. The INFO line at the freeze gives the share (a warning when it
+            is most of the model); 0 compresses every parameter, as published (default: 4096,
+            as onebit_hook)
         nonfinite (str, optional): what a step does when the averaged gradients (warmup) or
             the momenta of any rank (compression) hold NaN/Inf: "raise" a NonFiniteError
             on every rank, or "skip" the step on every rank (``last_step_skipped`` is set,

@@ -15,11 +15,12 @@ freeze, the momentum mask, the compressed momentum allreduce and its error state
   compressed allreduce; the result reaches a sink (m itself, or a callable that sees m' and
   the old m range by range), masked. m is written only after every rank has the result, so
   a non-finite value on any rank leaves every rank's state exactly as it was.
-* exact_numel (OneBitAdam / OneBitLamb, flat reduction): the parameters of at most that
-  many elements take their new momentum from the gradients averaged exactly (one fp32
-  allreduce before the compressed call, as the hook's exact_numel); the compressed call
-  still carries them, but its result there is replaced and their errors are zeroed after
-  every call, so they never enter the error feedback.
+* exact_numel (OneBitAdam / OneBitLamb): the parameters of at most that many elements
+  (whole parameters, also when sharded) take their new momentum from the gradients
+  averaged exactly (one fp32 allreduce over the ranks the momentum is reduced over, before
+  the compressed call, as the hook's exact_numel); the compressed call still carries them,
+  but its result there is replaced and their errors are zeroed after every call (flat,
+  hierarchical or per shard alike), so they never enter the error feedback.
 
 Topology (DESIGN.md §4b): with nodes of several ranks (``topology``: a `Topology`, or
 "auto" under torchrun with more than one node) the compression stage's one reduction is the
@@ -46,7 +47,7 @@ from typing import Any, Callable, Dict, List, Optional, Union
 import torch
 from torch import Tensor
 
-from ..common import ring_allreduce_bytes
+from ..common import report_exact_share, ring_allreduce_bytes
 from ..compressed import CompressionState, NonFiniteError, reduce_
 from ..topology import HierarchicalState, Topology, hierarchical_allreduce_
 from ..ddp.claims import claim_gradients
@@ -96,11 +97,6 @@ class OneBitOptimizer(BaseOptimizer):
         self._probe_compression = True  # the compression stage's check for averaged gradients is undecided
         self._exact: Optional[tuple] = None  # (exact_numel, index, places): _exact_part
         super().__init__(*args, **kwargs)
-        if self._exact_limit() > 0 and (self.shard_group is not None or
-                                        (isinstance(self.topology, Topology) and not self.topology.flat)):
-            raise ValueError(f"{type(self).__name__}: exact_numel > 0 is implemented for the flat reduction of "
-                             "unsharded parameters only (not for FSDP2 shards or a hierarchical topology); pass "
-                             "exact_numel=0")
         # onebit_hook on the same parameters would compress them a second time
         claim_gradients([p for g in self.param_groups for p in g["params"]], self, type(self).__name__)
 
@@ -326,11 +322,21 @@ class OneBitOptimizer(BaseOptimizer):
                 source(lo, hi, buf)
                 self._deliver(sink, lo, hi, buf)
             return True
-        if isinstance(self._comp, HierarchicalState):
-            return self._reduce_hierarchical(L, source, sink)
         exact = self._exact_mean(L, source)
-        if exact is False:
-            return False
+        if exact is False:  # the exact mean is not finite: nothing changes on any rank
+            applied = False
+        elif isinstance(self._comp, HierarchicalState):
+            applied = self._reduce_hierarchical(L, source, sink, exact)
+        else:
+            applied = self._reduce_flat(L, source, sink, exact)
+        if isinstance(exact, tuple):  # their errors stay zero: the exact mean replaced what compression made of them
+            self._comp.zero_errors_at(exact[0])
+        if self._sharded():
+            self._check_shards_agree(applied)
+        return applied
+
+    def _reduce_flat(self, L: FlatLayout, source: Source, sink: Sink, exact) -> bool:
+        """`_reduce_momentum`'s flat compressed call, streamed through `reduce_`."""
         direct = isinstance(sink, Tensor)
 
         def deliver(lo: int, hi: int, values: Tensor) -> None:  # a callable sink sees the exact values already
@@ -340,15 +346,10 @@ class OneBitOptimizer(BaseOptimizer):
             applied = reduce_(self._comp, source, sink if direct else deliver, checked=True)
         except NonFiniteError:
             applied = False
-        if exact is not None:  # their errors stay zero: the exact mean replaced what compression made of them
-            index, _, mean = exact
-            self._comp.zero_errors_at(index)
-            if applied and direct:
-                sink.index_copy_(0, index, mean)
-        if self._sharded():
-            self._check_shards_agree(applied)
         if applied and direct:
-            self._mask_range(sink, 0, n)
+            if exact is not None:
+                sink.index_copy_(0, exact[0], exact[2])
+            self._mask_range(sink, 0, L.total)
         return applied
 
     def _exact_limit(self) -> int:
@@ -421,7 +422,7 @@ class OneBitOptimizer(BaseOptimizer):
                                  "overflowed float32 in some shards only (finite momenta whose mean is not); the "
                                  "shards' states now disagree: resume from the last checkpoint with a smaller lr")
 
-    def _reduce_hierarchical(self, L: FlatLayout, source: Source, sink: Sink) -> bool:
+    def _reduce_hierarchical(self, L: FlatLayout, source: Source, sink: Sink, exact) -> bool:
         """`_reduce_momentum` on nodes of several ranks: the whole new momentum is staged in
         one fp32 buffer (the intra-node reduce-scatter needs it at once), reduced in place
         by `hierarchical_allreduce_` and delivered range by range, masked."""
@@ -434,6 +435,8 @@ class OneBitOptimizer(BaseOptimizer):
         hierarchical_allreduce_(buf, st)
         if st.last_skipped:  # on every rank alike; errors untouched (or reset, logged, when mixed)
             return False
+        if exact is not None:
+            buf.index_copy_(0, exact[0], exact[2])
         for lo in range(0, n, STAGE):
             self._deliver(sink, lo, min(n, lo + STAGE), buf[lo:min(n, lo + STAGE)])
         return True
@@ -516,11 +519,6 @@ class OneBitOptimizer(BaseOptimizer):
 
             if self.backend != "mpi" and dist.is_available() and dist.is_initialized():
                 topo = Topology.auto()
-            if topo is not None and not topo.flat and self._exact_limit() > 0:
-                _log.warning("%s: exact_numel=%s needs the flat reduction: the momentum is compressed across all %s "
-                             "ranks, not hierarchically over %s (pass exact_numel=0 for the hierarchical call)",
-                             type(self).__name__, self._exact_limit(), tr.world_size, topo)
-                topo = None
         if topo is not None and topo.flat:
             topo = None
         self._topology, self._topology_resolved = topo, True
@@ -562,7 +560,7 @@ class OneBitOptimizer(BaseOptimizer):
             p = self.transport.world_size
             agreement = int(ring_allreduce_bytes(4, p))  # the finiteness agreement, one fp32 scalar
             compressed = self._comp.bytes_per_call(checked=True)
-            part = self._exact_part(L) if isinstance(self._comp, CompressionState) else None
+            part = self._exact_part(L)
             exact = 0 if part is None else int(ring_allreduce_bytes(4 * part[0].numel(), p))
             sent = compressed + exact + agreement
             fp32 = ring_allreduce_bytes(4 * L.total, p)
@@ -571,8 +569,7 @@ class OneBitOptimizer(BaseOptimizer):
                       "gradients: %.1fx less", type(self).__name__, sent, compressed, exact, agreement, fp32,
                       fp32 / sent)
             if part is not None:
-                _log.info("%s: %s momentum elements (the parameters of at most exact_numel=%s elements) are averaged "
-                          "exactly", type(self).__name__, part[0].numel(), self._exact_limit())
+                report_exact_share(_log, type(self).__name__, "momentum", part[0].numel(), L.total, self._exact_limit())
         _log.info("%s: variance frozen after step %s; from now on one compressed allreduce of %s momentum elements "
                   "per step over %s ranks (block_size %s); %s coordinates held at zero (variance exactly zero: %s, "
                   "at most mask_threshold x mean: %s, user masks: %s params)", type(self).__name__,

@@ -58,21 +58,31 @@ class _HierCompressor:
     """Error-feedback state of N nodes x G ranks for the hierarchical call (lbcomm.topology):
     rank r = a G + l is local rank l of node a."""
 
-    def __init__(self, n: int, p: int, nodes: int, block_size: Optional[int]):
+    def __init__(self, n: int, p: int, nodes: int, block_size: Optional[int], exact: Optional[Tensor] = None):
         if p % nodes:
             raise ValueError(f"{nodes} nodes do not divide {p} ranks")
         self.N, self.G, self.block_size = nodes, p // nodes, block_size
-        L = R.chunk_size(n, self.G)
-        self.worker, self.server = [], []
+        self.L = L = R.chunk_size(n, self.G)
+        self.worker, self.server, self.chunk = [], [], []
         for l in range(self.G):
             real = max(0, min((l + 1) * L, n) - min(l * L, n))
             m = R.chunk_size(real, self.N) if real else 0
+            self.chunk.append(m)
             self.worker.append([torch.zeros(self.N, m) for _ in range(self.N)])
             self.server.append([torch.zeros(m) for _ in range(self.N)])
+        self.exact = exact.nonzero().view(-1) if exact is not None and bool(exact.any()) else None
 
     def __call__(self, xs: List[Tensor], exact_values: Optional[Tensor] = None) -> Tensor:
         per_node = [xs[a * self.G:(a + 1) * self.G] for a in range(self.N)]
         out, self.worker, self.server = R.hierarchical_allreduce(per_node, self.worker, self.server, self.block_size)
+        if self.exact is not None:  # slice l = e // L, chunk c of it served by node c
+            out[self.exact] = exact_values[self.exact]
+            for e in self.exact.tolist():
+                l, o = divmod(e, self.L)
+                c, oc = divmod(o, self.chunk[l])
+                for a in range(self.N):
+                    self.worker[l][a].view(-1)[o] = 0.0
+                self.server[l][c][oc] = 0.0
         return out
 
 
@@ -80,37 +90,47 @@ class _ShardCompressor:
     """FSDP2 sharding inside the node (lbcomm.fsdp.onebit_optimizer): every parameter is cut
     into `shards` pieces along dim 0 (torch.chunk, as FSDP2 does); the pieces of shard l of
     all parameters, in order, form one flat momentum compressed across the p ranks (the
-    nodes) with its own error feedback, independently of the other shards."""
+    nodes) with its own error feedback, independently of the other shards. exact_numel
+    counts whole parameters."""
 
-    def __init__(self, like: Sequence[Tensor], p: int, shards: int, block_size: Optional[int]):
+    def __init__(self, like: Sequence[Tensor], p: int, shards: int, block_size: Optional[int],
+                 exact_numel: int = 0):
         self.like, self.shards = list(like), shards
         self.pieces = [[t.chunk(shards)[l] if t.dim() else t for t in like] for l in range(shards)]
-        self.comps = [_Compressor(sum(t.numel() for t in pieces), p, block_size) for pieces in self.pieces]
+        self.comps = [_Compressor(sum(t.numel() for t in pieces), p, block_size,
+                                  _exact_mask(like, exact_numel, pieces)) for pieces in self.pieces]
 
     def __call__(self, xs: List[Tensor], exact_values: Optional[Tensor] = None) -> Tensor:
         per_rank = [_split(x, self.like) for x in xs]
+        ex = None if exact_values is None else _split(exact_values, self.like)
         out_shards = []
         for l, comp in enumerate(self.comps):
             flat = [_cat([t.chunk(self.shards)[l] for t in params]) for params in per_rank]
-            out_shards.append(_split(comp(flat), self.pieces[l]))
+            ex_l = None if ex is None else _cat([t.chunk(self.shards)[l] for t in ex])
+            out_shards.append(_split(comp(flat, ex_l), self.pieces[l]))
         return _cat([torch.cat([out_shards[l][i] for l in range(self.shards)]) for i in range(len(self.like))])
+
+
+def _exact_mask(like: Sequence[Tensor], exact_numel: int, pieces: Optional[Sequence[Tensor]] = None):
+    """True on the coordinates of the parameters of at most exact_numel elements (of their
+    `pieces`, when sharded); None for exact_numel 0."""
+    if not exact_numel:
+        return None
+    return _cat([torch.full((q.numel(),), 0 < t.numel() <= exact_numel)
+                 for t, q in zip(like, like if pieces is None else pieces)])
 
 
 def _compressor(like: Sequence[Tensor], p: int, nodes: Optional[int], block_size: Optional[int],
                 shards: Optional[int] = None, exact_numel: int = 0):
     """The flat call over p ranks, the hierarchical one on `nodes` nodes of p / nodes ranks,
     or one flat call per FSDP shard (`shards`); exact_numel: the parameters of at most that
-    many elements averaged exactly (flat call only)."""
+    many elements averaged exactly."""
     n = sum(t.numel() for t in like)
-    flat = nodes is None or nodes == 1 or nodes == p
-    if exact_numel and not (flat and (shards is None or shards == 1)):
-        raise ValueError("exact_numel is simulated for the flat call only")
     if shards is not None and shards > 1:
-        return _ShardCompressor(like, p, shards, block_size)
-    if flat:
-        exact = _cat([torch.full((t.numel(),), 0 < t.numel() <= exact_numel) for t in like]) if exact_numel else None
-        return _Compressor(n, p, block_size, exact)
-    return _HierCompressor(n, p, nodes, block_size)
+        return _ShardCompressor(like, p, shards, block_size, exact_numel)
+    if nodes is None or nodes == 1 or nodes == p:
+        return _Compressor(n, p, block_size, _exact_mask(like, exact_numel))
+    return _HierCompressor(n, p, nodes, block_size, _exact_mask(like, exact_numel))
 
 
 def _split(flat: Tensor, like: Sequence[Tensor]) -> List[Tensor]:
