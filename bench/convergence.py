@@ -262,7 +262,9 @@ def rank_main(rank, world, a, runs, data_path, init_file, out_path):
             "kind": kind, "block": block, "final": final, "curve": curve, "train": train, "seconds": seconds,
             "cpu_seconds": cpu.item(),
             "params": n, "state_bytes": resident, "checkpoint_bytes": saved,
-            "sent_per_step": comp.bytes_per_call() if comp is not None else 2 * (world - 1) * 4 * n // world,
+            # what the optimizer reports it sends (compressed call, exact_numel share, agreement)
+            "sent_per_step": (opt.bytes_per_step()["total"] if hasattr(opt, "bytes_per_step") and kind != "zeroone"
+                              else comp.bytes_per_call() if comp is not None else 2 * (world - 1) * 4 * n // world),
             "skipped": getattr(opt, "skipped_steps", 0), "diverged": diverged, "traffic": traffic,
             "steps_by_kind": opt.comm_stats() if kind == "zeroone" else None,
             "masked": getattr(opt, "masked_coordinates", 0),

@@ -35,7 +35,7 @@ def make(kind: str, params, backend: str):
     kw = dict(lr=1e-2, weight_decay=0.01, backend=backend)
     if kind == "Lamb":
         return lbcomm.Lamb(params, **kw)
-    return getattr(lbcomm, kind)(params, freeze_step=FREEZE, block_size=32, **kw)
+    return getattr(lbcomm, kind)(params, freeze_step=FREEZE, block_size=32, exact_numel=0, **kw)
 
 
 def step(net: nn.Module, opt, rank: int, t: int) -> None:

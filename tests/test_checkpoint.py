@@ -17,7 +17,8 @@ SAVE_AT, TOTAL, FREEZE = 8, 16, 4  # saved 4 steps into the compression stage
 
 def _make(name):
     model = _mlp(seed=5)
-    opt = OPTS[name](model.parameters(), lr=1e-2, weight_decay=0.01, freeze_step=FREEZE, block_size=64)
+    opt = OPTS[name](model.parameters(), lr=1e-2, weight_decay=0.01, freeze_step=FREEZE, block_size=64,
+                          exact_numel=0)  # every parameter compressed: errors to save
     return model, opt
 
 

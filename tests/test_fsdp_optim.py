@@ -31,6 +31,7 @@ STEPS, FREEZE, BLOCK = 8, 4, 64
 NAN_WARMUP, NAN_COMP, SAVE_AFTER = 2, 6, 6  # NaN injected before these steps; checkpoint after
 LR = 0.01
 EXACT = 300  # of 16x32 + 32 + 32x8 + 8: all but the first weight
+ALL = {"exact_numel": 0}  # every parameter compressed (the default, 4096, would average this model exactly)
 
 
 def _model():
@@ -187,11 +188,11 @@ def _all(rank, p, ckpt):
     from lbcomm import OneBitAdam, OneBitLamb
 
     out = {"refusals": _refusals()}
-    out["adam"] = _fsdp_run(rank, OneBitAdam, {}, ckpt=ckpt)
-    out["resumed"] = _fsdp_run(rank, OneBitAdam, {}, resume=ckpt)
-    out["lamb"] = _fsdp_run(rank, OneBitLamb, {"weight_decay": 0.01}, nan=False)
-    out["dp_adam"] = _dp_run(rank, p, OneBitAdam, {})
-    out["dp_lamb"] = _dp_run(rank, p, OneBitLamb, {"weight_decay": 0.01})
+    out["adam"] = _fsdp_run(rank, OneBitAdam, ALL, ckpt=ckpt)
+    out["resumed"] = _fsdp_run(rank, OneBitAdam, ALL, resume=ckpt)
+    out["lamb"] = _fsdp_run(rank, OneBitLamb, {"weight_decay": 0.01, **ALL}, nan=False)
+    out["dp_adam"] = _dp_run(rank, p, OneBitAdam, ALL)
+    out["dp_lamb"] = _dp_run(rank, p, OneBitLamb, {"weight_decay": 0.01, **ALL})
     out["adam_exact"] = _fsdp_run(rank, OneBitAdam, {"exact_numel": EXACT}, nan=False)
     out["lamb_exact"] = _fsdp_run(rank, OneBitLamb, {"weight_decay": 0.01, "exact_numel": EXACT}, nan=False)
     out["dp_adam_exact"] = _dp_run(rank, p, OneBitAdam, {"exact_numel": EXACT}, reload=False)
@@ -247,7 +248,7 @@ def test_fsdp_onebit_adam(results):
             torch.testing.assert_close(_full(res, "adam", t, i), q.detach(), rtol=1e-6, atol=1e-7)
     # the whole run == 1-bit Adam simulated with each shard compressed across the nodes
     hist = simulate_onebit_adam(p0, _node_grads(res, "adam"), lr=LR, weight_decay=1e-2, freeze_step=FREEZE,
-                                block_size=BLOCK, shards=G)
+                                block_size=BLOCK, shards=G, **ALL)
     for t in range(STEPS):
         for i in range(len(p0)):
             torch.testing.assert_close(_full(res, "adam", t, i), hist[t][i], rtol=1e-5, atol=1e-6)
@@ -280,7 +281,7 @@ def test_fsdp_onebit_lamb(results):
     # the whole run == 1-bit LAMB simulated with each shard compressed across the nodes and
     # the norms, bounds and momentum scales of whole parameters
     hist = simulate_onebit_lamb(p0, _node_grads(res, "lamb"), lr=LR, weight_decay=0.01, freeze_step=FREEZE,
-                                block_size=BLOCK, shards=G)
+                                block_size=BLOCK, shards=G, **ALL)
     for t in range(STEPS):
         for i in range(len(p0)):
             torch.testing.assert_close(_full(res, "lamb", t, i), hist[t][i], rtol=1e-5, atol=1e-6)
@@ -297,10 +298,10 @@ def test_topology_data_parallel_equals_hierarchical_simulation(results, kind):
     grads = [[r[run]["grads"][t] for r in res] for t in range(STEPS)]
     if kind == "adam":
         hist = simulate_onebit_adam(p0, grads, lr=LR, weight_decay=1e-2, freeze_step=FREEZE, block_size=BLOCK,
-                                    nodes=N)
+                                    nodes=N, **ALL)
     else:
         hist = simulate_onebit_lamb(p0, grads, lr=LR, weight_decay=0.01, freeze_step=FREEZE, block_size=BLOCK,
-                                    nodes=N)
+                                    nodes=N, **ALL)
     for r in res:
         assert r[run]["reload"] == ("CompressionState", 0.0, True)
         for t in range(STEPS):

@@ -170,14 +170,34 @@ def test_freeze_logs_what_the_compression_stage_sends():
         assert f"{fp32 / sent:.1f}x less" in line[0], line
 
 
-def _freeze_log_only(rank, p):
+def test_exact_numel_covering_most_of_the_model_is_a_warning():
+    """The default exact_numel (4096) averages this small model exactly: said at the freeze,
+    as a warning naming the fix, with the exact bytes in the sends line."""
+    for fp32, log in run_ranks(_freeze_log_defaults, 2, timeout=120):
+        warned = [m for lvl, m in log if lvl == "WARNING" and "exact_numel=4096" in m]
+        assert len(warned) == 1 and "that is most of this model" in warned[0] and "exact_numel=0" in warned[0], log
+        line = [m for lvl, m in log if "the compression stage sends" in m]
+        assert len(line) == 1 and f"exact parameters {fp32} " in line[0], line
+
+
+def _train_past_freeze(rank, **kw):
     records = _capture()
     model = _mlp(seed=2)
-    opt = lbcomm.OneBitAdam(model.parameters(), lr=1e-2, freeze_step=FREEZE, block_size=64)
+    opt = lbcomm.OneBitAdam(model.parameters(), lr=1e-2, freeze_step=FREEZE, block_size=64, **kw)
     for t in range(FREEZE + 3):
         opt.zero_grad()
         _loss(model, rank, t).backward()
         opt.step()
+    return opt, records
+
+
+def _freeze_log_defaults(rank, p):
+    opt, records = _train_past_freeze(rank)
+    return int(ring_allreduce_bytes(4 * opt.compression_state.numel, p)), list(records)
+
+
+def _freeze_log_only(rank, p):
+    opt, records = _train_past_freeze(rank, exact_numel=0)
     comp = opt.compression_state
     return (comp.bytes_per_call(checked=True) + int(ring_allreduce_bytes(4, p)),
             int(ring_allreduce_bytes(4 * comp.numel, p)), list(records))

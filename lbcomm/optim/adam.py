@@ -33,7 +33,7 @@ class OneBitAdam(OneBitOptimizer):
         block_size: Optional[int] = DEFAULT_BLOCK_SIZE,
         mask_threshold: float = 1e-10,
         max_update: Union[float, str, None] = 1.0,
-        exact_numel: int = 0,
+        exact_numel: int = 4096,
         nonfinite: str = "raise",
         bucket_cap_mb: float = 25.0,
         detect_averaged_grads: bool = True,

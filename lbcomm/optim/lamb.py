@@ -169,7 +169,7 @@ class OneBitLamb(OneBitOptimizer, Lamb):
         block_size: Optional[int] = DEFAULT_BLOCK_SIZE,
         mask_threshold: float = 1e-10,
         max_update: Union[float, str, None] = 1.0,
-        exact_numel: int = 0,
+        exact_numel: int = 4096,
         nonfinite: str = "raise",
         bucket_cap_mb: float = 25.0,
         detect_averaged_grads: bool = True,
@@ -399,7 +399,8 @@ OneBitLamb.__doc__ = r"""Implements 1-bit LAMB: LAMB in the warmup, then a froze
             "auto" (Adam's largest possible |u0|, (1-b1) / sqrt((1-b2)(1-b1^2/b2)), needs
             b1^2 < b2), or None (the published, unbounded update) (default: 1.0)
         exact_numel (int, optional): the parameters of at most this many elements averaged
-            exactly in the compression stage, as in :class:`OneBitAdam` (default: 0)
+            exactly in the compression stage, as in :class:`OneBitAdam`; 0 compresses every
+            parameter, as published (default: 4096)
         nonfinite (str, optional): "raise" or "skip" a step with NaN/Inf, state unchanged
             (default: "raise")
         bucket_cap_mb (float, optional): bucket size of the warmup gradient allreduce (default: 25)

@@ -96,6 +96,7 @@ class OneBitOptimizer(BaseOptimizer):
         self._hier_buf: Optional[Tensor] = None  # the hierarchical reduction's whole momentum
         self._probe_compression = True  # the compression stage's check for averaged gradients is undecided
         self._exact: Optional[tuple] = None  # (exact_numel, index, places): _exact_part
+        self._exact_weights: Optional[tuple] = None  # (1 - b1 per exact parameter, per coordinate): _exact_mean
         super().__init__(*args, **kwargs)
         # onebit_hook on the same parameters would compress them a second time
         claim_gradients([p for g in self.param_groups for p in g["params"]], self, type(self).__name__)
@@ -137,6 +138,20 @@ class OneBitOptimizer(BaseOptimizer):
         HierarchicalState (nodes of several ranks, see `topology`), or None before the
         freeze and with one rank."""
         return self._comp
+
+    def bytes_per_step(self) -> Optional[Dict[str, int]]:
+        """What this rank sends per compression-stage step: {"compressed", "exact" (the
+        exact_numel parameters' fp32 allreduce), "agreement" (the finiteness check),
+        "total"}; None before the freeze and with one rank."""
+        if self._comp is None or self._layout is None:
+            return None
+        p = self.transport.world_size
+        part = self._exact_part(self._layout)
+        out = {"compressed": int(self._comp.bytes_per_call(checked=True)),
+               "exact": 0 if part is None else int(ring_allreduce_bytes(4 * part[0].numel(), p)),
+               "agreement": int(ring_allreduce_bytes(4, p))}  # one fp32 scalar
+        out["total"] = sum(out.values())
+        return out
 
     @property
     def masked_coordinates(self) -> int:
@@ -383,19 +398,23 @@ class OneBitOptimizer(BaseOptimizer):
             return None
         index, places = part
         m, weights, scale = source.momentum
-        g = torch.zeros(index.numel(), dtype=torch.float32, device=index.device)
-        for i, o in places:
-            grad = L.grad(i)
-            if grad is not None:
-                g[o:o + L.numels[i]].copy_(grad.reshape(-1))
+        dev, n = index.device, index.numel()
+        grads = [L.grad(i) for i, _ in places]
+        g = torch.cat([torch.zeros(L.numels[i], dtype=torch.float32, device=dev) if grad is None else grad.reshape(-1)
+                       for (i, _), grad in zip(places, grads)]).to(torch.float32)
         self.transport.all_reduce(g, op="mean")
         if not bool(torch.isfinite(g).all()):
             return False
-        for i, o in places:  # in place: the mean gradient becomes the new momentum
-            part_g = g[o:o + L.numels[i]]
-            torch.lerp(L.view(m, i).reshape(-1), part_g, weights[i], out=part_g)
-            if scale is not None:
-                part_g.mul_(scale[i])
+        # in place, one op each for all exact parameters: the mean gradient becomes the new momentum
+        ids = [i for i, _ in places]
+        key = tuple((i, weights[i]) for i in ids)
+        if self._exact_weights is None or self._exact_weights[0] != key:
+            w = torch.tensor([weights[i] for i in ids], dtype=torch.float32).repeat_interleave(torch.tensor([L.numels[i] for i in ids]))
+            self._exact_weights = (key, w.to(dev))
+        torch.lerp(m.index_select(0, index), g, self._exact_weights[1], out=g)
+        if scale is not None:
+            counts = torch.tensor([L.numels[i] for i in ids], device=scale.device)
+            g.mul_(scale[torch.tensor(ids, device=scale.device)].repeat_interleave(counts, output_size=n))
         return index, places, g
 
     @staticmethod
@@ -558,16 +577,13 @@ class OneBitOptimizer(BaseOptimizer):
         exact, below = self._mask_counts
         if self._comp is not None:
             p = self.transport.world_size
-            agreement = int(ring_allreduce_bytes(4, p))  # the finiteness agreement, one fp32 scalar
-            compressed = self._comp.bytes_per_call(checked=True)
+            sent = self.bytes_per_step()
             part = self._exact_part(L)
-            exact = 0 if part is None else int(ring_allreduce_bytes(4 * part[0].numel(), p))
-            sent = compressed + exact + agreement
             fp32 = ring_allreduce_bytes(4 * L.total, p)
             _log.info("%s: the compression stage sends %s bytes per step and rank (compressed allreduce %s + "
                       "exact parameters %s + finiteness agreement %s) against %d for an fp32 ring allreduce of the "
-                      "gradients: %.1fx less", type(self).__name__, sent, compressed, exact, agreement, fp32,
-                      fp32 / sent)
+                      "gradients: %.1fx less", type(self).__name__, sent["total"], sent["compressed"], sent["exact"],
+                      sent["agreement"], fp32, fp32 / sent["total"])
             if part is not None:
                 report_exact_share(_log, type(self).__name__, "momentum", part[0].numel(), L.total, self._exact_limit())
         _log.info("%s: variance frozen after step %s; from now on one compressed allreduce of %s momentum elements "

@@ -174,7 +174,7 @@ def simulate_onebit_adam(params0: Sequence[Tensor], grads: Sequence[Sequence[Seq
                          betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0, freeze_step: int,
                          block_size: Optional[int], bias_correction: bool = True,
                          mask_threshold: float = 1e-10, max_update=1.0, nodes: Optional[int] = None,
-                         shards: Optional[int] = None, exact_numel: int = 0) -> List[List[Tensor]]:
+                         shards: Optional[int] = None, exact_numel: int = 4096) -> List[List[Tensor]]:
     """1-bit Adam. grads[t][r][i]: gradient of parameter i on rank r at step t + 1.
     Returns the parameters after every step. nodes: the compression stage's reduction is
     the hierarchical one on that many nodes (ranks node by node; None: flat). shards: the
@@ -243,7 +243,7 @@ def simulate_onebit_lamb(params0, grads, *, lr: float, betas=(0.9, 0.999), eps: 
                          max_coeff: float = 10.0, min_coeff: float = 0.01, coeff_beta: float = 0.9,
                          factor_max: float = 4.0, factor_min: float = 0.5, factor_threshold: float = 0.1,
                          bias_correction: bool = True, mask_threshold: float = 1e-10, max_update=1.0,
-                         nodes: Optional[int] = None, shards: Optional[int] = None, exact_numel: int = 0):
+                         nodes: Optional[int] = None, shards: Optional[int] = None, exact_numel: int = 4096):
     """1-bit LAMB. Returns the parameters after every step (nodes, shards, exact_numel: as
     simulate_onebit_adam; LAMB's norms are those of whole parameters). In the compression stage each
     coordinate of u0 = m^ / (sqrt(v^) + eps) is clamped to [-U, U] (max_update; None: unbounded)."""
