@@ -70,11 +70,12 @@ from torch.profiler import record_function
 
 from .comm import TorchTransport, get_transport
 from .comm.shm import ShmTransport
-from .common import FLOAT_DTYPES, NONFINITE_POLICIES
+from .common import FLOAT_DTYPES, NONFINITE_POLICIES, ring_allreduce_bytes
 from .compressed import DEFAULT_BLOCK_SIZE, CompressionState, NonFiniteError, compressed_allreduce_, reduce_
 from .wire import chunk_size
 
-__all__ = ["Topology", "HierarchicalState", "hierarchical_allreduce_", "slice_spans", "INTRA_NODE"]
+__all__ = ["Topology", "HierarchicalState", "hierarchical_allreduce_", "hierarchical_mean_", "exact_mean_bytes",
+           "slice_spans", "INTRA_NODE"]
 
 INTRA_NODE = ("auto", "shm", "group")
 
@@ -410,6 +411,47 @@ def _handshake(state: HierarchicalState) -> None:
                          f"or topologies ({desc}); every rank must reduce the same sizes in the same order, and the "
                          "local group must hold the ranks of one node")
     state._verified = True
+
+
+def hierarchical_mean_(tensor: Tensor, topology: "Topology") -> Tensor:
+    """In place: the exact fp32 MEAN of a 1-D float32 `tensor` over all ranks of a
+    multi-node `topology`, in the hierarchical call's shape without compression (for the
+    few coordinates averaged exactly beside it, exact_numel): slice l of the node's sum at
+    local rank l (summed in local-rank order), its sum across the nodes, divided by the
+    world size, all-gathered inside the node. Between nodes each rank sends its slice only:
+    1/G of a flat allreduce's inter-node bytes. Bitwise identical on every rank."""
+    t = topology
+    if t.flat:
+        raise ValueError("hierarchical_mean_: the topology is flat (one node or one rank per node); use an allreduce")
+    if tensor.dtype != torch.float32 or tensor.dim() != 1:
+        raise TypeError(f"hierarchical_mean_: needs a 1-D float32 tensor, got {tensor.dtype} of shape "
+                        f"{tuple(tensor.shape)}")
+    G, n = t.local_size, tensor.numel()
+    L = chunk_size(n, G)
+    rows = torch.zeros(G, L, dtype=torch.float32, device=tensor.device)
+    rows.view(-1)[:n].copy_(tensor)
+    got = torch.empty_like(rows)
+    t.local.all_to_all(got, rows)  # got[j]: local rank j's copy of this rank's slice
+    acc = got[0].clone()
+    for j in range(1, G):
+        acc.add_(got[j])
+    t.cross.all_reduce(acc, op="sum")
+    acc.div_(t.world_size)
+    t.local.all_gather(rows, acc)
+    return tensor.copy_(rows.view(-1)[:n])
+
+
+def exact_mean_bytes(numel: int, world_size: int, state=None) -> int:
+    """Bytes a rank sends to average `numel` fp32 elements exactly beside a compressed call
+    whose state is `state`: a ring allreduce over `world_size` ranks, or for a multi-node
+    HierarchicalState `hierarchical_mean_`'s bytes between nodes (the convention of its
+    bytes_per_call)."""
+    if not numel:
+        return 0
+    if isinstance(state, HierarchicalState) and not state.topology.flat:
+        t = state.topology
+        return int(ring_allreduce_bytes(4 * chunk_size(numel, t.local_size), t.nodes))
+    return int(ring_allreduce_bytes(4 * numel, world_size))
 
 
 def hierarchical_allreduce_(tensor: Tensor, state: HierarchicalState) -> Tensor:

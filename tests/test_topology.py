@@ -148,6 +148,43 @@ def test_degenerate_topology_is_the_flat_call(nodes, local):
     assert all(torch.equal(r, res[0]) for r in res)
 
 
+def _exact_means(rank, p):
+    """hierarchical_mean_ over shm and over the groups' sockets, odd sizes (fewer elements
+    than local ranks too), on inputs whose sums are exact in any order (a 2^-10 grid), and
+    its refusals."""
+    from lbcomm.topology import exact_mean_bytes, hierarchical_mean_
+
+    out = {}
+    for how, topo in (("shm", _mesh_topology(N, G)), ("group", _explicit_topology(rank, p))):
+        for n in (1, 7, 1001):
+            x = (torch.randn(n, generator=torch.Generator().manual_seed(10 * n + rank)) * 1024).round_() / 1024
+            out[(how, n)] = (x.clone(), hierarchical_mean_(x, topo).clone())
+    with pytest.raises(TypeError, match="float32"):
+        hierarchical_mean_(torch.zeros(4, dtype=torch.float16), topo)
+    flat = _mesh_topology(1, p)
+    with pytest.raises(ValueError, match="flat"):
+        hierarchical_mean_(torch.zeros(4), flat)
+    st = HierarchicalState(1001, topo)
+    out["bytes"] = (exact_mean_bytes(1001, p, st), exact_mean_bytes(1001, p), exact_mean_bytes(0, p, st))
+    return out
+
+
+def test_hierarchical_mean_is_exact_and_identical_on_every_rank():
+    from lbcomm.common import ring_allreduce_bytes
+    from lbcomm.wire import chunk_size
+
+    res = run_ranks(_exact_means, 4, timeout=300)
+    for key in res[0]:
+        if key == "bytes":
+            continue
+        want = torch.stack([r[key][0] for r in res]).sum(0) / 4
+        for r in res:
+            assert torch.equal(r[key][1], want), key
+    # between nodes: one slice per rank (1/G of the flat ring allreduce's elements)
+    assert res[0]["bytes"] == (int(ring_allreduce_bytes(4 * chunk_size(1001, G), N)),
+                               int(ring_allreduce_bytes(4 * 1001, 4)), 0)
+
+
 def _nonfinite(rank, p, policy):
     topo = _mesh_topology(N, G)
     n = 300

@@ -21,7 +21,7 @@ from torch import Tensor
 from ..comm import world_info
 from ..common import new_future
 from ..compressed import CompressionState, NonFiniteError, compressed_allreduce
-from ..topology import HierarchicalState, hierarchical_allreduce_
+from ..topology import HierarchicalState, hierarchical_allreduce_, hierarchical_mean_
 
 __all__ = ["Unit", "GradientStats", "Transform", "BucketPlanner", "BucketWorker", "factored_squares",
            "factored_weights"]
@@ -108,23 +108,33 @@ class Unit:
             return
         dst = t if out is None else out
         exact = t.index_select(0, index).float()  # before the compressed call writes over t
-        work = dist.all_reduce(exact, group=self.exact_group, async_op=True)
+        st = self.compression
+        if isinstance(st, HierarchicalState) and not st.topology.flat:
+            work = None  # the mean across nodes at 1/G of a flat allreduce's inter-node bytes
+            hierarchical_mean_(exact, st.topology)
+        else:
+            work = dist.all_reduce(exact, group=self.exact_group, async_op=True)
+
+        def mean() -> Tensor:
+            if work is not None:
+                work.wait()
+                exact.div_(dist.get_world_size(self.exact_group))
+            return exact
+
         if self.fully_exact():  # no compressed call to check the values: a consensus of its own
-            work.wait()
-            self.last_skipped = not bool(torch.isfinite(exact).all())
+            self.last_skipped = not bool(torch.isfinite(mean()).all())
             if self.last_skipped and self.compression.nonfinite == "raise":
                 raise NonFiniteError("onebit_hook: a parameter averaged exactly (exact_numel) holds NaN or Inf on "
                                      "at least one rank")
             if not self.last_skipped:
-                dst.copy_(exact.div_(dist.get_world_size(self.exact_group)))
+                dst.copy_(exact)
             return
         try:
             self._compressed(t, out)
         finally:
-            work.wait()  # also when the compressed call raised: no collective left in flight
+            mean()  # also when the compressed call raised: no collective left in flight
         if self.last_skipped:
             return
-        exact.div_(dist.get_world_size(self.exact_group))
         dst.index_copy_(0, index, exact.to(t.dtype))
         self.compression.zero_errors_at(index)  # flat or hierarchical: they never enter the error feedback
 

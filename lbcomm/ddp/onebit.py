@@ -17,7 +17,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from ..comm import world_info
 from ..common import FLOAT_DTYPES, NONFINITE_POLICIES, completed_future, report_exact_share, ring_allreduce_bytes
 from ..compressed import DEFAULT_BLOCK_SIZE, CompressionState, redistribute_errors
-from ..topology import HierarchicalState, Topology
+from ..topology import HierarchicalState, Topology, exact_mean_bytes
 from ..wire import check_block_size
 from .buckets import BucketPlanner, BucketWorker, GradientStats, Plan, Transform, Unit
 from .claims import HOOK, claim_gradients
@@ -495,7 +495,7 @@ def _reduce_bucket(state: OneBitHookState, plan: Plan, report_iter: Optional[int
             state.total_bytes_sent += st.bytes_per_call()
             if unit.transform is not None:
                 state.total_bytes_sent += unit.transform.extra_bytes(unit)
-        state.total_bytes_sent += int(ring_allreduce_bytes(unit.exact_numel() * 4, world))
+        state.total_bytes_sent += exact_mean_bytes(unit.exact_numel(), world, st)
         state.total_bytes_uncompressed += int(ring_allreduce_bytes(st.numel * buf.element_size(), world))
     if skipped:
         state.skipped_calls += 1

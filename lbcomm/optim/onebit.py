@@ -18,7 +18,8 @@ freeze, the momentum mask, the compressed momentum allreduce and its error state
 * exact_numel (OneBitAdam / OneBitLamb): the parameters of at most that many elements
   (whole parameters, also when sharded) take their new momentum from the gradients
   averaged exactly (one fp32 allreduce over the ranks the momentum is reduced over, before
-  the compressed call, as the hook's exact_numel); the compressed call still carries them,
+  the compressed call, as the hook's exact_numel; `hierarchical_mean_` on nodes of several
+  ranks, 1/G of the bytes between nodes); the compressed call still carries them,
   but its result there is replaced and their errors are zeroed after every call (flat,
   hierarchical or per shard alike), so they never enter the error feedback.
 
@@ -49,7 +50,7 @@ from torch import Tensor
 
 from ..common import report_exact_share, ring_allreduce_bytes
 from ..compressed import CompressionState, NonFiniteError, reduce_
-from ..topology import HierarchicalState, Topology, hierarchical_allreduce_
+from ..topology import HierarchicalState, Topology, exact_mean_bytes, hierarchical_allreduce_, hierarchical_mean_
 from ..ddp.claims import claim_gradients
 from ..wire import check_block_size
 from . import functional as F
@@ -142,13 +143,14 @@ class OneBitOptimizer(BaseOptimizer):
     def bytes_per_step(self) -> Optional[Dict[str, int]]:
         """What this rank sends per compression-stage step: {"compressed", "exact" (the
         exact_numel parameters' fp32 allreduce), "agreement" (the finiteness check),
-        "total"}; None before the freeze and with one rank."""
+        "total"}; with a hierarchical reduction the first two count the bytes between nodes
+        (HierarchicalState.bytes_per_call); None before the freeze and with one rank."""
         if self._comp is None or self._layout is None:
             return None
-        p = self.transport.world_size
+        p, st = self.transport.world_size, self._comp
         part = self._exact_part(self._layout)
-        out = {"compressed": int(self._comp.bytes_per_call(checked=True)),
-               "exact": 0 if part is None else int(ring_allreduce_bytes(4 * part[0].numel(), p)),
+        k = 0 if part is None else part[0].numel()
+        out = {"compressed": int(st.bytes_per_call(checked=True)), "exact": exact_mean_bytes(k, p, st),
                "agreement": int(ring_allreduce_bytes(4, p))}  # one fp32 scalar
         out["total"] = sum(out.values())
         return out
@@ -402,7 +404,11 @@ class OneBitOptimizer(BaseOptimizer):
         grads = [L.grad(i) for i, _ in places]
         g = torch.cat([torch.zeros(L.numels[i], dtype=torch.float32, device=dev) if grad is None else grad.reshape(-1)
                        for (i, _), grad in zip(places, grads)]).to(torch.float32)
-        self.transport.all_reduce(g, op="mean")
+        st = self._comp
+        if isinstance(st, HierarchicalState) and not st.topology.flat:
+            hierarchical_mean_(g, st.topology)  # 1/G of a flat allreduce's bytes between nodes
+        else:
+            self.transport.all_reduce(g, op="mean")
         if not bool(torch.isfinite(g).all()):
             return False
         # in place, one op each for all exact parameters: the mean gradient becomes the new momentum
