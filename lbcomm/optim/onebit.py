@@ -98,6 +98,7 @@ class OneBitOptimizer(BaseOptimizer):
         self._probe_compression = True  # the compression stage's check for averaged gradients is undecided
         self._exact: Optional[tuple] = None  # (exact_numel, index, places): _exact_part
         self._exact_weights: Optional[tuple] = None  # (1 - b1 per exact parameter, per coordinate): _exact_mean
+        self._exact_sum: Optional[Tensor] = None  # the exact gradients' sum from _grads_finite's allreduce
         super().__init__(*args, **kwargs)
         # onebit_hook on the same parameters would compress them a second time
         claim_gradients([p for g in self.param_groups for p in g["params"]], self, type(self).__name__)
@@ -266,7 +267,9 @@ class OneBitOptimizer(BaseOptimizer):
     def _grads_finite(self, L: FlatLayout) -> bool:
         """Whether every rank's local gradients are finite, agreed with ONE scalar allreduce
         of the per-parameter sums (a NaN or Inf anywhere makes the sum non-finite); only when
-        a sum overflows, a second allreduce counts the non-finite elements exactly."""
+        a sum overflows, a second allreduce counts the non-finite elements exactly. With a
+        flat reduction the exact_numel parameters' gradients ride in the same allreduce (one
+        collective less per step; `_exact_mean` takes their sum)."""
         grads = []
         for i in range(len(L.params)):
             g = L.grad(i)
@@ -277,17 +280,23 @@ class OneBitOptimizer(BaseOptimizer):
         dev = self._device(L)
         tr = self.transport
         probe = self._probe_compression and self._detecting()
-        total = torch.zeros(1 + (2 * tr.world_size if probe else 0), dtype=torch.float32, device=dev)
+        head = 1 + (2 * tr.world_size if probe else 0)
+        # the exact parameters' gradients ride along when they are averaged over this group
+        part = self._exact_part(L) if isinstance(self._comp, CompressionState) else None
+        total = torch.zeros(head + (0 if part is None else part[0].numel()), dtype=torch.float32, device=dev)
         if grads:
             total[:1] += torch.stack([g.sum(dtype=torch.float32) for g in grads]).sum()
         if probe:  # the first compression step: every rank's checksum rides along
-            total[1:] = replica_slots(grads, tr.rank, tr.world_size, dev)
+            total[1:head] = replica_slots(grads, tr.rank, tr.world_size, dev)
+        if part is not None:
+            self._exact_grads(L, part[1], out=total[head:])
         tr.all_reduce(total, op="sum")
+        self._exact_sum = None if part is None else total[head:]
         if self._sharded():  # the shards' sums too: a NaN in one shard skips the step on every rank
             self.shard_transport.all_reduce(total[:1], op="sum")
         if bool(torch.isfinite(total[:1]).all()):
             if probe:
-                self._probe_compression = not self._check_replicas(total[1:], "compression")
+                self._probe_compression = not self._check_replicas(total[1:head], "compression")
             return True
         bad = torch.zeros(1, dtype=torch.float64, device=dev)
         for g in grads:
@@ -396,18 +405,19 @@ class OneBitOptimizer(BaseOptimizer):
         values scaled like the source's; None without exact parameters; False (on every
         rank alike) when the mean gradient is not finite."""
         part = self._exact_part(L)
+        fused, self._exact_sum = self._exact_sum, None
         if part is None:
             return None
         index, places = part
         m, weights, scale = source.momentum
         dev, n = index.device, index.numel()
-        grads = [L.grad(i) for i, _ in places]
-        g = torch.cat([torch.zeros(L.numels[i], dtype=torch.float32, device=dev) if grad is None else grad.reshape(-1)
-                       for (i, _), grad in zip(places, grads)]).to(torch.float32)
         st = self._comp
-        if isinstance(st, HierarchicalState) and not st.topology.flat:
-            hierarchical_mean_(g, st.topology)  # 1/G of a flat allreduce's bytes between nodes
+        if fused is not None:  # summed by _grads_finite's allreduce
+            g = fused.div_(self.transport.world_size)
+        elif isinstance(st, HierarchicalState) and not st.topology.flat:
+            g = hierarchical_mean_(self._exact_grads(L, places), st.topology)  # 1/G of the bytes between nodes
         else:
+            g = self._exact_grads(L, places)
             self.transport.all_reduce(g, op="mean")
         if not bool(torch.isfinite(g).all()):
             return False
@@ -422,6 +432,15 @@ class OneBitOptimizer(BaseOptimizer):
             counts = torch.tensor([L.numels[i] for i in ids], device=scale.device)
             g.mul_(scale[torch.tensor(ids, device=scale.device)].repeat_interleave(counts, output_size=n))
         return index, places, g
+
+    def _exact_grads(self, L: FlatLayout, places, out: Optional[Tensor] = None) -> Tensor:
+        """The local gradients of the exact parameters, concatenated in fp32 (into `out`)."""
+        dev = self._device(L)
+        parts = [torch.zeros(L.numels[i], dtype=torch.float32, device=dev) if L.grad(i) is None
+                 else L.grad(i).reshape(-1) for i, _ in places]
+        if out is None:
+            return torch.cat(parts).to(torch.float32)
+        return torch.cat(parts, out=out) if all(t.dtype == torch.float32 for t in parts) else out.copy_(torch.cat(parts))
 
     @staticmethod
     def _put_exact(L: FlatLayout, values: Tensor, lo: int, hi: int, exact) -> Tensor:
