@@ -141,15 +141,16 @@ def make_optimizer(kind, params, a, block):
     common = dict(betas=(0.9, a.beta2), eps=1e-8, weight_decay=a.weight_decay)
     if kind == "adamw":
         return torch.optim.AdamW(params, lr=a.adam_lr, **common)
+    extra = json.loads(a.onebit_options) if a.onebit_options else {}
     if kind == "onebit_adam":
-        return lbcomm.OneBitAdam(params, lr=a.adam_lr, freeze_step=a.freeze, block_size=block, **common)
+        return lbcomm.OneBitAdam(params, lr=a.adam_lr, freeze_step=a.freeze, block_size=block, **common, **extra)
     if kind == "zeroone":
         return lbcomm.ZeroOneAdam(params, lr=a.adam_lr, var_freeze_step=a.freeze, block_size=block,
                                   var_update_scaler=a.var_update_scaler, local_step_scaler=a.local_step_scaler,
                                   local_step_clipper=a.local_step_clipper, **common)
     if kind == "lamb":
         return lbcomm.Lamb(params, lr=a.lamb_lr, **common)
-    return lbcomm.OneBitLamb(params, lr=a.lamb_lr, freeze_step=a.freeze, block_size=block, **common)
+    return lbcomm.OneBitLamb(params, lr=a.lamb_lr, freeze_step=a.freeze, block_size=block, **common, **extra)
 
 
 def lr_factor(step: int, total: int, warmup: int) -> float:
@@ -425,6 +426,8 @@ def parse_args(argv=None):
     p.add_argument("--plot", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "convergence.png"),
                    help="PNG to write ('' for none)")
     p.add_argument("--json", default="", help="also write the raw results here")
+    p.add_argument("--onebit-options", default="", help="JSON dict of extra OneBitAdam/OneBitLamb options, e.g. "
+                   "'{\"max_update\": \"auto\"}'")
     a = p.parse_args(argv)
     if a.quick:
         a.steps, a.batch, a.eval_every, a.eval_seqs, a.final_eval_seqs, a.train_mb = 20, 32, 10, 32, 64, 1.0
