@@ -32,6 +32,6 @@ for epoch in range(start_epoch, 3):  # 6 batches per rank and epoch
     if epoch + 1 == 2 and start_epoch == 0:
         accelerator.save_state(f"{out}/epoch-2")
 inner = accelerator.unwrap_model(model)
-print(f"rank {accelerator.process_index}: loss {loss.item():.6f}, compressed allreduce sends "
-      f"{opt.optimizer.compression_state.bytes_per_call()} bytes per step")
+print(f"rank {accelerator.process_index}: loss {loss.item():.6f}, compression stage sends "
+      f"{opt.optimizer.bytes_per_step()['total']} bytes per step")
 lbcomm.save_sharded(f"{out}/final-{start_epoch}", opt, inner)

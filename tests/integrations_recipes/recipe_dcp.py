@@ -32,8 +32,8 @@ for step in range(start, 9):
     if step + 1 == 6 and start == 0:
         dcp.save({"model": model.module.state_dict(), "optim": RankLocal(opt), "step": 6},
                  checkpoint_id=f"{out}/step-6")
-print(f"rank {rank}: loss {loss.item():.6f}, compressed allreduce sends {opt.compression_state.bytes_per_call()} "
-      "bytes per step")
+print(f"rank {rank}: loss {loss.item():.6f}, compression stage sends {opt.bytes_per_step()['total']} bytes per "
+      "step")
 lbcomm.save_sharded(f"{out}/final-{start}", opt, model.module)
 del model  # DDP's reducer goes before its process group (torch 2.13 + gloo may abort at exit otherwise)
 dist.destroy_process_group()

@@ -33,5 +33,5 @@ trainer = pl.Trainer(accelerator="cpu", strategy="ddp", devices=2, max_steps=9, 
                      logger=False, enable_progress_bar=False)
 trainer.fit(module, ckpt_path=f"{sys.argv[1]}/step=6.ckpt" if "--resume" in sys.argv else None)
 opt = trainer.optimizers[0]
-print(f"rank {trainer.global_rank}: compressed allreduce sends {opt.compression_state.bytes_per_call()} bytes per "
-      f"step, {sum(p.numel() for p in module.parameters()) * 4} bytes of fp32 gradients")
+print(f"rank {trainer.global_rank}: compression stage sends {opt.bytes_per_step()['total']} bytes per step, "
+      f"{sum(p.numel() for p in module.parameters()) * 4} bytes of fp32 gradients")

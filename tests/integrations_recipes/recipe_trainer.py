@@ -8,7 +8,7 @@ import lbcomm
 from lbcomm.integrations.transformers import LbcommCallback
 
 torch.manual_seed(0)
-model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=16, n_embd=32, n_layer=2, n_head=2))
+model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=16, n_embd=64, n_layer=2, n_head=2))
 tokens = torch.randint(0, 128, (64, 16), generator=torch.Generator().manual_seed(1))
 data = [{"input_ids": t, "labels": t} for t in tokens]
 opt = lbcomm.OneBitAdam(model.parameters(), lr=3e-3, freeze_step=4)
@@ -18,5 +18,5 @@ args = TrainingArguments(output_dir=sys.argv[1], max_steps=9, per_device_train_b
 trainer = Trainer(model=model, args=args, train_dataset=data, optimizers=(opt, None),
                   callbacks=[LbcommCallback()])  # attaches lbcomm to DDP; one shard per rank in checkpoint-N/
 trainer.train(resume_from_checkpoint=f"{sys.argv[1]}/checkpoint-6" if "--resume" in sys.argv else None)
-print(f"rank {trainer.args.process_index}: compressed allreduce sends {opt.compression_state.bytes_per_call()} "
-      f"bytes per step, {sum(p.numel() for p in model.parameters()) * 4} bytes of fp32 gradients")
+print(f"rank {trainer.args.process_index}: compression stage sends {opt.bytes_per_step()['total']} bytes per step, "
+      f"{sum(p.numel() for p in model.parameters()) * 4} bytes of fp32 gradients")
