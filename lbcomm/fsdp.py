@@ -37,14 +37,16 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from .common import NONFINITE_POLICIES
-from .compressed import DEFAULT_BLOCK_SIZE, CompressionState, compressed_allreduce_
+from .common import NONFINITE_POLICIES, report_exact_share
+from .compressed import DEFAULT_BLOCK_SIZE, CompressionState
+from .ddp.buckets import Unit
 from .ddp.claims import HOOK, claim_gradients, held_by
+from .topology import exact_mean_bytes
 from .wire import check_block_size
 
 __all__ = ["OneBitHSDPState", "onebit_hsdp", "onebit_optimizer"]
@@ -64,20 +66,31 @@ class OneBitHSDPState:
         nonfinite (str, optional): "skip" (the shard becomes NaN on every rank, as a plain
             allreduce would, so that a GradScaler skips the step; error feedback untouched)
             or "raise" (default: "skip").
+        exact_numel (int, optional): the shards of parameters of at most this many elements
+            (whole parameters: biases, norms) are averaged exactly across the nodes (fp32
+            allreduce beside the compressed call, their errors held at zero), as
+            `onebit_hook`'s exact_numel; 0 compresses every shard (default: 4096).
     """
 
-    __slots__ = ("replicate_group", "start_iter", "block_size", "nonfinite", "states", "calls", "bytes_sent",
-                 "skipped_calls", "__weakref__")
+    __slots__ = ("replicate_group", "start_iter", "block_size", "nonfinite", "exact_numel", "states", "calls",
+                 "bytes_sent", "skipped_calls", "layouts", "units", "__weakref__")
 
     def __init__(self, replicate_group, start_iter: int = 0, block_size: Optional[int] = DEFAULT_BLOCK_SIZE, *,
-                 nonfinite: str = "skip"):
+                 nonfinite: str = "skip", exact_numel: int = 4096):
         if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
             raise ValueError(f"Invalid start_iter: {start_iter!r} (must be an int >= 0)")
         check_block_size(block_size)
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"Invalid nonfinite policy: {nonfinite!r} (use one of {NONFINITE_POLICIES})")
+        if isinstance(exact_numel, bool) or not isinstance(exact_numel, int) or exact_numel < 0:
+            raise ValueError(f"Invalid exact_numel: {exact_numel!r} (an int >= 0: parameters of at most this many "
+                             "elements are averaged exactly; 0 compresses all)")
         self.replicate_group, self.start_iter, self.block_size = replicate_group, start_iter, block_size
-        self.nonfinite = nonfinite
+        self.nonfinite, self.exact_numel = nonfinite, exact_numel
+        # per parameter group: (padded shard numel, whole parameter numel) of its parameters in
+        # the reduce-scatter output's order (set by onebit_hsdp), and the Unit reducing it
+        self.layouts: Dict[str, Tuple[List[int], List[int]]] = {}
+        self.units: Dict[str, Unit] = {}
         self.states: Dict[str, CompressionState] = {}
         self.calls: Dict[str, int] = {}
         self.bytes_sent = 0
@@ -86,13 +99,19 @@ class OneBitHSDPState:
     def state_dict(self) -> Dict[str, Any]:
         """This rank's error feedback per parameter group (one shard per rank)."""
         return {"calls": dict(self.calls), "states": {k: st.state_dict() for k, st in self.states.items()},
-                "bytes_sent": self.bytes_sent, "skipped_calls": self.skipped_calls}
+                "bytes_sent": self.bytes_sent, "skipped_calls": self.skipped_calls, "exact_numel": self.exact_numel}
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
         """Restore a `state_dict` of this rank (before the next backward pass); error
         feedback saved for another replicate-group size is reset with a logged warning."""
         self.calls = dict(sd["calls"])
         self.bytes_sent, self.skipped_calls = int(sd.get("bytes_sent", 0)), int(sd.get("skipped_calls", 0))
+        saved_exact = int(sd.get("exact_numel", 0))  # saved before the option: every shard compressed
+        if saved_exact != self.exact_numel:
+            _log.warning("onebit_hsdp: the state was saved with exact_numel=%s and this OneBitHSDPState has %s; it "
+                         "continues with %s as it was trained", saved_exact, self.exact_numel, saved_exact)
+            self.exact_numel = saved_exact
+        self.units = {}
         for key, saved in sd["states"].items():
             st = self.states.get(key)
             if st is None:
@@ -118,9 +137,12 @@ def _hook(state: OneBitHSDPState, key: str, reduce_output: Tensor) -> None:
         st = state.states[key] = CompressionState(reduce_output.numel(), group=state.replicate_group,
                                                   device=reduce_output.device, block_size=state.block_size,
                                                   nonfinite=state.nonfinite, backend="torch")
-    compressed_allreduce_(reduce_output, st)
-    state.bytes_sent += st.bytes_per_call()
-    if st.last_skipped:
+    unit = _unit(state, key, st, reduce_output)
+    unit.reduce(reduce_output, None)  # the exact shards' mean beside the compressed call
+    if not unit.fully_exact():
+        state.bytes_sent += st.bytes_per_call()
+    state.bytes_sent += exact_mean_bytes(unit.exact_numel(), st.world_size)
+    if unit.last_skipped:
         state.skipped_calls += 1
         reduce_output.fill_(float("nan"))
         _log.warning("onebit_hsdp: a gradient shard of %s held NaN or Inf on some rank; it is NaN on every rank and "
@@ -136,7 +158,8 @@ def onebit_hsdp(model: torch.nn.Module, mesh, *, replicate_dim: str = "node", sh
         model (nn.Module): the model, its FSDP modules sharded over `shard_dim` only.
         mesh (DeviceMesh): 2-D, dimensions (replicate_dim, shard_dim).
         state (OneBitHSDPState, optional): an existing state; else one is made with
-            ``kwargs`` (start_iter, block_size, nonfinite) on ``mesh.get_group(replicate_dim)``.
+            ``kwargs`` (start_iter, block_size, nonfinite, exact_numel) on
+            ``mesh.get_group(replicate_dim)``.
 
     Example::
 
@@ -169,6 +192,9 @@ def onebit_hsdp(model: torch.nn.Module, mesh, *, replicate_dim: str = "node", sh
                                  "native HSDP all-reduces across nodes in full precision itself); shard it with "
                                  f"fully_shard(module, mesh=mesh[{shard_dim!r}]) and let onebit_hsdp reduce across "
                                  "nodes")
+        layout = _group_layout(module, name or "<root>", state.exact_numel)
+        if layout is not None:
+            state.layouts[name or "<root>"] = layout
         module.set_all_reduce_hook(functools.partial(_hook, state, name or "<root>"))
         found.append(name or "<root>")
     if not found:
@@ -176,7 +202,42 @@ def onebit_hsdp(model: torch.nn.Module, mesh, *, replicate_dim: str = "node", sh
                          "first")
     _log.info("onebit_hsdp: 1-bit all-reduce hook on %s FSDP module(s) across %s ranks per shard", len(found),
               mesh.size(list(names).index(replicate_dim)))
+    sizes = [(c, w) for chunks, whole in state.layouts.values() for c, w in zip(chunks, whole)]
+    report_exact_share(_log, "onebit_hsdp", "gradient shard", sum(c for c, w in sizes if 0 < w <= state.exact_numel),
+                       sum(c for c, _ in sizes), state.exact_numel)
     return state
+
+
+def _unit(state: OneBitHSDPState, key: str, st: CompressionState, out: Tensor) -> Unit:
+    """The Unit reducing parameter group `key` (its exact shards from the group's layout)."""
+    unit = state.units.get(key)
+    if unit is not None and unit.compression is st:
+        return unit
+    chunks, whole = state.layouts.get(key, ([out.numel()], [out.numel()]))
+    if sum(chunks) != out.numel():
+        raise RuntimeError(f"onebit_hsdp: parameter group {key} reduced {out.numel()} gradient elements, its FSDP "
+                           f"parameters' padded shards hold {sum(chunks)}; this torch's FSDP2 lays them out "
+                           "differently than lbcomm expects: pass exact_numel=0")
+    unit = state.units[key] = Unit(key, [(c,) for c in chunks], st)
+    unit.set_exact(state.exact_numel, state.replicate_group, out.device, whole)
+    return unit
+
+
+def _group_layout(module, name: str, exact_numel: int) -> Optional[Tuple[List[int], List[int]]]:
+    """(padded shard numel, whole numel) of the parameters of `module`'s FSDP parameter group,
+    in the order FSDP2 concatenates their gradient shards; None without a group. Read from
+    FSDP2's parameter group (not public API): refused clearly when it is not there."""
+    try:
+        group = module._get_fsdp_state()._fsdp_param_group
+        if group is None:
+            return None
+        return ([fp.padded_sharded_param_size.numel() for fp in group.fsdp_params],
+                [fp._orig_size.numel() for fp in group.fsdp_params])
+    except AttributeError as exc:
+        if not exact_numel:
+            return None
+        raise ValueError(f"onebit_hsdp: cannot read the parameter layout of FSDP module {name} from this torch "
+                         f"({exc}); exact_numel needs it: pass exact_numel=0") from None
 
 
 def _check_mesh(mesh, replicate_dim: str, shard_dim: str, who: str) -> None:

