@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -44,7 +45,7 @@ from torch import Tensor
 
 from .common import NONFINITE_POLICIES, report_exact_share
 from .compressed import DEFAULT_BLOCK_SIZE, CompressionState
-from .ddp.buckets import Unit
+from .ddp.buckets import GradientStats, Unit
 from .ddp.claims import HOOK, claim_gradients, held_by
 from .topology import exact_mean_bytes
 from .wire import check_block_size
@@ -70,13 +71,24 @@ class OneBitHSDPState:
             (whole parameters: biases, norms) are averaged exactly across the nodes (fp32
             allreduce beside the compressed call, their errors held at zero), as
             `onebit_hook`'s exact_numel; 0 compresses every shard (default: 4096).
+        normalize (str or None, optional): "warmup": each group compresses g / w and
+            decodes times w, w the per-coordinate RMS of its averaged gradient shard over
+            the full-precision start, floored at ``normalize_floor`` x the group's RMS
+            (rounded to bfloat16), so that a coordinate's compression noise follows its own
+            magnitude, as `onebit_hook`'s normalize="warmup"; it needs a start
+            (start_iter > 0: without one the shards are compressed unweighted, said at INFO).
+            None: unweighted, as published (default: "warmup").
+        normalize_floor (float, optional): the weights' floor relative to the group's RMS
+            (default: 0.1).
     """
 
-    __slots__ = ("replicate_group", "start_iter", "block_size", "nonfinite", "exact_numel", "states", "calls",
-                 "bytes_sent", "skipped_calls", "layouts", "units", "__weakref__")
+    __slots__ = ("replicate_group", "start_iter", "block_size", "nonfinite", "exact_numel", "normalize",
+                 "normalize_floor", "states", "calls", "bytes_sent", "skipped_calls", "layouts", "units", "stats",
+                 "saved_weights", "__weakref__")
 
     def __init__(self, replicate_group, start_iter: int = 0, block_size: Optional[int] = DEFAULT_BLOCK_SIZE, *,
-                 nonfinite: str = "skip", exact_numel: int = 4096):
+                 nonfinite: str = "skip", exact_numel: int = 4096, normalize: Optional[str] = "warmup",
+                 normalize_floor: float = 0.1):
         if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
             raise ValueError(f"Invalid start_iter: {start_iter!r} (must be an int >= 0)")
         check_block_size(block_size)
@@ -85,8 +97,20 @@ class OneBitHSDPState:
         if isinstance(exact_numel, bool) or not isinstance(exact_numel, int) or exact_numel < 0:
             raise ValueError(f"Invalid exact_numel: {exact_numel!r} (an int >= 0: parameters of at most this many "
                              "elements are averaged exactly; 0 compresses all)")
+        if normalize not in (None, "warmup"):
+            raise ValueError(f"Invalid normalize: {normalize!r} (use 'warmup', or None for the published algorithm)")
+        if isinstance(normalize_floor, bool) or not isinstance(normalize_floor, (int, float)) or \
+                not 0 < normalize_floor < math.inf:
+            raise ValueError(f"Invalid normalize_floor: {normalize_floor!r} (must be a number > 0)")
+        if normalize == "warmup" and start_iter == 0:
+            _log.info("onebit_hsdp: normalize='warmup' estimates its weights over the full-precision start, and "
+                      "start_iter=0 has none: the gradient shards are compressed unweighted, as published (pass "
+                      "start_iter > 0, e.g. a few hundred steps, for the weights)")
         self.replicate_group, self.start_iter, self.block_size = replicate_group, start_iter, block_size
         self.nonfinite, self.exact_numel = nonfinite, exact_numel
+        self.normalize, self.normalize_floor = normalize, float(normalize_floor)
+        self.stats = GradientStats()  # the start's sums of squares per group (its index in `layouts`)
+        self.saved_weights: Dict[str, Tensor] = {}  # from a checkpoint, for the units made after it
         # per parameter group: (padded shard numel, whole parameter numel) of its parameters in
         # the reduce-scatter output's order (set by onebit_hsdp), and the Unit reducing it
         self.layouts: Dict[str, Tuple[List[int], List[int]]] = {}
@@ -98,8 +122,11 @@ class OneBitHSDPState:
 
     def state_dict(self) -> Dict[str, Any]:
         """This rank's error feedback per parameter group (one shard per rank)."""
+        weights = dict(self.saved_weights)
+        weights.update({k: u.weights for k, u in self.units.items() if u.weights is not None})
         return {"calls": dict(self.calls), "states": {k: st.state_dict() for k, st in self.states.items()},
-                "bytes_sent": self.bytes_sent, "skipped_calls": self.skipped_calls, "exact_numel": self.exact_numel}
+                "bytes_sent": self.bytes_sent, "skipped_calls": self.skipped_calls, "exact_numel": self.exact_numel,
+                "normalize": self.normalize, "stats": self.stats.state_dict(), "weights": weights}
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
         """Restore a `state_dict` of this rank (before the next backward pass); error
@@ -111,6 +138,13 @@ class OneBitHSDPState:
             _log.warning("onebit_hsdp: the state was saved with exact_numel=%s and this OneBitHSDPState has %s; it "
                          "continues with %s as it was trained", saved_exact, self.exact_numel, saved_exact)
             self.exact_numel = saved_exact
+        saved_norm = sd.get("normalize")  # saved before the option: None, unweighted
+        if saved_norm != self.normalize:
+            _log.warning("onebit_hsdp: the state was saved with normalize=%r and this OneBitHSDPState has %r; it "
+                         "continues with %r as it was trained", saved_norm, self.normalize, saved_norm)
+            self.normalize = saved_norm
+        self.stats.load_state_dict(sd.get("stats", []))
+        self.saved_weights = {k: w.clone() for k, w in sd.get("weights", {}).items()}
         self.units = {}
         for key, saved in sd["states"].items():
             st = self.states.get(key)
@@ -131,6 +165,8 @@ def _hook(state: OneBitHSDPState, key: str, reduce_output: Tensor) -> None:
     if calls < state.start_iter:
         dist.all_reduce(reduce_output, group=state.replicate_group)
         reduce_output.div_(dist.get_world_size(state.replicate_group))
+        if state.normalize == "warmup" and key in state.layouts:
+            state.stats.add((list(state.layouts).index(key),), [reduce_output.numel()], reduce_output)
         return
     st = state.states.get(key)
     if st is None or st.numel != reduce_output.numel():
@@ -158,7 +194,8 @@ def onebit_hsdp(model: torch.nn.Module, mesh, *, replicate_dim: str = "node", sh
         model (nn.Module): the model, its FSDP modules sharded over `shard_dim` only.
         mesh (DeviceMesh): 2-D, dimensions (replicate_dim, shard_dim).
         state (OneBitHSDPState, optional): an existing state; else one is made with
-            ``kwargs`` (start_iter, block_size, nonfinite, exact_numel) on
+            ``kwargs`` (start_iter, block_size, nonfinite, exact_numel, normalize,
+            normalize_floor) on
             ``mesh.get_group(replicate_dim)``.
 
     Example::
@@ -218,7 +255,14 @@ def _unit(state: OneBitHSDPState, key: str, st: CompressionState, out: Tensor) -
         raise RuntimeError(f"onebit_hsdp: parameter group {key} reduced {out.numel()} gradient elements, its FSDP "
                            f"parameters' padded shards hold {sum(chunks)}; this torch's FSDP2 lays them out "
                            "differently than lbcomm expects: pass exact_numel=0")
-    unit = state.units[key] = Unit(key, [(c,) for c in chunks], st)
+    weights = state.saved_weights.pop(key, None)
+    if weights is None and state.normalize == "warmup" and key in state.layouts:
+        weights = state.stats.weights((list(state.layouts).index(key),), state.normalize_floor)
+    if weights is not None and weights.numel() != out.numel():
+        raise RuntimeError(f"onebit_hsdp: the weights of parameter group {key} hold {weights.numel()} elements, its "
+                           f"gradient shard {out.numel()}")
+    unit = state.units[key] = Unit(key, [(c,) for c in chunks], st,
+                                   None if weights is None else weights.to(out.device))
     unit.set_exact(state.exact_numel, state.replicate_group, out.device, whole)
     return unit
 

@@ -3,7 +3,8 @@ shards inside the node; the all-reduce hook compresses each parameter group's gr
 shard across the nodes. Checked: every hook call equals the plain-torch reference of the
 compressed allreduce step by step (error feedback included), the hook's input is the
 node's mean gradient shard of a pure-torch replica, replicas stay identical, loss falls;
-with exact_numel (the biases' shards averaged exactly, their errors zero) likewise."""
+with exact_numel (the biases' shards averaged exactly, their errors zero) likewise, and with
+a full-precision start and normalize="warmup" (weights from the start's mean squares)."""
 import pytest
 import torch
 
@@ -27,9 +28,12 @@ def _batch(rank, step):
 
 
 EXACT = 100  # the biases (48 and 8 elements) exact, the weights (768 and 384) compressed
+START = 5
+# scenario -> (exact_numel, start_iter, normalize)
+RUNS = {"published": (0, 0, None), "exact": (EXACT, 0, "warmup"), "start": (EXACT, START, "warmup")}
 
 
-def _train(rank, p, exact_numel=0):
+def _train(rank, p, exact_numel=0, start_iter=0, normalize=None):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -40,15 +44,17 @@ def _train(rank, p, exact_numel=0):
     fully_shard(model[0], mesh=mesh["local"])
     fully_shard(model[2], mesh=mesh["local"])
     fully_shard(model, mesh=mesh["local"])
-    state = fsdp.onebit_hsdp(model, mesh, block_size=BLOCK, exact_numel=exact_numel)
+    state = fsdp.onebit_hsdp(model, mesh, block_size=BLOCK, exact_numel=exact_numel, start_iter=start_iter,
+                             normalize=normalize)
     records = {}
 
     def recording(key):
         def hook(out):
             before = out.clone()
             fsdp._hook(state, key, out)  # what onebit_hsdp registered, with the inputs recorded
-            st = state.states[key]
-            records.setdefault(key, []).append((before, out.clone(), st.worker_error.clone(), st.server_error.clone()))
+            st = state.states.get(key)  # none during the full-precision start
+            errors = (None, None) if st is None else (st.worker_error.clone(), st.server_error.clone())
+            records.setdefault(key, []).append((before, out.clone(), *errors))
         return hook
 
     for name in ("0", "2"):
@@ -78,13 +84,13 @@ def _train(rank, p, exact_numel=0):
             "calls": dict(state.calls)}
 
 
-def _both(rank, p):
-    return {0: _train(rank, p), EXACT: _train(rank, p, EXACT)}
+def _all(rank, p):
+    return {name: _train(rank, p, *cfg) for name, cfg in RUNS.items()}
 
 
 @pytest.fixture(scope="module")
 def trained():
-    return run_ranks(_both, N * G, timeout=600)
+    return run_ranks(_all, N * G, timeout=600)
 
 
 def _exact_index(key):
@@ -95,10 +101,11 @@ def _exact_index(key):
     return torch.arange(rows * lin.in_features, rows * lin.in_features + rows)
 
 
-@pytest.mark.parametrize("exact", [0, EXACT])
-def test_onebit_hsdp_equals_reference_and_keeps_replicas_identical(trained, exact):
+@pytest.mark.parametrize("run", list(RUNS))
+def test_onebit_hsdp_equals_reference_and_keeps_replicas_identical(trained, run):
     p = N * G
-    res = [r[exact] for r in trained]
+    exact, start, normalize = RUNS[run]
+    res = [r[run] for r in trained]
     for r in range(p):  # parameters identical everywhere (full) and across nodes (shards)
         for n in res[0]["full"]:
             assert torch.equal(res[r]["full"][n], res[0]["full"][n]), n
@@ -107,13 +114,24 @@ def test_onebit_hsdp_equals_reference_and_keeps_replicas_identical(trained, exac
         assert all(r["calls"][key] == STEPS for r in res)
         for l in range(G):  # cross group l: ranks l and G + l hold the same shard
             ranks = [a * G + l for a in range(N)]
-            m = res[ranks[0]]["records"][key][0][2].numel() // N
+            m = res[ranks[0]]["records"][key][-1][2].numel() // N
             we = [torch.zeros(N, m) for _ in ranks]
             se = [torch.zeros(m) for _ in ranks]
-            ratios = []
+            ratios, sumsq = [], 0.0
             for t in range(STEPS):
                 inputs = [res[r]["records"][key][t][0] for r in ranks]
-                want, we, se = reference.compressed_allreduce(inputs, we, se, BLOCK)
+                if t < start:  # full precision; the mean's squares make the weights
+                    want = torch.stack(inputs).sum(0) / N
+                    sumsq = sumsq + want * want
+                    for r in ranks:
+                        torch.testing.assert_close(res[r]["records"][key][t][1], want, rtol=1e-6, atol=1e-7)
+                    continue
+                w = None
+                if start and normalize == "warmup":  # RMS over the start, floored at 0.1 x its RMS, bf16
+                    rms = (sumsq / start).sqrt()
+                    w = torch.maximum(rms, 0.1 * rms.square().mean().sqrt())
+                    w = torch.where(w > 0, w, 1.0).to(torch.bfloat16)
+                want, we, se = reference.compressed_allreduce(inputs, we, se, BLOCK, weights=w)
                 if exact:  # the exact mean there, both errors held at zero
                     e = _exact_index(key)
                     want[e] = torch.stack(inputs).sum(0)[e] / N
@@ -158,3 +176,51 @@ def _refused(rank, p):
 
 def test_onebit_hsdp_refuses_native_hsdp():
     assert all(run_ranks(_refused, N * G, timeout=300))
+
+
+def _resume(rank, p, ckpt):
+    """onebit_hsdp with a start, weights and exact shards, AdamW: 12 steps straight, and 6 +
+    a resume from per-rank files (model shards, optimizer, hook state) + 6."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from lbcomm import fsdp
+
+    mesh = init_device_mesh("cpu", (N, G), mesh_dim_names=("node", "local"))
+
+    def build():
+        model = _model()
+        fully_shard(model[0], mesh=mesh["local"])
+        fully_shard(model[2], mesh=mesh["local"])
+        fully_shard(model, mesh=mesh["local"])
+        state = fsdp.onebit_hsdp(model, mesh, block_size=BLOCK, start_iter=3, exact_numel=EXACT)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2), state
+
+    def run(model, opt, steps):
+        for step in steps:
+            x, y = _batch(rank, step)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+
+    model, opt, state = build()
+    run(model, opt, range(6))
+    path = f"{ckpt}/rank{rank}.pt"
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "hsdp": state.state_dict()}, path)
+    run(model, opt, range(6, 12))
+    straight = [q.to_local().clone() for q in model.parameters()]
+    saved_weights = sorted(state.state_dict()["weights"])
+    model, opt, state = build()
+    sd = torch.load(path, weights_only=False)
+    model.load_state_dict(sd["model"])
+    opt.load_state_dict(sd["opt"])
+    state.load_state_dict(sd["hsdp"])
+    run(model, opt, range(6, 12))
+    resumed = [q.to_local().clone() for q in model.parameters()]
+    return all(torch.equal(a, b) for a, b in zip(straight, resumed)), saved_weights
+
+
+def test_onebit_hsdp_resumes_bitwise(tmp_path):
+    res = run_ranks(_resume, N * G, str(tmp_path), timeout=600)
+    assert all(same for same, _ in res), res
+    assert all(weights == ["0", "2"] for _, weights in res), res  # the start's weights were saved and reloaded
