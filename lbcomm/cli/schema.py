@@ -69,7 +69,7 @@ HOST_FIELDS = {
 }
 TRAIN_ROW_FIELDS = {
     "method": (str, "none | ddp | fp16 | powersgd | onebit_hook | onebit_adam; with nodes also onebit_hook_hier | "
-                    "hsdp | hsdp_onebit | fsdp_onebit_adam"),
+                    "hsdp | hsdp_onebit | hsdp_onebit_published | fsdp_onebit_adam"),
     "median_s": (float, "median training-step time (slowest rank), seconds"),
     "p10_s": (float, "10th percentile, seconds"),
     "p90_s": (float, "90th percentile, seconds"),

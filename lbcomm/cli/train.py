@@ -29,6 +29,8 @@ On emulated nodes (``--nodes N --ranks-per-node G``, G > 1; a 2-D DeviceMesh ("n
 ``hsdp_onebit``       FSDP2 sharded inside the node (``mesh["local"]``) +
                       ``lbcomm.fsdp.onebit_hsdp`` (gradient shards averaged across nodes
                       by the 1-bit compressed allreduce) + AdamW
+``hsdp_onebit_published`` the same with the published rule (``normalize=None,
+                      exact_numel=0``), to measure what the defaults cost (not by default)
 ``fsdp_onebit_adam``  FSDP2 sharded inside the node + ``lbcomm.fsdp.onebit_optimizer``
                       (OneBitAdam on the local shards: fp32 across nodes in the warmup,
                       its momentum shard 1-bit across nodes after the freeze)
@@ -64,7 +66,7 @@ __all__ = ["METHODS", "FLAT_METHODS", "NODE_METHODS", "DEFAULT_NODE_METHODS", "S
 
 FLAT_METHODS = ("none", "ddp", "fp16", "powersgd", "onebit_hook", "onebit_adam")
 # Methods that need nodes (--ranks-per-node > 1).
-NODE_METHODS = ("onebit_hook_hier", "hsdp", "hsdp_onebit", "fsdp_onebit_adam")
+NODE_METHODS = ("onebit_hook_hier", "hsdp", "hsdp_onebit", "fsdp_onebit_adam", "hsdp_onebit_published")
 METHODS = FLAT_METHODS + NODE_METHODS
 DEFAULT_NODE_METHODS = ("ddp", "onebit_hook", "onebit_hook_hier", "hsdp", "hsdp_onebit", "fsdp_onebit_adam")
 # Not run by default: ``ddp`` and ``onebit_adam`` with lbcomm.stats' gradient statistics (the
@@ -143,12 +145,13 @@ class _Setup:
         fused = dict(fused=True) if device.type in ("cpu", "cuda") else {}
         if method in NODE_METHODS and mesh is None:
             raise ValueError(f"{method} needs emulated nodes: --nodes N --ranks-per-node G with G > 1")
-        if method in ("hsdp", "hsdp_onebit"):
+        if method in ("hsdp", "hsdp_onebit", "hsdp_onebit_published"):
             _shard(model, mesh if method == "hsdp" else mesh["local"])
-            if method == "hsdp_onebit":
+            if method != "hsdp":
                 from ..fsdp import onebit_hsdp
 
-                self.hook_state = onebit_hsdp(model, mesh, start_iter=COMPRESSION_START)
+                published = dict(normalize=None, exact_numel=0) if method == "hsdp_onebit_published" else {}
+                self.hook_state = onebit_hsdp(model, mesh, start_iter=COMPRESSION_START, **published)
             self.model = model
             self.opt = torch.optim.AdamW(model.parameters(), lr=lr)
             return
