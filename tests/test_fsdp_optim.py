@@ -16,7 +16,8 @@ gloo ranks as 2 nodes x 2, one spawn for every check:
   Topology.node_by_node(2) equal the simulation with the hierarchical reference call.
 * exact_numel=EXACT (the biases and the second layer averaged exactly, the first layer
   compressed) on FSDP2 and hierarchically: equal to the simulation with the same option,
-  the exact coordinates' errors zero, the compressed ones' not.
+  the exact coordinates' errors zero, the compressed ones' not; on FSDP2 a resume from the
+  per-rank DCP checkpoint continues bitwise.
 """
 import os
 
@@ -193,7 +194,8 @@ def _all(rank, p, ckpt):
     out["lamb"] = _fsdp_run(rank, OneBitLamb, {"weight_decay": 0.01, **ALL}, nan=False)
     out["dp_adam"] = _dp_run(rank, p, OneBitAdam, ALL)
     out["dp_lamb"] = _dp_run(rank, p, OneBitLamb, {"weight_decay": 0.01, **ALL})
-    out["adam_exact"] = _fsdp_run(rank, OneBitAdam, {"exact_numel": EXACT}, nan=False)
+    out["adam_exact"] = _fsdp_run(rank, OneBitAdam, {"exact_numel": EXACT}, ckpt=ckpt + "_exact", nan=False)
+    out["resumed_exact"] = _fsdp_run(rank, OneBitAdam, {"exact_numel": EXACT}, resume=ckpt + "_exact", nan=False)
     out["lamb_exact"] = _fsdp_run(rank, OneBitLamb, {"weight_decay": 0.01, "exact_numel": EXACT}, nan=False)
     out["dp_adam_exact"] = _dp_run(rank, p, OneBitAdam, {"exact_numel": EXACT}, reload=False)
     out["dp_lamb_exact"] = _dp_run(rank, p, OneBitLamb, {"weight_decay": 0.01, "exact_numel": EXACT}, reload=False)
@@ -342,3 +344,8 @@ def test_exact_numel_sharded_and_hierarchical_equal_simulation(results, kind, wh
     for r in res:
         at_exact, elsewhere = r[run]["errors"]
         assert at_exact == 0.0 and elsewhere > 0.0
+    if run == "adam_exact":  # resumed from the per-rank DCP checkpoint: bitwise the same run
+        for r in res:
+            for t in range(SAVE_AFTER, STEPS):
+                for a, b in zip(r["resumed_exact"]["params"][t - SAVE_AFTER], r[run]["params"][t]):
+                    assert torch.equal(a, b)
