@@ -156,6 +156,13 @@ def rank_main(rank, world, a, init_file, out):
     dist.destroy_process_group()
 
 
+def _configs_row(what, t):
+    """One line: every configuration's median step and its ratio to the published one."""
+    m0 = statistics.median(t["published"])
+    return f"  TinyLM small, {what}, batch 1: " + "   ".join(
+        f"{name} {statistics.median(v) * 1e3:.2f} ms ({statistics.median(v) / m0:.3f})" for name, v in t.items())
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--numel", type=int, default=2**22)
@@ -175,14 +182,10 @@ def main(argv=None):
     default = {"adam": "1.0", "lamb": "1.0"}
     for kind, t in times.items():
         if kind == "hook_lm":
-            m0 = statistics.median(t["published"])
-            print("  TinyLM small, DDP + onebit_hook + AdamW, batch 1: " + "   ".join(
-                f"{name} {statistics.median(v) * 1e3:.2f} ms ({statistics.median(v) / m0:.3f})" for name, v in t.items()))
+            print(_configs_row("DDP + onebit_hook + AdamW", t))
             continue
         if kind.endswith("_lm"):
-            m0 = statistics.median(t["published"])
-            print(f"  TinyLM small, OneBit{kind[:-3].capitalize()}, batch 1: " + "   ".join(
-                f"{name} {statistics.median(v) * 1e3:.2f} ms ({statistics.median(v) / m0:.3f})" for name, v in t.items()))
+            print(_configs_row(f"OneBit{kind[:-3].capitalize()}", t))
             continue
         m0, m1 = statistics.median(t["published"]), statistics.median(t["default"])
         if kind == "hook":

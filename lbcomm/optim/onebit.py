@@ -17,9 +17,9 @@ freeze, the momentum mask, the compressed momentum allreduce and its error state
   a non-finite value on any rank leaves every rank's state exactly as it was.
 * exact_numel (OneBitAdam / OneBitLamb): the parameters of at most that many elements
   (whole parameters, also when sharded) take their new momentum from the gradients
-  averaged exactly (one fp32 allreduce over the ranks the momentum is reduced over, before
-  the compressed call, as the hook's exact_numel; `hierarchical_mean_` on nodes of several
-  ranks, 1/G of the bytes between nodes); the compressed call still carries them,
+  averaged exactly (summed in fp32 by the finiteness agreement's allreduce over the ranks
+  the momentum is reduced over, so no collective is added; on nodes of several ranks by
+  `hierarchical_mean_`, 1/G of the bytes between nodes); the compressed call still carries them,
   but its result there is replaced and their errors are zeroed after every call (flat,
   hierarchical or per shard alike), so they never enter the error feedback.
 
@@ -400,8 +400,8 @@ class OneBitOptimizer(BaseOptimizer):
 
     def _exact_mean(self, L: FlatLayout, source: Source):
         """The new momentum of the exact parameters from their gradients averaged exactly
-        (one fp32 allreduce before the compressed call; m is the same on every rank, so this
-        is the exact mean of the ranks' new momenta): (index, places, values) (`_exact_part`),
+        (their sum from `_grads_finite`'s allreduce, or `hierarchical_mean_` on nodes; m is the
+        same on every rank, so this is the exact mean of the ranks' new momenta): (index, places, values) (`_exact_part`),
         values scaled like the source's; None without exact parameters; False (on every
         rank alike) when the mean gradient is not finite."""
         part = self._exact_part(L)
@@ -425,8 +425,8 @@ class OneBitOptimizer(BaseOptimizer):
         ids = [i for i, _ in places]
         key = tuple((i, weights[i]) for i in ids)
         if self._exact_weights is None or self._exact_weights[0] != key:
-            w = torch.tensor([weights[i] for i in ids], dtype=torch.float32).repeat_interleave(torch.tensor([L.numels[i] for i in ids]))
-            self._exact_weights = (key, w.to(dev))
+            w = torch.tensor([weights[i] for i in ids], dtype=torch.float32)
+            self._exact_weights = (key, w.repeat_interleave(torch.tensor([L.numels[i] for i in ids])).to(dev))
         torch.lerp(m.index_select(0, index), g, self._exact_weights[1], out=g)
         if scale is not None:
             counts = torch.tensor([L.numels[i] for i in ids], device=scale.device)
@@ -440,7 +440,9 @@ class OneBitOptimizer(BaseOptimizer):
                  else L.grad(i).reshape(-1) for i, _ in places]
         if out is None:
             return torch.cat(parts).to(torch.float32)
-        return torch.cat(parts, out=out) if all(t.dtype == torch.float32 for t in parts) else out.copy_(torch.cat(parts))
+        if all(t.dtype == torch.float32 for t in parts):
+            return torch.cat(parts, out=out)
+        return out.copy_(torch.cat(parts))
 
     @staticmethod
     def _put_exact(L: FlatLayout, values: Tensor, lo: int, hi: int, exact) -> Tensor:
