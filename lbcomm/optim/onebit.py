@@ -80,6 +80,9 @@ class OneBitOptimizer(BaseOptimizer):
     # (before the freeze, and in checkpoints saved before it existed: unbounded, as they were)
     _param_vectors: Dict[str, float] = {"step": 0.0, "variance_step": 0.0, "max_update_bound": -1.0}
     _frozen_buffers: tuple = ()
+    # compression stage: gradient_stats' coordinate sample rides in the finiteness agreement's
+    # allreduce (one collective less per step); False where a step may not make that allreduce
+    _STATS_RIDE = True
 
     def __init__(self, *args, topology: Union[None, str, Topology] = "auto", **kwargs):
         if not (topology is None or topology in ("auto", "flat") or isinstance(topology, Topology)):
@@ -99,6 +102,8 @@ class OneBitOptimizer(BaseOptimizer):
         self._exact: Optional[tuple] = None  # (exact_numel, index, places): _exact_part
         self._exact_weights: Optional[tuple] = None  # (1 - b1 per exact parameter, per coordinate): _exact_mean
         self._exact_sum: Optional[Tensor] = None  # the exact gradients' sum from _grads_finite's allreduce
+        self._stats_ride: Optional[Tensor] = None  # gradient_stats' sample, to ride in _grads_finite's allreduce
+        self._stats_mean: Optional[Tensor] = None  # ... and its mean over the ranks
         super().__init__(*args, **kwargs)
         # onebit_hook on the same parameters would compress them a second time
         claim_gradients([p for g in self.param_groups for p in g["params"]], self, type(self).__name__)
@@ -263,13 +268,30 @@ class OneBitOptimizer(BaseOptimizer):
             out.append(u)
         return out
 
+    # ------------------------------------------------------------------ gradient statistics
+    def _stats_begin(self, L: FlatLayout):
+        stats = self.gradient_stats
+        if not (self._STATS_RIDE and self._frozen and stats is not None and self.transport.world_size > 1):
+            return super()._stats_begin(L)
+        self._stats_ride, self._stats_mean = stats.measure([p.grad for p in L.params], exact=False), None
+        return "ride"
+
+    def _stats_finish(self, L: FlatLayout, pending, skipped: bool) -> None:
+        if not isinstance(pending, str):
+            super()._stats_finish(L, pending, skipped)
+            return
+        mean, self._stats_mean, self._stats_ride = self._stats_mean, None, None
+        if mean is not None and not skipped:
+            self.gradient_stats.observe(mean, self.transport.world_size)
+
     # ------------------------------------------------------------------ the compressed momentum
     def _grads_finite(self, L: FlatLayout) -> bool:
         """Whether every rank's local gradients are finite, agreed with ONE scalar allreduce
         of the per-parameter sums (a NaN or Inf anywhere makes the sum non-finite); only when
         a sum overflows, a second allreduce counts the non-finite elements exactly. With a
         flat reduction the exact_numel parameters' gradients ride in the same allreduce (one
-        collective less per step; `_exact_mean` takes their sum)."""
+        collective less per step; `_exact_mean` takes their sum), and so does gradient_stats'
+        sample (`_stats_begin`)."""
         grads = []
         for i in range(len(L.params)):
             g = L.grad(i)
@@ -283,15 +305,21 @@ class OneBitOptimizer(BaseOptimizer):
         head = 1 + (2 * tr.world_size if probe else 0)
         # the exact parameters' gradients ride along when they are averaged over this group
         part = self._exact_part(L) if isinstance(self._comp, CompressionState) else None
-        total = torch.zeros(head + (0 if part is None else part[0].numel()), dtype=torch.float32, device=dev)
+        k = 0 if part is None else part[0].numel()
+        ride = self._stats_ride
+        total = torch.zeros(head + k + (0 if ride is None else ride.numel()), dtype=torch.float32, device=dev)
         if grads:
             total[:1] += torch.stack([g.sum(dtype=torch.float32) for g in grads]).sum()
         if probe:  # the first compression step: every rank's checksum rides along
             total[1:head] = replica_slots(grads, tr.rank, tr.world_size, dev)
         if part is not None:
-            self._exact_grads(L, part[1], out=total[head:])
+            self._exact_grads(L, part[1], out=total[head:head + k])
+        if ride is not None:
+            total[head + k:].copy_(ride)
         tr.all_reduce(total, op="sum")
-        self._exact_sum = None if part is None else total[head:]
+        self._exact_sum = None if part is None else total[head:head + k]
+        if ride is not None:
+            self._stats_ride, self._stats_mean = None, total[head + k:].div_(tr.world_size)
         if self._sharded():  # the shards' sums too: a NaN in one shard skips the step on every rank
             self.shard_transport.all_reduce(total[:1], op="sum")
         if bool(torch.isfinite(total[:1]).all()):
