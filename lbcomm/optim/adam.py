@@ -172,8 +172,9 @@ OneBitAdam.__doc__ = r"""Implements 1-bit Adam: AdamW in the warmup, then a froz
             the published algorithm) (default: 1.0)
         exact_numel (int, optional): in the compression stage, the parameters of at most
             this many elements (whole parameters, also under FSDP2) get the exact mean of
-            the ranks' gradients (one fp32 allreduce over the ranks the momentum is reduced
-            over, before the compressed call) instead of 1-bit compression, their
+            the ranks' gradients (summed in fp32 by the finiteness agreement's allreduce
+            over the ranks the momentum is reduced over; on nodes by `hierarchical_mean_`)
+            instead of 1-bit compression, their
             compression errors held at zero: biases, norm weights and small heads, where
             sign compression saves little and costs the most accuracy. Flat, hierarchical
             and FSDP2 alike. The INFO line at the freeze gives the share (a warning when it

@@ -80,9 +80,6 @@ class OneBitOptimizer(BaseOptimizer):
     # (before the freeze, and in checkpoints saved before it existed: unbounded, as they were)
     _param_vectors: Dict[str, float] = {"step": 0.0, "variance_step": 0.0, "max_update_bound": -1.0}
     _frozen_buffers: tuple = ()
-    # compression stage: gradient_stats' coordinate sample rides in the finiteness agreement's
-    # allreduce (one collective less per step); False where a step may not make that allreduce
-    _STATS_RIDE = True
 
     def __init__(self, *args, topology: Union[None, str, Topology] = "auto", **kwargs):
         if not (topology is None or topology in ("auto", "flat") or isinstance(topology, Topology)):
@@ -270,8 +267,10 @@ class OneBitOptimizer(BaseOptimizer):
 
     # ------------------------------------------------------------------ gradient statistics
     def _stats_begin(self, L: FlatLayout):
+        """Compression stage: gradient_stats' coordinate sample rides in the finiteness
+        agreement's allreduce (`_grads_finite`), one collective less per step."""
         stats = self.gradient_stats
-        if not (self._STATS_RIDE and self._frozen and stats is not None and self.transport.world_size > 1):
+        if not (self._frozen and stats is not None and self.transport.world_size > 1):
             return super()._stats_begin(L)
         self._stats_ride, self._stats_mean = stats.measure([p.grad for p in L.params], exact=False), None
         return "ride"
@@ -280,9 +279,14 @@ class OneBitOptimizer(BaseOptimizer):
         if not isinstance(pending, str):
             super()._stats_finish(L, pending, skipped)
             return
-        mean, self._stats_mean, self._stats_ride = self._stats_mean, None, None
-        if mean is not None and not skipped:
-            self.gradient_stats.observe(mean, self.transport.world_size)
+        ride, mean = self._stats_ride, self._stats_mean
+        self._stats_ride = self._stats_mean = None
+        if skipped:  # agreed on every rank: nothing to fold, no collective
+            return
+        if mean is None:  # a step without the agreement (ZeroOneAdam's variance steps): an allreduce of its own
+            mean = ride
+            self.transport.all_reduce(mean, op="mean")
+        self.gradient_stats.observe(mean, self.transport.world_size)
 
     # ------------------------------------------------------------------ the compressed momentum
     def _grads_finite(self, L: FlatLayout) -> bool:

@@ -36,7 +36,6 @@ def _positive_int(group: Dict[str, Any], name: str) -> None:
 class ZeroOneAdam(OneBitAdam):
     _GLOBAL_OPTIONS = tuple(o for o in OneBitOptimizer._GLOBAL_OPTIONS if o not in ("freeze_step", "exact_numel")) + (
         "var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper")
-    _STATS_RIDE = False  # its variance steps make no finiteness allreduce: statistics as in the base class
     # interval_lr: sum of the lrs since the last synchronization; interval_keep: product of
     # the weight-decay factors (1 - lr wd) since then (fp32, per parameter, checkpointed)
     _param_vectors: Dict[str, float] = {**OneBitOptimizer._param_vectors, "interval_lr": 0.0, "interval_keep": 1.0}
