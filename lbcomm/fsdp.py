@@ -166,7 +166,7 @@ def _hook(state: OneBitHSDPState, key: str, reduce_output: Tensor) -> None:
         dist.all_reduce(reduce_output, group=state.replicate_group)
         reduce_output.div_(dist.get_world_size(state.replicate_group))
         if state.normalize == "warmup" and key in state.layouts:
-            state.stats.add((list(state.layouts).index(key),), [reduce_output.numel()], reduce_output)
+            state.stats.add(_stats_key(state, key), [reduce_output.numel()], reduce_output)
         return
     st = state.states.get(key)
     if st is None or st.numel != reduce_output.numel():
@@ -245,6 +245,11 @@ def onebit_hsdp(model: torch.nn.Module, mesh, *, replicate_dim: str = "node", sh
     return state
 
 
+def _stats_key(state: OneBitHSDPState, key: str) -> tuple:
+    """GradientStats' key of parameter group `key`: its index in `layouts` (ints, as saved)."""
+    return (list(state.layouts).index(key),)
+
+
 def _unit(state: OneBitHSDPState, key: str, st: CompressionState, out: Tensor) -> Unit:
     """The Unit reducing parameter group `key` (its exact shards from the group's layout)."""
     unit = state.units.get(key)
@@ -257,7 +262,7 @@ def _unit(state: OneBitHSDPState, key: str, st: CompressionState, out: Tensor) -
                            "differently than lbcomm expects: pass exact_numel=0")
     weights = state.saved_weights.pop(key, None)
     if weights is None and state.normalize == "warmup" and key in state.layouts:
-        weights = state.stats.weights((list(state.layouts).index(key),), state.normalize_floor)
+        weights = state.stats.weights(_stats_key(state, key), state.normalize_floor)
     if weights is not None and weights.numel() != out.numel():
         raise RuntimeError(f"onebit_hsdp: the weights of parameter group {key} hold {weights.numel()} elements, its "
                            f"gradient shard {out.numel()}")
