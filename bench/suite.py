@@ -7,6 +7,7 @@ For each task and each pair (full precision vs 1-bit)
     DDP + torch.optim.SGD(momentum 0.9)   vs  DDP + lbcomm.onebit_hook + the same SGD
     lbcomm.Lars                           vs  DDP + lbcomm.onebit_hook + lbcomm.Lars
     AdamW                                 vs  DDP + lbcomm.onebit_hook + AdamW (adamw_hook, on request)
+    AdamW                                 vs  lbcomm.ZeroOneAdam (zeroone, on request)
 
 every lr of the task's small grid is run from the same initial weights on the same samples
 (4 gloo ranks, each its quarter of the global batch; variance frozen / compression started
@@ -43,13 +44,14 @@ import tasks as T  # noqa: E402
 from convergence import average_grads  # noqa: E402
 
 METHODS = ("adamw", "onebit_adam", "lamb", "onebit_lamb", "sgd", "sgd_hook", "lars", "lars_hook")
-EXTRA_METHODS = ("adamw_hook",)  # on request only: DDP + onebit_hook + torch AdamW
-TWIN = {"onebit_adam": "adamw", "onebit_lamb": "lamb", "sgd_hook": "sgd", "lars_hook": "lars", "adamw_hook": "adamw"}
+EXTRA_METHODS = ("adamw_hook", "zeroone")  # on request only: DDP + onebit_hook + torch AdamW; 0/1 Adam
+TWIN = {"onebit_adam": "adamw", "onebit_lamb": "lamb", "sgd_hook": "sgd", "lars_hook": "lars", "adamw_hook": "adamw",
+        "zeroone": "adamw"}
 FAMILY = {"adamw": "adam", "onebit_adam": "adam", "lamb": "lamb", "onebit_lamb": "lamb", "sgd": "sgd",
-          "sgd_hook": "sgd", "lars": "lars", "lars_hook": "lars", "adamw_hook": "adam"}
+          "sgd_hook": "sgd", "lars": "lars", "lars_hook": "lars", "adamw_hook": "adam", "zeroone": "adam"}
 LABEL = {"adamw": "AdamW", "onebit_adam": "OneBitAdam", "lamb": "Lamb", "onebit_lamb": "OneBitLamb",
          "sgd": "SGD+DDP", "sgd_hook": "SGD+onebit_hook", "lars": "Lars",
-         "lars_hook": "Lars+onebit_hook", "adamw_hook": "AdamW+onebit_hook"}
+         "lars_hook": "Lars+onebit_hook", "adamw_hook": "AdamW+onebit_hook", "zeroone": "ZeroOneAdam"}
 LARS_TRUST = 0.02  # trust_coefficient of the LARS runs (their lr grid is tasks.GRIDS["lars"])
 QUICK_TASKS = ("rare_features", "dead_relu", "zipf_embed")
 
@@ -68,6 +70,11 @@ def build(method, model, lr, task, world, a):
     if method == "onebit_adam":
         return model, adam_cls(model.parameters(), lr=lr, betas=betas, weight_decay=wd,
                                         freeze_step=freeze_of(task), **extra)
+    if method == "zeroone":  # var_freeze_step at 25 % as the others' freeze; alpha scaled to the run
+        opts = {"local_step_scaler": max(1, round(0.12 * task.steps)),
+                **(json.loads(a.zeroone_options) if a.zeroone_options else {})}
+        return model, lbcomm.ZeroOneAdam(model.parameters(), lr=lr, betas=betas, weight_decay=wd,
+                                         var_freeze_step=freeze_of(task), **opts)
     if method == "lamb":
         return model, lbcomm.Lamb(model.parameters(), lr=lr, betas=betas, weight_decay=wd)
     if method == "onebit_lamb":
@@ -262,6 +269,8 @@ def parse_args(argv=None):
                    help="the lr grids of bench/tasks.py (coarse: 4 lrs, 3.16x apart) or with their "
                    "geometric midpoints (fine: 7 lrs)")
     p.add_argument("--onebit-options", default="", help="JSON dict of extra OneBitAdam/OneBitLamb options")
+    p.add_argument("--zeroone-options", default="", help="JSON dict of extra ZeroOneAdam options (zeroone), "
+                   "e.g. '{\"var_decay\": \"update\"}'")
     p.add_argument("--hook-options", default="", help="JSON dict of extra OneBitHookState options (sgd_hook, "
                    "lars_hook, adamw_hook)")
     p.add_argument("--json", default="", help="write the raw results here")

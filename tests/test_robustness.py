@@ -41,6 +41,8 @@ CASES = [
     ("zipf_embed", "onebit_adam", 0.03, None),
     ("zipf_embed", "lamb", 0.1, None),
     ("zipf_embed", "onebit_lamb", 0.1, None),
+    ("dead_relu", "zeroone", 0.03, None),  # 0/1 Adam: its variance steps after 1-bit steps are bounded too
+    ("zipf_embed", "zeroone", 0.03, None),
 ]
 
 
@@ -53,7 +55,7 @@ def _runs(rank, world, cases):
     out = []
     for name, method, lr, extra in cases:
         task = T.make_task(name, quick=True)
-        a = SimpleNamespace(onebit_options=json.dumps(extra) if extra else "", hook_options="")
+        a = SimpleNamespace(onebit_options=json.dumps(extra) if extra else "", hook_options="", zeroone_options="")
         out.append(suite.one_run(rank, world, task, method, lr, a))
     return out
 
@@ -108,6 +110,8 @@ def test_integration_onebit_lamb_first_compressed_update_is_bounded(results):
     ("dead_relu", "onebit_lamb", "lamb", 0.1),
     ("zipf_embed", "onebit_adam", "adamw", 0.03),
     ("zipf_embed", "onebit_lamb", "lamb", 0.1),
+    ("dead_relu", "zeroone", "adamw", 0.03),
+    ("zipf_embed", "zeroone", "adamw", 0.03),
 ])
 def test_integration_no_divergence_where_the_full_precision_twin_converges(results, task, method, twin, lr):
     """The published rule ends above its initial loss, or in NaN, here."""

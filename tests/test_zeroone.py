@@ -68,7 +68,7 @@ RUNS = {
     # the published formulas, an lr schedule and two param groups with their own lr and wd
     "published_groups_scheduler": dict(steps=24, groups=True, sched=True,
                                        kw=dict(lr=1e-2, weight_decay=0.0, block_size=None, bias_correction=False,
-                                               max_update=None)),
+                                               max_update=None, var_decay="update")),
     "auto_bound_masked": dict(steps=16, groups=False, sched=False, dead_inputs=True,
                        kw=dict(lr=2e-2, weight_decay=0.05, block_size=64, max_update="auto")),
 }
@@ -315,10 +315,37 @@ def test_state_dict_before_the_first_step_and_validation():
                       (dict(local_step_clipper=0), "Invalid local_step_clipper"),
                       (dict(var_update_scaler=1.5), "Invalid var_update_scaler"),
                       (dict(max_update="warmup"), "'warmup' is not supported"),
+                      (dict(var_decay="steps"), "Invalid var_decay"),
                       (dict(block_size=100), "Invalid block_size"),
                       (dict(lr=-1.0), "Invalid learning rate")]:
         with pytest.raises(ValueError, match=match):
             lbcomm.ZeroOneAdam(model.parameters(), **kw)
+
+
+def test_var_decay_and_checkpoints_from_before_it():
+    """var_decay="time" changes the run (variance steps 1 2 4 6 of SCHED: gaps of 2); a
+    state dict without the option (saved before it existed, the paper's decay) resumes as
+    var_decay="update" bitwise, not as the new default."""
+    def run(decay, load_from=None, steps=10, start=0):
+        model = _mlp(seed=9)
+        opt = lbcomm.ZeroOneAdam(model.parameters(), lr=1e-2, **SCHED, **({} if decay is None else
+                                                                          {"var_decay": decay}))
+        if load_from is not None:
+            model.load_state_dict(load_from[0])
+            opt.load_state_dict(load_from[1])
+        for t in range(start, start + steps):
+            _backward(model, opt, 0, t)
+            opt.step()
+        return model, opt
+
+    update, time_ = run("update")[0], run("time")[0]
+    assert not _same(_params(update), _params(time_))
+    model, opt = run("update", steps=3)  # before the variance updates at steps 4 and 6
+    sd = copy.deepcopy(opt.state_dict())
+    for g in sd["param_groups"]:
+        del g["var_decay"]
+    resumed = run(None, load_from=(copy.deepcopy(model.state_dict()), sd), steps=7, start=3)[0]
+    assert _same(_params(resumed), _params(update))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

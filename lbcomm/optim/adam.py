@@ -17,7 +17,7 @@ __all__ = ["OneBitAdam"]
 
 
 class OneBitAdam(OneBitOptimizer):
-    # the variance's step count in the warmup update (None: the step; ZeroOneAdam counts its updates)
+    # the variance's step count in the warmup update (None: the step; ZeroOneAdam: the steps its updates cover)
     _WARMUP_VSTEP: Optional[str] = None
 
     def __init__(
@@ -50,8 +50,13 @@ class OneBitAdam(OneBitOptimizer):
         super().__init__(params, defaults, process_group=process_group, backend=backend, topology=topology,
                          shard_group=shard_group)
 
+    def _warmup_bounds(self, L: FlatLayout) -> List[Optional[float]]:
+        """Per parameter, the bound U of a warmup step (None: AdamW's update, unbounded)."""
+        return [None] * len(L.params)
+
     def _warmup_update(self, L: FlatLayout, active: List[bool]) -> None:
         m, v = self._flat["exp_avg"], self._flat["exp_avg_sq"]
+        bounds = self._warmup_bounds(L)
         for seg in self._segments(L, active, vstep=self._WARMUP_VSTEP):
             self._moments(seg)
             group = self.param_groups[seg.group]
@@ -62,8 +67,9 @@ class OneBitAdam(OneBitOptimizer):
             for i in seg.idx:
                 o = L.offsets[i] - seg.lo
                 d_i = d[o:o + L.numels[i]].view(L.shapes[i])
-                F.apply_fp32(L.tensor(i), lambda w, m_i=L.view(m, i), d_i=d_i: F.adamw_(w, m_i, d_i, lr * wd,
-                                                                                        lr / bc1))
+                b = None if bounds[i] is None else lr * bounds[i]
+                F.apply_fp32(L.tensor(i), lambda w, m_i=L.view(m, i), d_i=d_i, b=b: F.adamw_(w, m_i, d_i, lr * wd,
+                                                                                             lr / bc1, b))
 
     def _compressed_update(self, L: FlatLayout) -> bool:
         m, v = self._flat["exp_avg"], self._flat["exp_avg_sq"]

@@ -367,7 +367,7 @@ def simulate_zero_one_adam(params0: Sequence[Tensor], grads: Sequence[Sequence[S
                            betas=(0.9, 0.999), eps: float = 1e-8, weight_decay=0.0, var_freeze_step: int,
                            var_update_scaler: int = 16, local_step_scaler: int = 32678, local_step_clipper: int = 16,
                            block_size: Optional[int], bias_correction: bool = True, mask_threshold: float = 1e-10,
-                           max_update=1.0) -> List[List[List[Tensor]]]:
+                           max_update=1.0, var_decay: str = "time") -> List[List[List[Tensor]]]:
     """0/1 Adam (the equations of lbcomm.ZeroOneAdam's docstring). grads[t][r][i]: gradient
     of parameter i on rank r at step t + 1; lr: a float, or lr(step, i) for a schedule or
     param groups; weight_decay: a float or one per parameter. Returns, after every step,
@@ -385,7 +385,8 @@ def simulate_zero_one_adam(params0: Sequence[Tensor], grads: Sequence[Sequence[S
         raise ValueError("simulate_zero_one_adam: max_update='warmup' is not part of 0/1 Adam")
     bounds = _bounds(max_update, betas, [None] * n_params, None, 1.0, 1.0, eps)  # a number, "auto" or None
     keep = None
-    n_v, var_updates, next_var, local, syncs, next_sync = 0, 0, 1, False, 0, 0
+    n_v, var_updates, next_var, local, syncs, next_sync, last_var = 0, 0, 1, False, 0, 0, 0
+    compressed = False  # a 1-bit step has been taken: later variance steps are bounded too
     anchor = acc = lr_sum = decay_keep = None
     history = []
 
@@ -402,15 +403,16 @@ def simulate_zero_one_adam(params0: Sequence[Tensor], grads: Sequence[Sequence[S
         lrs = [lr_of(step, i) for i in range(n_params)]
         bc1 = 1 - b1 ** step if bias_correction else 1.0
         if step == next_var:  # AdamW on the averaged gradients, the variance updated
-            n_v += 1
+            k = step - last_var if var_decay == "time" else 1  # the steps since the last update
+            last_var = step
+            n_v += k
             bc2 = 1 - b2 ** n_v if bias_correction else 1.0
             for i in range(n_params):
                 g = _mean([g_step[r][i].float() for r in range(p)])
                 m[0][i].lerp_(g, 1 - b1)
-                v[i].mul_(b2).addcmul_(g, g, value=1 - b2)
-                if wds[i] != 0:
-                    theta[0][i].mul_(1 - lrs[i] * wds[i])
-                theta[0][i].addcdiv_(m[0][i], _denom(v[i], bc2, eps), value=-lrs[i] / bc1)
+                v[i].mul_(b2 ** k).addcmul_(g, g, value=1 - b2 ** k)
+                b = None if not compressed or bounds[i] is None else lrs[i] * bounds[i]
+                adam_step(theta[0][i], m[0][i], v[i], bc2, lrs[i] * wds[i], lrs[i] / bc1, b)
             m = [[t.clone() for t in m[0]] for _ in range(p)]
             theta = [[t.clone() for t in theta[0]] for _ in range(p)]
             var_updates += 1
@@ -418,6 +420,7 @@ def simulate_zero_one_adam(params0: Sequence[Tensor], grads: Sequence[Sequence[S
             next_var = nxt if nxt <= var_freeze_step else 0
             keep = _keep(v, mask_threshold)
         elif not local:  # OneBitAdam's compression step
+            compressed = True
             bc2 = 1 - b2 ** n_v if bias_correction else 1.0
             local_m = [_cat([torch.lerp(m[0][i], g_step[r][i].float(), 1 - b1) for i in range(n_params)])
                        for r in range(p)]
