@@ -408,9 +408,9 @@ ZeroOneAdam.__doc__ = r"""Implements 0/1 Adam (Lu et al., 2022, "Maximizing Comm
     the paper's update. With the paper's, v forgets by beta2 per update, so as the
     intervals grow it averages gradients from ever further back: at var_freeze_step it
     reflects the early, larger gradients and shrinks the compression stage's steps.
-    Measured on bench/convergence.py (4 ranks, AdamW = 1): 400 steps 1.024 ("update") ->
-    1.010 ("time") at seed 0, 1.028 -> 1.011 at seed 1; 1600 steps 1.008 -> 1.001,
-    1.019 -> 1.006.
+    Measured on bench/convergence.py (4 ranks, AdamW = 1): 400 steps 1.023 ("update") ->
+    1.009 ("time") at seed 0, 1.025 -> 1.005 at seed 1; 1600 steps 1.010 -> 0.994,
+    1.013 -> 1.000 (README, "Convergence: 0/1 Adam").
 
     (the sync step first takes the local step's momentum and accumulation; its own local
     parameter update is replaced by the rebuild). :math:`\theta_{\mathrm{anchor}}` (the
