@@ -441,11 +441,17 @@ def parse_args(argv=None):
     a.blocks = [None if b.strip().lower() == "none" else int(b) for b in a.blocks.split(",") if b.strip()]
     a.freeze = max(1, round(a.freeze_frac * a.steps))
     if a.local_step_scaler is None:
-        a.local_step_scaler = max(1, round(0.12 * a.steps))
+        a.local_step_scaler = zeroone_local_step_scaler(a.steps)
     a.warmup = max(1, a.steps // 10)
     if a.batch % a.ranks:
         p.error(f"--batch {a.batch} must be a multiple of --ranks {a.ranks}")
     return a
+
+
+def zeroone_local_step_scaler(steps: int) -> int:
+    """ZeroOneAdam's alpha scaled to a run of `steps` (48 at 400 steps), as the paper's 32678
+    is to ~10^5 steps; shared with bench/suite.py."""
+    return max(1, round(0.12 * steps))
 
 
 def spawn_ranks(rank_main, world: int, extra: tuple, train: torch.Tensor, val: torch.Tensor):

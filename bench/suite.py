@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import lbcomm  # noqa: E402
 import tasks as T  # noqa: E402
-from convergence import average_grads  # noqa: E402
+from convergence import average_grads, zeroone_local_step_scaler  # noqa: E402
 
 METHODS = ("adamw", "onebit_adam", "lamb", "onebit_lamb", "sgd", "sgd_hook", "lars", "lars_hook")
 EXTRA_METHODS = ("adamw_hook", "zeroone")  # on request only: DDP + onebit_hook + torch AdamW; 0/1 Adam
@@ -71,7 +71,7 @@ def build(method, model, lr, task, world, a):
         return model, adam_cls(model.parameters(), lr=lr, betas=betas, weight_decay=wd,
                                         freeze_step=freeze_of(task), **extra)
     if method == "zeroone":  # var_freeze_step at 25 % as the others' freeze; alpha scaled to the run
-        opts = {"local_step_scaler": max(1, round(0.12 * task.steps)),
+        opts = {"local_step_scaler": zeroone_local_step_scaler(task.steps),
                 **(json.loads(a.zeroone_options) if a.zeroone_options else {})}
         return model, lbcomm.ZeroOneAdam(model.parameters(), lr=lr, betas=betas, weight_decay=wd,
                                          var_freeze_step=freeze_of(task), **opts)

@@ -553,11 +553,13 @@ class BaseOptimizer(Optimizer):
         b1, b2 = group["betas"]
         return 1 - b1 ** seg.step, 1 - b2 ** seg.vstep
 
-    def _moments(self, seg: Segment) -> None:
-        """Warmup moments of a segment on the averaged gradients."""
+    def _moments(self, seg: Segment, decay_steps: int = 1) -> None:
+        """Warmup moments of a segment on the averaged gradients; the variance decays by
+        beta2^decay_steps (ZeroOneAdam's variance updates cover several steps)."""
         b1, b2 = self.param_groups[seg.group]["betas"]
         sl = slice(seg.lo, seg.hi)
-        F.moments_(self._flat["exp_avg"][sl], self._flat["exp_avg_sq"][sl], self._grad_buf[sl], b1, b2)
+        F.moments_(self._flat["exp_avg"][sl], self._flat["exp_avg_sq"][sl], self._grad_buf[sl], b1,
+                   b2 ** decay_steps)
 
     def _warmup_update(self, L: FlatLayout, active: List[bool]) -> None:
         raise NotImplementedError

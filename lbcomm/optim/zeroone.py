@@ -190,10 +190,7 @@ class ZeroOneAdam(OneBitAdam):
         return self._update_bounds(L)
 
     def _moments(self, seg) -> None:
-        b1, b2 = self.param_groups[seg.group]["betas"]
-        sl = slice(seg.lo, seg.hi)
-        F.moments_(self._flat["exp_avg"][sl], self._flat["exp_avg_sq"][sl], self._grad_buf[sl], b1,
-                   b2 ** self._variance_gap())
+        super()._moments(seg, self._variance_gap())
 
     def _after_step(self, L: FlatLayout) -> None:
         t, s, kind = self._global_step, self._schedule, self._last_kind
