@@ -31,6 +31,13 @@ m the decoded momentum, d = sqrt(v^) + eps the frozen denominator, b1c = 1 - b1^
                 at most its block's RMS update (and at most lr); no k_p scaling for LAMB
     meanabs     block scale mean|y| instead of rms(y) (L2-optimal scale for signs)
 
+    _vsl        the frozen denominator rescaled per tensor: v^ x q^_t / q^_freeze, q^ the
+                bias-corrected EMA (beta2) of the ranks' mean squared local gradient of the tensor
+                from step 1 (OneBitAdam(rescale_variance=True)); _vslc: the factor at most 1;
+                _vso: q from the averaged gradient (an oracle: not available after the freeze);
+                _vsm: q from the decoded momentum; _vsf / _vsfc: q from the freeze on, relative
+                to its first compressed step
+
 OneBitLamb's layer coefficient (suffixes of a LAMB rule; default c_frz x f, the paper's):
     _live       LAMB's own trust ratio clamp(||w|| / ||u||) of every compressed step
     _wn         c_frz x f x ||w|| / ||w at the freeze|| (LAMB's c grows with ||w||)
@@ -263,6 +270,17 @@ class SimOneBit:
             if "fvf" in self.rule and getattr(self, "vloc", None) is None:
                 self.vloc = self.v / (1 - self.b2 ** self.freeze) * self.p
             self.vloc = sq.clone() if getattr(self, "vloc", None) is None else self.vloc.mul_(b2).add_(sq, alpha=1 - b2)
+        if "_vs" in self.rule_ex:  # per tensor: EMA (b2) of the mean square of the averaged (vso) or local (vsl) gradients
+            x = grads.mean(0).square() if "_vso" in self.rule_ex else self.m.square() if "_vsm" in self.rule_ex \
+                else grads.square().mean(0)
+            qi = torch.stack([x[s].mean() for s in sl])
+            t0 = self.freeze if "_vsf" in self.rule_ex else 0  # vsf: from the first compressed step on
+            if t > t0:
+                self.q = qi * (1 - b2) if t == t0 + 1 else self.q * b2 + (1 - b2) * qi
+            if self.freeze is not None and t == self.freeze and not t0:
+                self.q_frz = self.q / (1 - b2 ** t)
+            if t0 and t == t0 + 1:
+                self.q_frz = qi
         if self.freeze is None or t <= self.freeze:
             g = grads.mean(0)
             self.m.lerp_(g, 1 - b1)
@@ -350,6 +368,13 @@ class SimOneBit:
             vf = factored(self.vloc, shapes) / (1 if "fvfull" in self.rule else math.sqrt(self.p) if "fvhalf" in self.rule else self.p)
             d_fv = vf.sqrt() + eps  # started at its first value: no bias to correct
             u0 = new_m / bc1 / torch.maximum(d, d_fv)
+        elif "_vs" in self.rule_ex:  # the frozen denominator rescaled per tensor by the gradient scale's change
+            t0 = self.freeze if "_vsf" in self.rule_ex else 0
+            ratio = (self.q / (1 - b2 ** (t - t0))) / self.q_frz.clamp_min(1e-30)
+            if "_vslc" in self.rule_ex or "_vsmc" in self.rule_ex or "_vsfc" in self.rule_ex:
+                ratio = ratio.clamp(max=1.0)
+            sc = torch.cat([ratio[i].sqrt().expand(s.stop - s.start) for i, s in enumerate(self.f.slices())])
+            u0 = new_m / bc1 / ((d - eps) * sc + eps)
         else:
             u0 = new_m / bc1 / d
         if self.rule.startswith("fresh") and "clip" not in self.rule:
