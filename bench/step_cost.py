@@ -112,6 +112,16 @@ OPT_LM_CONFIGS = {"published": dict(max_update=None, exact_numel=0), "max_update
                   "defaults": {}}
 
 
+def _opt_configs(kind):
+    """OPT_LM_CONFIGS; for OneBitAdam every rule but the defaults also keeps the variance
+    frozen (rescale_variance=False), and "defaults, frozen v" isolates what the rescale costs."""
+    if kind != "adam_lm":
+        return OPT_LM_CONFIGS
+    out = {name: (dict(o, rescale_variance=False) if name != "defaults" else o) for name, o in OPT_LM_CONFIGS.items()}
+    out["defaults, frozen v"] = dict(rescale_variance=False)
+    return out
+
+
 def twin(kind, rule, side, g, a):
     """A HookTwin, or an optimizer of 8 side x side parameters past its first compressed step."""
     if kind == "hook":
@@ -138,7 +148,7 @@ def rank_main(rank, world, a, init_file, out):
         if kind == "hook_lm":
             twins = {name: LMTwin(options, g) for name, options in LM_CONFIGS.items()}
         elif kind.endswith("_lm"):
-            twins = {name: LMTwin(options, g, onebit=kind[:-3]) for name, options in OPT_LM_CONFIGS.items()}
+            twins = {name: LMTwin(options, g, onebit=kind[:-3]) for name, options in _opt_configs(kind).items()}
         else:
             twins = {mu: twin(kind, mu, side, g, a) for mu in RULES}
         names = list(twins)

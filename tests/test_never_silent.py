@@ -199,7 +199,8 @@ def _freeze_log_defaults(rank, p):
 def _freeze_log_only(rank, p):
     opt, records = _train_past_freeze(rank, exact_numel=0)
     comp = opt.compression_state
-    return (comp.bytes_per_call(checked=True) + int(ring_allreduce_bytes(4, p)),
+    agreement = 4 * (1 + len(opt.param_groups[0]["params"]))  # one fp32 scalar + one per parameter (rescale_variance)
+    return (comp.bytes_per_call(checked=True) + int(ring_allreduce_bytes(agreement, p)),
             int(ring_allreduce_bytes(4 * comp.numel, p)), list(records))
 
 

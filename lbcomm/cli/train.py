@@ -77,7 +77,8 @@ DEFAULT_NODE_METHODS = ("ddp", "onebit_hook", "onebit_hook_hier", "hsdp", "hsdp_
 # Also not by default: the published rules of the compression stage, to measure what the
 # robust defaults cost (issue 16): ``onebit_hook_published`` (normalize=None, exact_numel=0)
 # against ``onebit_hook`` (normalize="warmup", exact_numel=4096), ``onebit_adam_published``
-# (max_update=None, exact_numel=0) against ``onebit_adam`` (max_update=1.0, exact_numel=4096).
+# (max_update=None, exact_numel=0, rescale_variance=False) against ``onebit_adam``
+# (max_update=1.0, exact_numel=4096, rescale_variance=True).
 STATS_METHODS = ("ddp_hook", "ddp_stats", "ddp_stats_sample", "onebit_adam_stats",
                  "onebit_hook_published", "onebit_adam_published")
 # OneBitAdam doing its own communication (checked to be in its compression stage when timed).
@@ -174,7 +175,8 @@ class _Setup:
             from ..optim import OneBitAdam
 
             self.model = model
-            published = dict(max_update=None, exact_numel=0) if method == "onebit_adam_published" else {}
+            published = (dict(max_update=None, exact_numel=0, rescale_variance=False)
+                         if method == "onebit_adam_published" else {})
             self.opt = OneBitAdam(model.parameters(), lr=lr, freeze_step=freeze_step, **published)
             if method == "onebit_adam_stats":
                 from ..stats import GradientNoiseScale

@@ -19,6 +19,8 @@ __all__ = ["OneBitAdam"]
 class OneBitAdam(OneBitOptimizer):
     # the variance's step count in the warmup update (None: the step; ZeroOneAdam: the steps its updates cover)
     _WARMUP_VSTEP: Optional[str] = None
+    # rescale_variance: EMA of local_grad_sq and its bias-corrected value at the freeze (-1: untracked)
+    _param_vectors = {**OneBitOptimizer._param_vectors, "grad_sq": -1.0, "grad_sq_frozen": -1.0}
 
     def __init__(
         self,
@@ -34,6 +36,7 @@ class OneBitAdam(OneBitOptimizer):
         mask_threshold: float = 1e-10,
         max_update: Union[float, str, None] = 1.0,
         exact_numel: int = 4096,
+        rescale_variance: bool = True,
         nonfinite: str = "raise",
         bucket_cap_mb: float = 25.0,
         detect_averaged_grads: bool = True,
@@ -44,7 +47,8 @@ class OneBitAdam(OneBitOptimizer):
     ) -> None:
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, freeze_step=freeze_step,
                         bias_correction=bias_correction, block_size=block_size, mask_threshold=mask_threshold,
-                        max_update=max_update, exact_numel=exact_numel, nonfinite=nonfinite,
+                        max_update=max_update, exact_numel=exact_numel, rescale_variance=rescale_variance,
+                        nonfinite=nonfinite,
                         bucket_cap_mb=bucket_cap_mb,
                         detect_averaged_grads=detect_averaged_grads)
         super().__init__(params, defaults, process_group=process_group, backend=backend, topology=topology,
@@ -78,15 +82,22 @@ class OneBitAdam(OneBitOptimizer):
             return False
         scratch = self._stage_buffer(L)
         bounds = self._update_bounds(L)
-        for seg in self._segments(L, self._participating(L), vstep="variance_step"):
+        include = self._participating(L)
+        segs = self._segments(L, include, vstep="variance_step")
+        factors, grad_sq = self._variance_factors(L, include)
+        for seg in segs:
             group = self.param_groups[seg.group]
             lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
             bc1, bc2 = self._bias_corrections(group, seg)
             for i in seg.idx:
                 # max_update U: |lr m^ / (sqrt(v^) + eps)| <= lr U for every coordinate
                 step_bound = None if bounds[i] is None else lr * bounds[i]
-                F.apply_fp32(L.tensor(i), lambda w, i=i, b=step_bound: kernels.frozen_adamw_(
-                    w, L.view(m, i), L.view(v, i), bc2, eps, lr * wd, lr / bc1, scratch, b))
+                # rescale_variance: v^ f = v / (bc2 / f)
+                bc2_i = bc2 if factors is None or factors[i] is None else bc2 / factors[i]
+                F.apply_fp32(L.tensor(i), lambda w, i=i, b=step_bound, c=bc2_i: kernels.frozen_adamw_(
+                    w, L.view(m, i), L.view(v, i), c, eps, lr * wd, lr / bc1, scratch, b))
+        if grad_sq is not None:
+            self._vectors["grad_sq"].copy_(grad_sq)
         return True
 
 
@@ -115,8 +126,13 @@ OneBitAdam.__doc__ = r"""Implements 1-bit Adam: AdamW in the warmup, then a froz
             &\hspace{10mm} m_t \leftarrow \mathrm{CompressedAllreduce}_{e,s}\big(
                 \beta_1 m_{t-1} + (1-\beta_1) g_{t,r}\big) \odot \mathrm{mask}                     \\
             &\hspace{10mm} \hat{v} \leftarrow v_{T_w} / (1-\beta_2^{T_w}) \text{ (frozen)}         \\
+            &\hspace{10mm} \hat{v} \leftarrow \hat{v} \, \hat{q}_t / \hat{q}_{T_w}
+                \text{ (rescale\_variance, per parameter tensor)}                               \\
             &\hspace{10mm} \mathrm{mask} = [v_{T_w} > \tau \, \mathrm{mean}(v_{T_w})]
                 \text{ (}\tau\text{: mask\_threshold; or set by the user)}                    \\
+            &\hspace{5mm}q_t \leftarrow \beta_2 q_{t-1} + (1-\beta_2)\tfrac{1}{p}\textstyle\sum_r
+                \|g_{t,r}\|^2, \: \hat{q}_t \leftarrow q_t / (1-\beta_2^t)
+                \text{ (per parameter tensor)}                                                   \\
             &\hspace{5mm}\hat{m} \leftarrow m_t / (1-\beta_1^t), \:
                 u \leftarrow \hat{m} / (\sqrt{\hat{v}} + \epsilon)                                \\
             &\hspace{5mm}\textbf{if} \: t > T_w \textbf{ and } U \neq \text{None}:
@@ -142,7 +158,23 @@ OneBitAdam.__doc__ = r"""Implements 1-bit Adam: AdamW in the warmup, then a froz
     full-precision step, and oscillate into divergence. With U = 1 no coordinate moves more
     than lr per step (plus weight decay): the most a coordinate with steady gradients gets
     from Adam with a frozen variance, since |E g| <= sqrt(E g^2). An unclamped coordinate gets
-    bitwise the unbounded update. All momenta live in one flat fp32 buffer, so
+    bitwise the unbounded update.
+
+    rescale_variance keeps the frozen variance's scale current: a variance frozen early holds
+    the gradients of the first steps, and as the gradients of a tensor shrink over the run,
+    the frozen preconditioner makes its steps ever smaller than Adam's (on the convergence
+    suite's byte LM, 240 steps frozen at 60, that alone costs about 1 % of the loss). Each
+    tensor's frozen v^ is multiplied by q^_t / q^_freeze, q^ the bias-corrected EMA (beta2, the
+    variance's own window) of the ranks' mean squared local gradient norm of that tensor, so
+    that the factor is 1 at the freeze and follows the change of the gradient scale after it;
+    the shape of the preconditioner inside the tensor stays frozen. The norms ride in
+    collectives that exist (the warmup's gradient allreduce, the compression stage's
+    finiteness agreement: one fp32 scalar per parameter tensor); with
+    `lbcomm.ddp.onebit_optimizer_hook` the hook records them before it averages (one small
+    allreduce per warmup step), and under FSDP2 the shards' norms are summed over the shard
+    group (one small allreduce per step). max_update still bounds every coordinate's step.
+
+    All momenta live in one flat fp32 buffer, so
     one compressed allreduce serves the whole model; optimizer state is fp32 for
     fp16/bf16 parameters too. Parameters that never received a gradient during the warmup
     are not updated after the freeze.
@@ -174,8 +206,9 @@ OneBitAdam.__doc__ = r"""Implements 1-bit Adam: AdamW in the warmup, then a froz
             its largest |m^ / (sqrt(v^) + eps)| after the last warmup step (recorded at the
             freeze, saved in checkpoints); "auto": (1-b1) / sqrt((1-b2)(1-b1^2/b2)), the
             largest value Adam's update can take (7.27 at betas (0.9, 0.999), needs
-            b1^2 < b2); None: the published, unbounded update (with block_size=None, exactly
-            the published algorithm) (default: 1.0)
+            b1^2 < b2); None: the published, unbounded update (with block_size=None,
+            exact_numel=0 and rescale_variance=False, exactly the published algorithm)
+            (default: 1.0)
         exact_numel (int, optional): in the compression stage, the parameters of at most
             this many elements (whole parameters, also under FSDP2) get the exact mean of
             the ranks' gradients (summed in fp32 by the finiteness agreement's allreduce
@@ -186,6 +219,14 @@ OneBitAdam.__doc__ = r"""Implements 1-bit Adam: AdamW in the warmup, then a froz
             and FSDP2 alike. The INFO line at the freeze gives the share (a warning when it
             is most of the model); 0 compresses every parameter, as published (default: 4096,
             as onebit_hook)
+        rescale_variance (bool, optional): scale each parameter tensor's frozen variance by
+            the change of its gradients' mean square since the freeze (above), so that the
+            compression stage keeps Adam's step size as the gradients shrink or grow; False:
+            the published frozen variance. Checkpoints carry the statistic; one saved before
+            the option resumes with False (a warning). If the warmup's gradients reach the
+            optimizer averaged by anything but its own allreduce or onebit_optimizer_hook,
+            the local norms are unknown: a warning, and the variance stays frozen
+            (default: True)
         nonfinite (str, optional): what a step does when the averaged gradients (warmup) or
             the momenta of any rank (compression) hold NaN/Inf: "raise" a NonFiniteError
             on every rank, or "skip" the step on every rank (``last_step_skipped`` is set,

@@ -52,6 +52,19 @@ _log = logging.getLogger(__name__)
 STATE_VERSION = 2  # 1: flat buffers under "lbcomm" (still read); 2: torch's per-parameter state
 
 
+def local_sq_(L: FlatLayout, flat: Optional[Tensor], out: Tensor) -> Tensor:
+    """out[i] = the squared L2 norm of parameter i's gradient in fp32 (its view of `flat`,
+    or its .grad when flat is None; 0 without one): torch.linalg.vector_norm of the flat
+    fp32 vector, squared, as lbcomm.optim.reference does (one read, no temporary)."""
+    norms = []
+    for i in range(len(L.params)):
+        g = L.view(flat, i) if flat is not None else L.grad(i)
+        norms.append(out.new_zeros(()) if g is None else torch.linalg.vector_norm(g.reshape(-1).float()))
+    if norms:
+        torch.stack(norms, out=out).square_()
+    return out
+
+
 def replica_slots(tensors: Sequence[Tensor], rank: int, world_size: int, device: torch.device) -> Tensor:
     """2 x world_size fp32 zeros with this rank's checksum of `tensors` (their sum and their
     sum of squares, in fp32) in slots 2 rank, 2 rank + 1. Summed (or averaged) over the
@@ -442,16 +455,26 @@ class BaseOptimizer(Optimizer):
     def _after_step(self, L: FlatLayout) -> None:
         """Runs after every step taken (not after skipped ones)."""
 
+    def _tracks_grad_sq(self) -> bool:
+        """Whether every step measures the ranks' mean squared local gradient per parameter
+        (`local_grad_sq`; OneBitAdam's rescale_variance)."""
+        return False
+
+    def _sq_slots(self, L: FlatLayout) -> int:
+        return len(L.params) if self._tracks_grad_sq() else 0
+
     def _collect_grads(self, L: FlatLayout) -> Tensor:
         """Copy every gradient into the flat fp32 buffer (zeros where a parameter has none)
         and set the has-grad flags after it. Returns buffer and flags (the buffer holds
-        2 x world_size more slots for `replica_slots`)."""
-        size = L.total + len(L.params) + (2 * self.transport.world_size if self._detecting() else 0)
+        `_sq_slots` more slots for the local squared norms and 2 x world_size for
+        `replica_slots`)."""
+        n, k = len(L.params), self._sq_slots(L)
+        size = L.total + n + k + (2 * self.transport.world_size if self._detecting() else 0)
         if self._grad_buf is None or self._grad_buf.numel() != size:  # + has-grad flags + checksum slots
             self._grad_buf = torch.empty(size, dtype=torch.float32, device=self._device(L))
-        buf = self._grad_buf[:L.total + len(L.params)]
+        buf = self._grad_buf[:L.total + n]
         flags = []
-        for i in range(len(L.params)):
+        for i in range(n):
             view = L.view(buf, i)
             g = L.grad(i)
             if g is None:
@@ -464,6 +487,8 @@ class BaseOptimizer(Optimizer):
                 flags.append(1.0)
         if flags:
             buf[L.total:].copy_(torch.tensor(flags, dtype=torch.float32))
+        if k and not self._grads_averaged:  # the local gradients' squared norms ride in the allreduce
+            local_sq_(L, buf, self._grad_buf[L.total + n:L.total + n + k])
         return buf
 
     @staticmethod
@@ -473,9 +498,10 @@ class BaseOptimizer(Optimizer):
     def _warmup_step(self, L: FlatLayout) -> bool:
         buf = self._collect_grads(L)
         tr = self.transport
+        k = self._sq_slots(L)
         if tr.world_size > 1 and not self._grads_averaged:
             probe = self._probe_warmup and self._detecting()
-            width = buf.numel()
+            width = buf.numel() + k
             if probe:  # the checksum slots ride along (undecided steps only)
                 self._grad_buf[width:].copy_(replica_slots([buf[:L.total]], tr.rank, tr.world_size, buf.device))
                 width = self._grad_buf.numel()
@@ -483,7 +509,9 @@ class BaseOptimizer(Optimizer):
             tr.all_reduce(self._grad_buf[:width], op="mean",
                           bucket_bytes=max(1, int(self._option("bucket_cap_mb") * 2**20)))
             if probe:
-                self._probe_warmup = not self._check_replicas(self._grad_buf[buf.numel():], "warmup")
+                self._probe_warmup = not self._check_replicas(self._grad_buf[buf.numel() + k:], "warmup")
+        if k:
+            self._warmup_grad_sq(L, self._grad_buf[buf.numel():buf.numel() + k])
         if self.gradient_stats is not None and not self._grads_averaged:  # the global norm for lbcomm.stats
             self._stats_gsq = torch.linalg.vector_norm(buf[:L.total]).square()
         # Every rank holds the same average (or, with a DDP hook, the same averaged grads),
@@ -493,6 +521,9 @@ class BaseOptimizer(Optimizer):
         active = (buf[L.total:] > 0).tolist()
         self._warmup_update(L, active)
         return True
+
+    def _warmup_grad_sq(self, L: FlatLayout, sq: Tensor) -> None:
+        """A warmup step's mean over the ranks of the local squared norms (`_tracks_grad_sq`)."""
 
     def _detecting(self) -> bool:
         """Whether this optimizer checks for gradients averaged by a DDP without lbcomm's hook

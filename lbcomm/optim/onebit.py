@@ -43,6 +43,7 @@ embedding rows, constant features, softmax-invariant biases), a bool mask otherw
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Callable, Dict, List, Optional, Union
 
 import torch
@@ -54,7 +55,7 @@ from ..topology import HierarchicalState, Topology, exact_mean_bytes, hierarchic
 from ..ddp.claims import claim_gradients
 from ..wire import check_block_size
 from . import functional as F
-from .base import BaseOptimizer, replica_slots
+from .base import BaseOptimizer, local_sq_, replica_slots
 from .flat import FlatLayout
 from .functional import STAGE
 
@@ -101,6 +102,9 @@ class OneBitOptimizer(BaseOptimizer):
         self._exact_sum: Optional[Tensor] = None  # the exact gradients' sum from _grads_finite's allreduce
         self._stats_ride: Optional[Tensor] = None  # gradient_stats' sample, to ride in _grads_finite's allreduce
         self._stats_mean: Optional[Tensor] = None  # ... and its mean over the ranks
+        self._grad_sq_now: Optional[Tensor] = None  # this step's local_grad_sq (rescale_variance), folded once taken
+        self._hook_sq: Dict[int, Tensor] = {}  # id(param) -> local squared norm, from onebit_optimizer_hook
+        self._untracked_warned = False
         super().__init__(*args, **kwargs)
         # onebit_hook on the same parameters would compress them a second time
         claim_gradients([p for g in self.param_groups for p in g["params"]], self, type(self).__name__)
@@ -115,6 +119,8 @@ class OneBitOptimizer(BaseOptimizer):
         if not 0.0 <= group["mask_threshold"] < 1.0:
             raise ValueError(f"Invalid mask_threshold: {group['mask_threshold']} (need 0 <= mask_threshold < 1)")
         F.resolve_max_update(group["max_update"], group["betas"])
+        if not isinstance(group.get("rescale_variance", False), bool):
+            raise ValueError(f"Invalid rescale_variance: {group['rescale_variance']!r} (must be True or False)")
         ex = group.get("exact_numel", 0)
         if isinstance(ex, bool) or not isinstance(ex, int) or ex < 0:
             raise ValueError(f"Invalid exact_numel: {ex!r} (must be an int >= 0: parameters of at most that many "
@@ -154,7 +160,8 @@ class OneBitOptimizer(BaseOptimizer):
         part = self._exact_part(self._layout)
         k = 0 if part is None else part[0].numel()
         out = {"compressed": int(st.bytes_per_call(checked=True)), "exact": exact_mean_bytes(k, p, st),
-               "agreement": int(ring_allreduce_bytes(4, p))}  # one fp32 scalar
+               # one fp32 scalar, + one per parameter with rescale_variance
+               "agreement": int(ring_allreduce_bytes(4 * (1 + self._sq_slots(self._layout)), p))}
         out["total"] = sum(out.values())
         return out
 
@@ -208,7 +215,11 @@ class OneBitOptimizer(BaseOptimizer):
 
     def _take_step(self, L: FlatLayout) -> bool:
         if not self._frozen:
-            return self._warmup_step(L)
+            taken = self._warmup_step(L)
+            if taken and self._grad_sq_now is not None:
+                self._fold_warmup_grad_sq(L)
+            self._grad_sq_now = None
+            return taken
         # The gradients are read where autograd left them; all ranks first agree they are finite.
         if not self._grads_finite(L):
             return self._nonfinite("the local gradients")
@@ -265,6 +276,108 @@ class OneBitOptimizer(BaseOptimizer):
             out.append(u)
         return out
 
+    # ------------------------------------------------------------------ rescale_variance (OneBitAdam)
+    def _tracks_grad_sq(self) -> bool:
+        return "grad_sq" in self._param_vectors and any(g.get("rescale_variance", False) for g in self.param_groups)
+
+    def stash_local_grad_sq(self, params, grads) -> None:
+        """Called by `lbcomm.ddp.onebit_optimizer_hook` with a bucket's parameters and local
+        gradients before it averages them: their squared norms, which the warmup's
+        `rescale_variance` needs and the averaged gradients no longer hold."""
+        for p, g in zip(params, grads):
+            self._hook_sq[id(p)] = torch.linalg.vector_norm(g.detach().reshape(-1).float()).square()
+
+    def _warmup_grad_sq(self, L: FlatLayout, sq: Tensor) -> None:
+        if self._grads_averaged:  # a DDP hook averaged them: the squared norms it stashed, one small allreduce
+            stash, self._hook_sq = self._hook_sq, {}
+            if not stash:
+                self._untrack("the gradients were averaged before the optimizer saw them, not by "
+                              "lbcomm.ddp.onebit_optimizer_hook, so their local squared norms are unknown")
+                return
+            for i, p in enumerate(L.params):
+                # -1: a parameter with a gradient that the hook did not see (its tracking stops)
+                sq[i] = stash[id(p)] if id(p) in stash else (0.0 if L.grad(i) is None else -1.0)
+            if self.transport.world_size > 1:
+                self.transport.all_reduce(sq, op="mean")
+        if self._sharded():  # per parameter tensor: the shards' sums
+            sq = self._per_tensor(L, sq.reshape(-1, 1)).reshape(-1)
+        self._grad_sq_now = sq.clone()
+
+    def _untrack(self, why: str) -> None:
+        """Stop rescale_variance for every parameter (the frozen variance then stays as it is), with a warning."""
+        self._vectors["grad_sq"].fill_(-1.0)
+        if not self._untracked_warned:
+            self._untracked_warned = True
+            _log.warning("%s: rescale_variance is off for this run: %s. The variance stays frozen as published. "
+                         "Use onebit_optimizer_hook (or let the optimizer average the gradients) to keep it",
+                         type(self).__name__, why)
+
+    @staticmethod
+    def _ema_f32(old: List[float], new: List[float], b2: List[float]) -> List[float]:
+        """old b2 + (1 - b2) new in float64, rounded to fp32 (the vectors' dtype); the
+        reference repeats exactly this."""
+        out = [o * b + (1 - b) * x for o, x, b in zip(old, new, b2)]
+        return torch.tensor(out, dtype=torch.float32).tolist()
+
+    def _fold_warmup_grad_sq(self, L: FlatLayout) -> None:
+        """A taken warmup step: the EMA (beta2, as the variance) of local_grad_sq for the
+        parameters whose variance moved (a gradient on some rank), started at their first step."""
+        sq, self._grad_sq_now = self._grad_sq_now.tolist(), None
+        active = (self._grad_buf[L.total:L.total + len(L.params)] > 0).tolist()
+        vec, steps = self._vectors["grad_sq"], self._vectors["step"].tolist()
+        old = vec.tolist()
+        b2 = [self.param_groups[gi]["betas"][1] for gi in L.group_of]
+        new = self._ema_f32([0.0 if o < 0 else o for o in old], sq, b2)
+        out = list(old)
+        for i in range(len(L.params)):
+            # tracked: started at the parameter's first step (steps[i] is 1 by now); -1 from an
+            # older checkpoint or a hook that did not see it stays untracked; a norm that
+            # overflowed fp32 (finite gradients over 1e19) leaves the EMA as it was
+            if active[i] and 0 <= sq[i] < math.inf and (old[i] >= 0 or steps[i] == 1):
+                out[i] = new[i]
+            elif active[i] and sq[i] < 0:
+                out[i] = -1.0
+        vec.copy_(torch.tensor(out, dtype=torch.float32))
+
+    def _record_grad_sq(self, L: FlatLayout) -> None:
+        """At the freeze: grad_sq_frozen = the bias-corrected EMA, the reference of the
+        compression stage's rescale (-1: untracked, no rescale)."""
+        if "grad_sq" not in self._vectors:
+            return
+        q, steps = self._vectors["grad_sq"].tolist(), self._vectors["step"].tolist()
+        out = []
+        for i, gi in enumerate(L.group_of):
+            group = self.param_groups[gi]
+            bc = 1 - group["betas"][1] ** steps[i] if group["bias_correction"] else 1.0
+            out.append(q[i] / bc if q[i] >= 0 and steps[i] > 0 else -1.0)
+        self._vectors["grad_sq_frozen"].copy_(torch.tensor(out, dtype=torch.float32))
+
+    def _variance_factors(self, L: FlatLayout, include: List[bool]):
+        """Compression stage, rescale_variance: per parameter, the factor f by which its frozen
+        variance is scaled this step (None: unscaled), f = EMA_t / EMA_freeze of local_grad_sq,
+        both bias-corrected (steps already advanced); and the new EMA vector to keep once the
+        step is taken. (None, None) when nothing is tracked."""
+        if self._grad_sq_now is None:
+            return None, None
+        sq, self._grad_sq_now = self._grad_sq_now.tolist(), None
+        vec = self._vectors["grad_sq"]
+        old, frz, steps = vec.tolist(), self._vectors["grad_sq_frozen"].tolist(), self._vectors["step"].tolist()
+        b2 = [self.param_groups[gi]["betas"][1] for gi in L.group_of]
+        new = self._ema_f32([max(o, 0.0) for o in old], sq, b2)
+        factors: List[Optional[float]] = [None] * len(L.params)
+        keep = list(old)
+        for i, gi in enumerate(L.group_of):
+            if not (include[i] and old[i] >= 0 and frz[i] > 0 and 0 <= sq[i] < math.inf):
+                continue
+            keep[i] = new[i]
+            group = self.param_groups[gi]
+            if not group.get("rescale_variance", False):
+                continue
+            bc = 1 - b2[i] ** steps[i] if group["bias_correction"] else 1.0
+            f = new[i] / bc / frz[i]
+            factors[i] = f if 0.0 < f < math.inf else None
+        return factors, torch.tensor(keep, dtype=torch.float32)
+
     # ------------------------------------------------------------------ gradient statistics
     def _stats_begin(self, L: FlatLayout):
         """Compression stage: gradient_stats' coordinate sample rides in the finiteness
@@ -311,19 +424,26 @@ class OneBitOptimizer(BaseOptimizer):
         part = self._exact_part(L) if isinstance(self._comp, CompressionState) else None
         k = 0 if part is None else part[0].numel()
         ride = self._stats_ride
-        total = torch.zeros(head + k + (0 if ride is None else ride.numel()), dtype=torch.float32, device=dev)
-        if grads:
+        n_ride = 0 if ride is None else ride.numel()
+        n_sq = self._sq_slots(L)
+        total = torch.zeros(head + k + n_ride + n_sq, dtype=torch.float32, device=dev)
+        if n_sq:  # rescale_variance: the local squared norms ride along, and their sum is the finiteness check
+            total[:1] += local_sq_(L, None, total[head + k + n_ride:]).sum()
+        elif grads:
             total[:1] += torch.stack([g.sum(dtype=torch.float32) for g in grads]).sum()
         if probe:  # the first compression step: every rank's checksum rides along
             total[1:head] = replica_slots(grads, tr.rank, tr.world_size, dev)
         if part is not None:
             self._exact_grads(L, part[1], out=total[head:head + k])
         if ride is not None:
-            total[head + k:].copy_(ride)
+            total[head + k:head + k + n_ride].copy_(ride)
         tr.all_reduce(total, op="sum")
         self._exact_sum = None if part is None else total[head:head + k]
         if ride is not None:
-            self._stats_ride, self._stats_mean = None, total[head + k:].div_(tr.world_size)
+            self._stats_ride, self._stats_mean = None, total[head + k:head + k + n_ride].div_(tr.world_size)
+        if n_sq:
+            sq = total[head + k + n_ride:].div_(tr.world_size)
+            self._grad_sq_now = (self._per_tensor(L, sq.reshape(-1, 1)).reshape(-1) if self._sharded() else sq).clone()
         if self._sharded():  # the shards' sums too: a NaN in one shard skips the step on every rank
             self.shard_transport.all_reduce(total[:1], op="sum")
         if bool(torch.isfinite(total[:1]).all()):
@@ -628,6 +748,7 @@ class OneBitOptimizer(BaseOptimizer):
         self._vectors["variance_step"].copy_(self._vectors["step"])
         self._build_mask(L)
         self._record_update_bounds(L)
+        self._record_grad_sq(L)
         for name in self._frozen_buffers:
             self._flat[name] = torch.zeros_like(self._flat["exp_avg"])
         self._make_compression_state(L)
@@ -672,6 +793,13 @@ class OneBitOptimizer(BaseOptimizer):
             _log.warning("%s: the checkpoint predates max_update; its %s param group(s) continue with the published, "
                          "unbounded update (max_update=None) as they were trained; set param_group['max_update'] to "
                          "bound the compression stage", type(self).__name__, len(old))
+        if "rescale_variance" in self.defaults:
+            old = [g for g in self.param_groups if "rescale_variance" not in g]
+            for g in old:  # saved before rescale_variance existed: the frozen variance it was trained with
+                g["rescale_variance"] = False
+            if old:
+                _log.warning("%s: the checkpoint predates rescale_variance; its %s param group(s) continue with the "
+                             "published frozen variance (rescale_variance=False)", type(self).__name__, len(old))
         self._frozen = bool(extra["frozen"])
         self._comp = None
         self._mask = None

@@ -152,6 +152,11 @@ def _keep(v: Sequence[Tensor], mask_threshold: float) -> List[Tensor]:
     return [vi > thr for vi in v]
 
 
+def _f32(xs: Sequence[float]) -> List[float]:
+    """Python floats rounded to fp32 (the optimizers' per-parameter vectors)."""
+    return torch.tensor(list(xs), dtype=torch.float32).tolist()
+
+
 def _denom(v: Tensor, bc2: float, eps: float) -> Tensor:
     return (v.sqrt() / bc2 ** 0.5).add_(eps)
 
@@ -174,7 +179,8 @@ def simulate_onebit_adam(params0: Sequence[Tensor], grads: Sequence[Sequence[Seq
                          betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0, freeze_step: int,
                          block_size: Optional[int], bias_correction: bool = True,
                          mask_threshold: float = 1e-10, max_update=1.0, nodes: Optional[int] = None,
-                         shards: Optional[int] = None, exact_numel: int = 4096) -> List[List[Tensor]]:
+                         shards: Optional[int] = None, exact_numel: int = 4096,
+                         rescale_variance: bool = True) -> List[List[Tensor]]:
     """1-bit Adam. grads[t][r][i]: gradient of parameter i on rank r at step t + 1.
     Returns the parameters after every step. nodes: the compression stage's reduction is
     the hierarchical one on that many nodes (ranks node by node; None: flat). shards: the
@@ -183,7 +189,10 @@ def simulate_onebit_adam(params0: Sequence[Tensor], grads: Sequence[Sequence[Seq
     gradient). In the compression stage each coordinate's
     step lr m^ / (sqrt(v^) + eps) is clamped to lr U (max_update; None: unbounded).
     exact_numel: the momentum of parameters of at most that many elements is averaged
-    exactly instead of compressed, its compression errors held at zero."""
+    exactly instead of compressed, its compression errors held at zero. rescale_variance:
+    in the compression stage parameter i's frozen v^ is multiplied by q_t / q_freeze, q the
+    bias-corrected EMA (beta2, from step 1) of the ranks' mean squared local gradient norm
+    of parameter i (float64 arithmetic, kept in fp32)."""
     b1, b2 = betas
     p = len(grads[0])
     theta = [t.detach().float().clone() for t in params0]
@@ -191,8 +200,15 @@ def simulate_onebit_adam(params0: Sequence[Tensor], grads: Sequence[Sequence[Seq
     v = [torch.zeros_like(t) for t in theta]
     comp = _compressor(theta, p, nodes, block_size, shards, exact_numel)
     keep = bounds = None
+    q = [0.0] * len(theta)  # rescale_variance's EMA, and its bias-corrected value at the freeze
+    q_frozen: Optional[List[float]] = None
+    factors: List[Optional[float]] = [None] * len(theta)
     history = []
     for step, g_step in enumerate(grads, start=1):
+        if rescale_variance:
+            sq = _mean([torch.stack([torch.linalg.vector_norm(g_step[r][i].float().reshape(-1)).square()
+                                     for i in range(len(theta))]) for r in range(p)]).tolist()
+            q = _f32([qi * b2 + (1 - b2) * x for qi, x in zip(q, sq)])
         if step <= freeze_step:
             for i in range(len(theta)):
                 g = _mean([g_step[r][i].float() for r in range(p)])
@@ -210,15 +226,25 @@ def simulate_onebit_adam(params0: Sequence[Tensor], grads: Sequence[Sequence[Seq
                           for i in range(len(theta))]) if exact_numel else None
             m = [torch.where(k, mi, 0.0) for mi, k in zip(_split(comp(local, exact), theta), keep)]
             vstep = freeze_step
+            if rescale_variance:
+                if q_frozen is None:
+                    bcf = 1 - b2 ** freeze_step if bias_correction else 1.0
+                    q_frozen = _f32([qi / bcf for qi in q_at_freeze])
+                bct = 1 - b2 ** step if bias_correction else 1.0
+                factors = [qi / bct / qf if qf > 0 else None for qi, qf in zip(q, q_frozen)]
+                factors = [f if f is not None and 0 < f < math.inf else None for f in factors]
+        if step == freeze_step:
+            q_at_freeze = list(q)
         bc1 = 1 - b1 ** step if bias_correction else 1.0
         bc2 = 1 - b2 ** vstep if bias_correction else 1.0
         for i in range(len(theta)):
             if weight_decay != 0:
                 theta[i].mul_(1 - lr * weight_decay)
+            bc2_i = bc2 if factors[i] is None else bc2 / factors[i]
             if bounds is None or bounds[i] is None:
-                theta[i].addcdiv_(m[i], _denom(v[i], bc2, eps), value=-lr / bc1)
+                theta[i].addcdiv_(m[i], _denom(v[i], bc2_i, eps), value=-lr / bc1)
             else:  # the clamped step (-lr/bc1) m / d, addcdiv's roundings
-                step_i = torch.mul(m[i], -lr / bc1).div_(_denom(v[i], bc2, eps))
+                step_i = torch.mul(m[i], -lr / bc1).div_(_denom(v[i], bc2_i, eps))
                 theta[i].add_(step_i.clamp_(-lr * bounds[i], lr * bounds[i]))
         history.append([t.clone() for t in theta])
     return history
