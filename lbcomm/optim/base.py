@@ -52,14 +52,19 @@ _log = logging.getLogger(__name__)
 STATE_VERSION = 2  # 1: flat buffers under "lbcomm" (still read); 2: torch's per-parameter state
 
 
+def grad_norm(g: Tensor) -> Tensor:
+    """The L2 norm of a gradient as one flat fp32 vector (one read, no temporary); squared,
+    the local statistic of rescale_variance, as lbcomm.optim.reference computes it."""
+    return torch.linalg.vector_norm(g.reshape(-1).float())
+
+
 def local_sq_(L: FlatLayout, flat: Optional[Tensor], out: Tensor) -> Tensor:
-    """out[i] = the squared L2 norm of parameter i's gradient in fp32 (its view of `flat`,
-    or its .grad when flat is None; 0 without one): torch.linalg.vector_norm of the flat
-    fp32 vector, squared, as lbcomm.optim.reference does (one read, no temporary)."""
+    """out[i] = `grad_norm` squared of parameter i's gradient (its view of `flat`, or its
+    .grad when flat is None; 0 without one)."""
     norms = []
     for i in range(len(L.params)):
         g = L.view(flat, i) if flat is not None else L.grad(i)
-        norms.append(out.new_zeros(()) if g is None else torch.linalg.vector_norm(g.reshape(-1).float()))
+        norms.append(out.new_zeros(()) if g is None else grad_norm(g))
     if norms:
         torch.stack(norms, out=out).square_()
     return out

@@ -55,7 +55,7 @@ from ..topology import HierarchicalState, Topology, exact_mean_bytes, hierarchic
 from ..ddp.claims import claim_gradients
 from ..wire import check_block_size
 from . import functional as F
-from .base import BaseOptimizer, local_sq_, replica_slots
+from .base import BaseOptimizer, grad_norm, local_sq_, replica_slots
 from .flat import FlatLayout
 from .functional import STAGE
 
@@ -285,7 +285,7 @@ class OneBitOptimizer(BaseOptimizer):
         gradients before it averages them: their squared norms, which the warmup's
         `rescale_variance` needs and the averaged gradients no longer hold."""
         for p, g in zip(params, grads):
-            self._hook_sq[id(p)] = torch.linalg.vector_norm(g.detach().reshape(-1).float()).square()
+            self._hook_sq[id(p)] = grad_norm(g.detach()).square()
 
     def _warmup_grad_sq(self, L: FlatLayout, sq: Tensor) -> None:
         if self._grads_averaged:  # a DDP hook averaged them: the squared norms it stashed, one small allreduce
@@ -312,22 +312,22 @@ class OneBitOptimizer(BaseOptimizer):
                          "Use onebit_optimizer_hook (or let the optimizer average the gradients) to keep it",
                          type(self).__name__, why)
 
-    @staticmethod
-    def _ema_f32(old: List[float], new: List[float], b2: List[float]) -> List[float]:
-        """old b2 + (1 - b2) new in float64, rounded to fp32 (the vectors' dtype); the
-        reference repeats exactly this."""
-        out = [o * b + (1 - b) * x for o, x, b in zip(old, new, b2)]
-        return torch.tensor(out, dtype=torch.float32).tolist()
+    def _grad_sq_ema(self, L: FlatLayout):
+        """This step's statistic (consumed) and the EMA before and after it, per parameter:
+        (sq, old, new), new = max(old, 0) b2 + (1 - b2) sq in float64 rounded to fp32 (the
+        vectors' dtype), as the reference computes it; -1 in old: untracked."""
+        sq, self._grad_sq_now = self._grad_sq_now.tolist(), None
+        old = self._vectors["grad_sq"].tolist()
+        b2 = [self.param_groups[gi]["betas"][1] for gi in L.group_of]
+        new = [max(o, 0.0) * b + (1 - b) * x for o, x, b in zip(old, sq, b2)]
+        return sq, old, torch.tensor(new, dtype=torch.float32).tolist()
 
     def _fold_warmup_grad_sq(self, L: FlatLayout) -> None:
         """A taken warmup step: the EMA (beta2, as the variance) of local_grad_sq for the
         parameters whose variance moved (a gradient on some rank), started at their first step."""
-        sq, self._grad_sq_now = self._grad_sq_now.tolist(), None
+        sq, old, new = self._grad_sq_ema(L)
         active = (self._grad_buf[L.total:L.total + len(L.params)] > 0).tolist()
-        vec, steps = self._vectors["grad_sq"], self._vectors["step"].tolist()
-        old = vec.tolist()
-        b2 = [self.param_groups[gi]["betas"][1] for gi in L.group_of]
-        new = self._ema_f32([0.0 if o < 0 else o for o in old], sq, b2)
+        steps = self._vectors["step"].tolist()
         out = list(old)
         for i in range(len(L.params)):
             # tracked: started at the parameter's first step (steps[i] is 1 by now); -1 from an
@@ -337,7 +337,7 @@ class OneBitOptimizer(BaseOptimizer):
                 out[i] = new[i]
             elif active[i] and sq[i] < 0:
                 out[i] = -1.0
-        vec.copy_(torch.tensor(out, dtype=torch.float32))
+        self._vectors["grad_sq"].copy_(torch.tensor(out, dtype=torch.float32))
 
     def _record_grad_sq(self, L: FlatLayout) -> None:
         """At the freeze: grad_sq_frozen = the bias-corrected EMA, the reference of the
@@ -359,11 +359,8 @@ class OneBitOptimizer(BaseOptimizer):
         step is taken. (None, None) when nothing is tracked."""
         if self._grad_sq_now is None:
             return None, None
-        sq, self._grad_sq_now = self._grad_sq_now.tolist(), None
-        vec = self._vectors["grad_sq"]
-        old, frz, steps = vec.tolist(), self._vectors["grad_sq_frozen"].tolist(), self._vectors["step"].tolist()
-        b2 = [self.param_groups[gi]["betas"][1] for gi in L.group_of]
-        new = self._ema_f32([max(o, 0.0) for o in old], sq, b2)
+        sq, old, new = self._grad_sq_ema(L)
+        frz, steps = self._vectors["grad_sq_frozen"].tolist(), self._vectors["step"].tolist()
         factors: List[Optional[float]] = [None] * len(L.params)
         keep = list(old)
         for i, gi in enumerate(L.group_of):
@@ -373,7 +370,7 @@ class OneBitOptimizer(BaseOptimizer):
             group = self.param_groups[gi]
             if not group.get("rescale_variance", False):
                 continue
-            bc = 1 - b2[i] ** steps[i] if group["bias_correction"] else 1.0
+            bc = 1 - group["betas"][1] ** steps[i] if group["bias_correction"] else 1.0
             f = new[i] / bc / frz[i]
             factors[i] = f if 0.0 < f < math.inf else None
         return factors, torch.tensor(keep, dtype=torch.float32)

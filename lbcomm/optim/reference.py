@@ -201,7 +201,7 @@ def simulate_onebit_adam(params0: Sequence[Tensor], grads: Sequence[Sequence[Seq
     comp = _compressor(theta, p, nodes, block_size, shards, exact_numel)
     keep = bounds = None
     q = [0.0] * len(theta)  # rescale_variance's EMA, and its bias-corrected value at the freeze
-    q_frozen: Optional[List[float]] = None
+    q_frozen: List[float] = []
     factors: List[Optional[float]] = [None] * len(theta)
     history = []
     for step, g_step in enumerate(grads, start=1):
@@ -227,14 +227,12 @@ def simulate_onebit_adam(params0: Sequence[Tensor], grads: Sequence[Sequence[Seq
             m = [torch.where(k, mi, 0.0) for mi, k in zip(_split(comp(local, exact), theta), keep)]
             vstep = freeze_step
             if rescale_variance:
-                if q_frozen is None:
-                    bcf = 1 - b2 ** freeze_step if bias_correction else 1.0
-                    q_frozen = _f32([qi / bcf for qi in q_at_freeze])
                 bct = 1 - b2 ** step if bias_correction else 1.0
                 factors = [qi / bct / qf if qf > 0 else None for qi, qf in zip(q, q_frozen)]
                 factors = [f if f is not None and 0 < f < math.inf else None for f in factors]
-        if step == freeze_step:
-            q_at_freeze = list(q)
+        if rescale_variance and step == freeze_step:
+            bcf = 1 - b2 ** freeze_step if bias_correction else 1.0
+            q_frozen = _f32([qi / bcf for qi in q])
         bc1 = 1 - b1 ** step if bias_correction else 1.0
         bc2 = 1 - b2 ** vstep if bias_correction else 1.0
         for i in range(len(theta)):
