@@ -256,3 +256,14 @@ class LbcommCallback(TrainerCallback):
     def on_save(self, args, state, control, **kwargs):
         directory = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
         save_sharded(directory, self._optimizer, extra={"global_step": state.global_step}, hook_state=self.hook_state)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        # The Trainer's last collective (store_flos's all_gather) leaves a Python tensor in a gloo
+        # work object, and whichever thread drops that object last frees the tensor under the GIL.
+        # If that is a gloo worker thread while Python finalizes, the thread dies there and the
+        # process aborts ("terminate called without an active exception", plain Trainer too). A
+        # barrier holds every earlier work of the group; keeping its handle here makes the main
+        # thread drop them (with the GIL, at exit) instead of the worker.
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            self._exit_barrier = dist.barrier(async_op=True)
+            self._exit_barrier.wait()
