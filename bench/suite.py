@@ -5,6 +5,8 @@ For each task and each pair (full precision vs 1-bit)
     AdamW (gradients allreduced)          vs  lbcomm.OneBitAdam
     lbcomm.Lamb                           vs  lbcomm.OneBitLamb
     DDP + torch.optim.SGD(momentum 0.9)   vs  DDP + lbcomm.onebit_hook + the same SGD
+    DDP + torch.optim.SGD(momentum 0.9)   vs  the same with OneBitHookState(momentum=0.9,
+                                              normalize="adaptive"): the hook for SGD momentum
     lbcomm.Lars                           vs  DDP + lbcomm.onebit_hook + lbcomm.Lars
     AdamW                                 vs  DDP + lbcomm.onebit_hook + AdamW (adamw_hook, on request)
     AdamW                                 vs  lbcomm.ZeroOneAdam (zeroone, on request)
@@ -19,6 +21,7 @@ first compressed update per coordinate in units of lr. Written: a PNG of the rat
     python bench/suite.py                     # all tasks, whole grids: several minutes on 2 cores
     python bench/suite.py --quick             # 3 tasks, short runs: the regression guard
     python bench/suite.py --onebit-options '{"mask_threshold": 1e-3}'   # options of both 1-bit optimizers
+    python bench/suite.py --tasks dead_relu --repeats 3   # each lr's loss: the mean over 3 batch orders
     python bench/suite.py --report bench/results/suite_quick_before.json bench/results/suite_quick_after.json
                                               # the tables of saved runs (--json), without running
 """
@@ -26,6 +29,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
+import itertools
 import json
 import math
 import os
@@ -43,17 +48,22 @@ import lbcomm  # noqa: E402
 import tasks as T  # noqa: E402
 from convergence import average_grads, zeroone_local_step_scaler  # noqa: E402
 
-METHODS = ("adamw", "onebit_adam", "lamb", "onebit_lamb", "sgd", "sgd_hook", "lars", "lars_hook")
+METHODS = ("adamw", "onebit_adam", "lamb", "onebit_lamb", "sgd", "sgd_hook", "sgd_mom_hook", "lars", "lars_hook")
 EXTRA_METHODS = ("adamw_hook", "zeroone")  # on request only: DDP + onebit_hook + torch AdamW; 0/1 Adam
-TWIN = {"onebit_adam": "adamw", "onebit_lamb": "lamb", "sgd_hook": "sgd", "lars_hook": "lars", "adamw_hook": "adamw",
+TWIN = {"onebit_adam": "adamw", "onebit_lamb": "lamb", "sgd_hook": "sgd", "sgd_mom_hook": "sgd", "lars_hook": "lars", "adamw_hook": "adamw",
         "zeroone": "adamw"}
 FAMILY = {"adamw": "adam", "onebit_adam": "adam", "lamb": "lamb", "onebit_lamb": "lamb", "sgd": "sgd",
-          "sgd_hook": "sgd", "lars": "lars", "lars_hook": "lars", "adamw_hook": "adam", "zeroone": "adam"}
+          "sgd_hook": "sgd", "sgd_mom_hook": "sgd", "lars": "lars", "lars_hook": "lars", "adamw_hook": "adam", "zeroone": "adam"}
 LABEL = {"adamw": "AdamW", "onebit_adam": "OneBitAdam", "lamb": "Lamb", "onebit_lamb": "OneBitLamb",
-         "sgd": "SGD+DDP", "sgd_hook": "SGD+onebit_hook", "lars": "Lars",
+         "sgd": "SGD+DDP", "sgd_hook": "SGD+onebit_hook", "sgd_mom_hook": "SGD+hook(mom)", "lars": "Lars",
          "lars_hook": "Lars+onebit_hook", "adamw_hook": "AdamW+onebit_hook", "zeroone": "ZeroOneAdam"}
 LARS_TRUST = 0.02  # trust_coefficient of the LARS runs (their lr grid is tasks.GRIDS["lars"])
 QUICK_TASKS = ("rare_features", "dead_relu", "zipf_embed")
+SGD_MOMENTUM = 0.9
+HOOKS = ("sgd_hook", "sgd_mom_hook", "lars_hook", "adamw_hook")
+# sgd_mom_hook: the hook as README recommends it for SGD momentum (its momentum = SGD's)
+MOM_HOOK = {"momentum": SGD_MOMENTUM, "normalize": "adaptive"}
+ORDER_STRIDE = 1_000_003  # --repeats: order k reads the task's batches of steps k * ORDER_STRIDE + step
 
 
 def freeze_of(task) -> int:
@@ -85,14 +95,21 @@ def build(method, model, lr, task, world, a):
         return model, lbcomm.Lars(model.parameters(), **lars)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     extra = json.loads(a.hook_options) if a.hook_options else {}
-    if method in ("lars_hook", "sgd_hook", "adamw_hook"):
-        ddp.hook_state = lbcomm.OneBitHookState(start_iter=freeze_of(task), **extra)  # its bytes are reported
+    if method in HOOKS:
+        base = MOM_HOOK if method == "sgd_mom_hook" else {}
+        ddp.hook_state = lbcomm.OneBitHookState(**{"start_iter": freeze_of(task), **base, **extra})  # its bytes are reported
         ddp.register_comm_hook(ddp.hook_state, lbcomm.onebit_hook)
     if method == "lars_hook":  # Lars sees onebit_hook's claim and does not average again
         return ddp, lbcomm.Lars(model.parameters(), **lars)
     if method == "adamw_hook":
         return ddp, torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=wd)
-    return ddp, torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    return ddp, torch.optim.SGD(model.parameters(), lr=lr, momentum=SGD_MOMENTUM)
+
+
+def in_order(batches, k):
+    """Batch order k of a task: step s reads the batch of step s + k * ORDER_STRIDE (order 0:
+    the task's own); the same data, other draws."""
+    return batches if k == 0 else functools.partial(lambda step, k: batches(step + k * ORDER_STRIDE), k=k)
 
 
 def one_run(rank, world, task, method, lr, a):
@@ -143,14 +160,18 @@ def rank_main(rank, world, a, out_path, init_file):
     results = []
     for name in a.tasks:
         task = T.make_task(name, quick=a.quick, seed=a.seed, grid=a.grid)
+        batches = task.batch
         for method in a.methods:
-            for lr in task.grids[FAMILY[method]]:
+            for lr, rep in itertools.product(task.grids[FAMILY[method]], range(a.repeats)):
+                task.batch = in_order(batches, rep)
                 t0 = time.perf_counter()
                 r = one_run(rank, world, task, method, lr, a)
                 r["seconds"] = time.perf_counter() - t0
+                r["repeat"] = rep
                 results.append(r)
                 if rank == 0:
-                    print(f"  {name:<14}{LABEL[method]:<16}lr {lr:<7g} final {r['final']:.4f}"
+                    print(f"  {name:<14}{LABEL[method]:<16}lr {lr:<7g}"
+                          + (f" order {rep}" if a.repeats > 1 else "") + f" final {r['final']:.4f}"
                           + (f"  DIVERGED at step {r['diverged']}" if r["diverged"] else "")
                           + (f"  first compressed update {r['first_update_ratio']:.3g} lr"
                              if r["first_update_ratio"] is not None else "")
@@ -167,8 +188,25 @@ def is_diverged(r) -> bool:
     return bool(r["diverged"]) or not math.isfinite(r["final"]) or r["final"] > r["init"]
 
 
+def over_orders(results):
+    """One record per (task, method, lr): the final loss is the mean over its batch orders
+    (``--repeats``), non-finite if any order diverged."""
+    groups = {}
+    for r in results:
+        groups.setdefault((r["task"], r["method"], r["lr"]), []).append(r)
+    out = []
+    for rs in groups.values():
+        finals = [r["final"] for r in rs]
+        ratios = [r["first_update_ratio"] for r in rs if r["first_update_ratio"] is not None]
+        out.append({**rs[0], "final": sum(finals) / len(finals), "finals": finals,
+                    "diverged": next((r["diverged"] for r in rs if r["diverged"]), None),
+                    "first_update_ratio": max(ratios) if ratios else None})
+    return out
+
+
 def summarize(results):
     """{task: {method: (best final, lr, [lrs diverged while the twin did not])}}."""
+    results = over_orders(results)
     out = {}
     for t in dict.fromkeys(r["task"] for r in results):
         out[t] = {}
@@ -207,11 +245,11 @@ def report(results, a):
         print(f"{LABEL[m] + ' / ' + LABEL[base]:<30}" + "".join(f"{c:>16}" for c in cells))
     print("(dN: diverged at N lrs of the grid where the twin did not; diverged = non-finite or worse than at init)")
     print("\nlargest first compressed update of one coordinate over the grid, in units of the current lr")
-    for m in ("onebit_adam", "onebit_lamb", "sgd_hook", "lars_hook", "adamw_hook"):
+    for m in ("onebit_adam", "onebit_lamb") + HOOKS:
         if m in a.methods:
             print(f"  {LABEL[m]:<16}" + "".join(
                 f"{(format(s[t][m][3], '.3g') if s[t][m][3] is not None else '-'):>16}" for t in tasks_))
-    hooks = [m for m in ("sgd_hook", "lars_hook", "adamw_hook") if m in a.methods]
+    hooks = [m for m in HOOKS if m in a.methods]
     if hooks:
         print("\nhook bytes sent per rank / an fp32 ring allreduce's, whole run (start included), at the best lr")
         for m in hooks:
@@ -268,16 +306,22 @@ def parse_args(argv=None):
     p.add_argument("--grid", choices=("coarse", "fine"), default="coarse",
                    help="the lr grids of bench/tasks.py (coarse: 4 lrs, 3.16x apart) or with their "
                    "geometric midpoints (fine: 7 lrs)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run every (task, method, lr) this many times, each with another order of the same "
+                   "batches (same data, initial weights), and rank the lrs by the mean final loss: for tasks "
+                   "whose top lrs are chaotic, where one run's final loss carries a few %% of luck")
     p.add_argument("--onebit-options", default="", help="JSON dict of extra OneBitAdam/OneBitLamb options")
     p.add_argument("--zeroone-options", default="", help="JSON dict of extra ZeroOneAdam options (zeroone), "
                    "e.g. '{\"var_decay\": \"update\"}'")
     p.add_argument("--hook-options", default="", help="JSON dict of extra OneBitHookState options (sgd_hook, "
-                   "lars_hook, adamw_hook)")
+                   "sgd_mom_hook (on top of its momentum=0.9, normalize='adaptive'), lars_hook, adamw_hook)")
     p.add_argument("--json", default="", help="write the raw results here")
     p.add_argument("--plot", default="", help="PNG of the ratio table")
     p.add_argument("--report", nargs="+", default=[], metavar="JSON",
                    help="print the tables of runs saved with --json instead of running")
     a = p.parse_args(argv)
+    if a.repeats < 1:
+        p.error(f"--repeats must be >= 1, got {a.repeats}")
     a.tasks = a.tasks.split(",") if a.tasks else list(QUICK_TASKS if a.quick else T.TASKS)
     a.methods = [m for m in a.methods.split(",") if m]
     unknown = [m for m in a.methods if m not in METHODS + EXTRA_METHODS] + [t for t in a.tasks if t not in T.TASKS]

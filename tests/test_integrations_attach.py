@@ -61,3 +61,25 @@ def test_attach_single_process_is_a_noop(caplog):
     assert "nothing is attached" in caplog.text
     with pytest.raises(TypeError, match="OneBitHookState"):
         attach(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_hook_momentum_must_be_the_sgds(caplog):
+    """OneBitHookState(momentum=mu) hands SGD m^_t - mu m^_(t-1): right only for SGD(momentum=mu).
+    The callbacks check it through wrappers (accelerate/Lightning keep the SGD in .optimizer)."""
+    from types import SimpleNamespace
+
+    from lbcomm.integrations.attach import check_hook_momentum
+
+    model = torch.nn.Linear(4, 4)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    wrapped = SimpleNamespace(optimizer=sgd)
+    check_hook_momentum("cb", lbcomm.OneBitHookState(momentum=0.9), [wrapped])  # matches: fine
+    check_hook_momentum("cb", None, [sgd])  # no hook: nothing to check
+    for state, opt in ((lbcomm.OneBitHookState(momentum=0.9), torch.optim.SGD(model.parameters(), lr=0.1)),
+                       (lbcomm.OneBitHookState(momentum=0.5), wrapped)):
+        with pytest.raises(ValueError, match="must equal the SGD's momentum"):
+            check_hook_momentum("cb", state, [opt])
+    check_hook_momentum("cb", lbcomm.OneBitHookState(momentum=0.9), [torch.optim.AdamW(model.parameters())])
+    with caplog.at_level("INFO", logger="lbcomm.integrations.attach"):
+        check_hook_momentum("cb", lbcomm.OneBitHookState(), [wrapped])
+    assert "OneBitHookState(momentum=0.9, normalize='adaptive')" in caplog.text

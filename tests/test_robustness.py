@@ -21,6 +21,7 @@ import sys
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 
@@ -129,3 +130,27 @@ def test_integration_the_published_rule_stays_available(results):
     guard is about, so the guard itself can fail)."""
     r = _get(results, "rare_features", "onebit_adam", 0.03, {"max_update": None, "exact_numel": 0})
     assert r["first_update_ratio"] > 100, r
+
+
+def test_suite_ranks_lrs_by_the_mean_over_batch_orders():
+    """--repeats: one record per (task, method, lr), the mean of its orders' final losses; an
+    lr that diverged in any order is diverged; bad counts are refused."""
+    import suite
+
+    def rec(lr, final, diverged=None, ratio=None):
+        return {"task": "t", "method": "sgd", "lr": lr, "final": final, "init": 2.0, "diverged": diverged,
+                "first_update_ratio": ratio}
+
+    runs = [rec(0.1, 1.0, ratio=0.5), rec(0.1, 0.5, ratio=0.25), rec(0.3, 0.4), rec(0.3, float("nan"), diverged=7)]
+    by_lr = {r["lr"]: r for r in suite.over_orders(runs)}
+    assert by_lr[0.1]["final"] == 0.75 and by_lr[0.1]["finals"] == [1.0, 0.5] and by_lr[0.1]["first_update_ratio"] == 0.5
+    assert by_lr[0.3]["diverged"] == 7 and suite.is_diverged(by_lr[0.3])
+    assert suite.summarize(runs)["t"]["sgd"][:2] == (0.75, 0.1)  # 0.3's best single run (0.4) does not count
+    with pytest.raises(SystemExit):
+        suite.parse_args(["--repeats", "0"])
+    import tasks as T
+
+    batches = T.make_task("dead_relu", quick=True).batch
+    assert suite.in_order(batches, 0) is batches
+    x0, x1, x1_again = batches(3)[0], suite.in_order(batches, 1)(3)[0], suite.in_order(batches, 1)(3)[0]
+    assert torch.equal(x1, x1_again) and not torch.equal(x0, x1)

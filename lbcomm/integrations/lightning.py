@@ -45,7 +45,7 @@ from lightning.pytorch.callbacks import Callback
 
 from ..compressed import redistribute_errors
 from ..ddp import OneBitHookState
-from .attach import LBCOMM_OPTIMIZERS, attach, check_callback_args, unwrap_optimizer
+from .attach import LBCOMM_OPTIMIZERS, attach, check_callback_args, check_hook_momentum, unwrap_optimizer
 
 __all__ = ["LbcommCallback"]
 
@@ -146,6 +146,7 @@ class LbcommCallback(Callback):
             raise ValueError(f"LbcommCallback: configure_optimizers returned {names}, not a lbcomm optimizer, and no "
                              "hook_state was given, so nothing would be compressed. Return lbcomm.OneBitAdam(...) / "
                              "lbcomm.OneBitLamb(...), or pass LbcommCallback(hook_state=lbcomm.OneBitHookState(...))")
+        check_hook_momentum("LbcommCallback", self.hook_state, trainer.optimizers)
         return ours[0] if ours else None
 
     def on_fit_start(self, trainer, pl_module) -> None:

@@ -41,7 +41,8 @@ from transformers import TrainerCallback
 
 from ..checkpoint import load_sharded, save_sharded, shard_path
 from ..ddp import OneBitHookState
-from .attach import LBCOMM_OPTIMIZERS, attach, check_callback_args, find_ddp, unwrap_optimizer
+from .attach import (LBCOMM_OPTIMIZERS, attach, check_callback_args, check_hook_momentum, find_ddp,
+                     unwrap_optimizer)
 
 __all__ = ["LbcommCallback"]
 
@@ -153,6 +154,7 @@ class LbcommCallback(TrainerCallback):
                              "optimizer, and no hook_state was given, so nothing would be compressed. Pass "
                              "optimizers=(lbcomm.OneBitAdam(model.parameters(), ...), scheduler) to the Trainer, or "
                              "LbcommCallback(hook_state=lbcomm.OneBitHookState(start_iter=...)) for this optimizer")
+        check_hook_momentum("LbcommCallback", self.hook_state, [optimizer])
         return None
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
