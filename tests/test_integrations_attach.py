@@ -66,13 +66,15 @@ def test_attach_single_process_is_a_noop(caplog):
 def test_hook_momentum_must_be_the_sgds(caplog):
     """OneBitHookState(momentum=mu) hands SGD m^_t - mu m^_(t-1): right only for SGD(momentum=mu).
     The callbacks check it through wrappers (accelerate/Lightning keep the SGD in .optimizer)."""
-    from types import SimpleNamespace
-
     from lbcomm.integrations.attach import check_hook_momentum
+
+    class Wrapper(torch.optim.Optimizer):  # like accelerate's AcceleratedOptimizer: an Optimizer itself
+        def __init__(self, inner):
+            self.optimizer = inner
 
     model = torch.nn.Linear(4, 4)
     sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    wrapped = SimpleNamespace(optimizer=sgd)
+    wrapped = Wrapper(sgd)
     check_hook_momentum("cb", lbcomm.OneBitHookState(momentum=0.9), [wrapped])  # matches: fine
     check_hook_momentum("cb", None, [sgd])  # no hook: nothing to check
     for state, opt in ((lbcomm.OneBitHookState(momentum=0.9), torch.optim.SGD(model.parameters(), lr=0.1)),

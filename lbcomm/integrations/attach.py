@@ -132,12 +132,12 @@ def check_hook_momentum(who: str, hook_state: Optional[OneBitHookState], optimiz
     if hook_state is None:
         return
     for opt in optimizers:
-        inner, seen = opt, set()
-        while not isinstance(inner, torch.optim.Optimizer) and id(inner) not in seen:
-            seen.add(id(inner))
+        inner, seen = opt, {id(opt)}  # the innermost optimizer: accelerate's wrapper is an Optimizer too
+        while True:
             nxt = next((inner.__dict__[n] for n in _OPTIMIZER_ATTRS if n in getattr(inner, "__dict__", {})), None)
-            if nxt is None:
+            if nxt is None or id(nxt) in seen:
                 break
+            seen.add(id(nxt))
             inner = nxt
         if not isinstance(inner, torch.optim.SGD):
             continue
