@@ -41,6 +41,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 import lbcomm  # noqa: E402
+from cli_options import json_options  # noqa: E402
 from lbcomm.comm.counting import CountingTransport  # noqa: E402
 
 BASELINE = {"onebit_adam": "adamw", "onebit_lamb": "lamb"}  # the block-size sweeps
@@ -141,14 +142,14 @@ def make_optimizer(kind, params, a, block):
     common = dict(betas=(0.9, a.beta2), eps=1e-8, weight_decay=a.weight_decay)
     if kind == "adamw":
         return torch.optim.AdamW(params, lr=a.adam_lr, **common)
-    extra = json.loads(a.onebit_options) if a.onebit_options else {}
+    extra = a.onebit_options
     if kind == "onebit_adam":
         return lbcomm.OneBitAdam(params, lr=a.adam_lr, freeze_step=a.freeze, block_size=block, **common, **extra)
     if kind == "zeroone":
         return lbcomm.ZeroOneAdam(params, lr=a.adam_lr, var_freeze_step=a.freeze, block_size=block,
                                   var_update_scaler=a.var_update_scaler, local_step_scaler=a.local_step_scaler,
                                   local_step_clipper=a.local_step_clipper, **common,
-                                  **(json.loads(a.zeroone_options) if a.zeroone_options else {}))
+                                  **a.zeroone_options)
     if kind == "lamb":
         return lbcomm.Lamb(params, lr=a.lamb_lr, **common)
     return lbcomm.OneBitLamb(params, lr=a.lamb_lr, freeze_step=a.freeze, block_size=block, **common, **extra)
@@ -428,9 +429,9 @@ def parse_args(argv=None):
     p.add_argument("--plot", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "convergence.png"),
                    help="PNG to write ('' for none)")
     p.add_argument("--json", default="", help="also write the raw results here")
-    p.add_argument("--zeroone-options", default="", help="JSON dict of extra ZeroOneAdam options, e.g. "
+    p.add_argument("--zeroone-options", default="", type=json_options, help="JSON dict of extra ZeroOneAdam options, e.g. "
                    "'{\"var_decay\": \"update\"}' (the paper's variance decay)")
-    p.add_argument("--onebit-options", default="", help="JSON dict of extra OneBitAdam/OneBitLamb options, e.g. "
+    p.add_argument("--onebit-options", default="", type=json_options, help="JSON dict of extra OneBitAdam/OneBitLamb options, e.g. "
                    "'{\"max_update\": \"auto\"}'")
     a = p.parse_args(argv)
     if a.quick:

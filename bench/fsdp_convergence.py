@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
 import tempfile
@@ -39,6 +38,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # run from a checkout
 sys.path.insert(0, HERE)
 import lbcomm  # noqa: E402
+from cli_options import json_options  # noqa: E402
 from convergence import ByteLM, evaluate, lm_loss, load_corpus, lr_factor, sample  # noqa: E402
 
 RUNS = ("hsdp_adamw", "onebit_hsdp", "fsdp_onebit_adam")
@@ -59,7 +59,7 @@ def build(run, a, mesh):
         opt = lbcomm.fsdp.onebit_optimizer(model, mesh, lbcomm.OneBitAdam, freeze_step=a.freeze, **common)
     else:
         if run == "onebit_hsdp":
-            lbcomm.fsdp.onebit_hsdp(model, mesh, **(json.loads(a.hsdp_options) if a.hsdp_options else {}))
+            lbcomm.fsdp.onebit_hsdp(model, mesh, **a.hsdp_options)
         opt = torch.optim.AdamW(model.parameters(), **common)
     return model, opt
 
@@ -113,7 +113,7 @@ def parse_args(argv=None):
     p.add_argument("--train-mb", type=float, default=6.0)
     p.add_argument("--only", default="", help=f"comma list of {','.join(RUNS)} (default: all)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--hsdp-options", default="", help="JSON dict of onebit_hsdp's options, e.g. '{\"start_iter\": 75}'")
+    p.add_argument("--hsdp-options", default="", type=json_options, help="JSON dict of onebit_hsdp's options, e.g. '{\"start_iter\": 75}'")
     a = p.parse_args(argv)
     if a.quick:
         a.steps, a.final_eval_seqs, a.train_mb = 20, 64, 1.0

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import statistics
 import sys
@@ -41,6 +40,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import lbcomm  # noqa: E402
+from cli_options import json_options  # noqa: E402
 
 
 RULES = ("published", "default")
@@ -125,7 +125,7 @@ def _opt_configs(kind):
 def twin(kind, rule, side, g, a):
     """A HookTwin, or an optimizer of 8 side x side parameters past its first compressed step."""
     if kind == "hook":
-        return HookTwin(side, rule, g, json.loads(a.hook_options or "{}"))
+        return HookTwin(side, rule, g, a.hook_options)
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(side, side) * 0.02) for _ in range(8)]
     for p in params:
@@ -179,7 +179,7 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--kinds", default="adam,lamb")
-    p.add_argument("--hook-options", default="", help="JSON dict of the hook's OneBitHookState options "
+    p.add_argument("--hook-options", default="", type=json_options, help="JSON dict of the hook's OneBitHookState options "
                    "(default: its defaults)")
     a = p.parse_args(argv)
     a.kinds = a.kinds.split(",")

@@ -45,6 +45,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import lbcomm  # noqa: E402
+from cli_options import json_options  # noqa: E402
 import tasks as T  # noqa: E402
 from convergence import average_grads, zeroone_local_step_scaler  # noqa: E402
 
@@ -73,7 +74,7 @@ def freeze_of(task) -> int:
 def build(method, model, lr, task, world, a):
     """(model to call, optimizer, ddp state) for one run."""
     betas, wd = (0.9, task.beta2), task.weight_decay
-    extra = json.loads(a.onebit_options) if a.onebit_options else {}
+    extra = a.onebit_options
     adam_cls, lamb_cls = lbcomm.OneBitAdam, lbcomm.OneBitLamb
     if method == "adamw":
         return model, torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=wd)
@@ -82,7 +83,7 @@ def build(method, model, lr, task, world, a):
                                         freeze_step=freeze_of(task), **extra)
     if method == "zeroone":  # var_freeze_step at 25 % as the others' freeze; alpha scaled to the run
         opts = {"local_step_scaler": zeroone_local_step_scaler(task.steps),
-                **(json.loads(a.zeroone_options) if a.zeroone_options else {})}
+                **a.zeroone_options}
         return model, lbcomm.ZeroOneAdam(model.parameters(), lr=lr, betas=betas, weight_decay=wd,
                                          var_freeze_step=freeze_of(task), **opts)
     if method == "lamb":
@@ -94,7 +95,7 @@ def build(method, model, lr, task, world, a):
     if method == "lars":
         return model, lbcomm.Lars(model.parameters(), **lars)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
-    extra = json.loads(a.hook_options) if a.hook_options else {}
+    extra = a.hook_options
     if method in HOOKS:
         base = MOM_HOOK if method == "sgd_mom_hook" else {}
         ddp.hook_state = lbcomm.OneBitHookState(**{"start_iter": freeze_of(task), **base, **extra})  # its bytes are reported
@@ -310,10 +311,10 @@ def parse_args(argv=None):
                    help="run every (task, method, lr) this many times, each with another order of the same "
                    "batches (same data, initial weights), and rank the lrs by the mean final loss: for tasks "
                    "whose top lrs are chaotic, where one run's final loss carries a few %% of luck")
-    p.add_argument("--onebit-options", default="", help="JSON dict of extra OneBitAdam/OneBitLamb options")
-    p.add_argument("--zeroone-options", default="", help="JSON dict of extra ZeroOneAdam options (zeroone), "
+    p.add_argument("--onebit-options", default="", type=json_options, help="JSON dict of extra OneBitAdam/OneBitLamb options")
+    p.add_argument("--zeroone-options", default="", type=json_options, help="JSON dict of extra ZeroOneAdam options (zeroone), "
                    "e.g. '{\"var_decay\": \"update\"}'")
-    p.add_argument("--hook-options", default="", help="JSON dict of extra OneBitHookState options (sgd_hook, "
+    p.add_argument("--hook-options", default="", type=json_options, help="JSON dict of extra OneBitHookState options (sgd_hook, "
                    "sgd_mom_hook (on top of its momentum=0.9, normalize='adaptive'), lars_hook, adamw_hook)")
     p.add_argument("--json", default="", help="write the raw results here")
     p.add_argument("--plot", default="", help="PNG of the ratio table")

@@ -48,15 +48,13 @@ CASES = [
 
 
 def _runs(rank, world, cases):
-    import json
-
     import suite
     import tasks as T
 
     out = []
     for name, method, lr, extra in cases:
         task = T.make_task(name, quick=True)
-        a = SimpleNamespace(onebit_options=json.dumps(extra) if extra else "", hook_options="", zeroone_options="")
+        a = SimpleNamespace(onebit_options=extra or {}, hook_options={}, zeroone_options={})
         out.append(suite.one_run(rank, world, task, method, lr, a))
     return out
 
@@ -146,8 +144,11 @@ def test_suite_ranks_lrs_by_the_mean_over_batch_orders():
     assert by_lr[0.1]["final"] == 0.75 and by_lr[0.1]["finals"] == [1.0, 0.5] and by_lr[0.1]["first_update_ratio"] == 0.5
     assert by_lr[0.3]["diverged"] == 7 and suite.is_diverged(by_lr[0.3])
     assert suite.summarize(runs)["t"]["sgd"][:2] == (0.75, 0.1)  # 0.3's best single run (0.4) does not count
-    with pytest.raises(SystemExit):
-        suite.parse_args(["--repeats", "0"])
+    for bad in (["--repeats", "0"], ["--hook-options", "[1]"], ["--onebit-options", "{bad"]):
+        with pytest.raises(SystemExit):  # refused when the command line is read, not on the ranks
+            suite.parse_args(bad)
+    assert suite.parse_args(["--hook-options", '{"block_size": 256}']).hook_options == {"block_size": 256}
+    assert suite.parse_args([]).onebit_options == {}
     import tasks as T
 
     batches = T.make_task("dead_relu", quick=True).batch
