@@ -429,9 +429,11 @@ def parse_args(argv=None):
     p.add_argument("--plot", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "convergence.png"),
                    help="PNG to write ('' for none)")
     p.add_argument("--json", default="", help="also write the raw results here")
-    p.add_argument("--zeroone-options", default="", type=json_options, help="JSON dict of extra ZeroOneAdam options, e.g. "
+    p.add_argument("--zeroone-options", default="", type=json_options,
+                   help="JSON dict of extra ZeroOneAdam options, e.g. "
                    "'{\"var_decay\": \"update\"}' (the paper's variance decay)")
-    p.add_argument("--onebit-options", default="", type=json_options, help="JSON dict of extra OneBitAdam/OneBitLamb options, e.g. "
+    p.add_argument("--onebit-options", default="", type=json_options,
+                   help="JSON dict of extra OneBitAdam/OneBitLamb options, e.g. "
                    "'{\"max_update\": \"auto\"}'")
     a = p.parse_args(argv)
     if a.quick:

@@ -113,7 +113,8 @@ def parse_args(argv=None):
     p.add_argument("--train-mb", type=float, default=6.0)
     p.add_argument("--only", default="", help=f"comma list of {','.join(RUNS)} (default: all)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--hsdp-options", default="", type=json_options, help="JSON dict of onebit_hsdp's options, e.g. '{\"start_iter\": 75}'")
+    p.add_argument("--hsdp-options", default="", type=json_options,
+                   help="JSON dict of onebit_hsdp's options, e.g. '{\"start_iter\": 75}'")
     a = p.parse_args(argv)
     if a.quick:
         a.steps, a.final_eval_seqs, a.train_mb = 20, 64, 1.0

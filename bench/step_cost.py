@@ -179,7 +179,8 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--kinds", default="adam,lamb")
-    p.add_argument("--hook-options", default="", type=json_options, help="JSON dict of the hook's OneBitHookState options "
+    p.add_argument("--hook-options", default="", type=json_options,
+                   help="JSON dict of the hook's OneBitHookState options "
                    "(default: its defaults)")
     a = p.parse_args(argv)
     a.kinds = a.kinds.split(",")

@@ -51,10 +51,11 @@ from convergence import average_grads, zeroone_local_step_scaler  # noqa: E402
 
 METHODS = ("adamw", "onebit_adam", "lamb", "onebit_lamb", "sgd", "sgd_hook", "sgd_mom_hook", "lars", "lars_hook")
 EXTRA_METHODS = ("adamw_hook", "zeroone")  # on request only: DDP + onebit_hook + torch AdamW; 0/1 Adam
-TWIN = {"onebit_adam": "adamw", "onebit_lamb": "lamb", "sgd_hook": "sgd", "sgd_mom_hook": "sgd", "lars_hook": "lars", "adamw_hook": "adamw",
-        "zeroone": "adamw"}
+TWIN = {"onebit_adam": "adamw", "onebit_lamb": "lamb", "sgd_hook": "sgd", "sgd_mom_hook": "sgd", "lars_hook": "lars",
+        "adamw_hook": "adamw", "zeroone": "adamw"}
 FAMILY = {"adamw": "adam", "onebit_adam": "adam", "lamb": "lamb", "onebit_lamb": "lamb", "sgd": "sgd",
-          "sgd_hook": "sgd", "sgd_mom_hook": "sgd", "lars": "lars", "lars_hook": "lars", "adamw_hook": "adam", "zeroone": "adam"}
+          "sgd_hook": "sgd", "sgd_mom_hook": "sgd", "lars": "lars", "lars_hook": "lars", "adamw_hook": "adam",
+          "zeroone": "adam"}
 LABEL = {"adamw": "AdamW", "onebit_adam": "OneBitAdam", "lamb": "Lamb", "onebit_lamb": "OneBitLamb",
          "sgd": "SGD+DDP", "sgd_hook": "SGD+onebit_hook", "sgd_mom_hook": "SGD+hook(mom)", "lars": "Lars",
          "lars_hook": "Lars+onebit_hook", "adamw_hook": "AdamW+onebit_hook", "zeroone": "ZeroOneAdam"}
@@ -98,7 +99,8 @@ def build(method, model, lr, task, world, a):
     extra = a.hook_options
     if method in HOOKS:
         base = MOM_HOOK if method == "sgd_mom_hook" else {}
-        ddp.hook_state = lbcomm.OneBitHookState(**{"start_iter": freeze_of(task), **base, **extra})  # its bytes are reported
+        # its bytes are reported
+        ddp.hook_state = lbcomm.OneBitHookState(**{"start_iter": freeze_of(task), **base, **extra})
         ddp.register_comm_hook(ddp.hook_state, lbcomm.onebit_hook)
     if method == "lars_hook":  # Lars sees onebit_hook's claim and does not average again
         return ddp, lbcomm.Lars(model.parameters(), **lars)
@@ -311,11 +313,13 @@ def parse_args(argv=None):
                    help="run every (task, method, lr) this many times, each with another order of the same "
                    "batches (same data, initial weights), and rank the lrs by the mean final loss: for tasks "
                    "whose top lrs are chaotic, where one run's final loss carries a few %% of luck")
-    p.add_argument("--onebit-options", default="", type=json_options, help="JSON dict of extra OneBitAdam/OneBitLamb options")
-    p.add_argument("--zeroone-options", default="", type=json_options, help="JSON dict of extra ZeroOneAdam options (zeroone), "
-                   "e.g. '{\"var_decay\": \"update\"}'")
-    p.add_argument("--hook-options", default="", type=json_options, help="JSON dict of extra OneBitHookState options (sgd_hook, "
-                   "sgd_mom_hook (on top of its momentum=0.9, normalize='adaptive'), lars_hook, adamw_hook)")
+    p.add_argument("--onebit-options", default="", type=json_options,
+                   help="JSON dict of extra OneBitAdam/OneBitLamb options")
+    p.add_argument("--zeroone-options", default="", type=json_options,
+                   help="JSON dict of extra ZeroOneAdam options (zeroone), e.g. '{\"var_decay\": \"update\"}'")
+    p.add_argument("--hook-options", default="", type=json_options,
+                   help="JSON dict of extra OneBitHookState options (sgd_hook, sgd_mom_hook (on top of its "
+                   "momentum=0.9, normalize='adaptive'), lars_hook, adamw_hook)")
     p.add_argument("--json", default="", help="write the raw results here")
     p.add_argument("--plot", default="", help="PNG of the ratio table")
     p.add_argument("--report", nargs="+", default=[], metavar="JSON",

@@ -141,7 +141,8 @@ def test_suite_ranks_lrs_by_the_mean_over_batch_orders():
 
     runs = [rec(0.1, 1.0, ratio=0.5), rec(0.1, 0.5, ratio=0.25), rec(0.3, 0.4), rec(0.3, float("nan"), diverged=7)]
     by_lr = {r["lr"]: r for r in suite.over_orders(runs)}
-    assert by_lr[0.1]["final"] == 0.75 and by_lr[0.1]["finals"] == [1.0, 0.5] and by_lr[0.1]["first_update_ratio"] == 0.5
+    assert by_lr[0.1]["final"] == 0.75 and by_lr[0.1]["finals"] == [1.0, 0.5]
+    assert by_lr[0.1]["first_update_ratio"] == 0.5
     assert by_lr[0.3]["diverged"] == 7 and suite.is_diverged(by_lr[0.3])
     assert suite.summarize(runs)["t"]["sgd"][:2] == (0.75, 0.1)  # 0.3's best single run (0.4) does not count
     for bad in (["--repeats", "0"], ["--hook-options", "[1]"], ["--onebit-options", "{bad"]):
