@@ -299,7 +299,12 @@ class OneBitOptimizer(BaseOptimizer):
                 sq[i] = stash[id(p)] if id(p) in stash else (0.0 if L.grad(i) is None else -1.0)
             if self.transport.world_size > 1:
                 self.transport.all_reduce(sq, op="mean")
-        if self._sharded():  # per parameter tensor: the shards' sums
+        self._keep_grad_sq(L, sq)
+
+    def _keep_grad_sq(self, L: FlatLayout, sq: Tensor) -> None:
+        """This step's ranks' mean local squared norms, per parameter tensor (under FSDP2 the
+        shards' sums), kept until the step is taken."""
+        if self._sharded():
             sq = self._per_tensor(L, sq.reshape(-1, 1)).reshape(-1)
         self._grad_sq_now = sq.clone()
 
@@ -339,17 +344,19 @@ class OneBitOptimizer(BaseOptimizer):
                 out[i] = -1.0
         self._vectors["grad_sq"].copy_(torch.tensor(out, dtype=torch.float32))
 
+    def _grad_sq_bc(self, L: FlatLayout, i: int, step: int) -> float:
+        """The bias correction of parameter i's statistic after `step` steps (beta2's, as v's)."""
+        group = self.param_groups[L.group_of[i]]
+        return 1 - group["betas"][1] ** step if group["bias_correction"] else 1.0
+
     def _record_grad_sq(self, L: FlatLayout) -> None:
         """At the freeze: grad_sq_frozen = the bias-corrected EMA, the reference of the
         compression stage's rescale (-1: untracked, no rescale)."""
         if "grad_sq" not in self._vectors:
             return
         q, steps = self._vectors["grad_sq"].tolist(), self._vectors["step"].tolist()
-        out = []
-        for i, gi in enumerate(L.group_of):
-            group = self.param_groups[gi]
-            bc = 1 - group["betas"][1] ** steps[i] if group["bias_correction"] else 1.0
-            out.append(q[i] / bc if q[i] >= 0 and steps[i] > 0 else -1.0)
+        out = [q[i] / self._grad_sq_bc(L, i, steps[i]) if q[i] >= 0 and steps[i] > 0 else -1.0
+               for i in range(len(L.params))]
         self._vectors["grad_sq_frozen"].copy_(torch.tensor(out, dtype=torch.float32))
 
     def _variance_factors(self, L: FlatLayout, include: List[bool]):
@@ -367,11 +374,9 @@ class OneBitOptimizer(BaseOptimizer):
             if not (include[i] and old[i] >= 0 and frz[i] > 0 and 0 <= sq[i] < math.inf):
                 continue
             keep[i] = new[i]
-            group = self.param_groups[gi]
-            if not group.get("rescale_variance", False):
+            if not self.param_groups[gi].get("rescale_variance", False):
                 continue
-            bc = 1 - group["betas"][1] ** steps[i] if group["bias_correction"] else 1.0
-            f = new[i] / bc / frz[i]
+            f = new[i] / self._grad_sq_bc(L, i, steps[i]) / frz[i]
             factors[i] = f if 0.0 < f < math.inf else None
         return factors, torch.tensor(keep, dtype=torch.float32)
 
@@ -440,7 +445,7 @@ class OneBitOptimizer(BaseOptimizer):
             self._stats_ride, self._stats_mean = None, total[head + k:head + k + n_ride].div_(tr.world_size)
         if n_sq:
             sq = total[head + k + n_ride:].div_(tr.world_size)
-            self._grad_sq_now = (self._per_tensor(L, sq.reshape(-1, 1)).reshape(-1) if self._sharded() else sq).clone()
+            self._keep_grad_sq(L, sq)
         if self._sharded():  # the shards' sums too: a NaN in one shard skips the step on every rank
             self.shard_transport.all_reduce(total[:1], op="sum")
         if bool(torch.isfinite(total[:1]).all()):
