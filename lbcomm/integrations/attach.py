@@ -18,7 +18,7 @@ communication, and nothing is saved.
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -95,22 +95,21 @@ def find_ddp(model: Any) -> Optional[DistributedDataParallel]:
     return None
 
 
+def _wrapped(optimizer: Any) -> Iterator[Any]:
+    """`optimizer`, then each optimizer it wraps (accelerate's ``AcceleratedOptimizer``,
+    Lightning's ``LightningOptimizer``: the inner one in ``.optimizer`` / ``._optimizer``)."""
+    seen, obj = set(), optimizer
+    while obj is not None and id(obj) not in seen:
+        seen.add(id(obj))
+        yield obj
+        attrs = getattr(obj, "__dict__", {})
+        obj = next((attrs[n] for n in _OPTIMIZER_ATTRS if attrs.get(n) is not None), None)
+
+
 def unwrap_optimizer(optimizer: Any) -> Any:
     """The lbcomm optimizer inside accelerate's ``AcceleratedOptimizer`` or Lightning's
     ``LightningOptimizer`` (or `optimizer` itself)."""
-    seen = set()
-    obj = optimizer
-    while obj is not None and id(obj) not in seen and not isinstance(obj, LBCOMM_OPTIMIZERS):
-        seen.add(id(obj))
-        inner = None
-        for name in _OPTIMIZER_ATTRS:
-            inner = obj.__dict__.get(name) if hasattr(obj, "__dict__") else None
-            if inner is not None:
-                break
-        if inner is None:
-            return optimizer
-        obj = inner
-    return obj if isinstance(obj, LBCOMM_OPTIMIZERS) else optimizer
+    return next((o for o in _wrapped(optimizer) if isinstance(o, LBCOMM_OPTIMIZERS)), optimizer)
 
 
 def check_callback_args(who: str, hook_state: Any, max_grad_norm: Optional[float]) -> None:
@@ -132,13 +131,7 @@ def check_hook_momentum(who: str, hook_state: Optional[OneBitHookState], optimiz
     if hook_state is None:
         return
     for opt in optimizers:
-        inner, seen = opt, {id(opt)}  # the innermost optimizer: accelerate's wrapper is an Optimizer too
-        while True:
-            nxt = next((inner.__dict__[n] for n in _OPTIMIZER_ATTRS if n in getattr(inner, "__dict__", {})), None)
-            if nxt is None or id(nxt) in seen:
-                break
-            seen.add(id(nxt))
-            inner = nxt
+        *_, inner = _wrapped(opt)  # the innermost: accelerate's wrapper is an Optimizer too
         if not isinstance(inner, torch.optim.SGD):
             continue
         moms = sorted({float(g.get("momentum", 0.0)) for g in inner.param_groups})
