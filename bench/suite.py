@@ -18,10 +18,13 @@ ratio of each 1-bit method to its twin (target: within 5 %, 1 % on the byte LM),
 at which a 1-bit method diverged while its twin did not (target: none), and the largest
 first compressed update per coordinate in units of lr. Written: a PNG of the ratios.
 
-    python bench/suite.py                     # all tasks, whole grids: several minutes on 2 cores
-    python bench/suite.py --quick             # 3 tasks, short runs: the regression guard
+    python bench/suite.py                     # all tasks, the fine lr grids: about 15 minutes on 2 cores
+    python bench/suite.py --grid coarse       # 4 lrs per grid instead of 7 (the figures of earlier rounds)
+    python bench/suite.py --quick             # 3 tasks, short runs, coarse grids: the regression guard
     python bench/suite.py --onebit-options '{"mask_threshold": 1e-3}'   # options of both 1-bit optimizers
     python bench/suite.py --tasks dead_relu --repeats 3   # each lr's loss: the mean over 3 batch orders
+    python bench/suite.py --methods lars,lars_hook --lars-options '{"exclude_over": 4096}'
+                                              # Lars with the tensors of > 4096 elements off the trust ratio
     python bench/suite.py --report bench/results/suite_quick_before.json bench/results/suite_quick_after.json
                                               # the tables of saved runs (--json), without running
 """
@@ -68,6 +71,21 @@ MOM_HOOK = {"momentum": SGD_MOMENTUM, "normalize": "adaptive"}
 ORDER_STRIDE = 1_000_003  # --repeats: order k reads the task's batches of steps k * ORDER_STRIDE + step
 
 
+def lars_options(a) -> dict:
+    """--lars-options as lbcomm.Lars arguments: "exclude_over": N excludes the tensors of
+    more than N elements (and, as the default rule, those of at most one dimension) from the
+    trust ratio: with the hook's exact_numel, the compressed ones."""
+    opts = dict(getattr(a, "lars_options", None) or {})
+    if "exclude_over" in opts:
+        n = opts.pop("exclude_over")
+        opts["exclude_from_adaptation"] = functools.partial(_dim1_or_over, n=n)
+    return opts
+
+
+def _dim1_or_over(p, n) -> bool:
+    return p.dim() <= 1 or p.numel() > n
+
+
 def freeze_of(task) -> int:
     return max(2, round(0.25 * task.steps))
 
@@ -92,7 +110,7 @@ def build(method, model, lr, task, world, a):
     if method == "onebit_lamb":
         return model, lamb_cls(model.parameters(), lr=lr, betas=betas, weight_decay=wd,
                                         freeze_step=freeze_of(task), **extra)
-    lars = dict(lr=lr, weight_decay=wd, trust_coefficient=LARS_TRUST)
+    lars = dict(lr=lr, weight_decay=wd, trust_coefficient=LARS_TRUST, **lars_options(a))
     if method == "lars":
         return model, lbcomm.Lars(model.parameters(), **lars)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
@@ -306,9 +324,10 @@ def parse_args(argv=None):
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--seed", type=int, default=0, help="the tasks' seed (data, initial weights)")
-    p.add_argument("--grid", choices=("coarse", "fine"), default="coarse",
+    p.add_argument("--grid", choices=("coarse", "fine"), default=None,
                    help="the lr grids of bench/tasks.py (coarse: 4 lrs, 3.16x apart) or with their "
-                   "geometric midpoints (fine: 7 lrs)")
+                   "geometric midpoints (fine: 7 lrs; the default, coarse with --quick): the coarse grid's "
+                   "best also measures where between its points each method's best lr falls (README, 'The lr grid')")
     p.add_argument("--repeats", type=int, default=1,
                    help="run every (task, method, lr) this many times, each with another order of the same "
                    "batches (same data, initial weights), and rank the lrs by the mean final loss: for tasks "
@@ -320,6 +339,9 @@ def parse_args(argv=None):
     p.add_argument("--hook-options", default="", type=json_options,
                    help="JSON dict of extra OneBitHookState options (sgd_hook, sgd_mom_hook (on top of its "
                    "momentum=0.9, normalize='adaptive'), lars_hook, adamw_hook)")
+    p.add_argument("--lars-options", default="", type=json_options,
+                   help="JSON dict of extra lbcomm.Lars options (lars, lars_hook); \"exclude_over\": N excludes the "
+                   "tensors of more than N elements from the trust ratio")
     p.add_argument("--json", default="", help="write the raw results here")
     p.add_argument("--plot", default="", help="PNG of the ratio table")
     p.add_argument("--report", nargs="+", default=[], metavar="JSON",
@@ -327,6 +349,11 @@ def parse_args(argv=None):
     a = p.parse_args(argv)
     if a.repeats < 1:
         p.error(f"--repeats must be >= 1, got {a.repeats}")
+    over = a.lars_options.get("exclude_over", 0)
+    if isinstance(over, bool) or not isinstance(over, int) or over < 0:
+        p.error(f"--lars-options: exclude_over must be an int >= 0, got {over!r}")
+    if a.grid is None:
+        a.grid = "coarse" if a.quick else "fine"
     a.tasks = a.tasks.split(",") if a.tasks else list(QUICK_TASKS if a.quick else T.TASKS)
     a.methods = [m for m in a.methods.split(",") if m]
     unknown = [m for m in a.methods if m not in METHODS + EXTRA_METHODS] + [t for t in a.tasks if t not in T.TASKS]

@@ -145,11 +145,19 @@ def test_suite_ranks_lrs_by_the_mean_over_batch_orders():
     assert by_lr[0.1]["first_update_ratio"] == 0.5
     assert by_lr[0.3]["diverged"] == 7 and suite.is_diverged(by_lr[0.3])
     assert suite.summarize(runs)["t"]["sgd"][:2] == (0.75, 0.1)  # 0.3's best single run (0.4) does not count
-    for bad in (["--repeats", "0"], ["--hook-options", "[1]"], ["--onebit-options", "{bad"]):
+    for bad in (["--repeats", "0"], ["--hook-options", "[1]"], ["--onebit-options", "{bad"],
+                ["--lars-options", '{"exclude_over": "big"}'], ["--lars-options", '{"exclude_over": -1}']):
         with pytest.raises(SystemExit):  # refused when the command line is read, not on the ranks
             suite.parse_args(bad)
     assert suite.parse_args(["--hook-options", '{"block_size": 256}']).hook_options == {"block_size": 256}
     assert suite.parse_args([]).onebit_options == {}
+    # the fine grid by default (the coarse one's best also measures where between its points a
+    # method's best lr falls); --quick, the regression guard, keeps the coarse grid
+    assert [suite.parse_args(x).grid for x in ([], ["--quick"], ["--quick", "--grid", "fine"])] == \
+        ["fine", "coarse", "fine"]
+    ex = suite.lars_options(suite.parse_args(["--lars-options", '{"exclude_over": 4096, "eps": 0.0}']))
+    assert ex["eps"] == 0.0 and [ex["exclude_from_adaptation"](torch.zeros(s)) for s in ((8,), (64, 64), (65, 64))] \
+        == [True, False, True]
     import tasks as T
 
     batches = T.make_task("dead_relu", quick=True).batch
