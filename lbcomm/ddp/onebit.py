@@ -31,7 +31,10 @@ _STATE_VERSION = 1
 
 class OneBitHookState:
     r"""State of `onebit_hook`: 1-bit error-feedback compressed allreduce of DDP's gradient
-    buckets, for any optimizer (SGD, momentum, AdamW, ...).
+    buckets, for any optimizer (SGD, AdamW, ...). Under SGD with momentum pass its momentum
+    (``momentum=``, with ``normalize="adaptive"``): the gradients' compression errors are
+    otherwise summed by SGD's momentum (measured: up to 6.7 % behind plain SGD where this
+    configuration is within 4.1 %; README, "The hook for SGD momentum").
 
     Every bucket is reduced with `lbcomm.compressed_allreduce` (DESIGN.md §1): about 1 bit
     per gradient element instead of 32, with the rounding error of every call fed back into
