@@ -23,6 +23,7 @@ def _cases(rank, p):
         "no_ddp": lambda: attach(torch.nn.Linear(2, 2), opt),
         "adamw": lambda: attach(ddp, torch.optim.AdamW(ddp.parameters())),
         "object": lambda: attach(ddp, object()),
+        "optimizer_twice": lambda: attach(ddp, opt, optimizer=opt),
     }.items():
         try:
             call()
@@ -31,8 +32,15 @@ def _cases(rank, p):
             out[name] = f"{type(exc).__name__}: {exc}"
     # A OneBitHookState on a fresh DDP: gradients go through onebit_hook, bitwise equal on every rank.
     ddp2 = DDP(torch.nn.Linear(64, 64))
+    sgd = torch.optim.SGD(ddp2.parameters(), lr=0.1, momentum=0.9)
+    try:  # another momentum than the SGD's: refused before anything is registered
+        attach(ddp2, lbcomm.OneBitHookState(start_iter=2, momentum=0.5), optimizer=sgd)
+        out["momentum_mismatch"] = None
+    except ValueError as exc:
+        out["momentum_mismatch"] = str(exc)
+    out["hooks_after_refusal"] = len(getattr(ddp2, "_comm_hooks", []))
     state = lbcomm.OneBitHookState(start_iter=2, exact_numel=0)  # a 64 x 64 layer: compress it all
-    attach(ddp2, state)
+    attach(ddp2, state, optimizer=sgd)  # SGD momentum under the default state: a hint, not an error
     for it in range(4):
         ddp2.zero_grad()
         ddp2(torch.randn(4, 64, generator=torch.Generator().manual_seed(10 * rank + it))).square().sum().backward()
@@ -49,6 +57,9 @@ def test_attach_on_two_ranks():
         assert res["no_ddp"].startswith("ValueError") and "found no DistributedDataParallel" in res["no_ddp"]
         assert res["adamw"].startswith("TypeError") and "OneBitHookState" in res["adamw"]
         assert res["object"].startswith("TypeError")
+        assert res["optimizer_twice"].startswith("TypeError") and "optimizer= is for a OneBitHookState" in \
+            res["optimizer_twice"]
+        assert "must equal the SGD's momentum" in res["momentum_mismatch"] and res["hooks_after_refusal"] == 0
         assert res["hook_calls"] == 2  # iterations 3 and 4 were compressed
     assert torch.equal(r[0]["hook_grad"], r[1]["hook_grad"])
 
@@ -61,6 +72,15 @@ def test_attach_single_process_is_a_noop(caplog):
     assert "nothing is attached" in caplog.text
     with pytest.raises(TypeError, match="OneBitHookState"):
         attach(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with pytest.raises(ValueError, match="must equal the SGD's momentum"):  # checked with one process too
+        attach(model, lbcomm.OneBitHookState(momentum=0.5), optimizer=sgd)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="lbcomm.integrations.attach"):
+        assert attach(model, lbcomm.OneBitHookState(momentum=0.9, normalize="adaptive"), optimizer=sgd) is None
+        assert "compresses the momentum instead" not in caplog.text
+        attach(model, lbcomm.OneBitHookState(), optimizer=sgd)
+    assert "lbcomm.attach: SGD with momentum 0.9 under a hook that compresses gradients" in caplog.text
 
 
 def test_hook_momentum_must_be_the_sgds(caplog):

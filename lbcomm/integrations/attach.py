@@ -156,7 +156,8 @@ def _same_group(a, b) -> bool:
     return (world if a is None else a) is (world if b is None else b)
 
 
-def attach(model: Any, optimizer_or_hook_state: Any, *, warmup_fp16: bool = False) -> Optional[DistributedDataParallel]:
+def attach(model: Any, optimizer_or_hook_state: Any, *, optimizer: Any = None,
+           warmup_fp16: bool = False) -> Optional[DistributedDataParallel]:
     """Register lbcomm's DDP communication hook on the DDP inside `model`.
 
     Args:
@@ -167,6 +168,12 @@ def attach(model: Any, optimizer_or_hook_state: Any, *, warmup_fp16: bool = Fals
         optimizer_or_hook_state: a lbcomm optimizer (`OneBitAdam`, `OneBitLamb`,
             `Lamb`; also inside accelerate's/Lightning's optimizer wrappers) ->
             `onebit_optimizer_hook`; a `OneBitHookState` (with any optimizer) -> `onebit_hook`.
+        optimizer (optional): with a `OneBitHookState`, the optimizer that steps on the
+            hook's gradients (or its accelerate / Lightning wrapper), checked against the
+            state as the frameworks' callbacks check it: ``torch.optim.SGD`` whose momentum
+            differs from ``OneBitHookState(momentum=)`` raises (the steps would be wrong);
+            SGD with momentum under the gradient-compressing default logs a hint (default:
+            None, nothing checked).
         warmup_fp16 (bool, optional): with a lbcomm optimizer, average the warmup gradients
             in fp16 (`onebit_optimizer_fp16_hook`) (default: False).
 
@@ -183,7 +190,7 @@ def attach(model: Any, optimizer_or_hook_state: Any, *, warmup_fp16: bool = Fals
             one with another state) is already registered; the optimizer reduces over
             another process group than the DDP.
         TypeError: an object that is neither a lbcomm optimizer nor a `OneBitHookState`;
-            an FSDP model.
+            an FSDP model; ``optimizer=`` with a lbcomm optimizer (it is the first argument).
 
     Example::
 
@@ -199,6 +206,8 @@ def attach(model: Any, optimizer_or_hook_state: Any, *, warmup_fp16: bool = Fals
             raise ValueError("lbcomm.attach: warmup_fp16 applies to lbcomm optimizers; a OneBitHookState averages "
                              "its first start_iter iterations at the bucket's own precision")
         hook = onebit_hook
+        if optimizer is not None:  # before anything is registered: a refused pairing leaves the DDP as it was
+            check_hook_momentum("lbcomm.attach", target, [optimizer])
     elif isinstance(target, torch.optim.Optimizer):
         raise TypeError(f"lbcomm.attach: {type(target).__name__} is not a lbcomm optimizer, so it cannot compress "
                         "anything itself. Either use lbcomm.OneBitAdam / lbcomm.OneBitLamb, or keep this optimizer "
@@ -207,6 +216,9 @@ def attach(model: Any, optimizer_or_hook_state: Any, *, warmup_fp16: bool = Fals
         raise TypeError(f"lbcomm.attach: expected a lbcomm optimizer (OneBitAdam, OneBitLamb, Lamb) or a "
                         f"lbcomm.OneBitHookState, got {type(optimizer_or_hook_state).__name__}")
 
+    if optimizer is not None and hook is not onebit_hook:
+        raise TypeError("lbcomm.attach: optimizer= is for a OneBitHookState (the optimizer stepping on the hook's "
+                        f"gradients); {type(target).__name__} is the optimizer already: attach(model, opt)")
     ddp = find_ddp(model)
     if ddp is None:
         world = _world_size()

@@ -14,7 +14,7 @@ torch.manual_seed(0)
 model = DDP(torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.Tanh(), torch.nn.Linear(256, 32)))
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # any optimizer ...
 state = lbcomm.OneBitHookState(start_iter=4)          # ... 1-bit gradients from iteration 4 on
-attach(model, state)                                  # = model.register_comm_hook(state, lbcomm.onebit_hook)
+attach(model, state, optimizer=opt)                   # = model.register_comm_hook(state, lbcomm.onebit_hook)
 
 out, start = sys.argv[1], 0
 if "--resume" in sys.argv:  # every rank reads its shard(s), before the first backward; any number of ranks
