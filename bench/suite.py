@@ -75,7 +75,7 @@ def lars_options(a) -> dict:
     """--lars-options as lbcomm.Lars arguments: "exclude_over": N excludes the tensors of
     more than N elements (and, as the default rule, those of at most one dimension) from the
     trust ratio: with the hook's exact_numel, the compressed ones."""
-    opts = dict(getattr(a, "lars_options", None) or {})
+    opts = dict(a.lars_options)
     if "exclude_over" in opts:
         n = opts.pop("exclude_over")
         opts["exclude_from_adaptation"] = functools.partial(_dim1_or_over, n=n)
@@ -110,9 +110,12 @@ def build(method, model, lr, task, world, a):
     if method == "onebit_lamb":
         return model, lamb_cls(model.parameters(), lr=lr, betas=betas, weight_decay=wd,
                                         freeze_step=freeze_of(task), **extra)
-    lars = dict(lr=lr, weight_decay=wd, trust_coefficient=LARS_TRUST, **lars_options(a))
+    def lars():
+        return lbcomm.Lars(model.parameters(), lr=lr, weight_decay=wd, trust_coefficient=LARS_TRUST,
+                           **lars_options(a))
+
     if method == "lars":
-        return model, lbcomm.Lars(model.parameters(), **lars)
+        return model, lars()
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     extra = a.hook_options
     if method in HOOKS:
@@ -121,7 +124,7 @@ def build(method, model, lr, task, world, a):
         ddp.hook_state = lbcomm.OneBitHookState(**{"start_iter": freeze_of(task), **base, **extra})
         ddp.register_comm_hook(ddp.hook_state, lbcomm.onebit_hook)
     if method == "lars_hook":  # Lars sees onebit_hook's claim and does not average again
-        return ddp, lbcomm.Lars(model.parameters(), **lars)
+        return ddp, lars()
     if method == "adamw_hook":
         return ddp, torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=wd)
     return ddp, torch.optim.SGD(model.parameters(), lr=lr, momentum=SGD_MOMENTUM)

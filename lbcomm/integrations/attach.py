@@ -200,6 +200,9 @@ def attach(model: Any, optimizer_or_hook_state: Any, *, optimizer: Any = None,
     """
     target = unwrap_optimizer(optimizer_or_hook_state)
     if isinstance(target, LBCOMM_OPTIMIZERS):
+        if optimizer is not None:
+            raise TypeError("lbcomm.attach: optimizer= is for a OneBitHookState (the optimizer stepping on the "
+                            f"hook's gradients); {type(target).__name__} is the optimizer already: attach(model, opt)")
         hook = onebit_optimizer_fp16_hook if warmup_fp16 else onebit_optimizer_hook
     elif isinstance(target, OneBitHookState):
         if warmup_fp16:
@@ -216,9 +219,6 @@ def attach(model: Any, optimizer_or_hook_state: Any, *, optimizer: Any = None,
         raise TypeError(f"lbcomm.attach: expected a lbcomm optimizer (OneBitAdam, OneBitLamb, Lamb) or a "
                         f"lbcomm.OneBitHookState, got {type(optimizer_or_hook_state).__name__}")
 
-    if optimizer is not None and hook is not onebit_hook:
-        raise TypeError("lbcomm.attach: optimizer= is for a OneBitHookState (the optimizer stepping on the hook's "
-                        f"gradients); {type(target).__name__} is the optimizer already: attach(model, opt)")
     ddp = find_ddp(model)
     if ddp is None:
         world = _world_size()
