@@ -43,6 +43,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from .comm import get_transport
 from .common import NONFINITE_POLICIES, report_exact_share
 from .compressed import DEFAULT_BLOCK_SIZE, CompressionState
 from .ddp.buckets import GradientStats, Unit
@@ -158,13 +159,10 @@ class OneBitHSDPState:
 def _hook(state: OneBitHSDPState, key: str, reduce_output: Tensor) -> None:
     """FSDP's all-reduce hook for parameter group `key`: in place, the mean of this shard
     over the replicate group (full precision for the first start_iter calls)."""
-    import torch.distributed as dist
-
     calls = state.calls.get(key, 0)
     state.calls[key] = calls + 1
     if calls < state.start_iter:
-        dist.all_reduce(reduce_output, group=state.replicate_group)
-        reduce_output.div_(dist.get_world_size(state.replicate_group))
+        get_transport(state.replicate_group, backend="torch").all_reduce(reduce_output, "mean")
         if state.normalize == "warmup" and key in state.layouts:
             state.stats.add(_stats_key(state, key), [reduce_output.numel()], reduce_output)
         return

@@ -15,7 +15,8 @@ Ranks are launched as ``ip netns exec NS python ...`` with ``GLOO_SOCKET_IFNAME`
 Needs root (CAP_NET_ADMIN + CAP_SYS_ADMIN) and iproute2 (``ip``, ``tc``). Everything is torn
 down when the ``with`` block exits, also on exceptions, Ctrl-C and SIGTERM; names contain the
 pid so concurrent runs don't collide, and :func:`cleanup_stale` removes what a killed run
-(SIGKILL, power loss) left behind.
+(SIGKILL, power loss) left behind; every new cluster calls it for its prefix first, so the
+CLI never accumulates namespaces of dead runs.
 
 Standard library only. The host-side pieces live beside it: `lbcomm.cli.netns` (the ip/tc
 runner, `probe`/`require`, `cleanup_stale`), `lbcomm.cli.procs` (supervision of the ranks)
@@ -251,6 +252,12 @@ class EmulatedCluster:
         if self._started:
             raise RuntimeError(f"{self.run_id} was already started; create a new EmulatedCluster")
         require()
+        # A run killed before its teardown (SIGKILL, a crashed test) leaves its namespaces;
+        # each new cluster removes those of dead runs with its prefix (live runs are kept).
+        try:
+            cleanup_stale(self.prefix)
+        except NetemError as exc:
+            logger.warning("netem: could not remove the namespaces of dead runs: %s", exc)
         self._started = True
         self._install_sigterm()
         atexit.register(self._teardown, False)
@@ -344,8 +351,9 @@ class EmulatedCluster:
                 signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
         if errors:
             msg = (
-                f"netem: teardown of {self.run_id} incomplete ({'; '.join(errors)}); once this "
-                f"process has exited, run lbcomm.cli.netem.cleanup_stale({self.prefix!r})"
+                f"netem: teardown of {self.run_id} incomplete ({'; '.join(errors)}); the next emulated cluster "
+                f"with prefix {self.prefix!r} removes what is left once this process has exited (or call "
+                f"lbcomm.cli.netem.cleanup_stale({self.prefix!r}))"
             )
             if not raise_errors:
                 logger.error("%s", msg)

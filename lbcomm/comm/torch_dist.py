@@ -1,6 +1,7 @@
 """torch.distributed transport: gloo for CPU tensors, NCCL for CUDA tensors."""
 from __future__ import annotations
 
+import collections
 from typing import Optional, Tuple
 
 import torch
@@ -13,6 +14,27 @@ _OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceO
 
 # torch 2.13 renamed all_gather_into_tensor; keep working on older releases.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+# A gloo worker thread drops its reference to a finished collective some time after the
+# caller's wait() has returned. When that is the last reference to a tensor Python created
+# (the views and pieces handed to the collectives below), freeing it takes the GIL, and a
+# thread that takes the GIL while the interpreter finalizes is ended inside a noexcept
+# destructor: the process aborts at exit ("terminate called without an active exception").
+# The most recent works and their tensors are held here, so that the main thread frees
+# the last ones, with the GIL, when the module is torn down. Bounded: only the final few
+# collectives of a process can still be in a worker's hands at exit.
+_RECENT: collections.deque = collections.deque(maxlen=32)
+
+
+def _issue(collective, *tensors: Tensor, group, async_op: bool, **kwargs):
+    """Run `collective(*tensors, group=group, async_op=True, **kwargs)`, keep its work and
+    tensors in `_RECENT`, and return its future (async_op) or wait for it (None)."""
+    work = collective(*tensors, group=group, async_op=True, **kwargs)
+    _RECENT.append((work, tensors))
+    if async_op:
+        return work.get_future()
+    work.wait()
+    return None
 
 
 def world_info(group=None) -> Tuple[int, int]:
@@ -47,12 +69,10 @@ class TorchTransport:
                              f"memory); got a tensor on {device}")
 
     def all_to_all(self, out: Tensor, inp: Tensor, async_op: bool = False):
-        work = dist.all_to_all_single(out.reshape(-1), inp.reshape(-1), group=self.group, async_op=async_op)
-        return work.get_future() if async_op else None
+        return _issue(dist.all_to_all_single, out.reshape(-1), inp.reshape(-1), group=self.group, async_op=async_op)
 
     def all_gather(self, out: Tensor, inp: Tensor, async_op: bool = False):
-        work = _all_gather_single(out.reshape(-1), inp.reshape(-1), group=self.group, async_op=async_op)
-        return work.get_future() if async_op else None
+        return _issue(_all_gather_single, out.reshape(-1), inp.reshape(-1), group=self.group, async_op=async_op)
 
     def all_reduce(self, tensor: Tensor, op: str = "sum", async_op: bool = False,
                    bucket_bytes: Optional[int] = None):
@@ -61,10 +81,10 @@ class TorchTransport:
         if self.world_size == 1:
             return completed_future(tensor, tensor.device) if async_op else None
         flat = tensor.view(-1)
-        works = [dist.all_reduce(piece, op=_OPS[op], group=self.group, async_op=True)
-                 for piece in buckets(flat, bucket_bytes)]
-        return finish_all_reduce(tensor, op, self.world_size, [w.get_future() for w in works], async_op)
+        futures = [_issue(dist.all_reduce, piece, op=_OPS[op], group=self.group, async_op=True)
+                   for piece in buckets(flat, bucket_bytes)]
+        return finish_all_reduce(tensor, op, self.world_size, futures, async_op)
 
     def barrier(self) -> None:
         if self.world_size > 1:
-            dist.barrier(group=self.group)
+            _issue(dist.barrier, group=self.group, async_op=False)

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..comm import world_info
+from ..comm import get_transport, world_info
 from ..common import new_future
 from ..compressed import CompressionState, NonFiniteError, compressed_allreduce
 from ..topology import HierarchicalState, hierarchical_allreduce_, hierarchical_mean_
@@ -41,7 +41,7 @@ class Unit:
     compression noise of a coordinate is proportional to its own weight rather than to its
     block's largest gradients. The weights are the same on every rank."""
 
-    __slots__ = ("key", "shapes", "compression", "weights", "transform", "last_skipped", "exact", "exact_group")
+    __slots__ = ("key", "shapes", "compression", "weights", "transform", "last_skipped", "exact", "exact_transport")
 
     def __init__(self, key: Key, shapes: List[Tuple[int, ...]], compression: CompressionState,
                  weights: Optional[Tensor] = None):
@@ -49,15 +49,16 @@ class Unit:
         self.transform: Optional["Transform"] = None  # momentum / adaptive weights, see Transform
         self.last_skipped = False
         # (max numel, index or None): the coordinates of the parameters of at most max numel
-        # elements, averaged exactly (fp32 allreduce on `exact_group`) instead of compressed
+        # elements, averaged exactly (fp32 allreduce on `exact_transport`) instead of compressed
         self.exact: Optional[Tuple[int, Optional[Tensor]]] = None
-        self.exact_group = None
+        self.exact_transport = None
 
     def set_exact(self, max_numel: int, group, device: torch.device, whole: Optional[List[int]] = None) -> None:
         """Average the parameters of at most `max_numel` elements exactly, on `group` (0:
         none, every parameter compressed). `whole`: per piece of the unit, the numel of the
         parameter it belongs to (a shard of it, for FSDP; default: the piece's own)."""
-        self.exact_group = group
+        if self.exact_transport is None or self.exact_transport.group is not group:
+            self.exact_transport = get_transport(group, backend="torch")
         if self.exact is not None and self.exact[0] == max_numel:
             return
         spans, at = [], 0
@@ -114,12 +115,11 @@ class Unit:
             work = None  # the mean across nodes at 1/G of a flat allreduce's inter-node bytes
             hierarchical_mean_(exact, st.topology)
         else:
-            work = dist.all_reduce(exact, group=self.exact_group, async_op=True)
+            work = self.exact_transport.all_reduce(exact, "mean", async_op=True)
 
         def mean() -> Tensor:
             if work is not None:
                 work.wait()
-                exact.div_(dist.get_world_size(self.exact_group))
             return exact
 
         if self.fully_exact():  # no compressed call to check the values: a consensus of its own
@@ -551,9 +551,13 @@ class BucketWorker:
         fut = new_future(buf.device)
         if self._jobs is None:
             self._jobs = queue.SimpleQueue()
-            threading.Thread(target=_serve, args=(weakref.ref(self), self._jobs, torch.get_num_threads()),
-                             name="lbcomm-onebit-hook", daemon=True).start()
-            weakref.finalize(self, self._jobs.put, None)  # the thread ends with the worker
+            thread = threading.Thread(target=_serve, args=(weakref.ref(self), self._jobs, torch.get_num_threads()),
+                                      name="lbcomm-onebit-hook", daemon=True)
+            thread.start()
+            # The thread ends with the worker, and at the latest at exit (weakref.finalize
+            # runs its callbacks from atexit): a daemon thread still inside a torch op when
+            # the interpreter finalizes would abort the process as it takes the GIL back.
+            weakref.finalize(self, _stop, self._jobs, thread)
         with self._lock:
             self._inflight += 1
         self._jobs.put((fut, buf, run, event))
@@ -568,6 +572,21 @@ class BucketWorker:
     def _finish(self) -> None:
         with self._lock:
             self._inflight -= 1
+
+
+_STOP_TIMEOUT_S = 60.0
+
+
+def _stop(jobs: queue.SimpleQueue, thread: threading.Thread) -> None:
+    """End a BucketWorker's thread after the jobs already queued, and wait for it (unless
+    called on it: the worker's last reference can be dropped there). Bounded, so that a
+    job stuck on a collective (a rank died) cannot hang the exit."""
+    jobs.put(None)
+    if thread is not threading.current_thread():
+        thread.join(_STOP_TIMEOUT_S)
+        if thread.is_alive():
+            _log.warning("onebit_hook: a bucket reduction was still running %.0f s after the end of the job (a rank "
+                         "stopped taking part?); exiting with it in flight", _STOP_TIMEOUT_S)
 
 
 def _serve(ref, jobs: queue.SimpleQueue, threads: int) -> None:

@@ -13,6 +13,14 @@
 The framework modules are imported only when used; lbcomm never requires the frameworks.
 """
 from .attach import attach, find_ddp, unwrap_optimizer
-from .dcp import ElasticLoadPlanner, RankLocal
 
 __all__ = ["attach", "find_ddp", "unwrap_optimizer", "RankLocal", "ElasticLoadPlanner"]
+
+
+def __getattr__(name):
+    # torch.distributed.checkpoint takes seconds to import: only for those who use it
+    if name in ("RankLocal", "ElasticLoadPlanner"):
+        from . import dcp
+
+        return getattr(dcp, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
