@@ -1,7 +1,8 @@
 """lbcomm: 1-bit compressed allreduce with error feedback for large-batch training.
 
-The core (DESIGN.md §1), the optimizers (§3) with their per-rank checkpoints, and the
-DDP communication hooks (§4).
+The core (`compressed_allreduce`, docs/concepts.md), the optimizers (`lbcomm.optim`,
+docs/optimizers.md) with their per-rank checkpoints, and the DDP communication hooks
+(`lbcomm.ddp`, docs/hooks.md).
 """
 from . import ddp, fsdp, ops, optim, reference, schedules, stats, topology, wire
 from .checkpoint import load_sharded, save_sharded, shard_path

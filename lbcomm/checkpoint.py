@@ -1,4 +1,4 @@
-"""One checkpoint shard per rank (DESIGN.md §3).
+"""One checkpoint shard per rank (see docs/checkpoints.md).
 
 The optimizer state of a 1-bit optimizer differs between ranks (each rank keeps its own
 worker and server error buffers), so every rank saves and loads its own file:
@@ -11,7 +11,8 @@ resume is bitwise identical to a run that never stopped. With another world size
 resume) every rank reads shard ``rank % saved_world_size`` (the model and the optimizer
 moments are identical on all ranks) and the compression error feedback of every saved
 rank, which `lbcomm.compressed.redistribute_errors` maps onto the new world with its total
-(the carried error of DESIGN.md §1's invariant) preserved; ``elastic=False`` resets it
+(the carried error of the error-feedback invariant: mean worker error + server error)
+preserved; ``elastic=False`` resets it
 instead, with a logged warning. The same holds for a `OneBitHookState` passed as
 ``hook_state=``: each of its units (bucket error feedback) is redistributed by the same
 function.

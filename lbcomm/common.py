@@ -9,7 +9,8 @@ __all__ = ["FLOAT_DTYPES", "NONFINITE_POLICIES", "completed_future", "new_future
 
 # Tensors the compressed allreduce takes: fp16/bf16 are upcast into the fp32 error domain.
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# What a call does when an input holds NaN/Inf (DESIGN.md §1, "Non-finite input").
+# What a call does when an input holds NaN/Inf: raise on every rank, or skip the call
+# (see `lbcomm.compressed.CompressionState` and docs/concepts.md).
 NONFINITE_POLICIES = ("raise", "skip")
 
 

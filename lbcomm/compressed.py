@@ -1,4 +1,5 @@
-"""The 1-bit compressed allreduce with two-stage error feedback (DESIGN.md §1), once.
+"""The 1-bit compressed allreduce with two-stage error feedback, once (the algorithm and
+its error-feedback invariant are described in docs/concepts.md).
 
 Every entry point, optimizer and hook goes through `reduce_`; transports only move bytes.
 Per call and rank:
@@ -351,7 +352,8 @@ def redistribute_errors(saved: Sequence[Dict[str, Any]], world_size: int, rank: 
     `CompressionState.state_dict` of `rank` in a world of `world_size` ranks.
 
     `saved` holds the `CompressionState.state_dict` of every rank of the old world, in rank
-    order. What the invariant of DESIGN.md §1 carries into the next call is the total error
+    order. What the error-feedback invariant (sum of outputs = sum of means - mean worker
+    error - server error) carries into the next call is the total error
     mean_r(worker error r) + concat_k(server error k). It is preserved (up to the rounding
     of the mean): every new rank's worker error is the mean of the saved worker errors, and
     the concatenated server errors are cut into the new chunks; pad slots hold zero.

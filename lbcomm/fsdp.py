@@ -1,5 +1,5 @@
 """HSDP with 1 bit across nodes: FSDP2 shards inside a node, and the gradient shards are
-averaged across nodes by the 1-bit error-feedback compressed allreduce (DESIGN.md §4b).
+averaged across nodes by the 1-bit error-feedback compressed allreduce (docs/topology.md).
 
 Two ways, on the same sharding (``fully_shard(module, mesh=mesh["local"])``):
 

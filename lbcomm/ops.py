@@ -3,7 +3,7 @@
 Each wrapper runs the fused C++/CUDA kernel when the extension provides one for the
 tensor's device, and otherwise the plain-torch reference (lbcomm.reference) after a
 one-time warning that names the fix. Shapes and the bit layout are described in
-DESIGN.md §1 and csrc/kernels.h.
+`lbcomm.wire` and csrc/kernels.h.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Plain-torch reference of every lbcomm kernel and of the whole compressed allreduce.
 
-Written from DESIGN.md §1 for clarity, not speed: it is the oracle the tests compare the
+Written from the algorithm (docs/concepts.md) for clarity, not speed: it is the oracle the tests compare the
 fused kernels against, and the fallback when the C++ extension is not available. The
 rounding steps are spelled out so that a fused kernel that follows the same recipe gives
 the same bits:

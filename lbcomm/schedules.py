@@ -1,4 +1,4 @@
-"""Learning rates for large batches (issue 14): the scaled learning rate (`scaled_lr`,
+"""Learning rates for large batches (docs/large-batch.md): the scaled learning rate (`scaled_lr`,
 linear and square-root rules) and LEGW, linear-epoch gradual warmup (You et al., "Large
 batch training for LSTM and beyond", 2019), as a torch lr_scheduler (`LEGW`).
 

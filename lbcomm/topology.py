@@ -1,5 +1,5 @@
 """Hierarchical compressed allreduce: full precision inside a node, 1 bit between nodes
-(DESIGN.md §4b).
+(see docs/topology.md).
 
 p = N x G ranks: N nodes of G ranks each. Rank (node a, local index l) belongs to two
 groups: its node's *local group* (G ranks on fast links) and its *cross group* (the N
@@ -25,7 +25,8 @@ The result is bitwise identical on every rank: slice l is decoded identically on
 ranks of cross group l (the flat call's guarantee) and the all-gather hands every rank of
 every node the same G slices.
 
-Error feedback (the invariant, DESIGN.md §1 applied per slice). The errors that exist:
+Error feedback (the flat call's invariant, sum of outputs = sum of means - mean worker
+error - server error, applied per slice). The errors that exist:
 each rank (a, l) holds the worker error e_{a,l} of its slice (length L_l padded for the
 N-rank cross group) and the server error s_{a,l} of the chunk of slice l it serves in
 cross group l; the intra-node stages are exact up to fp32 rounding and keep no error.

@@ -1,4 +1,4 @@
-"""Layout math and the wire format of the compressed allreduce (DESIGN.md §1), in one place.
+"""Layout math and the wire format of the compressed allreduce, in one place.
 
 Shared by the kernels' wrappers (lbcomm.ops), the algorithm (lbcomm.compressed) and the
 plain-torch oracle (lbcomm.reference):

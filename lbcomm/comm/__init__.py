@@ -1,4 +1,4 @@
-"""Transports: the only code in lbcomm that touches the network (DESIGN.md §2).
+"""Transports: the only code in lbcomm that touches the network.
 
 Every transport has `world_size`, `rank`, `backend`, `check_device(device)` and:
 

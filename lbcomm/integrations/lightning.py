@@ -16,7 +16,7 @@ really use lbcomm and resume it exactly.
   continuation is bitwise identical to a run that never stopped (same world size). With
   another number of ranks every rank reads all saved entries and the error feedback is
   redistributed (`lbcomm.compressed.redistribute_errors`, the hook's units likewise:
-  the total carried error of DESIGN.md §1 is preserved); hierarchical error feedback
+  the total carried error, mean worker error + server error, is preserved); hierarchical error feedback
   restarts from zero, logged.
 
 * Clipping: after the freeze of a lbcomm optimizer every rank holds its local gradient,
