@@ -1,4 +1,4 @@
-"""Drop-in torch.optim optimizers that communicate 1 bit per element (DESIGN.md §3).
+"""Drop-in torch.optim optimizers that communicate 1 bit per element (docs/optimizers.md).
 
 `OneBitAdam` and `OneBitLamb` run AdamW / LAMB on averaged gradients during a warmup,
 then freeze the variance and reduce the momentum with one compressed allreduce per

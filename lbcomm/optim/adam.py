@@ -1,4 +1,4 @@
-"""1-bit Adam (DESIGN.md §3): AdamW during the warmup, then a frozen variance and a
+"""1-bit Adam: AdamW during the warmup, then a frozen variance and a
 1-bit compressed allreduce of the momentum."""
 from __future__ import annotations
 

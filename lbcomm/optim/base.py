@@ -1,4 +1,4 @@
-"""What every lbcomm optimizer shares (DESIGN.md §3): option validation, the flat fp32
+"""What every lbcomm optimizer shares: option validation, the flat fp32
 state with per-parameter views, the warmup's gradient averaging, the non-finite policy,
 the step skeleton and the checkpoint format.
 
@@ -12,8 +12,9 @@ the step skeleton and the checkpoint format.
   parameters (`_warmup_update`, math in `functional`). A DDP communication hook that has
   already averaged the gradients sets `grads_averaged` and the optimizer does not
   communicate.
-* Never silent (DESIGN.md §4), for optimizers with the ``detect_averaged_grads`` option:
-  until it is decided, a per-rank checksum of the local gradients (their sum and sum of
+* Never silent (a misconfigured stack raises instead of training quietly at full
+  precision, see `lbcomm.ddp.claims`), for optimizers with the ``detect_averaged_grads``
+  option: until it is decided, a per-rank checksum of the local gradients (their sum and sum of
   squares) rides along the warmup allreduce in slots of its own (2 floats per rank); if
   every rank sent the same checksum, a DDP without lbcomm's hook has averaged the
   gradients already and `AveragedGradientsError` names the fix. The compression stage

@@ -1,4 +1,4 @@
-"""The flat layout of the optimizers' state (DESIGN.md §3): every parameter's state is one
+"""The flat layout of the optimizers' state: every parameter's state is one
 slice of a flat fp32 buffer, the parameters of one param group next to each other, so
 that one collective serves the whole model.
 

@@ -1,4 +1,4 @@
-"""The update math of the lbcomm optimizers (DESIGN.md §3) as functions over tensors: flat
+"""The update math of the lbcomm optimizers as functions over tensors: flat
 fp32 slices of the state and the parameters they belong to. No communication, no state
 bookkeeping (that is `base` and `onebit`); the order of operations is part of the
 contract (the warmup is bitwise torch.optim.AdamW, the tests compare bitwise against

@@ -1,4 +1,4 @@
-"""LAMB (the full-precision baseline) and 1-bit LAMB (DESIGN.md §3)."""
+"""LAMB (the full-precision baseline) and 1-bit LAMB (docs/optimizers.md)."""
 from __future__ import annotations
 
 import math

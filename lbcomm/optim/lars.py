@@ -1,9 +1,10 @@
-"""LARS (issue 14): momentum with a layer-wise trust ratio and decoupled weight decay.
+"""LARS: momentum with a layer-wise trust ratio and decoupled weight decay, for large
+batches (see docs/large-batch.md).
 
 With several ranks its communication is compressed by `lbcomm.onebit_hook` (1-bit error
-feedback on the gradients, DDP). A 1-bit LARS that compresses the momentum instead (as
-1-bit Adam does) was built and measured on bench/suite.py and is not shipped: it lost
-7-22 % of Lars's validation loss (see the README section).
+feedback on the gradients, DDP). There is no 1-bit LARS that compresses the momentum
+instead (as 1-bit Adam does): that variant was tried and converged clearly worse than
+Lars with the hook, so it is not shipped.
 """
 from __future__ import annotations
 

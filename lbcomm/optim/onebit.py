@@ -1,4 +1,4 @@
-"""The 1-bit machinery (DESIGN.md §3), used only by `OneBitAdam` and `OneBitLamb`: the
+"""The 1-bit machinery, used only by `OneBitAdam` and `OneBitLamb`: the
 freeze, the momentum mask, the compressed momentum allreduce and its error state.
 
 * The freeze (end of step freeze_step): the variance's step count is recorded, the mask
@@ -23,7 +23,7 @@ freeze, the momentum mask, the compressed momentum allreduce and its error state
   but its result there is replaced and their errors are zeroed after every call (flat,
   hierarchical or per shard alike), so they never enter the error feedback.
 
-Topology (DESIGN.md §4b): with nodes of several ranks (``topology``: a `Topology`, or
+Topology (docs/topology.md): with nodes of several ranks (``topology``: a `Topology`, or
 "auto" under torchrun with more than one node) the compression stage's one reduction is the
 hierarchical call (`lbcomm.topology.hierarchical_allreduce_`: fp32 reduce-scatter inside
 the node, 1 bit across nodes, all-gather), its error feedback a `HierarchicalState`;

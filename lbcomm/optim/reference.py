@@ -1,11 +1,11 @@
-"""Plain-torch, step-by-step simulation of DESIGN.md §3 for p ranks in one process.
+"""Plain-torch, step-by-step simulation of the lbcomm optimizers for p ranks in one process.
 
 The oracle the optimizer tests compare against: per-parameter tensors, explicit loops
 over ranks, no flat buffers, no buckets, no state dicts, and the whole compressed
 allreduce from `lbcomm.reference` (all ranks at once). Each formula is written with the
-elementary torch operations listed in DESIGN.md §3 in their natural order (e.g. the Adam
-denominator is sqrt(v) / sqrt(1 - b2^t) + eps, as in torch.optim.AdamW), so the real
-optimizers and this simulation can be compared to the last bit.
+same elementary torch operations as `lbcomm.optim.functional`, in their natural order
+(e.g. the Adam denominator is sqrt(v) / sqrt(1 - b2^t) + eps, as in torch.optim.AdamW),
+so the real optimizers and this simulation can be compared to the last bit.
 
 Inputs are the parameters at step 0 and, for every step, every rank's local gradients;
 the warmup gradient is their mean (sum over ranks, then divided by p).
