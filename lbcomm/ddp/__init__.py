@@ -1,4 +1,4 @@
-"""DDP communication hooks (DESIGN.md §4), torch's contract: ``hook(state, bucket) -> Future[Tensor]``.
+"""DDP communication hooks (docs/hooks.md), torch's contract: ``hook(state, bucket) -> Future[Tensor]``.
 
 * `onebit_optimizer_hook` (and its fp16/bf16 variants, `onebit_optimizer_hook_for(dtype)`;
   `optimizer_hooks.py`): registered with a OneBit optimizer as its state. During the

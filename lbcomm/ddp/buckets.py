@@ -319,8 +319,9 @@ class Transform:
       rows + columns per matrix: one small reduce + broadcast per call, so that every
       rank makes the same weights), started from the full-precision start's
       averaged gradients. When the weights change the error feedback is rescaled by
-      w_old / w_new, so that it stays the same in gradient units (DESIGN.md §1's
-      telescoping holds for x, not only for x / w). A non-finite statistic on any rank
+      w_old / w_new, so that it stays the same in gradient units (the error-feedback
+      telescoping, sum of outputs = sum of the ranks' mean inputs - carried error, holds
+      for x, not only for x / w). A non-finite statistic on any rank
       (NaN/Inf in x) skips the call on every rank before any state changes.
     """
 

@@ -1,4 +1,5 @@
-"""One compressor per gradient (DESIGN.md §4, "Never silent").
+"""One compressor per gradient ("never silent": a misconfigured stack raises an error
+that names the fix instead of training on quietly; see docs/hooks.md).
 
 `onebit_hook` compresses the gradients of its DDP model; a 1-bit optimizer (OneBitAdam,
 OneBitLamb) compresses its momentum, which is formed from the same gradients. Stacked,

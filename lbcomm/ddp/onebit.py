@@ -32,11 +32,11 @@ _STATE_VERSION = 1
 class OneBitHookState:
     r"""State of `onebit_hook`: 1-bit error-feedback compressed allreduce of DDP's gradient
     buckets, for any optimizer (SGD, AdamW, ...). Under SGD with momentum pass its momentum
-    (``momentum=``, with ``normalize="adaptive"``): the gradients' compression errors are
-    otherwise summed by SGD's momentum (measured: up to 6.7 % behind plain SGD where this
-    configuration is within 4.1 %; README, "The hook for SGD momentum").
+    (``momentum=``, with ``normalize="adaptive"``): otherwise SGD's momentum sums the
+    gradients' compression errors, so that each step's error reaches the parameters over
+    many steps; compressing the momentum itself lets it enter once (see docs/hooks.md).
 
-    Every bucket is reduced with `lbcomm.compressed_allreduce` (DESIGN.md §1): about 1 bit
+    Every bucket is reduced with `lbcomm.compressed_allreduce` (docs/concepts.md): about 1 bit
     per gradient element instead of 32, with the rounding error of every call fed back into
     the next one (per rank, per bucket), so that nothing is lost over time. Before
     ``start_iter`` the buckets are averaged at full precision.
@@ -58,8 +58,9 @@ class OneBitHookState:
     to a run that never stopped. Another world size (elastic resume): every saved rank's
     state_dict is needed (``lbcomm.load_sharded(dir, opt, model, hook_state=state)`` reads
     them all); each unit's error feedback is redistributed onto the new world with
-    `lbcomm.compressed.redistribute_errors`, preserving the total carried error of
-    DESIGN.md §1, and the replicas stay bitwise identical. Without them (or for another
+    `lbcomm.compressed.redistribute_errors`, preserving the total carried error (the mean
+    of the worker errors plus the concatenated server errors), and the replicas stay
+    bitwise identical. Without them (or for another
     model) the errors are reset with a logged warning. Create the state and register the
     hook on a freshly built DDP model, as usual, so that the parameter numbering (taken
     from DDP's first iteration) is stable.
@@ -111,15 +112,15 @@ class OneBitHookState:
             optimizer's buffer is then exactly m^ (plus its weight decay terms), and a
             step's compression error enters the parameters once instead of being summed over
             the momentum's memory (why 1-bit Adam compresses its momentum). For SGD with
-            momentum (set it to SGD's ``momentum``): measured worse with AdamW (Adam squares
-            what it is handed, and the difference of two decoded momenta inflates its
-            variance) and no better with Lars (README); costs two fp32 buffers
-            per gradient element. None: compress the gradients (default: None).
+            momentum (set it to SGD's ``momentum``); not for AdamW (Adam squares what it is
+            handed, and the difference of two decoded momenta inflates its variance), and
+            Lars gains nothing from it; costs two fp32 buffers per gradient element. None:
+            compress the gradients (default: None).
         exact_numel (int, optional): parameters of at most this many elements (biases,
             norm weights, the small heads and stems of small models) are averaged exactly by
             an fp32 allreduce beside the compressed call instead of being compressed (their
             error feedback stays zero): 1-bit compression saves little on them and costs
-            the most accuracy there (README, "Convergence suite"); their bytes are counted
+            the most accuracy there; their bytes are counted
             in ``bytes_sent`` as a ring allreduce. 0: every parameter compressed, the
             published algorithm (default: 4096). A state_dict saved with another value (or
             before the option existed: 0) resumes with the saved value, with a warning.
@@ -379,8 +380,8 @@ class OneBitHookState:
         of every rank of the saved world, in rank order (``state_dict`` is then any one of
         them; `lbcomm.load_sharded` with ``hook_state=`` does this). Each unit's error
         feedback is redistributed onto this world with `lbcomm.compressed.redistribute_errors`,
-        which preserves the total carried error of DESIGN.md §1 (mean of worker errors +
-        concatenated server errors); the replicas stay bitwise identical (every rank
+        which preserves the total carried error (mean of worker errors + concatenated
+        server errors); the replicas stay bitwise identical (every rank
         decodes the same all-gathered result). Without
         ``all_ranks`` (or for hierarchical units) the errors are reset with a logged warning.
         """

@@ -1,4 +1,4 @@
-"""DDP hooks for the 1-bit optimizers (DESIGN.md §4): torch's public default hooks during
+"""DDP hooks for the 1-bit optimizers: torch's public default hooks during
 the optimizer's warmup, no communication at all in its compression stage.
 
 One implementation, `_optimizer_hook`, parameterized by the dtype on the wire of the
