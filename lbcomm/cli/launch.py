@@ -5,7 +5,7 @@ Three ways to get ranks:
 * ``--world-size N`` alone: N local processes joined over loopback (gloo, or NCCL with
   one GPU per rank), or ``mpirun -np N`` for ``--backend mpi``;
 * ``--world-size N --bandwidth RATE``: N processes in an `EmulatedCluster` (one network
-  namespace per rank, veths on a bridge shaped by tbf; DESIGN.md §5), torn down even on
+  namespace per rank, veths on a bridge shaped by tbf; `lbcomm.cli.netem`), torn down even on
   failure, Ctrl-C or SIGTERM;
 * an outside launcher: torchrun (``RANK``/``WORLD_SIZE`` set) or mpirun
   (``OMPI_COMM_WORLD_RANK``, ``PMI_RANK``, ...). The command then runs as one rank and rank 0

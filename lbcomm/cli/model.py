@@ -11,7 +11,7 @@ For p ranks, each on a link of B bits/s per direction, and a tensor of n fp32 el
 * B_eff = B * 1448/1514: the TCP payload of a full Ethernet frame (MTU 1500); tbf and real
   switches count whole frames.
 * bytes_per_call: `CompressionState.bytes_per_call()`, the exact bytes a rank sends
-  (sign bits, block scales, headers; DESIGN.md §1); 2 (p-1)/p * 4n for the fp32 ring.
+  (sign bits, block scales, headers; see `lbcomm.wire`); 2 (p-1)/p * 4n for the fp32 ring.
 * K: one rank's local compute for one call, measured on this machine with one thread per
   rank. K_onebit runs the real `compressed_allreduce` (the lbcomm.ops kernels, copies,
   checks, Python) on a loop-back transport that pretends p ranks sent this rank's data, so

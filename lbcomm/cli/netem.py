@@ -1,4 +1,4 @@
-"""Emulated low-bandwidth cluster on one machine (DESIGN.md §5).
+"""Emulated low-bandwidth cluster on one machine (see docs/cli.md).
 
 Each rank gets its own network namespace with one veth interface; the other ends of the
 veths are ports of a Linux bridge that lives in a dedicated namespace, so the host's own

@@ -1,5 +1,6 @@
 """Cost model of one gradient reduction on N nodes x G ranks per node: the inter-node link
-and the intra-node link separately (DESIGN.md §4b, §5).
+and the intra-node link separately (nodes: docs/topology.md; the emulated links:
+`lbcomm.cli.netem`).
 
 Per call, n fp32 elements (one gradient of n parameters), p = N G ranks. Each node has one
 link of B_x bytes/s per direction to the others (latency alpha_x per message); each rank

@@ -75,7 +75,7 @@ DEFAULT_NODE_METHODS = ("ddp", "onebit_hook", "onebit_hook_hier", "hsdp", "hsdp_
 # ``gradient_stats`` (a coordinate sample in its compression stage); ``ddp_hook`` is DDP with
 # torch's Python allreduce_hook alone, the baseline of ``ddp_stats``.
 # Also not by default: the published rules of the compression stage, to measure what the
-# robust defaults cost (issue 16): ``onebit_hook_published`` (normalize=None, exact_numel=0)
+# robust defaults cost: ``onebit_hook_published`` (normalize=None, exact_numel=0)
 # against ``onebit_hook`` (normalize="warmup", exact_numel=4096), ``onebit_adam_published``
 # (max_update=None, exact_numel=0, rescale_variance=False) against ``onebit_adam``
 # (max_update=1.0, exact_numel=4096, rescale_variance=True).
@@ -88,9 +88,10 @@ COMPRESSION_START = 2  # PowerSGD's start_powerSGD_iter and onebit_hook's start_
 MIN_WARMUP_STEPS = COMPRESSION_START + 2
 
 # name -> (vocab, d_model, layers, heads, seq_len, batch per rank). "small" (13.8M parameters,
-# 32 tokens per rank and step) is the communication-bound regime of the published clusters
-# on a 2-core machine emulating 4 ranks: its fp32 gradient allreduce at 1 Gbit/s is about
-# 80 % of a DDP + AdamW step. "tiny" is for tests.
+# 32 tokens per rank and step) is the communication-bound regime of the published clusters:
+# many parameters and little compute per step, so that at 1 Gbit/s the fp32 gradient
+# allreduce dominates a DDP + AdamW step even with a few ranks on one small machine.
+# "tiny" is for tests.
 MODEL_PRESETS: Dict[str, Dict[str, int]] = {
     "tiny": dict(vocab=512, d_model=64, layers=2, heads=2, seq_len=16, batch=2),
     "small": dict(vocab=8192, d_model=384, layers=6, heads=6, seq_len=32, batch=1),
