@@ -162,8 +162,8 @@ OneBitAdam.__doc__ = r"""Implements 1-bit Adam: AdamW in the warmup, then a froz
 
     rescale_variance keeps the frozen variance's scale current: a variance frozen early holds
     the gradients of the first steps, and as the gradients of a tensor shrink over the run,
-    the frozen preconditioner makes its steps ever smaller than Adam's (on the convergence
-    suite's byte LM, 240 steps frozen at 60, that alone costs about 1 % of the loss). Each
+    the frozen preconditioner makes its steps ever smaller than Adam's (the earlier the
+    freeze, the larger the gap). Each
     tensor's frozen v^ is multiplied by q^_t / q^_freeze, q^ the bias-corrected EMA (beta2, the
     variance's own window) of the ranks' mean squared local gradient norm of that tensor, so
     that the factor is 1 at the freeze and follows the change of the gradient scale after it;
@@ -198,8 +198,9 @@ OneBitAdam.__doc__ = r"""Implements 1-bit Adam: AdamW in the warmup, then a froz
         mask_threshold (float, optional): at the freeze, the momentum of coordinates whose
             variance is at most mask_threshold times the mean variance of all coordinates is
             held at zero; 0 masks exactly the coordinates with zero variance. The default
-            also catches variances made of rounding noise only (attention key biases, to which
-            softmax is invariant, measure ~1e-14 of the mean) (default: 1e-10)
+            also catches variances made of rounding noise only (e.g. attention key biases, to
+            which softmax is invariant: their variance lies many orders of magnitude below
+            the mean) (default: 1e-10)
         max_update (float, str or None, optional): in the compression stage, the bound U on
             each coordinate's |m^ / (sqrt(v^) + eps)|, so that no coordinate moves more than
             lr U per step (plus weight decay). A number > 0; "warmup": per parameter tensor,

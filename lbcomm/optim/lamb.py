@@ -365,14 +365,13 @@ OneBitLamb.__doc__ = r"""Implements 1-bit LAMB: LAMB in the warmup, then a froze
     (no clamp when None); the default 1.0 is OneBitAdam's: no coordinate's direction beyond
     the largest steady Adam step (see :class:`OneBitAdam` for why the compressed momentum
     needs a bound). "warmup" takes the largest :math:`|\hat{m}/(\sqrt{\hat{v}}+\epsilon)|` of
-    parameter tensor p after the last warmup step instead (the earlier default; the README's
-    "Robust compression stage" has the measurement that replaced it).
+    parameter tensor p after the last warmup step instead (the earlier default).
 
     Args:
         params (iterable): iterable of parameters or named parameters to optimize
             or iterable of dicts defining parameter groups.
-        lr (float, optional): learning rate; the best lr of the README's convergence
-            suite was 1.8x Lamb's on three of its five tasks ("The lr grid") (default: 1e-3)
+        lr (float, optional): learning rate; the best value can be larger than Lamb's on
+            the same task, so tune it rather than copying Lamb's (default: 1e-3)
         betas (Tuple[float, float], optional): coefficients of the running averages of the
             gradient and its square (default: (0.9, 0.999))
         eps (float, optional): term added to the denominator (default: 1e-8)

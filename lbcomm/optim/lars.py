@@ -3,8 +3,8 @@ batches (see docs/large-batch.md).
 
 With several ranks its communication is compressed by `lbcomm.onebit_hook` (1-bit error
 feedback on the gradients, DDP). There is no 1-bit LARS that compresses the momentum
-instead (as 1-bit Adam does): that variant was tried and converged clearly worse than
-Lars with the hook, so it is not shipped.
+instead (as 1-bit Adam does): such a variant converges worse than Lars under the hook,
+so the hook is the way to compress Lars's communication.
 """
 from __future__ import annotations
 

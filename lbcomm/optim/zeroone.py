@@ -183,8 +183,8 @@ class ZeroOneAdam(OneBitAdam):
     def _warmup_bounds(self, L: FlatLayout) -> List[Optional[float]]:
         """A variance step after the first 1-bit step takes its momentum from decoded
         compressed momenta: max_update bounds it as it bounds the compressed steps (coordinates
-        of a tiny variance would otherwise move by lr x block scale / sqrt(v), the blow-up
-        measured on bench/suite.py). The steps before any compression are AdamW's."""
+        of a tiny variance would otherwise move by lr x block scale / sqrt(v) and blow up).
+        The steps before any compression are AdamW's."""
         if not self._counts["onebit"]:
             return super()._warmup_bounds(L)
         return self._update_bounds(L)
@@ -404,10 +404,10 @@ ZeroOneAdam.__doc__ = r"""Implements 0/1 Adam (Lu et al., 2022, "Maximizing Comm
     interval) with ``var_decay="time"``, the default, and 1 with ``var_decay="update"``,
     the paper's update. With the paper's, v forgets by beta2 per update, so as the
     intervals grow it averages gradients from ever further back: at var_freeze_step it
-    reflects the early, larger gradients and shrinks the compression stage's steps.
-    Measured on bench/convergence.py (4 ranks, AdamW = 1): 400 steps 1.023 ("update") ->
-    1.009 ("time") at seed 0, 1.025 -> 1.005 at seed 1; 1600 steps 1.010 -> 0.994,
-    1.013 -> 1.000 (README, "Convergence: 0/1 Adam").
+    reflects the early, larger gradients and shrinks the compression stage's steps. With
+    "time" v forgets at Adam's rate per step whatever the interval, so it tracks the current
+    gradients and the compression stage keeps AdamW's step sizes; use "update" only to
+    reproduce the paper.
 
     (the sync step first takes the local step's momentum and accumulation; its own local
     parameter update is replaced by the rebuild). :math:`\theta_{\mathrm{anchor}}` (the
@@ -420,9 +420,9 @@ ZeroOneAdam.__doc__ = r"""Implements 0/1 Adam (Lu et al., 2022, "Maximizing Comm
     feedback carries over between all compressed steps. max_update bounds each coordinate
     of every compressed (and local) step to :math:`U` per unit of lr, as in OneBitAdam,
     and of every variance step after the first 1-bit step (their momentum carries decoded
-    compressed momenta: unbounded, coordinates of a tiny variance blew up on
-    bench/suite.py's dead_relu, zipf_embed and tabular at most lrs of the grid);
-    the mask (zero or negligible variance) is rebuilt after every variance update.
+    compressed momenta, whose values are of the size of a block scale: unbounded, a
+    coordinate of a tiny variance, such as a nearly dead unit or a rare feature, would take
+    a huge step); the mask (zero or negligible variance) is rebuilt after every variance update.
 
     Communication per step (4 ranks, n parameters, block scales aside): a variance step
     sends 2 (p-1)/p 4n bytes in one round per bucket; a 1-bit step or a sync about
