@@ -24,8 +24,8 @@ For p ranks, each on a link of B bits/s per direction, and a tensor of n fp32 el
 The check: alpha (per method) is calibrated on the smallest measured size, where the
 other terms are small; every other measured point is predicted and printed next to the
 measurement. The predictions for larger clusters use ``--predict-alpha`` (default 50 us,
-a typical TCP small-message latency between nodes; this VM's namespaces, at about 1 ms,
-are no guide to a real network).
+a typical TCP small-message latency between nodes; the latency of emulated network
+namespaces on one machine is far higher and no guide to a real network).
 
 Nothing here parses arguments or prints: the ``model`` and ``advise`` commands
 (lbcomm/cli/commands.py) drive it, lbcomm/cli/advise.py builds step-time predictions on it.
@@ -66,7 +66,7 @@ def _median_time(fn, reps: int = 5, min_time: float = 0.3, device: str = "cpu") 
 def _state(n: int, p: int, block_size: Optional[int], device: str = "cpu"):
     from ..compressed import CompressionState
 
-    # pieces=1: the model is of the unpipelined call (README, "Pipelining")
+    # pieces=1: the model is of the unpipelined call (pipelining: lbcomm.compressed)
     return CompressionState(n, transport=LoopTransport(p), block_size=block_size, device=device, pieces=1)
 
 

@@ -44,7 +44,7 @@ loopback, which the counter does not see).
 
 Compression starts early (PowerSGD's ``start_powerSGD_iter`` and onebit_hook's
 ``start_iter`` are 2, OneBitAdam's ``freeze_step`` is ``warmup - 2``: frozen after only
-2 steps its variance estimate is too poor and the loss oscillates within 10 steps) and
+2 steps its variance estimate is too poor and the loss oscillates) and
 every method runs ``warmup`` untimed steps first, so only the steady compressed stage is
 timed. All methods are built up front and timed in interleaved rounds (a few steps of
 each, in turn), so that load drift on a shared machine hits them alike. Each step is timed on every rank
