@@ -9,23 +9,20 @@ fails. The learning rate follows the square-root rule of the current batch. Prin
 batch schedule (step, samples seen, new batch, measured noise scale), the steps taken and
 the final held-out loss, next to a run at the fixed starting batch with the same samples.
 
-    python bench/adaptive_batch.py             # about 3 minutes on 2 loaded cores
-    python bench/adaptive_batch.py --samples 4096 --eval-seqs 64   # smaller
+    python -m bench.adaptive_batch             # about 3 minutes on 2 loaded cores
+    python -m bench.adaptive_batch --samples 4096 --eval-seqs 64   # smaller
 """
 import argparse
 import datetime
 import json
-import os
-import sys
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
-import lbcomm  # noqa: E402
-from lbcomm.stats import BatchSizeController, GradientNoiseScale  # noqa: E402
-from convergence import ByteLM, evaluate, lm_loss, load_corpus, sample, spawn_ranks  # noqa: E402
+import lbcomm
+from lbcomm.stats import BatchSizeController, GradientNoiseScale
+
+from .convergence import ByteLM, evaluate, lm_loss, load_corpus, sample, spawn_ranks
 
 
 def train(a, data, val, rank, world, adaptive):
@@ -71,7 +68,7 @@ def rank_main(rank, world, a, data_path, init_file, out_path):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.adaptive_batch", description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--micro", type=int, default=4, help="sequences per rank and micro batch")
     p.add_argument("--samples", type=int, default=12288, help="training sequences in all")

@@ -18,8 +18,8 @@ by lbcomm.comm.counting.CountingTransport; over the whole run and over the steps
 freeze_step), and the optimizer-state bytes per parameter; written: a PNG of the
 validation-loss curves.
 
-    python bench/convergence.py            # the full run: about 4 minutes on 2 idle cores
-    python bench/convergence.py --quick    # smoke test: about 1 minute
+    python -m bench.convergence            # the full run: about 4 minutes on 2 idle cores
+    python -m bench.convergence --quick    # smoke test: about 1 minute
 """
 from __future__ import annotations
 
@@ -29,7 +29,6 @@ import io
 import json
 import math
 import os
-import sys
 import tempfile
 import time
 
@@ -39,10 +38,10 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
-import lbcomm  # noqa: E402
-from cli_options import json_options  # noqa: E402
-from lbcomm.comm.counting import CountingTransport  # noqa: E402
+import lbcomm
+from lbcomm.comm.counting import CountingTransport
+
+from .cli_options import json_options
 
 BASELINE = {"onebit_adam": "adamw", "onebit_lamb": "lamb"}  # the block-size sweeps
 TWIN = {**BASELINE, "zeroone": "adamw"}
@@ -396,7 +395,9 @@ def plot(results, a, path):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m bench.convergence",
+                                description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--quick", action="store_true", help="smoke test: a few steps, a small model")
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--steps", type=int, default=400)

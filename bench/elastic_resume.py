@@ -9,8 +9,8 @@ with the error feedback redistributed and reset, with the same global batches an
 schedule. Printed: the final validation loss of each run and each resume's penalty
 against the reference.
 
-    python bench/elastic_resume.py                     # 4 -> 2 and 2 -> 4
-    python bench/elastic_resume.py --quick             # smoke test
+    python -m bench.elastic_resume                     # 4 -> 2 and 2 -> 4
+    python -m bench.elastic_resume --quick             # smoke test
 """
 from __future__ import annotations
 
@@ -18,17 +18,15 @@ import argparse
 import datetime
 import json
 import os
-import sys
 import tempfile
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
-import lbcomm  # noqa: E402
-from convergence import ByteLM, evaluate, lm_loss, load_corpus, lr_factor, make_optimizer, sample  # noqa: E402
+import lbcomm
+
+from .convergence import ByteLM, evaluate, lm_loss, load_corpus, lr_factor, make_optimizer, sample
 
 
 def rank_main(rank, world, a, mode, ckpt, data_path, init_file, out_path):
@@ -78,7 +76,7 @@ def launch(world, a, mode, ckpt, data_path, d):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.elastic_resume", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="smoke test: a few steps")
     p.add_argument("--pairs", default="4:2,2:4", help="old:new world sizes, comma separated")
     p.add_argument("--steps", type=int, default=160)

@@ -18,15 +18,14 @@ fsdp_onebit_adam: within 2 %), and the mean wall time per training step after th
 (loopback links on a shared machine: not a network measurement; the emulated cluster of
 DESIGN.md §5 is where the speed target is measured).
 
-    python bench/fsdp_convergence.py            # 300 steps
-    python bench/fsdp_convergence.py --quick    # smoke test
+    python -m bench.fsdp_convergence            # 300 steps
+    python -m bench.fsdp_convergence --quick    # smoke test
 """
 from __future__ import annotations
 
 import argparse
 import datetime
 import os
-import sys
 import tempfile
 import time
 
@@ -34,12 +33,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))  # run from a checkout
-sys.path.insert(0, HERE)
-import lbcomm  # noqa: E402
-from cli_options import json_options  # noqa: E402
-from convergence import ByteLM, evaluate, lm_loss, load_corpus, lr_factor, sample  # noqa: E402
+import lbcomm
+
+from .cli_options import json_options
+from .convergence import ByteLM, evaluate, lm_loss, load_corpus, lr_factor, sample
 
 RUNS = ("hsdp_adamw", "onebit_hsdp", "fsdp_onebit_adam")
 NODES, PER_NODE = 2, 2
@@ -97,7 +94,8 @@ def rank_main(rank, world, a, data_path, init_file, out_path):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m bench.fsdp_convergence",
+                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="smoke test: a few steps")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch", type=int, default=64, help="global batch (sequences), split over the 4 ranks")

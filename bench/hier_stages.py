@@ -7,7 +7,7 @@ profile per call: lbcomm's stage ranges (lbcomm.hier.*, children included) and t
 operators with the most self CPU time. Rounds alternate the methods so that load from
 other processes hits them alike.
 
-    sudo python bench/hier_stages.py --nodes 2 --ranks-per-node 2 --bandwidth 1gbit --size 8M \\
+    sudo python -m bench.hier_stages --nodes 2 --ranks-per-node 2 --bandwidth 1gbit --size 8M \\
         --json bench/results/hier_stages_1gbit.json
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from lbcomm.cli.units import format_count
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.hier_stages", description=__doc__.split("\n\n")[0])
     ap.add_argument("--nodes", type=int, default=2)
     ap.add_argument("--ranks-per-node", type=int, default=2)
     ap.add_argument("--bandwidth", default="1gbit", help="link rate between nodes, or 'none' for loopback")

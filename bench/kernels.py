@@ -10,9 +10,9 @@ With --device cuda the kernels run on the GPU and the baseline is a device-to-de
 of the same bytes; both are timed with CUDA events over back-to-back launches (the GPU
 time per call, launch gaps included only where the GPU waits for them).
 
-    python bench/kernels.py                  # 1M..64M elements, 1 thread and all threads
-    python bench/kernels.py --sizes 1M,8M --threads 1 --json out.json
-    python bench/kernels.py --device cuda --sizes 16M,64M,256M --world-size 4,8
+    python -m bench.kernels                  # 1M..64M elements, 1 thread and all threads
+    python -m bench.kernels --sizes 1M,8M --threads 1 --json out.json
+    python -m bench.kernels --device cuda --sizes 16M,64M,256M --world-size 4,8
 """
 from __future__ import annotations
 
@@ -112,7 +112,8 @@ def bench_size(n: int, p: int, block, reps: int, device: str = "cpu"):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m bench.kernels",
+                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="1M,8M,64M")
     ap.add_argument("--threads", default=f"1,{os.cpu_count()}")
     ap.add_argument("--block-size", default=str(lbcomm.DEFAULT_BLOCK_SIZE), help="int or 'none'")

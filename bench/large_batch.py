@@ -23,25 +23,23 @@ averages the exact gradient beside it to report that estimator's deviation from 
 Written: bench/results/large_batch.png (samples to the target loss by batch, the noise
 scale over training) and, with --json, the raw curves.
 
-    python bench/large_batch.py            # all runs (about 15 minutes on 2 loaded cores)
-    python bench/large_batch.py --quick    # smoke test
+    python -m bench.large_batch            # all runs (about 15 minutes on 2 loaded cores)
+    python -m bench.large_batch --quick    # smoke test
 """
 import argparse
 import datetime
 import json
 import math
 import os
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
-import lbcomm  # noqa: E402
-from lbcomm.stats import AdaScale, GradientNoiseScale, allreduce_gradients_  # noqa: E402
-from convergence import ByteLM, evaluate, lm_loss, load_corpus, lr_factor, sample, spawn_ranks  # noqa: E402
+import lbcomm
+from lbcomm.stats import AdaScale, GradientNoiseScale, allreduce_gradients_
+
+from .convergence import ByteLM, evaluate, lm_loss, load_corpus, lr_factor, sample, spawn_ranks
 
 FAMILY = {"sgd": "sgd", "sgd_linear": "sgd", "adascale_sgd": "sgd", "lars": "lars", "lars_legw": "lars",
           "lamb": "lamb", "lamb_sqrt": "lamb", "onebit_lamb": "lamb"}
@@ -285,7 +283,9 @@ def plot(results, a, path):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m bench.large_batch",
+                                description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--steps", type=int, default=640, help="base-run steps")

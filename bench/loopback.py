@@ -3,8 +3,8 @@
 A thin wrapper of ``lbcomm-bench allreduce`` (the installed CLI, lbcomm/cli/), kept for the issue 2
 target (onebit not slower than fp32 at 8M fp32 elements, 4 ranks)::
 
-    python bench/loopback.py                      # = lbcomm-bench allreduce --world-size 4 --sizes 8M
-    python bench/loopback.py --sizes 1M,8M --iters 10
+    python -m bench.loopback                      # = lbcomm-bench allreduce --world-size 4 --sizes 8M
+    python -m bench.loopback --sizes 1M,8M --iters 10
 
 Any ``lbcomm-bench allreduce`` option may be given; the defaults here are 4 ranks and 8M.
 """

@@ -64,28 +64,24 @@ The hook (SGD momentum on compressed gradients): scale rule, block size, start f
                 (clipwarm_ex4096); _exlayerK: only parameter K of the flat order; _exvec: the
                 vectors only
 
-    python bench/robust_sim.py --check                 # the simulated allreduce vs lbcomm.reference
-    python bench/robust_sim.py --tasks all --json out   # the whole study (minutes)
+    python -m bench.robust_sim --check                 # the simulated allreduce vs lbcomm.reference
+    python -m bench.robust_sim --tasks all --json out   # the whole study (minutes)
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
-import os
 import re
-import sys
 import time
 from typing import Dict, List, Optional
 
 import torch
 from torch import Tensor
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import tasks as T  # noqa: E402
+from . import tasks as T
 
-from lbcomm.reference import chunk_size  # noqa: E402
+from lbcomm.reference import chunk_size
 
 ADAM_RULES = ["published", "mask1e-3", "clip", "clipmax", "floor", "precond", "precond_clip", "meanabs"]
 LAMB_RULES = ["published", "mask1e-3", "clip", "clipmax", "precond", "precond_clip", "precond_clipmax"]
@@ -675,7 +671,7 @@ def table(results: List[Dict]) -> str:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.robust_sim", description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--tasks", default="all")
     ap.add_argument("--quick", action="store_true")

@@ -1,19 +1,14 @@
 """Soak: 10,000 compressed allreduce steps on 4 gloo ranks (issue 6).
 
-    python bench/soak.py [--steps 10000] [--world-size 4] [--numel 100000]
+    python -m bench.soak [--steps 10000] [--world-size 4] [--numel 100000]
 Checks that outputs stay bitwise identical across ranks at every step and that the error
 norms stay bounded, and prints the figures.
 """
 import argparse
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-
-from dist_util import run_ranks  # noqa: E402
-
-from lbcomm.cli.soak import check, soak_rank  # noqa: E402
+from lbcomm.cli.soak import check, soak_rank
+from tests.dist_util import run_ranks
 
 
 def _rank(rank, p, steps, numel):
@@ -21,7 +16,7 @@ def _rank(rank, p, steps, numel):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__)
     ap.add_argument("--steps", type=int, default=10000)
     ap.add_argument("--world-size", type=int, default=4)
     ap.add_argument("--numel", type=int, default=100_003)

@@ -18,14 +18,14 @@ ratio of each 1-bit method to its twin (target: within 5 %, 1 % on the byte LM),
 at which a 1-bit method diverged while its twin did not (target: none), and the largest
 first compressed update per coordinate in units of lr. Written: a PNG of the ratios.
 
-    python bench/suite.py                     # all tasks, the fine lr grids: about 15 minutes on 2 cores
-    python bench/suite.py --grid coarse       # 4 lrs per grid instead of 7 (the figures of earlier rounds)
-    python bench/suite.py --quick             # 3 tasks, short runs, coarse grids: the regression guard
-    python bench/suite.py --onebit-options '{"mask_threshold": 1e-3}'   # options of both 1-bit optimizers
-    python bench/suite.py --tasks dead_relu --repeats 3   # each lr's loss: the mean over 3 batch orders
-    python bench/suite.py --methods lars,lars_hook --lars-options '{"exclude_over": 4096}'
+    python -m bench.suite                     # all tasks, the fine lr grids: about 15 minutes on 2 cores
+    python -m bench.suite --grid coarse       # 4 lrs per grid instead of 7 (the figures of earlier rounds)
+    python -m bench.suite --quick             # 3 tasks, short runs, coarse grids: the regression guard
+    python -m bench.suite --onebit-options '{"mask_threshold": 1e-3}'   # options of both 1-bit optimizers
+    python -m bench.suite --tasks dead_relu --repeats 3   # each lr's loss: the mean over 3 batch orders
+    python -m bench.suite --methods lars,lars_hook --lars-options '{"exclude_over": 4096}'
                                               # Lars with the tensors of > 4096 elements off the trust ratio
-    python bench/suite.py --report bench/results/suite_quick_before.json bench/results/suite_quick_after.json
+    python -m bench.suite --report bench/results/suite_quick_before.json bench/results/suite_quick_after.json
                                               # the tables of saved runs (--json), without running
 """
 from __future__ import annotations
@@ -37,7 +37,6 @@ import itertools
 import json
 import math
 import os
-import sys
 import tempfile
 import time
 
@@ -45,12 +44,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import lbcomm  # noqa: E402
-from cli_options import json_options  # noqa: E402
-import tasks as T  # noqa: E402
-from convergence import average_grads, zeroone_local_step_scaler  # noqa: E402
+import lbcomm
+
+from .cli_options import json_options
+from . import tasks as T
+from .convergence import average_grads, zeroone_local_step_scaler
 
 METHODS = ("adamw", "onebit_adam", "lamb", "onebit_lamb", "sgd", "sgd_hook", "sgd_mom_hook", "lars", "lars_hook")
 EXTRA_METHODS = ("adamw_hook", "zeroone")  # on request only: DDP + onebit_hook + torch AdamW; 0/1 Adam
@@ -321,7 +319,9 @@ def plot(results, a, path):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m bench.suite",
+                                description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--quick", action="store_true", help=f"tasks {', '.join(QUICK_TASKS)} with short runs")
     p.add_argument("--tasks", default="", help=f"comma list of {', '.join(T.TASKS)} (default: all)")
     p.add_argument("--methods", default=",".join(METHODS))

@@ -20,8 +20,6 @@ loss(model, batch), and an lr grid per optimizer family.
 from __future__ import annotations
 
 import math
-import os
-import sys
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Tuple
 
@@ -29,7 +27,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 __all__ = ["Task", "TASKS", "make_task", "lr_factor"]
 
@@ -198,7 +195,7 @@ def tabular(seed=0, steps=240, global_batch=128, n_train=8192, n_val=2048, class
 
 # ---------------------------------------------------------------------- byte LM
 def byte_lm(seed=0, steps=240, global_batch=32, ctx=32, d_model=32, layers=1, heads=2):
-    from convergence import ByteLM, load_corpus, lm_loss, sample  # the one implementation of the LM
+    from .convergence import ByteLM, load_corpus, lm_loss, sample  # the one implementation of the LM
 
     train, val, _, _ = load_corpus(2 * 2**20, 2**18)
     val_seqs = sample(val, 256, ctx, seed=10**6)

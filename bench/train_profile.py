@@ -5,7 +5,7 @@ needs root) with profiling: after the timed rounds each method runs --steps more
 under torch.profiler, and rank 0's busiest operators per step (self CPU time, and the
 wall time of a step) are printed beside the timed medians.
 
-    sudo python bench/train_profile.py --methods hsdp,hsdp_onebit,onebit_hook --bandwidth 1gbit
+    sudo python -m bench.train_profile --methods hsdp,hsdp_onebit,onebit_hook --bandwidth 1gbit
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from lbcomm.cli.train import MODEL_PRESETS
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.train_profile", description=__doc__.split("\n\n")[0])
     ap.add_argument("--nodes", type=int, default=2)
     ap.add_argument("--ranks-per-node", type=int, default=2)
     ap.add_argument("--bandwidth", default="1gbit", help="link rate between nodes, or 'none' for loopback")

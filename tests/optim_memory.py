@@ -20,9 +20,8 @@ import torch
 from torch import nn
 
 import lbcomm
+from bench.convergence import state_bytes
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
-from convergence import state_bytes  # noqa: E402
 
 KINDS = ("AdamW", "OneBitAdam", "Lamb", "OneBitLamb")
 

@@ -16,16 +16,12 @@ Bounds at the first compressed step:
     OneBitLamb:  |dp_i| <= lr max_coeff factor_max (1 + wd |p_i|)
 """
 import math
-import os
-import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
-
-from dist_util import run_ranks  # noqa: E402
+from dist_util import run_ranks
 
 # (task, method, lr, extra options): lrs at which the published rule blows up on these tasks
 # (bench/suite.py --quick on main: first compressed updates of 1e3-1e5 lr; NaN on dead_relu at
@@ -48,8 +44,8 @@ CASES = [
 
 
 def _runs(rank, world, cases):
-    import suite
-    import tasks as T
+    from bench import suite
+    from bench import tasks as T
 
     out = []
     for name, method, lr, extra in cases:
@@ -70,8 +66,8 @@ def _get(results, task, method, lr, extra=None):
 
 
 def test_suite_tasks_are_deterministic_and_the_simulation_matches_the_reference():
-    import robust_sim
-    import tasks as T
+    from bench import robust_sim
+    from bench import tasks as T
 
     t1, t2 = T.make_task("rare_features", quick=True), T.make_task("rare_features", quick=True)
     b1, b2 = t1.batch(7), t2.batch(7)
@@ -133,7 +129,7 @@ def test_integration_the_published_rule_stays_available(results):
 def test_suite_ranks_lrs_by_the_mean_over_batch_orders():
     """--repeats: one record per (task, method, lr), the mean of its orders' final losses; an
     lr that diverged in any order is diverged; bad counts are refused."""
-    import suite
+    from bench import suite
 
     def rec(lr, final, diverged=None, ratio=None):
         return {"task": "t", "method": "sgd", "lr": lr, "final": final, "init": 2.0, "diverged": diverged,
@@ -158,7 +154,7 @@ def test_suite_ranks_lrs_by_the_mean_over_batch_orders():
     ex = suite.lars_options(suite.parse_args(["--lars-options", '{"exclude_over": 4096, "eps": 0.0}']))
     assert ex["eps"] == 0.0 and [ex["exclude_from_adaptation"](torch.zeros(s)) for s in ((8,), (64, 64), (65, 64))] \
         == [True, False, True]
-    import tasks as T
+    from bench import tasks as T
 
     batches = T.make_task("dead_relu", quick=True).batch
     assert suite.in_order(batches, 0) is batches
