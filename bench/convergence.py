@@ -1,4 +1,4 @@
-"""Convergence of the 1-bit optimizers against their full-precision twins (DESIGN.md §3).
+"""Convergence of the 1-bit optimizers against their full-precision twins.
 
 A small byte-level transformer language model is trained on the source text of Python's
 own standard library (every machine has it offline: os.path.dirname(os.__file__)), with a
@@ -101,7 +101,7 @@ class Block(nn.Module):
 
 class ByteLM(nn.Module):
     """Byte-level decoder; the output layer is not tied to the embedding, so the rows of
-    bytes that never occur get no gradient (the zero-variance mask of DESIGN.md §3)."""
+    bytes that never occur get no gradient (so the 1-bit optimizers' zero-variance mask is exercised)."""
 
     def __init__(self, d: int, layers: int, heads: int, ctx: int):
         super().__init__()

@@ -1,4 +1,4 @@
-"""OneBitAdam on FSDP2 against HSDP + AdamW (DESIGN.md §4b), same samples, same start.
+"""OneBitAdam on FSDP2 against HSDP + AdamW, same samples, same start.
 
 The byte-level transformer and the data of bench/convergence.py (Python's standard library
 source, held-out files for validation), on 4 local gloo ranks as 2 nodes x 2 ranks
@@ -15,8 +15,8 @@ same batches:
 
 Printed: the final validation loss of each run and its ratio to hsdp_adamw (target for
 fsdp_onebit_adam: within 2 %), and the mean wall time per training step after the first 5
-(loopback links on a shared machine: not a network measurement; the emulated cluster of
-DESIGN.md §5 is where the speed target is measured).
+(loopback links on a shared machine: not a network measurement; step times on shaped links
+are `lbcomm-bench train --nodes 2 --ranks-per-node 2 --bandwidth 1gbit`).
 
     python -m bench.fsdp_convergence            # 300 steps
     python -m bench.fsdp_convergence --quick    # smoke test

@@ -1,4 +1,4 @@
-"""Where the hierarchical call's time goes, beside the flat 1-bit call (issue 13).
+"""Where the hierarchical call's time goes, beside the flat 1-bit call.
 
 Runs the allreduce benchmark on emulated nodes (N namespaces of G ranks, links shaped
 to --bandwidth; needs root) with `measure(..., profile=True)`, and prints for each method

@@ -4,7 +4,7 @@ For each op the minimum memory traffic is counted (worker: read x and e, write e
 bits: 12n + n/8 bytes for fp32; 4n more with fp32 per-coordinate weights, 2n with bf16
 ones, the 1-bit hook's) and a torch copy moving that many bytes (read + write)
 is timed in the same process; the printed ratio is copy time / kernel time, so 1.0 means
-the kernel runs at copy bandwidth. Target (issue 2): >= 0.8.
+the kernel runs at copy bandwidth. Target: >= 0.8.
 
 With --device cuda the kernels run on the GPU and the baseline is a device-to-device copy
 of the same bytes; both are timed with CUDA events over back-to-back launches (the GPU

@@ -1,4 +1,4 @@
-"""Large-batch schedules and the gradient noise scale (issue 14, 5(b) and 5(c)).
+"""Large-batch schedules and the gradient noise scale.
 
 The corpus, model and sample stream of bench/convergence.py (the byte-level LM on the
 Python standard library, 4 gloo ranks): a base run at global batch B0 for T steps, then

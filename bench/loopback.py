@@ -1,6 +1,6 @@
 """Compressed allreduce vs gloo fp32/fp16 allreduce on local ranks over loopback (no shaping).
 
-A thin wrapper of ``lbcomm-bench allreduce`` (the installed CLI, lbcomm/cli/), kept for the issue 2
+A thin wrapper of ``lbcomm-bench allreduce`` (the installed CLI, lbcomm/cli/), kept for its
 target (onebit not slower than fp32 at 8M fp32 elements, 4 ranks)::
 
     python -m bench.loopback                      # = lbcomm-bench allreduce --world-size 4 --sizes 8M

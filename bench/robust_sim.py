@@ -1,17 +1,18 @@
-"""Single-process simulation of p ranks for the robustness study (issue 16, DESIGN.md §3).
+"""Single-process simulation of p ranks for the robustness study of the compression stage.
 
-Prototype only: candidate rules that make the compression stage of the 1-bit optimizers
+A study tool, not a maintained benchmark (its conclusions: bench/studies.md; the shipped
+rules are measured with `python -m bench.suite`): candidate rules that make the compression stage of the 1-bit optimizers
 and of the 1-bit gradient hook safe, measured on every task of bench/tasks.py over the lr
 grid. One model, p data shards: each step computes every rank's local gradient on its
 quarter of the global batch, then runs the optimizer math below on flat fp32 vectors with
-a vectorized compressed allreduce (DESIGN.md §1; checked against lbcomm.reference by
-``--check``). Deterministic, no processes, cheap.
+a vectorized compressed allreduce (the algorithm of lbcomm/compressed.py; checked against
+lbcomm.reference by ``--check``, as tests/test_robustness.py does). Deterministic, no processes, cheap.
 
 Rules (``rule=``) of OneBitAdam / OneBitLamb in the compression stage, with
 m the decoded momentum, d = sqrt(v^) + eps the frozen denominator, b1c = 1 - b1^t:
 
     published   the paper (mask: v <= 1e-10 mean(v))
-    mask1e-3    the published rule with mask_threshold 1e-3 (the tuned knob of the issue)
+    mask1e-3    the published rule with mask_threshold 1e-3 (the published algorithm's tunable threshold)
     clip        u = clamp(m / (b1c d), -1, 1): no coordinate moves faster than lr per step
                 (|E g| <= sqrt(E g^2): the largest stationary Adam step)
     clipmax     u = clamp(m / (b1c d), -U, U), U = (1-b1) / sqrt((1-b2)(1-b1^2/b2)): the

@@ -1,4 +1,4 @@
-"""Soak: 10,000 compressed allreduce steps on 4 gloo ranks (issue 6).
+"""Soak: 10,000 compressed allreduce steps on 4 gloo ranks.
 
     python -m bench.soak [--steps 10000] [--world-size 4] [--numel 100000]
 Checks that outputs stay bitwise identical across ranks at every step and that the error

@@ -25,7 +25,7 @@ first compressed update per coordinate in units of lr. Written: a PNG of the rat
     python -m bench.suite --tasks dead_relu --repeats 3   # each lr's loss: the mean over 3 batch orders
     python -m bench.suite --methods lars,lars_hook --lars-options '{"exclude_over": 4096}'
                                               # Lars with the tensors of > 4096 elements off the trust ratio
-    python -m bench.suite --report bench/results/suite_quick_before.json bench/results/suite_quick_after.json
+    python -m bench.suite --report bench/results/suite_fine_published_adam_seed0.json bench/results/suite_default_fine.json
                                               # the tables of saved runs (--json), without running
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Where a training step's time goes on emulated nodes, per method (issue 13).
+"""Where a training step's time goes on emulated nodes, per method.
 
 Runs `lbcomm-bench train`'s rank side on N nodes x G ranks (links shaped to --bandwidth;
 needs root) with profiling: after the timed rounds each method runs --steps more steps
