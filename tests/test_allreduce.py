@@ -67,7 +67,7 @@ def _check(results, p, sizes, block, steps, dtype):
             torch.testing.assert_close(per_rank[0][0][t].float(), ref_out.to(dtype).float(), rtol=1e-5, atol=1e-6)
             sum_out += per_rank[0][0][t].double() if dtype == torch.float32 else ref_out.double()
             sum_mean += torch.stack([x.double() for x in xs]).mean(0)
-        # the exact telescoping invariant of DESIGN.md §1, on the errors the ranks hold
+        # the exact telescoping invariant (docs/concepts.md), on the errors the ranks hold
         worker = torch.stack([pr[1].double() for pr in per_rank]).mean(0)[:n0]
         server = torch.cat([pr[2].double() for pr in per_rank])[:n0]
         residual = sum_out - (sum_mean - worker - server)

@@ -1,4 +1,4 @@
-"""Per-rank checkpoints (DESIGN.md §3): save in the compression stage, resume in fresh
+"""Per-rank checkpoints: save in the compression stage, resume in fresh
 processes. Same world size: bitwise identical to a run that never stopped. Another world
 size: a logged warning, error buffers reset, training goes on and the loss keeps falling."""
 import logging

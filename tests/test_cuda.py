@@ -70,7 +70,7 @@ def _worker_y(x, e):
 
 
 def _server_z(packed, scales, s, block, numel):
-    """z with the recipe of DESIGN.md §1 (fp32 sum in rank order, then * (1/p), then + s)."""
+    """z with the recipe of the server step (fp32 sum in rank order, then * (1/p), then + s)."""
     p, m = packed.shape[0], s.numel()
     neg = R.unpack_signs(packed)
     per = _per_elem(scales, m, block)

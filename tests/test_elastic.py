@@ -1,5 +1,5 @@
 """Elastic resume (another world size): the error feedback of every saved rank is
-redistributed so that the total carried error of DESIGN.md §1's invariant,
+redistributed so that the total carried error of the error-feedback invariant,
 mean_r(worker error r) + concat_k(server error k), is preserved (to float rounding).
 The pure function against a direct computation, and `load_sharded` 4 -> 2 and 2 -> 4
 ranks in real processes."""

@@ -1,4 +1,4 @@
-"""`onebit_hook` with momentum= and normalize="adaptive" (issue 16) on 2 real gloo ranks,
+"""`onebit_hook` with momentum= and normalize="adaptive" on 2 real gloo ranks,
 against a plain re-computation with the pure-torch reference allreduce
 (`lbcomm.reference.compressed_allreduce`), step by step:
 

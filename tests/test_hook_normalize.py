@@ -1,4 +1,4 @@
-"""`onebit_hook` with normalize="warmup" (issue 16) on 2 real gloo ranks, against an
+"""`onebit_hook` with normalize="warmup" on 2 real gloo ranks, against an
 independent pure-torch reference (`lbcomm.reference.compressed_allreduce`):
 
 * in the full-precision start the hook averages as a plain allreduce does;

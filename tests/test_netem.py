@@ -1,5 +1,5 @@
 """Tests for the emulated low-bandwidth cluster (lbcomm/cli/netem.py with netns.py, procs.py
-and units.py; DESIGN.md §5).
+and units.py).
 
 Parsing and error-message tests run anywhere; the rest need root and iproute2 and are
 skipped with the reason otherwise.

@@ -1,4 +1,4 @@
-"""Never silent (DESIGN.md §4): duplicated communication raises an error that names the fix,
+"""Never silent: duplicated communication raises an error that names the fix,
 the freeze logs what the compression stage sends, and a shard saved for another rank is
 reported with its cause and fix. Real gloo processes, real DDP."""
 import logging

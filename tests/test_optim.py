@@ -1,4 +1,4 @@
-"""OneBitAdam, Lamb and OneBitLamb (DESIGN.md §3) against torch.optim.AdamW, against the
+"""OneBitAdam, Lamb and OneBitLamb against torch.optim.AdamW, against the
 plain-torch simulation in lbcomm.optim.reference, and as drop-in torch optimizers.
 
 The multi-rank checks run in ONE spawn of four real gloo processes (`four_ranks`, module
@@ -151,7 +151,7 @@ SIM_RUNS = {
                  kw=dict(exact_numel=0, lr=1e-2, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01, block_size=64)),
     "lamb_single_scale": dict(name="lamb", steps=16, freeze=4,
                               kw=dict(exact_numel=0, lr=2e-2, weight_decay=0.0, block_size=None)),
-    # max_update (DESIGN.md §3 "Robustness"): the defaults above are 1.0 (both); these pin
+    # max_update (docs/concepts.md, "Robustness"): the defaults above are 1.0 (both); these pin
     # the other forms, and a bound tight enough to clamp many coordinates
     "adam_published": dict(name="adam", steps=16, freeze=4,
                            kw=dict(rescale_variance=False, exact_numel=0, lr=1e-2, weight_decay=0.01, block_size=64,
@@ -372,7 +372,7 @@ def test_zero_variance_coordinates_are_masked(four_ranks):
         # without the mask (user override: everything trained) the same coordinates jump by m / eps
         over = res["mask"]["override"]
         assert over["unused_rows_moved"] > 1.0 or not over["finite"]
-        # DESIGN's exact-zero rule alone: unused rows stay, the shift jumps by noise / eps
+        # the exact-zero mask rule alone: unused rows stay, the shift jumps by noise / eps
         exact = res["mask"]["exact_zero_only"]
         assert exact["unused_rows_moved"] == 0.0 and exact["shift_moved"] > 1.0
 

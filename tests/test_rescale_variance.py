@@ -1,6 +1,6 @@
 """OneBitAdam(rescale_variance=True): the frozen variance of each parameter follows the
 change of its gradient scale, measured by the ranks' mean squared local gradient norm
-(DESIGN.md §3 "Robustness"; issue 16, the byte LM's frozen-variance gap).
+(docs/concepts.md, "Robustness": the byte LM's frozen-variance gap).
 
 One and two ranks: bitwise against lbcomm.optim.reference (a sum of two ranks' norms has
 one result whatever the order; with four, gloo's order is not the simulation's and the

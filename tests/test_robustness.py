@@ -1,4 +1,4 @@
-"""Regression guard for the compression stage's robustness (issue 16, DESIGN.md §3 "Robustness").
+"""Regression guard for the compression stage's robustness (docs/concepts.md, "Robustness").
 
 Short runs of the suite's tasks (bench/tasks.py) on 4 real gloo ranks, real optimizers,
 at learning rates where the published 1-bit Adam / 1-bit LAMB blow up while AdamW / LAMB
