@@ -1,7 +1,7 @@
 // Raw-pointer interface of the lbcomm kernels, shared by the CPU and CUDA implementations.
 // No torch headers here: the CUDA translation units include this and must compile fast.
 //
-// Layout (DESIGN.md §1): a padded tensor of n = p * m elements is p chunks of m elements;
+// Layout (lbcomm/wire.py): a padded tensor of n = p * m elements is p chunks of m elements;
 // m and the block size B are multiples of 32 so that every block starts on a 32-bit word
 // of packed bits. Each chunk is cut into nb = ceil(m / B) blocks (the last may be shorter);
 // block == 0 means "no blocks": one worker scale for all real elements, one server scale

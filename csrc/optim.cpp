@@ -4,7 +4,7 @@
 //
 //   d = r / denom_scale + eps;  p = p * keep;  p = p + (neg_step * m) / d
 //
-// and with a bound B (max_update, DESIGN.md §3 "Robustness"), the step of each coordinate
+// and with a bound B (the optimizers' max_update option), the step of each coordinate
 // clamped to [-B, B] before it is added:
 //
 //   q = (neg_step * m) / d;  q = clamp(q, -B, B);  p = p * keep + q
@@ -13,8 +13,8 @@
 // (div by a scalar, add of a scalar, mul by a scalar, addcdiv: (value * m) / d, then the
 // add; mul, div_, clamp_, add_; all correctly rounded IEEE operations, so an unclamped
 // coordinate gets bitwise the unbounded update). The square root stays torch's: its
-// vectorized CPU sqrt is not correctly rounded on every ISA (AVX-512 here differs from
-// IEEE sqrt by 1 ulp on ~18 % of inputs), so no kernel of ours could match it everywhere.
+// vectorized CPU sqrt is not correctly rounded on every ISA (its AVX-512 path can differ
+// from IEEE sqrt by 1 ulp), so no kernel of ours could match it everywhere.
 // Built with -ffp-contract=off so that nothing is fused into an FMA.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

@@ -1,4 +1,4 @@
-// CUDA kernels of lbcomm (DESIGN.md §1 and §6); the raw-pointer contract is csrc/kernels.h.
+// CUDA kernels of lbcomm's compressed allreduce; the raw-pointer contract is csrc/kernels.h.
 // No torch headers here so that nvcc stays quick; ops_cuda.cpp binds these to the ops.
 //
 // Work is cut into groups of consecutive elements that share one scale: a scale block
