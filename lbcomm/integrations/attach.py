@@ -142,7 +142,7 @@ def check_hook_momentum(who: str, hook_state: Optional[OneBitHookState], optimiz
         if hook_state.momentum is None and any(m > 0 for m in moms):
             _log.info("%s: SGD with momentum %s under a hook that compresses gradients; "
                       "OneBitHookState(momentum=%s, normalize='adaptive') compresses the momentum instead and "
-                      "converges closer to full precision (README, 'Momentum and adaptive weights')",
+                      "converges closer to full precision (docs/hooks.md, 'SGD with momentum')",
                       who, moms[-1], moms[-1])
 
 

@@ -40,6 +40,7 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import TrainerCallback
 
 from ..checkpoint import load_sharded, save_sharded, shard_path
+from ..comm import get_transport
 from ..ddp import OneBitHookState
 from .attach import (LBCOMM_OPTIMIZERS, attach, check_callback_args, check_hook_momentum, find_ddp,
                      unwrap_optimizer)
@@ -260,12 +261,10 @@ class LbcommCallback(TrainerCallback):
         save_sharded(directory, self._optimizer, extra={"global_step": state.global_step}, hook_state=self.hook_state)
 
     def on_train_end(self, args, state, control, **kwargs):
-        # The Trainer's last collective (store_flos's all_gather) leaves a Python tensor in a gloo
-        # work object, and whichever thread drops that object last frees the tensor under the GIL.
-        # If that is a gloo worker thread while Python finalizes, the thread dies there and the
-        # process aborts ("terminate called without an active exception", plain Trainer too). A
-        # barrier holds every earlier work of the group; keeping its handle here makes the main
-        # thread drop them (with the GIL, at exit) instead of the worker.
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            self._exit_barrier = dist.barrier(async_op=True)
-            self._exit_barrier.wait()
+        # The Trainer's last collective (store_flos's all_gather) is not lbcomm's: it leaves a
+        # Python tensor in a gloo work object, and if a gloo worker thread drops that object
+        # last while Python finalizes, the process aborts ("terminate called without an active
+        # exception", plain Trainer too). A barrier holds every earlier work of the group, and
+        # lbcomm's transport keeps the barrier's own work until exit, so the main thread frees
+        # them all, with the GIL. lbcomm's own collectives need no such step.
+        get_transport(None, backend="torch").barrier()
