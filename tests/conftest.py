@@ -23,3 +23,176 @@ def _no_namespaces_left():
     if netns.available()[0]:
         for prefix in ("lbctest", netns.DEFAULT_PREFIX):
             netns.cleanup_stale(prefix)
+
+
+# ---------------------------------------------------------------------------- test tiers
+# Markers (registered in pyproject.toml) are assigned here, by module and test name, rather
+# than in every test file. A plain `python -m pytest` leaves out `slow` (addopts);
+# `-m "slow or not slow"` runs everything, `-m mpi` (or multiproc, netns, slow) one tier.
+#
+# multiproc: the test starts ranks as processes (dist_util.run_ranks, torchrun, mpirun,
+#            the lbcomm-bench launcher), or shares a module fixture that does.
+# mpi:       ranks started by mpirun (needs mpi4py and Open MPI).
+# netns:     an emulated cluster (network namespaces, veth, tbf; root): the tests that
+#            skip with "emulated cluster unavailable".
+# slow:      the long ones (tens of seconds each on 2 cores, or a module fixture that is).
+ALL = "*"
+
+# module -> the tests that start ranks (ALL: every test of the module)
+MULTIPROC = {
+    "test_allreduce": {"test_matches_reference_and_invariant", "test_half_inputs_across_ranks",
+                       "test_async_matches_sync", "test_pieces_are_bitwise_the_whole",
+                       "test_weights_fused_match_reference_and_divide_multiply", "test_automatic_pieces",
+                       "test_nonfinite_is_seen_by_every_rank_and_errors_stay",
+                       "test_state_of_another_group_is_refused", "test_state_dict_resumes_bitwise"},
+    "test_bench_cli": {"test_allreduce_loopback_table", "test_allreduce_json_schema", "test_allreduce_plot",
+                       "test_failing_rank_is_reported", "test_train_loopback_tiny", "test_under_torchrun",
+                       "test_mpi_backend", "test_allreduce_emulated_cluster",
+                       "test_emulated_cluster_torn_down_on_failure", "test_emulated_cluster_torn_down_on_ctrl_c"},
+    "test_checkpoint": {"test_shards_are_one_file_per_rank", "test_resume_with_the_same_world_size_is_bitwise_identical",
+                        "test_resume_with_another_world_size_without_elastic_warns_resets_and_keeps_learning",
+                        "test_version_1_checkpoints_still_load_and_continue_bitwise"},
+    "test_cli": {"test_lbcomm_bench_imports_warn_and_alias", "test_python_m_lbcomm_bench_still_runs_with_a_warning"},
+    "test_clipping": {"test_local_gradients_are_clipped_by_one_norm", "test_averaged_gradients_are_clipped_like_torch"},
+    "test_ddp": {"test_onebit_hook_trains_and_keeps_replicas_identical", "test_onebit_hook_stats",
+                 "test_onebit_hook_claims_its_parameters", "test_onebit_hook_resume_is_bitwise_exact",
+                 "test_onebit_hook_nonfinite_skips_on_every_rank",
+                 "test_onebit_optimizer_hook_trains_and_keeps_replicas_identical",
+                 "test_onebit_optimizer_hook_averages_in_warmup_only"},
+    "test_ddp_checkpoint": ALL,
+    "test_elastic": {"test_load_sharded_redistributes_the_error_feedback", "test_hook_and_dcp_elastic_resume_4_to_2_to_4"},
+    "test_exit": ALL,
+    "test_fsdp": ALL,
+    "test_fsdp_optim": ALL,
+    "test_gpu_check": {"test_allreduce_job_and_its_verdict_on_cpu_ranks", "test_allreduce_check_over_mpirun_on_cpu_ranks",
+                       "test_train_job_and_its_verdict_on_cpu_ranks", "test_pipelining_job_on_cpu_ranks"},
+    "test_hook_momentum": {"test_hook_momentum_adaptive_matches_reference_resumes_and_skips"},
+    "test_hook_normalize": ALL,
+    "test_integrations_accelerate": ALL,
+    "test_integrations_attach": {"test_attach_on_two_ranks"},
+    "test_integrations_dcp": {"test_recipe_resumes_bitwise"},
+    "test_integrations_lightning": ALL,
+    "test_integrations_recipes": {"test_recipe_runs"},
+    "test_integrations_transformers": {"test_trainer_compresses_and_resumes_bitwise",
+                                       "test_trainer_clips_by_one_norm_with_the_callback"},
+    "test_lars": {"test_lars_averages_by_itself_and_refuses_a_second_average",
+                  "test_lars_under_ddp_and_onebit_hook_keeps_replicas_identical"},
+    "test_mpi": {"test_mpi_matches_torch_backend_bitwise", "test_mpi_transport_all_reduce_and_barrier",
+                 "test_mpi_backend_selection_and_errors"},
+    "test_netem": {"test_tcp_throughput_is_capped_and_torn_down", "test_teardown_on_exception_kills_ranks",
+                   "test_launch_reports_failed_rank_and_kills_the_rest", "test_teardown_on_signal",
+                   "test_cleanup_stale_after_sigkill", "test_gloo_allreduce_across_namespaces"},
+    "test_never_silent": {"test_gradients_averaged_by_ddp_raise_at_the_first_step",
+                          "test_gradients_averaged_after_the_freeze_raise_at_the_first_compression_step",
+                          "test_lbcomm_hook_and_opt_out_train_through", "test_freeze_logs_what_the_compression_stage_sends",
+                          "test_exact_numel_covering_most_of_the_model_is_a_warning",
+                          "test_a_shard_of_another_rank_is_reported_with_cause_and_fix"},
+    "test_optim": {"test_onebit_adam_warmup_equals_adamw_on_averaged_grads", "test_onebit_lamb_warmup_equals_lamb",
+                   "test_four_ranks_match_the_simulation_bitwise", "test_four_ranks_rescale_variance_matches_the_simulation",
+                   "test_a_tight_max_update_changes_the_run",
+                   "test_max_update_keeps_unmasked_zero_variance_coordinates_in_place",
+                   "test_simulation_detects_a_wrong_block_size", "test_zero_variance_coordinates_are_masked",
+                   "test_nonfinite_steps_are_skipped_on_every_rank_with_state_untouched",
+                   "test_grads_averaged_by_a_hook_skip_the_optimizers_allreduce", "test_exact_numel_takes_effect"},
+    "test_optim_mpi": ALL,
+    "test_reduce": {"test_callable_source_and_sink_are_bitwise_the_tensor_path",
+                    "test_nan_on_one_rank_is_agreed_before_any_error_changes",
+                    "test_overflow_of_finite_inputs_resets_the_errors_on_every_rank"},
+    "test_reliability": {"test_different_sizes_raise_clearly_on_every_rank", "test_out_of_step_ranks_raise_with_errors_untouched",
+                         "test_dead_peer_raises_within_timeout_and_leaves_no_orphans", "test_short_soak_identical_and_bounded"},
+    "test_rescale_variance": {"test_two_ranks_optimizer_and_hook_paths_agree_with_the_simulation"},
+    "test_robustness": {"test_integration_onebit_adam_first_compressed_update_is_bounded",
+                        "test_integration_onebit_lamb_first_compressed_update_is_bounded",
+                        "test_integration_no_divergence_where_the_full_precision_twin_converges",
+                        "test_integration_the_published_rule_stays_available"},
+    "test_shm": ALL,
+    "test_stats": {"test_estimates_match_gathered_gradients"},
+    "test_topology": {"test_hierarchical_equals_reference_and_invariant", "test_degenerate_topology_is_the_flat_call",
+                      "test_hierarchical_mean_is_exact_and_identical_on_every_rank",
+                      "test_nonfinite_skips_everywhere_with_errors_untouched", "test_clear_errors",
+                      "test_onebit_hook_with_topology", "test_bench_emulated_nodes_count_inter_node_bytes",
+                      "test_onebit_hook_with_topology_resumes_bitwise", "test_bench_train_nodes_loopback"},
+    "test_transport": {"test_torch_transport_all_reduce_and_barrier"},
+    "test_zeroone": {"test_four_ranks_match_the_simulation_bitwise", "test_comm_stats_count_what_each_kind_of_step_sends",
+                     "test_first_steps_are_adamw_on_the_averaged_gradients", "test_resume_mid_interval_is_bitwise_exact",
+                     "test_nonfinite_steps_are_skipped_on_every_rank"},
+}
+
+MPI = {
+    "test_mpi": MULTIPROC["test_mpi"],
+    "test_optim_mpi": ALL,
+    "test_exit": {"test_mpirun_job_exits_zero"},
+    "test_bench_cli": {"test_mpi_backend"},
+    "test_gpu_check": {"test_allreduce_check_over_mpirun_on_cpu_ranks"},
+}
+
+# emulated clusters whose test skips inside its body rather than by a skipif mark
+NETNS = {
+    "test_topology": {"test_bench_emulated_nodes_count_inter_node_bytes"},
+}
+
+# module -> the long tests. Chosen from one measured run of the whole suite (--durations=0):
+# what stays in the default run is the unit tests and the quicker multi-rank checks of
+# every feature; whole module fixtures are kept together (marking part of a fixture's users
+# would not save its time).
+SLOW = {
+    "test_allreduce": {"test_matches_reference_and_invariant[4]", "test_matches_reference_and_invariant[5]"},
+    "test_bench_cli": {"test_train_loopback_tiny", "test_under_torchrun", "test_mpi_backend",
+                       "test_allreduce_emulated_cluster", "test_emulated_cluster_torn_down_on_failure",
+                       "test_emulated_cluster_torn_down_on_ctrl_c"},
+    "test_elastic": {"test_hook_and_dcp_elastic_resume_4_to_2_to_4"},
+    "test_exit": ALL,
+    "test_fsdp": ALL,
+    "test_fsdp_optim": ALL,
+    "test_gpu_check": MULTIPROC["test_gpu_check"],
+    "test_integrations_accelerate": ALL,
+    "test_integrations_dcp": {"test_recipe_resumes_bitwise"},
+    "test_integrations_lightning": ALL,
+    "test_integrations_recipes": {"test_recipe_runs"},
+    "test_integrations_transformers": MULTIPROC["test_integrations_transformers"],
+    "test_mpi": MULTIPROC["test_mpi"],
+    "test_netem": MULTIPROC["test_netem"],
+    "test_optim_mpi": ALL,
+    "test_reliability": {"test_dead_peer_raises_within_timeout_and_leaves_no_orphans",
+                         "test_short_soak_identical_and_bounded"},
+    "test_robustness": MULTIPROC["test_robustness"],
+    "test_topology": {"test_bench_emulated_nodes_count_inter_node_bytes", "test_bench_train_nodes_loopback"},
+}
+
+
+def _listed(table, module, name, full_name=None):
+    """Whether `module`'s test `name` (or one parametrization, `full_name` = "name[id]") is in table."""
+    names = table.get(module)
+    return names is ALL or (names is not None and (name in names or full_name in names))
+
+
+def _skips_without_netns(item):
+    return any(str(m.kwargs.get("reason", "")).startswith("emulated cluster unavailable")
+               for m in item.iter_markers("skipif"))
+
+
+def tier_markers(item):
+    """The tier markers of one collected test (a set of names)."""
+    module = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
+    name = getattr(item, "originalname", None) or item.name.split("[", 1)[0]
+    tiers = set()
+    if module == "test_docs":
+        block = getattr(getattr(item, "callspec", None), "params", {}).get("block")
+        if block is not None and getattr(block, "kind", None) == "torchrun":
+            tiers |= {"multiproc", "slow"}  # a torchrun of 2 ranks per block
+    if _listed(MULTIPROC, module, name):
+        tiers.add("multiproc")
+    if _listed(MPI, module, name):
+        tiers |= {"mpi", "multiproc"}
+    if _listed(NETNS, module, name) or _skips_without_netns(item):
+        tiers |= {"netns", "multiproc"}
+    if _listed(SLOW, module, name, item.name):
+        tiers.add("slow")
+    return tiers
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by these markers
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for tier in sorted(tier_markers(item) - {m.name for m in item.iter_markers()}):
+            item.add_marker(getattr(pytest.mark, tier))
