@@ -24,7 +24,6 @@ import re
 import shlex
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -131,12 +130,11 @@ def test_mkdocs_build_strict(tmp_path):
     pytest.importorskip("mkdocs", reason="mkdocs is not installed (pip install mkdocs mkdocs-material mkdocstrings-python)")
     pytest.importorskip("material", reason="mkdocs-material is not installed")
     pytest.importorskip("mkdocstrings_handlers.python", reason="mkdocstrings-python is not installed")
-    t0 = time.perf_counter()
     out = _run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(tmp_path / "site")], REPO,
                "mkdocs build --strict")
     assert "WARNING" not in out, out
     assert (tmp_path / "site" / "index.html").exists()
-    assert time.perf_counter() - t0 < 120
+    assert (tmp_path / "site" / "api" / "index.html").exists()
 
 
 # ---------------------------------------------------------------------------- the blocks
