@@ -131,7 +131,7 @@ NETNS = {
     "test_topology": {"test_bench_emulated_nodes_count_inter_node_bytes"},
 }
 
-# module -> the long tests. Chosen from one measured run of the whole suite (--durations=0):
+# module -> the long tests, chosen from per-test durations measured on a 2-core machine:
 # what stays in the default run is the unit tests and the quicker multi-rank checks of
 # every feature; whole module fixtures are kept together (marking part of a fixture's users
 # would not save its time).
@@ -190,7 +190,8 @@ def _skips_without_netns(item):
 
 def tier_markers(item):
     """The tier markers of one collected test (a set of names)."""
-    module = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
+    mod = getattr(item, "module", None)
+    module = mod.__name__.rsplit(".", 1)[-1] if mod is not None else ""
     name = getattr(item, "originalname", None) or item.name.split("[", 1)[0]
     tiers = set()
     if module == "test_docs":
