@@ -53,6 +53,12 @@ def rank1_fails(tmp_path):
     return _env(PYTHONPATH=os.pathsep.join([str(ROOT), str(tmp_path)]))
 
 
+def _default_sigint():
+    # A test run started in the background by a non-interactive shell ignores SIGINT, and a
+    # child inherits that: give the CLI the default disposition, as in a user's terminal.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _netns_of(pid: int):
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     return [line.split()[0] for line in out.splitlines() if line.startswith(f"lbcomm-{pid}-")]
@@ -288,7 +294,8 @@ def test_emulated_cluster_torn_down_on_failure(rank1_fails):
 def test_emulated_cluster_torn_down_on_ctrl_c():
     proc = subprocess.Popen([sys.executable, "-m", "lbcomm.cli", "allreduce", "--world-size", "2",
                              "--bandwidth", "10mbit", "--sizes", "8M", "--methods", "fp32", "--iters", "50"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT,
+                            preexec_fn=_default_sigint)
     try:
         # Interrupt once both ranks run inside their namespaces: an event, not a guess of
         # how long start-up takes (minutes on a loaded machine).

@@ -275,8 +275,11 @@ def _kill_and_clean(holder):
 def _start_holder():
     root = str(Path(__file__).resolve().parents[1])  # this checkout's lbcomm
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    # SIGINT as in a user's terminal, also when this test run itself ignores it (started in
+    # the background by a non-interactive shell): the child would inherit SIG_IGN
     holder = subprocess.Popen([sys.executable, "-c", _HOLDER, PREFIX],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     line = holder.stdout.readline().split()
     if not line:
         holder.kill()
