@@ -311,22 +311,29 @@ def _is_zombie(pid):
 
 @needs_netns
 def test_cleanup_stale_after_sigkill():
-    holder, run_id, rank_pid = _start_holder()
-    holder.kill()  # no chance to tear down
-    holder.wait()
-    assert len(_netns_with(run_id)) == 3
-    # The rank dies with its launcher (PR_SET_PDEATHSIG), so nothing is left in the namespace.
-    deadline = time.monotonic() + 5
-    while not (not procs.pid_alive(rank_pid) or _is_zombie(rank_pid)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not procs.pid_alive(rank_pid) or _is_zombie(rank_pid)
-    # Our own live run is not stale; the dead holder's is.
+    def killed_holder():
+        holder, run_id, rank_pid = _start_holder()
+        holder.kill()  # no chance to tear down
+        holder.wait()
+        assert len(_netns_with(run_id)) == 3
+        # The rank dies with its launcher (PR_SET_PDEATHSIG), so nothing is left in the namespace.
+        deadline = time.monotonic() + 60
+        while not (not procs.pid_alive(rank_pid) or _is_zombie(rank_pid)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not procs.pid_alive(rank_pid) or _is_zombie(rank_pid)
+        return run_id
+
+    first = killed_holder()
+    # A new cluster with the same prefix removes the dead run's namespaces as it starts.
     with netem.EmulatedCluster(1, prefix=PREFIX) as live:
+        assert _wait_gone(first) == []
+        second = killed_holder()
+        # Our own live run is not stale; the dead holder's is.
         removed = netem.cleanup_stale(PREFIX)
-        assert len([ns for ns in removed if ns.startswith(run_id)]) == 3
+        assert len([ns for ns in removed if ns.startswith(second)]) == 3
         assert not [ns for ns in removed if ns.startswith(live.run_id)]
         assert sorted(_netns_with(live.run_id)) == sorted(live.netns_names)
-    assert _wait_gone(run_id) == []
+    assert _wait_gone(second) == []
     assert netem.cleanup_stale(PREFIX) == []
 
 
