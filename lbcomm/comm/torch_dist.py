@@ -1,7 +1,9 @@
 """torch.distributed transport: gloo for CPU tensors, NCCL for CUDA tensors."""
 from __future__ import annotations
 
+import atexit
 import collections
+import time
 from typing import Optional, Tuple
 
 import torch
@@ -24,13 +26,28 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 # the last ones, with the GIL, when the module is torn down. Bounded: only the final few
 # collectives of a process can still be in a worker's hands at exit.
 _RECENT: collections.deque = collections.deque(maxlen=32)
+# A worker also releases the Python callbacks chained on a collective's future (the async
+# paths' `then`) just after it has completed the future, and that release takes the GIL
+# too: no reference held here can delay it. So at exit, before the interpreter starts to
+# finalize, the main thread lets go of the GIL for a moment. Nothing is waited on, so a
+# rank that exits with collectives in flight (an error) does not hang here.
+_EXIT_GRACE_S = 0.2
+_drain_registered = False
+
+
+def _drain_at_exit() -> None:
+    time.sleep(_EXIT_GRACE_S)
 
 
 def _issue(collective, *tensors: Tensor, group, async_op: bool, **kwargs):
     """Run `collective(*tensors, group=group, async_op=True, **kwargs)`, keep its work and
     tensors in `_RECENT`, and return its future (async_op) or wait for it (None)."""
+    global _drain_registered
     work = collective(*tensors, group=group, async_op=True, **kwargs)
     _RECENT.append((work, tensors))
+    if not _drain_registered:
+        _drain_registered = True
+        atexit.register(_drain_at_exit)
     if async_op:
         return work.get_future()
     work.wait()
