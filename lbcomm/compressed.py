@@ -193,6 +193,22 @@ class CompressionState:
         self.last_skipped = False
         self._zeroed: Optional[Tuple[Tensor, Tuple[int, int], Tensor]] = None  # zero_errors_at's server index
 
+    # ------------------------------------------------------------------ the Reducer protocol
+    def reduce_(self, source: "Source", sink: "Sink", *, checked: bool = False, async_op: bool = False,
+                weights: Optional[Tensor] = None):
+        """`lbcomm.compressed.reduce_` with this state (the `lbcomm.reducer.Reducer` call)."""
+        return reduce_(self, source, sink, checked=checked, async_op=async_op, weights=weights)
+
+    def compression_stats(self) -> Dict[str, Any]:
+        """Calls, skipped calls and the bytes this rank sent so far (plain numbers)."""
+        return {"calls": self.calls, "skipped_calls": self.skipped, "bytes_per_call": self.bytes_per_call(),
+                "world_size": self.world_size, "numel": self.numel}
+
+    @classmethod
+    def redistribute(cls, saved: Sequence[Dict[str, Any]], world_size: int, rank: int) -> Dict[str, Any]:
+        """`redistribute_errors`: every saved rank's state_dict onto `rank` of `world_size`."""
+        return redistribute_errors(saved, world_size, rank)
+
     # ------------------------------------------------------------------ state
     @property
     def worker_error(self) -> Tensor:

@@ -71,7 +71,7 @@ from torch.profiler import record_function
 
 from .comm import TorchTransport, get_transport
 from .comm.shm import ShmTransport
-from .common import FLOAT_DTYPES, NONFINITE_POLICIES, ring_allreduce_bytes
+from .common import FLOAT_DTYPES, NONFINITE_POLICIES, completed_future, ring_allreduce_bytes
 from .compressed import DEFAULT_BLOCK_SIZE, CompressionState, NonFiniteError, compressed_allreduce_, reduce_
 from .wire import chunk_size
 
@@ -85,6 +85,7 @@ _log = logging.getLogger(__name__)
 # Status of a rank's slice after the 1-bit stage, carried in its all-gather row.
 _APPLIED, _SKIPPED, _EMPTY = 1, 2, 3
 _FLAG_BYTES = 4
+_STAGE = 1 << 20  # elements per pass of reduce_'s staging
 
 
 def _intra_node_transport(group, backend: str, intra_node: str):
@@ -306,6 +307,7 @@ class HierarchicalState:
         self.last_skipped = False
         self._verified = False
         self._zeroed: Optional[Tuple[Tensor, Tensor]] = None  # zero_errors_at's slice index
+        self._buf: Optional[Tensor] = None  # reduce_'s staging of a callable source or another sink
         if topology.flat:
             self.span = (0, numel)
             self.compression = CompressionState(numel, group=topology.flat_group, device=device,
@@ -332,6 +334,54 @@ class HierarchicalState:
         self._recv = torch.empty(G, row, **u8)
         self._mine = torch.zeros(row, **u8)
         self._gathered = torch.empty(G, row, **u8)
+
+    # ------------------------------------------------------------------ the Reducer protocol
+    @property
+    def world_size(self) -> int:
+        return self.topology.world_size
+
+    def reduce_(self, source, sink, *, checked: bool = False, async_op: bool = False,
+                weights: Optional[Tensor] = None):
+        """The `lbcomm.reducer.Reducer` call: `hierarchical_allreduce_` of `source` into
+        `sink` (tensors, or the range-by-range callables of `lbcomm.compressed.reduce_`; a
+        callable source is staged whole, since the intra-node reduce-scatter needs every
+        slice at once). Returns True when the sink was written."""
+        if weights is not None:
+            raise ValueError("HierarchicalState.reduce_: per-coordinate weights need the flat compressed call")
+        n = self.numel
+        if isinstance(source, Tensor) and source is sink:
+            buf = source
+        else:
+            if self._buf is None or self._buf.numel() != n:
+                self._buf = torch.empty(n, dtype=torch.float32, device=self.device)
+            buf = self._buf
+            for lo in range(0, n, _STAGE):
+                hi = min(n, lo + _STAGE)
+                if isinstance(source, Tensor):
+                    buf[lo:hi].copy_(source.reshape(-1)[lo:hi])
+                else:
+                    source(lo, hi, buf[lo:hi])
+        hierarchical_allreduce_(buf, self)
+        applied = not self.last_skipped
+        if applied and buf is not sink:
+            for lo in range(0, n, _STAGE):
+                hi = min(n, lo + _STAGE)
+                if isinstance(sink, Tensor):
+                    sink.view(-1)[lo:hi].copy_(buf[lo:hi])
+                else:
+                    sink(lo, hi, buf[lo:hi])
+        return completed_future(applied) if async_op else applied
+
+    def compression_stats(self) -> Dict[str, Any]:
+        """Calls, skipped calls and the bytes this rank sends per call between and inside nodes."""
+        return {"calls": self.calls, "skipped_calls": self.skipped, "bytes_per_call": self.bytes_per_call(),
+                "intra_node_bytes_per_call": self.intra_node_bytes_per_call(), "world_size": self.world_size,
+                "numel": self.numel}
+
+    @classmethod
+    def redistribute(cls, saved, world_size: int, rank: int) -> Dict[str, Any]:
+        raise ValueError("HierarchicalState: its error feedback belongs to one topology; resuming on another one "
+                         "starts it from zero (load_state_dict warns)")
 
     # ------------------------------------------------------------------ state
     @property
