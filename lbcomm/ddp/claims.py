@@ -18,20 +18,13 @@ from typing import Iterable, Optional
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ..errors import AveragedGradientsError, DoubleCompressionError
+
 __all__ = ["claim_gradients", "compressed_by_hook", "DoubleCompressionError", "AveragedGradientsError", "HOOK"]
 
 HOOK = "onebit_hook"
 
 _claims = WeakIdKeyDictionary()  # parameter -> (kind, weakref to its compressor)
-
-
-class DoubleCompressionError(RuntimeError):
-    """Two lbcomm compressors (onebit_hook and a 1-bit optimizer) on the same gradients."""
-
-
-class AveragedGradientsError(RuntimeError):
-    """A 1-bit optimizer received gradients that are identical on every rank: a DDP without
-    lbcomm's hook has already averaged them at full precision."""
 
 
 def claim_gradients(params: Iterable[Tensor], owner, kind: str) -> None:
