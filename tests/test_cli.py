@@ -1,6 +1,5 @@
 """lbcomm-bench's arguments (every one checked before anything runs, help in a user's words),
-the `advise` command, and the deprecated `lbcomm.bench` alias. The end-to-end runs of the
-benchmarks are in test_bench_cli.py."""
+and the `advise` command. The end-to-end runs of the benchmarks are in test_bench_cli.py."""
 import json
 import os
 import re
@@ -106,37 +105,6 @@ def test_console_script_points_to_the_cli():
     module, func = target.split(":")
     assert module == "lbcomm.cli.commands" and func == "main"
     assert getattr(__import__(module, fromlist=[func]), func) is commands.main
-
-
-# ------------------------------------------------------------------------------ deprecated alias
-
-
-def test_lbcomm_bench_imports_warn_and_alias():
-    code = ("import warnings; warnings.simplefilter('error', FutureWarning)\n"
-            "try:\n    import lbcomm.bench\nexcept FutureWarning as w:\n    print('warned:', w)\n"
-            "import sys, lbcomm.cli.units, lbcomm.cli.netem, lbcomm.cli.schema, lbcomm.cli.commands, lbcomm.comm\n"
-            "sys.modules.pop('lbcomm.bench', None)\n"
-            "warnings.simplefilter('ignore', FutureWarning)\n"
-            "from lbcomm.bench.cli import parse_count, check_allreduce_doc, main\n"
-            "from lbcomm.bench import netem\n"
-            "from lbcomm.bench.model import LoopTransport, wire_bytes\n"
-            "import lbcomm.bench.launch\n"
-            "assert parse_count is lbcomm.cli.units.parse_count and netem is lbcomm.cli.netem\n"
-            "assert check_allreduce_doc is lbcomm.cli.schema.check_allreduce_doc and main is lbcomm.cli.commands.main\n"
-            "assert LoopTransport is lbcomm.comm.LoopTransport and wire_bytes('fp32', 1024, 2) == 4096\n"
-            "print('aliases ok')\n")
-    proc = _run("-c", code)
-    assert proc.returncode == 0, proc.stderr
-    assert "warned: lbcomm.bench is deprecated" in proc.stdout and "lbcomm.cli" in proc.stdout
-    assert "aliases ok" in proc.stdout
-
-
-def test_python_m_lbcomm_bench_still_runs_with_a_warning():
-    proc = _run("-m", "lbcomm.bench", "allreduce", "--world-size", "2", "--sizes", "4K", "--iters", "1", "--warmup",
-                "0", "--methods", "fp32", "--no-progress")
-    assert proc.returncode == 0, proc.stderr
-    assert "FutureWarning: lbcomm.bench is deprecated" in proc.stderr
-    assert re.search(r"^\s+16384\s+4096\s+fp32\s", proc.stdout, re.M)
 
 
 # ------------------------------------------------------------------------------ advise

@@ -233,7 +233,7 @@ def _classify(argv):
     py = os.path.basename(argv[0]) in ("python", "python3")
     if argv[0] == "lbcomm-bench":
         return "lbcomm-bench", argv[1:]
-    if py and argv[1:3] in (["-m", "lbcomm.cli"], ["-m", "lbcomm.bench"]):
+    if py and argv[1:3] == ["-m", "lbcomm.cli"]:
         return "lbcomm-bench", argv[3:]
     if py and len(argv) > 2 and argv[1] == "-m" and argv[2].startswith("bench."):
         return argv[2], argv[3:]

@@ -4,7 +4,8 @@ The benchmark suite of the repository lives in the top-level ``bench/`` folder; 
 package is what ``pip install lbcomm`` installs. One module per idea:
 
 * commands.py: what each command does (start or join the ranks, run, report); `main`
-* args.py: the parser, the help, every check of the arguments before anything runs
+* args.py: the parser and the help; argtypes.py: the value types of the arguments;
+  checks.py: every check of the arguments together, before anything runs
 * schema.py: the JSON documents (fields, builders, checkers)
 * report.py: printed tables, JSON and plot files; plot.py: the plots (matplotlib)
 * units.py: the one parser of sizes, parameter counts, rates and times
@@ -14,6 +15,4 @@ package is what ``pip install lbcomm`` installs. One module per idea:
 * netem.py: the emulated cluster; netns.py: namespaces, probing, stale cleanup;
   procs.py: process supervision (the one wait loop)
 * progress.py: the progress bar
-
-``lbcomm.bench`` is a deprecated alias of this package.
 """

@@ -9,7 +9,9 @@ import sys
 from typing import Dict, List, Optional, Sequence
 
 from . import launch
-from .args import UsageError, build_parser, train_model, validate
+from .args import build_parser
+from .argtypes import UsageError
+from .checks import train_model, validate
 from .report import advise_table, check_table, emit, grid_table, report_allreduce, report_train
 from .schema import allreduce_config, allreduce_rows, check_allreduce_doc, document
 from .units import format_count, parse_rate
