@@ -159,7 +159,7 @@ def test_load_sharded_redistributes_the_error_feedback(old, new, tmp_path):
 # Ranks save (6 steps: OneBitAdam frozen after 3, onebit_hook compressing from iteration 3)
 # with lbcomm.save_sharded(hook_state=) and with torch.distributed.checkpoint (RankLocal);
 # another world size resumes both ways (load_sharded(hook_state=); dcp.load with
-# ElasticLoadPlanner), trains 2 steps and saves again; 4 -> 2 -> 4 ranks. Every resume must
+# LoadPlanner), trains 2 steps and saves again; 4 -> 2 -> 4 ranks. Every resume must
 # keep the total carried error of the optimizer and of every hook unit, and the replicas
 # must stay bitwise identical. The saved states travel through files: handing saved tensors
 # to spawned ranks as arguments shares their memory between ranks that load the same shard,
@@ -231,11 +231,11 @@ def _hook_resume_run(rank, p, ckpt, save_to):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    from lbcomm.integrations import ElasticLoadPlanner
+    from lbcomm.integrations import LoadPlanner
 
     o = _hook_objects()
     items = _dcp_items(o, 0)
-    dcp.load(items, checkpoint_id=os.path.join(ckpt, "dcp"), planner=ElasticLoadPlanner())
+    dcp.load(items, checkpoint_id=os.path.join(ckpt, "dcp"), planner=LoadPlanner())
     set_state_dict(o["ddp"], o["sgd"], model_state_dict=items["b"], optim_state_dict=items["sgd"])
     info = lbcomm.load_sharded(os.path.join(ckpt, "shards"), o["sgd_c"], o["c"], hook_state=o["hook_c"])
     assert info["extra"] == items["step"]

@@ -6,6 +6,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import lbcomm
 from dist_util import run_ranks
+from lbcomm.errors import DoubleCompressionError
 from lbcomm.integrations import attach, find_ddp
 
 
@@ -75,6 +76,16 @@ def test_attach_single_process_is_a_noop(caplog):
     sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     with pytest.raises(ValueError, match="must equal the SGD's momentum"):  # checked with one process too
         attach(model, lbcomm.OneBitHookState(momentum=0.5), optimizer=sgd)
+    for onebit in (lbcomm.OneBitAdam(model.parameters(), lr=1e-3, freeze_step=2),  # checked before any DDP is
+                   lbcomm.OneBitLamb(model.parameters(), lr=1e-3, freeze_step=2),  # looked for
+                   lbcomm.ZeroOneAdam(model.parameters(), lr=1e-3)):
+        name = type(onebit).__name__
+        with pytest.raises(DoubleCompressionError, match=rf"lbcomm.{name} compresses.*attach\(model, opt\)"):
+            attach(model, lbcomm.OneBitHookState(), optimizer=onebit)
+        with pytest.raises(DoubleCompressionError):  # also inside a list (Lightning's trainer.optimizers)
+            attach(model, lbcomm.OneBitHookState(), optimizer=[sgd, onebit])
+    with pytest.raises(ValueError, match="lbcomm.Lamb averages its gradients itself"):
+        attach(model, lbcomm.OneBitHookState(), optimizer=lbcomm.Lamb(model.parameters()))
     caplog.clear()
     with caplog.at_level("INFO", logger="lbcomm.integrations.attach"):
         assert attach(model, lbcomm.OneBitHookState(momentum=0.9, normalize="adaptive"), optimizer=sgd) is None

@@ -2,7 +2,7 @@
 2 ranks under torchrun, a small MLP, synthetic data.
 
 One worker run per optimizer trains 3 epochs of 3 steps (freeze after step 4,
-accumulate_grad_batches=2, gradient_clip_val, a per-step LambdaLR), checkpointing every 3
+accumulate_grad_batches=2, clipping, a per-step LambdaLR), checkpointing every 3
 steps, then resumes from the step-6 checkpoint (mid-compression) in a fresh Trainer."""
 import os
 
@@ -15,6 +15,7 @@ from integrations_checks import check_resume, check_shared_clipping, check_wire 
 from integrations_util import WORKERS, results, torchrun  # noqa: E402
 
 FREEZE = 4
+SOME_CLIP = 0.5  # lightning_worker.py's SOME_CLIP
 
 
 @pytest.mark.parametrize("kind", ["onebit_lamb", "sgd_hook"])
@@ -43,12 +44,16 @@ def test_lightning_compresses_and_resumes_bitwise(kind, tmp_path):
                    numel=numel, world=2)
         check_resume(res["full"], res["resumed"], ["params", "optimizer"] + (["hook"] if kind == "sgd_hook" else []))
     g0, g1 = r[0]["grads"], r[1]["grads"]
-    if kind == "onebit_lamb":  # gradient_clip_val clipped by the shared norm, logged on every rank alike
+    if kind == "onebit_lamb":  # the callback clipped by the shared norm, logged on every rank alike
         assert sorted(r[0]["logged"]) == list(range(1, 10)) and r[0]["logged"] == r[1]["logged"]
-        for step in range(1, 10):  # the probe saw the gradients before the clipping
+        for step in range(1, 10):  # the probe saw the gradients after the clipping
+            logged = r[0]["logged"][step]
             shared = float(((g0[step].double().norm() ** 2 + g1[step].double().norm() ** 2) / 2).sqrt())
-            assert abs(r[0]["logged"][step] - shared) <= 1e-5 * shared, (step, r[0]["logged"][step], shared)
-    else:  # the hook averages: Lightning's own clipping is the same on every rank, nothing to route
+            if logged <= SOME_CLIP:  # nothing clipped: the gradients give the logged norm
+                assert abs(logged - shared) <= 1e-5 * shared, (step, logged, shared)
+            else:  # clipped by one coefficient on both ranks
+                assert abs(shared - SOME_CLIP) <= 1e-4 * SOME_CLIP, (step, logged, shared)
+    else:  # the hook averages: Lightning's own clipping is the same on every rank, the callback logs nothing
         assert r[0]["logged"] == r[1]["logged"] == {}
     for step in range(1, FREEZE + 1):
         assert torch.equal(g0[step], g1[step]), step
@@ -72,3 +77,32 @@ def test_lightning_clips_by_one_norm_with_the_callback(tmp_path):
         check_resume(r[rank]["full"], r[rank]["resumed"], ["params", "optimizer"])
     check_shared_clipping(r[0]["grads"], r[1]["grads"], FREEZE, CLIP)
     assert sorted(r[0]["logged"]) == list(range(1, 10)) and r[0]["logged"] == r[1]["logged"]
+
+
+def test_callback_refuses_rank_local_clipping_and_double_compression():
+    """Checked at fit start, before anything is attached: Lightning's own clipping by norm
+    of a lbcomm optimizer's (local) gradients, a hook state with a 1-bit optimizer."""
+    from types import SimpleNamespace
+
+    import lbcomm
+    from lbcomm.errors import DoubleCompressionError
+    from lbcomm.integrations.lightning import LbcommCallback
+
+    model = torch.nn.Linear(4, 4)
+    opt = lbcomm.OneBitLamb(model.parameters(), lr=1e-3, freeze_step=2)
+
+    def trainer(clip=None, algorithm=None, optimizer=opt):
+        return SimpleNamespace(optimizers=[optimizer], gradient_clip_val=clip, gradient_clip_algorithm=algorithm)
+
+    assert LbcommCallback()._lbcomm_optimizer(trainer()) is opt
+    assert LbcommCallback()._lbcomm_optimizer(trainer(0.5, "value")) is opt  # by value: elementwise, no norm
+    with pytest.raises(ValueError, match=r"leave gradient_clip_val unset and pass LbcommCallback\(max_grad_norm=0.5\)"):
+        LbcommCallback()._lbcomm_optimizer(trainer(0.5))
+    with pytest.raises(ValueError, match="leave gradient_clip_val unset"):
+        LbcommCallback(max_grad_norm=0.5)._lbcomm_optimizer(trainer(0.5, "norm"))
+    with pytest.raises(DoubleCompressionError, match="Drop the hook state"):
+        LbcommCallback(hook_state=lbcomm.OneBitHookState())._lbcomm_optimizer(trainer())
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert LbcommCallback(hook_state=lbcomm.OneBitHookState())._lbcomm_optimizer(trainer(0.5, optimizer=sgd)) is None
+    with pytest.raises(ValueError, match="nothing would be compressed"):
+        LbcommCallback()._lbcomm_optimizer(trainer(optimizer=sgd))

@@ -9,8 +9,10 @@ through these wrappers; `attach` registers
 * `lbcomm.onebit_optimizer_hook` with the optimizer as its state for a lbcomm optimizer
   (`OneBitAdam`, `OneBitLamb`, `Lamb`): DDP averages the gradients during the warmup and
   communicates nothing after the freeze, where the optimizer compresses its momentum;
-* `lbcomm.onebit_hook` for a `OneBitHookState` (any optimizer): every gradient bucket
-  goes through the 1-bit compressed allreduce.
+* `lbcomm.onebit_hook` for a `OneBitHookState` (an optimizer that does not communicate
+  by itself; ``optimizer=`` names it, and a 1-bit optimizer there raises
+  `lbcomm.errors.DoubleCompressionError`): every gradient bucket goes through the 1-bit
+  compressed allreduce.
 
 Without it, DDP's full-precision allreduce keeps running next to the optimizer's own
 communication, and nothing is saved.
@@ -24,15 +26,21 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from ..comm import world_info
 from ..ddp import OneBitHookState, onebit_hook, onebit_optimizer_fp16_hook, onebit_optimizer_hook
-from ..optim import Lamb, OneBitAdam, OneBitLamb
+from ..errors import DoubleCompressionError
+from ..optim import Lamb, OneBitAdam, OneBitLamb, ZeroOneAdam
 
-__all__ = ["attach", "find_ddp", "unwrap_optimizer", "check_callback_args", "LBCOMM_OPTIMIZERS"]
+__all__ = ["attach", "find_ddp", "unwrap_optimizer", "check_callback_args", "check_not_communicating",
+           "LBCOMM_OPTIMIZERS", "ONEBIT_OPTIMIZERS"]
 
 _log = logging.getLogger(__name__)
 
-#: The lbcomm optimizers that pair with `onebit_optimizer_hook`.
-LBCOMM_OPTIMIZERS = (OneBitAdam, OneBitLamb, Lamb)
+#: The lbcomm optimizers that compress their own communication (the momentum, after the freeze).
+ONEBIT_OPTIMIZERS = (OneBitAdam, OneBitLamb, ZeroOneAdam)
+#: The lbcomm optimizers that average or compress by themselves: they pair with
+#: `onebit_optimizer_hook` (DDP averages their warmup gradients, or nothing at all).
+LBCOMM_OPTIMIZERS = ONEBIT_OPTIMIZERS + (Lamb,)
 
 # Attributes under which known wrappers keep the object they wrap, searched in this order:
 # torch.compile (OptimizedModule._orig_mod), Lightning Fabric (_FabricModule._forward_module),
@@ -122,6 +130,26 @@ def check_callback_args(who: str, hook_state: Any, max_grad_norm: Optional[float
         raise ValueError(f"{who}: invalid max_grad_norm {max_grad_norm!r} (must be a number > 0, or None)")
 
 
+def check_not_communicating(who: str, optimizer: Any) -> None:
+    """A OneBitHookState's gradients must go to an optimizer that does not communicate by
+    itself: a 1-bit optimizer would compress them a second time (two error feedbacks on
+    one signal) and raises `DoubleCompressionError`; `lbcomm.Lamb` would average the
+    already averaged gradients again (ValueError)."""
+    opt = unwrap_optimizer(optimizer)
+    name = type(opt).__name__
+    if isinstance(opt, ONEBIT_OPTIMIZERS):
+        raise DoubleCompressionError(
+            f"{who}: lbcomm.{name} compresses its own communication (its momentum, after the freeze), and the "
+            f"OneBitHookState's onebit_hook would compress the gradients it steps on first: two compressors on the "
+            f"same gradients. Drop the hook state and attach the optimizer instead: lbcomm.attach(model, opt) (for "
+            f"the frameworks' callbacks: LbcommCallback without hook_state=), or keep the hook with an optimizer "
+            f"that does not communicate (torch.optim.AdamW, SGD, ...)")
+    if isinstance(opt, LBCOMM_OPTIMIZERS):
+        raise ValueError(f"{who}: lbcomm.{name} averages its gradients itself, and the OneBitHookState's onebit_hook "
+                         "would have averaged them already. Attach the optimizer instead: lbcomm.attach(model, opt) "
+                         "(LbcommCallback without hook_state=), or use the hook with a torch optimizer")
+
+
 def check_hook_momentum(who: str, hook_state: Optional[OneBitHookState], optimizers) -> None:
     """With ``OneBitHookState(momentum=mu)`` the hook hands the optimizer m^_t - mu m^_{t-1}
     (see `OneBitHookState`'s ``momentum``), which is right only for ``torch.optim.SGD``
@@ -146,10 +174,6 @@ def check_hook_momentum(who: str, hook_state: Optional[OneBitHookState], optimiz
                       who, moms[-1], moms[-1])
 
 
-def _world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
 def _same_group(a, b) -> bool:
     """Whether two process groups (None = the default group) are the same."""
     world = dist.group.WORLD
@@ -169,11 +193,13 @@ def attach(model: Any, optimizer_or_hook_state: Any, *, optimizer: Any = None,
             `Lamb`; also inside accelerate's/Lightning's optimizer wrappers) ->
             `onebit_optimizer_hook`; a `OneBitHookState` (with any optimizer) -> `onebit_hook`.
         optimizer (optional): with a `OneBitHookState`, the optimizer that steps on the
-            hook's gradients (or its accelerate / Lightning wrapper), checked against the
-            state as the frameworks' callbacks check it: ``torch.optim.SGD`` whose momentum
-            differs from ``OneBitHookState(momentum=)`` raises (the steps would be wrong);
-            SGD with momentum under the gradient-compressing default logs a hint (default:
-            None, nothing checked).
+            hook's gradients (or its accelerate / Lightning wrapper, or a list of them),
+            checked against the state: a 1-bit optimizer (`OneBitAdam`, `OneBitLamb`,
+            `ZeroOneAdam`) raises `lbcomm.errors.DoubleCompressionError` (it compresses by
+            itself), `Lamb` a ValueError (it averages by itself); ``torch.optim.SGD`` whose
+            momentum differs from ``OneBitHookState(momentum=)`` raises (the steps would be
+            wrong); SGD with momentum under the gradient-compressing default logs a hint
+            (default: None, nothing checked). The frameworks' callbacks always pass it.
         warmup_fp16 (bool, optional): with a lbcomm optimizer, average the warmup gradients
             in fp16 (`onebit_optimizer_fp16_hook`) (default: False).
 
@@ -186,6 +212,7 @@ def attach(model: Any, optimizer_or_hook_state: Any, *, optimizer: Any = None,
     may attach a model the user already attached).
 
     Raises:
+        DoubleCompressionError: a `OneBitHookState` with ``optimizer=`` a 1-bit optimizer.
         ValueError: no DDP found with more than one process; a hook (another one, or this
             one with another state) is already registered; the optimizer reduces over
             another process group than the DDP.
@@ -209,8 +236,11 @@ def attach(model: Any, optimizer_or_hook_state: Any, *, optimizer: Any = None,
             raise ValueError("lbcomm.attach: warmup_fp16 applies to lbcomm optimizers; a OneBitHookState averages "
                              "its first start_iter iterations at the bucket's own precision")
         hook = onebit_hook
-        if optimizer is not None:  # before anything is registered: a refused pairing leaves the DDP as it was
-            check_hook_momentum("lbcomm.attach", target, [optimizer])
+        # Before anything is registered: a refused pairing leaves the DDP as it was.
+        optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+        for opt in (o for o in optimizers if o is not None):
+            check_not_communicating("lbcomm.attach", opt)
+        check_hook_momentum("lbcomm.attach", target, [o for o in optimizers if o is not None])
     elif isinstance(target, torch.optim.Optimizer):
         raise TypeError(f"lbcomm.attach: {type(target).__name__} is not a lbcomm optimizer, so it cannot compress "
                         "anything itself. Either use lbcomm.OneBitAdam / lbcomm.OneBitLamb, or keep this optimizer "
@@ -221,7 +251,7 @@ def attach(model: Any, optimizer_or_hook_state: Any, *, optimizer: Any = None,
 
     ddp = find_ddp(model)
     if ddp is None:
-        world = _world_size()
+        world, _ = world_info()
         if world == 1:
             _log.info("lbcomm.attach: one process and no DistributedDataParallel in %s; nothing to communicate, "
                       "so nothing is attached (%s runs uncompressed)", type(model).__name__, type(target).__name__)
@@ -254,5 +284,5 @@ def attach(model: Any, optimizer_or_hook_state: Any, *, optimizer: Any = None,
         raise ValueError(f"lbcomm.attach: DDP refused the hook ({exc}); the model already has a communication "
                          "hook. Remove the other registration and let lbcomm.attach register its hook.") from exc
     _log.info("lbcomm.attach: registered %s on the DistributedDataParallel (%s ranks) with %s", hook.__name__,
-              dist.get_world_size(ddp.process_group), type(target).__name__)
+              world_info(ddp.process_group)[0], type(target).__name__)
     return ddp

@@ -15,19 +15,20 @@ really use lbcomm and resume it exactly.
   (rank 0's state on every rank), every rank restores its own entry at train start, so the
   continuation is bitwise identical to a run that never stopped (same world size). With
   another number of ranks every rank reads all saved entries and the error feedback is
-  redistributed (`lbcomm.compressed.redistribute_errors`, the hook's units likewise:
+  redistributed (`lbcomm.CompressionState.redistribute`, the hook's units likewise:
   the total carried error, mean worker error + server error, is preserved); hierarchical error feedback
   restarts from zero, logged.
 
 * Clipping: after the freeze of a lbcomm optimizer every rank holds its local gradient,
-  and ``Trainer(gradient_clip_val=x)`` (by norm) would clip each by its own norm. The
-  callback routes Lightning's clipping of the lbcomm optimizer (the precision plugin's
-  ``clip_grad_by_norm``) to the optimizer's `clip_grad_norm_`: one norm for every rank
-  (one scalar allreduce after the freeze, none before), logged as ``lbcomm_grad_norm``.
-  ``LbcommCallback(max_grad_norm=x)`` with ``gradient_clip_val`` unset clips the same way
-  in ``on_before_optimizer_step``. Lightning logs no gradient norm itself; its
-  ``lightning.pytorch.utilities.grad_norm`` helper reads this rank's gradients (local after
-  the freeze).
+  and ``Trainer(gradient_clip_val=x)`` (by norm) would clip each by its own norm; Lightning
+  offers the callback no place to change that, so with a lbcomm optimizer the callback
+  refuses clipping by norm there and clips itself: ``LbcommCallback(max_grad_norm=x)``,
+  ``gradient_clip_val`` unset, clips by the optimizer's `clip_grad_norm_` (one norm for
+  every rank: one scalar allreduce after the freeze, none before) in
+  ``on_before_optimizer_step`` and logs that shared norm as ``lbcomm_grad_norm``.
+  Lightning logs no gradient norm itself; its ``lightning.pytorch.utilities.grad_norm``
+  helper reads this rank's gradients (local after the freeze). With ``hook_state=`` the
+  hook averages the gradients, so Lightning's own clipping is the same on every rank.
 
 Cost: rank 0 holds every rank's error feedback while it saves (about (1 + 1/p) x the
 number of parameters in fp32 per rank).
@@ -43,9 +44,10 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
-from ..compressed import redistribute_errors
+from ..comm import world_info
+from ..compressed import CompressionState
 from ..ddp import OneBitHookState
-from .attach import LBCOMM_OPTIMIZERS, attach, check_callback_args, check_hook_momentum, unwrap_optimizer
+from .attach import LBCOMM_OPTIMIZERS, attach, check_callback_args, check_not_communicating, unwrap_optimizer
 
 __all__ = ["LbcommCallback"]
 
@@ -86,7 +88,7 @@ def _redistributed_entry(ranks, world: int, rank: int) -> Dict[str, Any]:
                      "error feedback is not redistributed onto %s ranks and starts from zero", saved_world, world)
         entry["compression_reset"] = True
     else:
-        entry["compression"] = redistribute_errors(comps, world, rank)
+        entry["compression"] = CompressionState.redistribute(comps, world, rank)
     _log.info("LbcommCallback: the checkpoint was saved by %s ranks and this run has %s; the error feedback of all "
               "saved ranks is redistributed onto this world (its total is preserved)", saved_world, world)
     return entry
@@ -132,66 +134,54 @@ class LbcommCallback(Callback):
         self._pending: Optional[Dict[str, Any]] = None
 
     def _lbcomm_optimizer(self, trainer):
+        """The lbcomm optimizer to attach (None with a hook state), after every check of
+        the settings, so that a refused setup registers nothing."""
+        if self.hook_state is not None:
+            for opt in trainer.optimizers:  # a 1-bit optimizer: DoubleCompressionError
+                check_not_communicating("LbcommCallback", opt)
+            if self.max_grad_norm is not None:
+                raise ValueError("LbcommCallback: max_grad_norm clips with a lbcomm optimizer's clip_grad_norm_; with "
+                                 "hook_state= the gradients are averaged by the hook, so use gradient_clip_val "
+                                 "instead")
+            return None
         opts = [unwrap_optimizer(o) for o in trainer.optimizers]
         ours = [o for o in opts if isinstance(o, LBCOMM_OPTIMIZERS)]
         if len(ours) > 1:
             raise ValueError("LbcommCallback: configure_optimizers returned several lbcomm optimizers; DDP takes one "
                              "communication hook, so use one lbcomm optimizer for the whole model")
-        if ours and self.hook_state is not None:
-            raise ValueError(f"LbcommCallback: the optimizer is lbcomm.{type(ours[0]).__name__}, which communicates "
-                             "by itself, and a hook_state was given too (its gradients would be compressed twice); "
-                             "drop hook_state=")
-        if not ours and self.hook_state is None:
+        if not ours:
             names = ", ".join(type(o).__name__ for o in opts) or "none"
             raise ValueError(f"LbcommCallback: configure_optimizers returned {names}, not a lbcomm optimizer, and no "
                              "hook_state was given, so nothing would be compressed. Return lbcomm.OneBitAdam(...) / "
                              "lbcomm.OneBitLamb(...), or pass LbcommCallback(hook_state=lbcomm.OneBitHookState(...))")
-        check_hook_momentum("LbcommCallback", self.hook_state, trainer.optimizers)
-        return ours[0] if ours else None
+        if trainer.gradient_clip_val and trainer.gradient_clip_algorithm in (None, "norm"):
+            if self.max_grad_norm is not None:
+                raise ValueError(f"LbcommCallback(max_grad_norm={self.max_grad_norm}) clips by one norm for all "
+                                 f"ranks, and Trainer(gradient_clip_val={trainer.gradient_clip_val}) would clip each "
+                                 "rank by its own norm as well; leave gradient_clip_val unset")
+            raise ValueError(f"LbcommCallback: Trainer(gradient_clip_val={trainer.gradient_clip_val}) clips every "
+                             f"rank's gradient by its own norm, and with lbcomm.{type(ours[0]).__name__} the "
+                             "gradients are local to each rank (after the freeze; always with Lamb). Clip by one norm "
+                             "for all ranks instead: leave gradient_clip_val unset and pass "
+                             f"LbcommCallback(max_grad_norm={trainer.gradient_clip_val})")
+        return ours[0]
 
     def on_fit_start(self, trainer, pl_module) -> None:
         self._optimizer = self._lbcomm_optimizer(trainer)
-        if self.max_grad_norm is not None:
-            if self._optimizer is None:
-                raise ValueError("LbcommCallback: max_grad_norm clips with a lbcomm optimizer's clip_grad_norm_; with "
-                                 "hook_state= the gradients are averaged by the hook, so use gradient_clip_val instead")
-            if trainer.gradient_clip_val:
-                raise ValueError(f"LbcommCallback(max_grad_norm={self.max_grad_norm}) clips by one norm for all "
-                                 f"ranks, and Trainer(gradient_clip_val={trainer.gradient_clip_val}) would clip a second "
-                                 "time (the callback routes it to the same shared norm); use one of them: "
-                                 "gradient_clip_val alone suffices")
-        attach(trainer.strategy.model if trainer.strategy.model is not None else pl_module,
-               self._optimizer if self._optimizer is not None else self.hook_state, warmup_fp16=self.warmup_fp16)
+        model = trainer.strategy.model if trainer.strategy.model is not None else pl_module
         if self._optimizer is not None:
-            self._route_clipping(trainer)
+            attach(model, self._optimizer, warmup_fp16=self.warmup_fp16)
+        else:
+            attach(model, self.hook_state, optimizer=list(trainer.optimizers), warmup_fp16=self.warmup_fp16)
 
     # ------------------------------------------------------------------ gradient norm
-    def _route_clipping(self, trainer) -> None:
-        """Make Lightning's clipping by norm of the lbcomm optimizer use its shared norm."""
-        plugin = trainer.precision_plugin
-        original = plugin.clip_grad_by_norm
-        if getattr(original, "lbcomm_callback", None) is self:
-            return
-        original = getattr(original, "lbcomm_original", original)
-
-        def clip_grad_by_norm(optimizer, clip_val):
-            if self._optimizer is None or unwrap_optimizer(optimizer) is not self._optimizer:
-                return original(optimizer, clip_val)
-            self.grad_norm = self._optimizer.clip_grad_norm_(clip_val)
-            self._fresh = True
-            return None
-
-        clip_grad_by_norm.lbcomm_callback = self
-        clip_grad_by_norm.lbcomm_original = original
-        plugin.clip_grad_by_norm = clip_grad_by_norm
-
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if self.max_grad_norm is not None:
             self.grad_norm = self._optimizer.clip_grad_norm_(self.max_grad_norm)
             self._fresh = True
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if self._fresh:  # an optimizer step clipped by the shared norm (Lightning's clip call comes after the hooks)
+        if self._fresh:  # an optimizer step clipped by the shared norm
             self._fresh = False
             pl_module.log("lbcomm_grad_norm", float(self.grad_norm), on_step=True, on_epoch=False)
 
@@ -205,9 +195,9 @@ class LbcommCallback(Callback):
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: Dict[str, Any]) -> None:
         local = self._local_state()
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        if world > 1:
-            shards = [None] * world if dist.get_rank() == 0 else None
+        world, rank = world_info()
+        if world > 1:  # Python objects to rank 0 only (the transports gather no objects)
+            shards = [None] * world if rank == 0 else None
             dist.gather_object(local, shards, dst=0)
         else:
             shards = [local]
@@ -216,8 +206,7 @@ class LbcommCallback(Callback):
 
     def on_load_checkpoint(self, trainer, pl_module, checkpoint: Dict[str, Any]) -> None:
         entry = checkpoint.get("lbcomm")
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        rank = dist.get_rank() if world > 1 else 0
+        world, rank = world_info()
         problem = None
         if entry is None:
             problem = "the checkpoint holds no lbcomm state (saved without LbcommCallback)"

@@ -7,7 +7,7 @@ import torch.distributed.checkpoint as dcp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import lbcomm
-from lbcomm.integrations import RankLocal, attach
+from lbcomm.integrations import LoadPlanner, RankLocal, attach
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -19,7 +19,8 @@ attach(model, opt)  # DDP averages during the warmup and sends nothing after the
 out, start = sys.argv[1], 0
 if "--resume" in sys.argv:
     state = {"model": model.module.state_dict(), "optim": RankLocal(opt), "step": 0}
-    dcp.load(state, checkpoint_id=f"{out}/step-6")  # each rank reads back its own optimizer item
+    # each rank reads back its own optimizer item; the planner checks that nothing rank-local is left out
+    dcp.load(state, checkpoint_id=f"{out}/step-6", planner=LoadPlanner())
     model.module.load_state_dict(state["model"])
     start = state["step"]
 for step in range(start, 9):

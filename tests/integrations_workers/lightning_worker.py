@@ -2,7 +2,8 @@
 
 argv: out_dir optimizer(onebit_lamb|sgd_hook|onebit_lamb_clip)
 Run 1 trains 3 epochs of 3 optimizer steps (freeze / compression start after step 4,
-accumulate_grad_batches=2, gradient_clip_val, a LambdaLR schedule), checkpointing every
+accumulate_grad_batches=2, clipping (the callback's shared norm for a lbcomm optimizer,
+gradient_clip_val under the hook), a LambdaLR schedule), checkpointing every
 epoch; it records per step the gradients the optimizer sees and the TCP bytes this rank
 sent. Run 2 resumes from the epoch-2 checkpoint (step 6, mid-compression) in a fresh
 Trainer. Both runs' final parameters and lbcomm state are saved for the test.
@@ -22,6 +23,7 @@ from common import flat_grads, rank_world, save_result, tcp_bytes_sent, tensors_
 out, kind = sys.argv[1], sys.argv[2]
 FREEZE, STEPS = 4, 9
 CLIP = 0.02  # onebit_lamb_clip: LbcommCallback(max_grad_norm=CLIP), Lightning's clipping off
+SOME_CLIP = 0.5  # onebit_lamb: LbcommCallback(max_grad_norm=); sgd_hook: Trainer(gradient_clip_val=)
 
 
 class Net(pl.LightningModule):
@@ -81,15 +83,16 @@ class Probe(Callback):
 
 def run(ckpt_path=None):
     hook_state = None if kind in ("onebit_lamb", "onebit_lamb_clip") else lbcomm.OneBitHookState(start_iter=FREEZE, exact_numel=0)
-    clip = kind == "onebit_lamb_clip"
+    # A lbcomm optimizer clips by the shared norm in the callback (Lightning's clipping off);
+    # the hook averages the gradients, so Lightning clips them itself.
+    clip = {"onebit_lamb_clip": CLIP, "onebit_lamb": SOME_CLIP}.get(kind)
     module = Net(hook_state)
     probe = Probe(hook_state)
     ckpt = ModelCheckpoint(dirpath=os.path.join(out, "ckpt"), filename="{epoch}-{step}", save_top_k=-1,
                            every_n_train_steps=3)
     trainer = pl.Trainer(accelerator="cpu", strategy="ddp", devices=2, max_steps=STEPS, accumulate_grad_batches=2,
-                         gradient_clip_val=None if clip else 0.5,
-                         callbacks=[LbcommCallback(hook_state=hook_state, max_grad_norm=CLIP if clip else None), probe,
-                                    ckpt],
+                         gradient_clip_val=None if clip else SOME_CLIP,
+                         callbacks=[LbcommCallback(hook_state=hook_state, max_grad_norm=clip), probe, ckpt],
                          logger=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0)
     trainer.fit(module, ckpt_path=ckpt_path)

@@ -2,7 +2,8 @@
 
 argv: out_dir optimizer(onebit_adam|onebit_lamb|adamw_hook|onebit_adam_clip)
 Run 1 trains 9 steps (freeze / compression start after step 4, checkpoints every 3 steps,
-save_total_limit=2, gradient accumulation 2, max_grad_norm, linear schedule with warmup),
+save_total_limit=2, gradient accumulation 2, clipping (the callback's shared norm for a
+lbcomm optimizer, the Trainer's max_grad_norm under the hook), linear schedule with warmup),
 recording per step the gradients the optimizer sees and the TCP bytes this rank sent.
 Run 2 resumes from checkpoint-6 (mid-compression) in a fresh Trainer and trains to 9.
 Both runs' final parameters and lbcomm state are saved for the test to compare.
@@ -22,6 +23,7 @@ from common import flat_grads, rank_world, save_result, tcp_bytes_sent, tensors_
 out, kind = sys.argv[1], sys.argv[2]
 FREEZE, STEPS, SAVE = 4, 9, 3
 CLIP = 0.05  # onebit_adam_clip: LbcommCallback(max_grad_norm=CLIP), the Trainer's clipping off
+ARGS_CLIP = 1.2  # onebit_adam / onebit_lamb: LbcommCallback(max_grad_norm=); adamw_hook: TrainingArguments(max_grad_norm=)
 
 
 class Data(torch.utils.data.Dataset):
@@ -80,15 +82,18 @@ def build(output_dir, resume=None):
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
         hook_state = lbcomm.OneBitHookState(start_iter=FREEZE, exact_numel=0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3) * (1 - s / (2 * STEPS)))
+    # A lbcomm optimizer clips by the shared norm in the callback (the Trainer's own clipping
+    # off); the hook averages the gradients, so the Trainer clips them itself.
+    clip = {"onebit_adam_clip": CLIP, "onebit_adam": ARGS_CLIP, "onebit_lamb": ARGS_CLIP}.get(kind)
     args = TrainingArguments(output_dir=output_dir, max_steps=STEPS, per_device_train_batch_size=2,
-                             gradient_accumulation_steps=2, max_grad_norm=0 if kind == "onebit_adam_clip" else 1.2,
+                             gradient_accumulation_steps=2, max_grad_norm=0 if clip else ARGS_CLIP,
                              save_steps=SAVE, save_total_limit=2,
                              logging_steps=1, report_to="none", disable_tqdm=True, use_cpu=True, seed=0,
                              ddp_backend="gloo", dataloader_num_workers=0, ddp_find_unused_parameters=False)
     probe = Probe(hook_state)
-    trainer = Trainer(model=model, args=args, train_dataset=Data(), optimizers=(opt, sched),
-                      callbacks=[LbcommCallback(hook_state=hook_state,
-                                                max_grad_norm=CLIP if kind == "onebit_adam_clip" else None), probe])
+    trainer = Trainer(model=model, args=args, train_dataset=Data(), optimizers=(opt, sched))
+    trainer.add_callback(LbcommCallback(trainer, hook_state=hook_state, max_grad_norm=clip))
+    trainer.add_callback(probe)  # after LbcommCallback: sees the clipped gradients and the logged lbcomm_grad_norm
     trainer.train(resume_from_checkpoint=resume)
     final = {"params": tensors_of(model.state_dict()), "optimizer": tensors_of(opt.state_dict()),
              "hook": None if hook_state is None else tensors_of(hook_state.state_dict())}
