@@ -4,8 +4,8 @@ really use lbcomm and resume it exactly.
 * Fit start: registers the right DDP communication hook on ``trainer.strategy.model``
   (`lbcomm.attach`): with a lbcomm optimizer returned by ``configure_optimizers`` DDP
   stops its full-precision allreduce after the freeze; with
-  ``LbcommCallback(hook_state=lbcomm.OneBitHookState(...))`` every gradient bucket of any
-  optimizer goes through the 1-bit allreduce.
+  ``LbcommCallback(hook_state=lbcomm.OneBitHookState(...))`` every gradient bucket of an
+  optimizer that does not communicate by itself goes through the 1-bit allreduce.
 * Every checkpoint: Lightning writes the checkpoint dict of rank 0 only. The callback
   gathers what differs between ranks (the optimizer's compression error feedback and the
   hook state) from every rank into that dict under ``"lbcomm"``, one entry per rank; the
@@ -16,8 +16,8 @@ really use lbcomm and resume it exactly.
   continuation is bitwise identical to a run that never stopped (same world size). With
   another number of ranks every rank reads all saved entries and the error feedback is
   redistributed (`lbcomm.CompressionState.redistribute`, the hook's units likewise:
-  the total carried error, mean worker error + server error, is preserved); hierarchical error feedback
-  restarts from zero, logged.
+  the total carried error, mean worker error + server error, is preserved); hierarchical
+  error feedback restarts from zero, logged.
 
 * Clipping: after the freeze of a lbcomm optimizer every rank holds its local gradient,
   and ``Trainer(gradient_clip_val=x)`` (by norm) would clip each by its own norm; Lightning
@@ -98,9 +98,10 @@ class LbcommCallback(Callback):
     """Attach lbcomm to Lightning's DDP and keep every rank's lbcomm state in its checkpoints.
 
     Args:
-        hook_state (OneBitHookState, optional): compress the gradients of any optimizer
-            with `lbcomm.onebit_hook`; leave it None when ``configure_optimizers`` returns a
-            lbcomm optimizer (default: None).
+        hook_state (OneBitHookState, optional): compress the gradients of an optimizer
+            that does not communicate by itself with `lbcomm.onebit_hook` (a 1-bit optimizer
+            raises `lbcomm.errors.DoubleCompressionError`); leave it None when
+            ``configure_optimizers`` returns a lbcomm optimizer (default: None).
         warmup_fp16 (bool, optional): average the warmup gradients of a lbcomm optimizer
             in fp16 (default: False).
         strict (bool, optional): resuming from a checkpoint without lbcomm entries raises;
@@ -110,9 +111,9 @@ class LbcommCallback(Callback):
         max_grad_norm (float, optional): clip the gradients of the lbcomm optimizer by one
             norm shared by all ranks (`lbcomm.optim.BaseOptimizer.clip_grad_norm_`) before
             every optimizer step and log it as ``lbcomm_grad_norm``; leave the Trainer's
-            ``gradient_clip_val`` unset. ``Trainer(gradient_clip_val=x)`` alone does the
-            same (the callback routes Lightning's clipping to the shared norm) (default:
-            None, no clipping here).
+            ``gradient_clip_val`` unset: with a lbcomm optimizer, clipping by norm there
+            would clip every rank by its own norm, and is refused (default: None, no
+            clipping here).
 
     Example::
 
