@@ -22,7 +22,7 @@ Another world size (elastic resume) for a lbcomm optimizer and a `OneBitHookStat
 load with ``planner=ElasticLoadPlanner()``. It asks DCP for the items of every saved rank
 (their names are in the checkpoint's metadata), and every rank redistributes the saved
 error feedback onto the new world as `lbcomm.load_sharded` does (the total carried error,
-mean worker error + server error, is preserved; `lbcomm.compressed.redistribute_errors`)::
+mean worker error + server error, is preserved; `lbcomm.reducer.redistribute`)::
 
     dcp.load(state, checkpoint_id="ckpt", planner=ElasticLoadPlanner())
 

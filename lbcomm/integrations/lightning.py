@@ -15,7 +15,7 @@ really use lbcomm and resume it exactly.
   (rank 0's state on every rank), every rank restores its own entry at train start, so the
   continuation is bitwise identical to a run that never stopped (same world size). With
   another number of ranks every rank reads all saved entries and the error feedback is
-  redistributed (`lbcomm.compressed.redistribute_errors`, the hook's units likewise:
+  redistributed (`lbcomm.CompressionState.redistribute`, the hook's units likewise:
   the total carried error, mean worker error + server error, is preserved); hierarchical error feedback
   restarts from zero, logged.
 
@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
-from ..compressed import redistribute_errors
+from ..compressed import CompressionState
 from ..ddp import OneBitHookState
 from .attach import LBCOMM_OPTIMIZERS, attach, check_callback_args, check_hook_momentum, unwrap_optimizer
 
@@ -86,7 +86,7 @@ def _redistributed_entry(ranks, world: int, rank: int) -> Dict[str, Any]:
                      "error feedback is not redistributed onto %s ranks and starts from zero", saved_world, world)
         entry["compression_reset"] = True
     else:
-        entry["compression"] = redistribute_errors(comps, world, rank)
+        entry["compression"] = CompressionState.redistribute(comps, world, rank)
     _log.info("LbcommCallback: the checkpoint was saved by %s ranks and this run has %s; the error feedback of all "
               "saved ranks is redistributed onto this world (its total is preserved)", saved_world, world)
     return entry
