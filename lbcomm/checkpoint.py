@@ -10,12 +10,14 @@ exists when it returns); `load_sharded` reads it back. With the same world size 
 resume is bitwise identical to a run that never stopped. With another world size (elastic
 resume) every rank reads shard ``rank % saved_world_size`` (the model and the optimizer
 moments are identical on all ranks) and the compression error feedback of every saved
-rank, which `lbcomm.compressed.redistribute_errors` maps onto the new world with its total
-(the carried error of the error-feedback invariant: mean worker error + server error)
-preserved; ``elastic=False`` resets it
-instead, with a logged warning. The same holds for a `OneBitHookState` passed as
-``hook_state=``: each of its units (bucket error feedback) is redistributed by the same
-function.
+rank, which `lbcomm.reducer.redistribute` maps onto the new world with its total (the
+carried error of the error-feedback invariant: mean worker error + server error)
+preserved; ``elastic=False`` resets it instead, with a logged warning. The same holds for
+a `OneBitHookState` passed as ``hook_state=``: each of its units (bucket error feedback)
+is redistributed by the same function.
+
+Format version (docs/checkpoints.md): a shard records the one current format version;
+`load_sharded` reads that version only and refuses any other with an error naming both.
 """
 from __future__ import annotations
 
@@ -28,13 +30,13 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from .comm import get_transport
-from .compressed import redistribute_errors
+from .reducer import redistribute
 
 __all__ = ["save_sharded", "load_sharded", "shard_path"]
 
 _log = logging.getLogger(__name__)
 _FORMAT = "lbcomm-shard"
-_VERSION = 1
+_VERSION = 1  # the one format this lbcomm writes and reads (docs/checkpoints.md)
 _SHARD_RE = re.compile(r"shard-(\d+)-of-(\d+)\.pt$")
 
 
@@ -119,8 +121,7 @@ def load_sharded(directory: str, optimizer=None, model: Optional[torch.nn.Module
         optimizer (Optimizer, optional): receives the saved optimizer state (default: None).
         model (Module, optional): receives the saved model state (default: None).
         hook_state (OneBitHookState, optional): receives the saved state of
-            `lbcomm.onebit_hook` (saved with ``save_sharded(hook_state=)``, or, as the
-            earlier recipes did, as ``extra={"hook": hook_state.state_dict()}``); load it
+            `lbcomm.onebit_hook` (saved with ``save_sharded(hook_state=)``); load it
             before the first backward pass of the new run (default: None).
         map_location (optional): passed to torch.load (default: "cpu"; the state is copied
             into the optimizer's own buffers on their device anyway).
@@ -132,7 +133,7 @@ def load_sharded(directory: str, optimizer=None, model: Optional[torch.nn.Module
         elastic (bool, optional): with another world size than the saved one, give every
             rank the saved error feedback (of the optimizer and of `hook_state`)
             redistributed onto the new world (every rank reads the compression state of
-            every saved shard, memory-mapped; see `lbcomm.compressed.redistribute_errors`);
+            every saved shard, memory-mapped; see `lbcomm.reducer.redistribute`);
             False resets it to zero (default: True).
 
     Returns:
@@ -154,7 +155,7 @@ def load_sharded(directory: str, optimizer=None, model: Optional[torch.nn.Module
                          "Model and optimizer moments are restored; the compression error buffers are reset "
                          "(elastic=False).", directory, saved_world, world, rank, rank % saved_world)
     payload = _read(path, map_location, weights_only)
-    hook_sd = _hook_entry(payload)
+    hook_sd = payload["hook_state"]
     for name, obj, saved in (("model", model, payload["model"]), ("optimizer", optimizer, payload["optimizer"]),
                              ("hook_state", hook_state, hook_sd)):
         if obj is not None and saved is None:
@@ -173,25 +174,13 @@ def load_sharded(directory: str, optimizer=None, model: Optional[torch.nn.Module
     if hook_state is not None:
         all_ranks = None
         if others is not None:
-            all_ranks = [_hook_entry(o) for o in others]
+            all_ranks = [o["hook_state"] for o in others]
             if any(sd is None for sd in all_ranks):
                 raise ValueError(f"load_sharded: some shards of {directory!r} hold no hook state, unlike shard "
                                  f"{rank % saved_world}; the checkpoint is inconsistent (pass elastic=False to reset "
                                  "the error feedback)")
         hook_state.load_state_dict(hook_sd, all_ranks=all_ranks)
     return {"extra": payload["extra"], "exact": saved_world == world, "saved_world_size": saved_world, "path": path}
-
-
-def _hook_entry(payload: Dict[str, Any]) -> Optional[Dict[str, Any]]:
-    """The `OneBitHookState.state_dict` in a shard: ``save_sharded(hook_state=)``, else the
-    ``extra={"hook": ...}`` of the earlier recipes."""
-    if payload.get("hook_state") is not None:
-        return payload["hook_state"]
-    extra = payload.get("extra")
-    hook = extra.get("hook") if isinstance(extra, dict) else None
-    if isinstance(hook, dict) and "units" in hook and "version" in hook:
-        return hook
-    return None
 
 
 def _read(path: str, map_location: Any, weights_only: bool, mmap: bool = False) -> Dict[str, Any]:
@@ -209,33 +198,13 @@ def redistribute_optimizer_state(opt_state: Dict[str, Any], saved: List[Dict[str
     """Elastic resume of a lbcomm 1-bit optimizer: replace the compression state in
     `opt_state` (the `state_dict` of one saved rank, to be loaded by `rank` of a world of
     `world` ranks) by the error feedback of every saved rank (`saved`: their optimizer
-    state_dicts, in rank order) redistributed onto this world (`redistribute_errors`).
-    Used by `load_sharded` and `lbcomm.integrations.dcp.RankLocal`; a no-op for a state
-    without compression state (warmup, or not a 1-bit optimizer)."""
+    state_dicts, in rank order) redistributed onto this world (`lbcomm.reducer.redistribute`;
+    None, i.e. from zero, where it cannot be). Used by `load_sharded` and
+    `lbcomm.integrations.dcp.RankLocal`; a no-op for a state without compression state
+    (warmup, or not a 1-bit optimizer)."""
     extra = opt_state.get("lbcomm") if isinstance(opt_state, dict) else None
     if not isinstance(extra, dict) or extra.get("compression") is None:
         return  # not a 1-bit optimizer in its compression stage: nothing rank-local to map
-    saved_world = len(saved)
-    if extra.get("topology") is not None:  # hierarchical errors (per slice, per cross group): not remapped
-        _log.warning("lbcomm: %s was saved by %s ranks with a hierarchical momentum reduction on (nodes, ranks "
-                     "per node)=%s; its error feedback is not redistributed onto %s ranks and starts from zero",
-                     where, saved_world, tuple(extra["topology"]), world)
-        extra["compression"] = None
-        return
-    if world == 1:
-        _log.warning("lbcomm: %s was saved by %s ranks; with one rank nothing is compressed, so the saved error "
-                     "feedback is dropped", where, saved_world)
-        return
-    states = []
-    for r, other in enumerate(saved):
-        comp = ((other or {}).get("lbcomm") or {}).get("compression")
-        if comp is None:
-            raise ValueError(f"lbcomm: rank {r} of {where} holds no compression state, unlike the others; the "
-                             "checkpoint is inconsistent (load_sharded: pass elastic=False to reset the error "
-                             "feedback)")
-        states.append(comp)
-    extra["compression"] = redistribute_errors(states, world, rank)
+    comps = [((other or {}).get("lbcomm") or {}).get("compression") for other in saved]
+    extra["compression"] = redistribute(comps, world, rank, where=where)
     extra["world_size"] = world
-    _log.info("lbcomm: %s was saved by %s ranks and this run has %s; the compression error feedback of all %s saved "
-              "ranks was redistributed onto this world (its total is preserved)", where, saved_world, world,
-              saved_world)

@@ -1,17 +1,23 @@
 """Small definitions shared by the algorithm, the optimizers, the hooks and the bench."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Generator, Optional
 
 import torch
 
-__all__ = ["FLOAT_DTYPES", "NONFINITE_POLICIES", "completed_future", "new_future", "ring_allreduce_bytes"]
+__all__ = ["FLOAT_DTYPES", "NONFINITE_POLICIES", "NonFiniteError", "completed_future", "new_future", "drive",
+           "ring_allreduce_bytes"]
 
 # Tensors the compressed allreduce takes: fp16/bf16 are upcast into the fp32 error domain.
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # What a call does when an input holds NaN/Inf: raise on every rank, or skip the call
 # (see `lbcomm.compressed.CompressionState` and docs/concepts.md).
 NONFINITE_POLICIES = ("raise", "skip")
+
+
+class NonFiniteError(FloatingPointError):
+    """A compressed allreduce saw NaN/Inf; raised on every rank (the message says whether
+    the error buffers are unchanged or were reset)."""
 
 
 def new_future(device: Optional[torch.device] = None) -> torch.futures.Future:
@@ -27,6 +33,45 @@ def completed_future(value, device: Optional[torch.device] = None) -> torch.futu
     fut = new_future(device)
     fut.set_result(value)
     return fut
+
+
+def drive(steps: Generator[torch.futures.Future, None, Any], device: Optional[torch.device], async_op: bool):
+    """Run a call's schedule, a generator that yields every future the call must wait for
+    and returns the call's result: blocking (wait on each future in turn), or from the
+    futures' callbacks (returns a Future of the result, the calling thread never waits).
+    Either way the collectives start in the same order. Errors before the first
+    collective raise here; later ones fail the returned future."""
+    if not async_op:
+        try:
+            fut = next(steps)
+            while True:
+                fut.wait()
+                fut = steps.send(None)
+        except StopIteration as done:
+            return done.value
+        finally:
+            steps.close()  # a failed wait: leave the schedule (its finally blocks release the state)
+    result = new_future(device)
+    try:
+        first = next(steps)
+    except StopIteration as done:
+        result.set_result(done.value)
+        return result
+
+    def advance(_=None) -> None:
+        try:
+            fut = next(steps)
+        except StopIteration as done:
+            result.set_result(done.value)
+            return
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's future
+            steps.close()
+            result.set_exception(exc)
+            return
+        fut.add_done_callback(advance)
+
+    first.add_done_callback(advance)
+    return result
 
 
 def ring_allreduce_bytes(nbytes: float, world_size: int) -> float:

@@ -1,39 +1,17 @@
-"""The 1-bit compressed allreduce with two-stage error feedback, once (the algorithm and
-its error-feedback invariant are described in docs/concepts.md).
+"""The 1-bit compressed allreduce with two-stage error feedback (the algorithm and its
+error-feedback invariant are described in docs/concepts.md): its state and entry points.
 
-Every entry point, optimizer and hook goes through `reduce_`; transports only move bytes.
-Per call and rank:
-
-    agree    all_reduce(max) of a small vector    every rank's input finite? same call?
-    phase 0  worker_compress(x, e)            -> signs + block scales of x + e; e updated in place
-    phase 1  all-to-all                          rank k receives chunk k from every rank
-    phase 2  server_compress(chunks, s)       -> signs + block scales of the chunk mean + s; s in place
-    phase 3  all-gather                          every rank receives every server chunk
-    decode   unpack                            -> approximate mean, bitwise equal on all ranks
+Every entry point, optimizer and hook goes through `reduce_`; the call itself (schedule,
+phases, wire rows) is `lbcomm.flatcall.FlatCall`; transports only move bytes.
 
 Entry points: `compressed_allreduce_(tensor, state)` reduces in place and allocates nothing
 (torch's `dist.all_reduce` convention); `compressed_allreduce(tensor, state, out=out)`
-returns the result in `out`; `reduce_(state, source, sink)` is the one call under both, and
+writes the result into `out`; `reduce_(state, source, sink)` is the one call under both, and
 also takes callables that produce the input and consume the result range by range, so the
 optimizers never materialize a model-sized copy of either.
 
-One schedule: the collective order of a call is written once (`_Call.steps`, a generator
-that yields each future it must wait for); the sync driver waits on them in turn, the async
-driver resumes the generator from each future's callback. Every rank issues the same
-collectives in the same order either way.
-
-Pipelining: with block scales, every block is independent, so each chunk is cut into
-pieces (runs of whole blocks, `CompressionState.piece_spans`) and the phases run piece by
-piece: piece s+1 is compressed while piece s crosses the network, and the server reduces
-piece s while later pieces travel. Results are bitwise those of one piece (tests check it);
-a call then costs 2 x pieces collectives, so only tensors of at least PIECE_MIN elements
-per chunk and piece are cut (block_size=None, one scale per tensor, is never cut).
-
-Wire rows (lbcomm.wire): a piece's sign bytes, its fp32 block scales, then a 24-byte
-header (numel, call count, block size, piece, pieces), so every rank sees every other
-rank's header in the all-to-all. Different row lengths would abort the process inside
-gloo, so each state first checks the layout once with a fixed-size all-gather (its first
-call).
+Pipelining (`CompressionState`'s `pieces`): only tensors of at least PIECE_MIN elements per
+chunk and piece are cut (block_size=None, one scale per tensor, is never cut).
 
 Non-finite input and the error buffers (no spare copies: the state is 4 bytes per element
 for the worker error, 4 / p for the server error, about 0.4 for the wire buffers). Before
@@ -52,37 +30,22 @@ says so. A caller that has already agreed on finiteness with the other ranks pas
 from __future__ import annotations
 
 import logging
-import warnings
-from typing import Any, Callable, Dict, Generator, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
 
-from . import ops
 from .comm import get_transport
-from .common import FLOAT_DTYPES, NONFINITE_POLICIES, completed_future, new_future, ring_allreduce_bytes
-from .wire import (
-    AGREEMENT_BYTES,
-    ALIGN,
-    agreement_vector,
-    block_ranges,
-    check_block_size,
-    check_headers,
-    chunk_size,
-    encode_header,
-    piece_spans,
-    read_agreement,
-    row_layout,
-)
+from .common import NONFINITE_POLICIES, NonFiniteError, drive, ring_allreduce_bytes
+from .config import DEFAULT_BLOCK_SIZE
+from .flatcall import FlatCall, Sink, Source
+from .wire import AGREEMENT_BYTES, ALIGN, check_block_size, chunk_size, piece_spans, row_layout
 
 __all__ = ["CompressionState", "compressed_allreduce_", "compressed_allreduce", "reduce_", "NonFiniteError",
-           "DEFAULT_BLOCK_SIZE", "PIECE_MIN", "redistribute_errors"]
+           "PIECE_MIN"]
 
 _log = logging.getLogger(__name__)
 
-# Elements per scale block: small enough that each block's scale follows the local magnitude
-# of the input, large enough that the scales cost little (one fp32 per 2048 sign bits, 1.6 %).
-DEFAULT_BLOCK_SIZE = 2048
 # Automatic pipelining: pieces of at least PIECE_MIN elements of a chunk (256 KB of sign
 # bits per row), at most MAX_PIECES: each collective's fixed cost stays small next to the
 # time its piece takes on the wire.
@@ -91,16 +54,6 @@ MAX_PIECES = 4
 # Elements of the staging buffer through which callable sources and sinks run (1 MB),
 # rounded down to whole blocks (at least one block).
 STAGING_MIN = 1 << 18
-
-# The old private name, still imported by modules that have not moved to lbcomm.wire.
-
-Source = Union[Tensor, Callable[[int, int, Tensor], Any]]
-Sink = Union[Tensor, Callable[[int, int, Tensor], Any]]
-
-
-class NonFiniteError(FloatingPointError):
-    """A compressed allreduce saw NaN/Inf; raised on every rank (the message says whether
-    the error buffers are unchanged or were reset)."""
 
 
 class _WireBuffers(NamedTuple):
@@ -206,8 +159,46 @@ class CompressionState:
 
     @classmethod
     def redistribute(cls, saved: Sequence[Dict[str, Any]], world_size: int, rank: int) -> Dict[str, Any]:
-        """`redistribute_errors`: every saved rank's state_dict onto `rank` of `world_size`."""
-        return redistribute_errors(saved, world_size, rank)
+        """The error feedback of a resume with another world size (elastic resume), as the
+        `state_dict` of `rank` in a world of `world_size` ranks: the one implementation
+        every checkpoint path uses (through `lbcomm.reducer.redistribute`).
+
+        `saved` holds the `state_dict` of every rank of the old world, in rank order. What
+        the error-feedback invariant (sum of outputs = sum of means - mean worker error -
+        server error) carries into the next call is the total error
+        mean_r(worker error r) + concat_k(server error k). It is preserved (up to the
+        rounding of the mean): every new rank's worker error is the mean of the saved
+        worker errors, and the concatenated server errors are cut into the new chunks; pad
+        slots hold zero.
+
+        Raises:
+            ValueError: the shards are not one complete world of one tensor size and block size.
+        """
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"CompressionState.redistribute: invalid world_size {world_size!r}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"CompressionState.redistribute: rank {rank} is not in a world of {world_size}")
+        old = len(saved)
+        if old == 0:
+            raise ValueError("CompressionState.redistribute: no saved shards")
+        first = saved[0]
+        numel, block = first["numel"], first["block_size"]
+        for r, sd in enumerate(saved):
+            if (sd["world_size"], sd["rank"]) != (old, r) or (sd["numel"], sd["block_size"]) != (numel, block):
+                raise ValueError(f"CompressionState.redistribute: shard {r} was saved for (numel, world_size, rank, block_size)="
+                                 f"{(sd['numel'], sd['world_size'], sd['rank'], sd['block_size'])}; expected "
+                                 f"{(numel, old, r, block)} (pass every rank's shard of one checkpoint, in rank order)")
+        worker = torch.stack([sd["worker_error"].reshape(-1)[:numel].double() for sd in saved]).mean(0)
+        server = torch.cat([sd["server_error"].reshape(-1) for sd in saved])[:numel]
+        chunk = chunk_size(numel, world_size)
+        new_worker = torch.zeros(world_size * chunk, dtype=torch.float32)
+        new_worker[:numel] = worker.float()
+        new_server = torch.zeros(world_size * chunk, dtype=torch.float32)
+        new_server[:numel] = server.float()
+        return {"numel": numel, "world_size": world_size, "rank": rank, "block_size": block,
+                "worker_error": new_worker.view(world_size, chunk),
+                "server_error": new_server[rank * chunk:(rank + 1) * chunk].clone(),
+                "calls": int(first.get("calls", 0)), "skipped": int(first.get("skipped", 0))}
 
     # ------------------------------------------------------------------ state
     @property
@@ -240,13 +231,6 @@ class CompressionState:
     @property
     def padded_numel(self) -> int:
         return self.chunk * self.world_size
-
-    @property
-    def pieces(self) -> list:
-        """Deprecated alias of `piece_spans` (the constructor's `pieces` is a count)."""
-        warnings.warn("CompressionState.pieces is deprecated; use CompressionState.piece_spans", DeprecationWarning,
-                      stacklevel=2)
-        return self.piece_spans
 
     def bytes_per_call(self, checked: bool = False) -> int:
         """Bytes this rank sends per call: the all-to-alls and all-gathers (own chunk
@@ -291,7 +275,7 @@ class CompressionState:
     def load_state_dict(self, sd: Dict[str, Any]) -> bool:
         """Restore error buffers saved by `state_dict`. Returns False, with zeroed errors,
         when they were saved for another world size, rank, size or block size (they cannot
-        be mapped onto this layout; see `redistribute_errors` for another world size).
+        be mapped onto this layout; see `redistribute` for another world size).
 
         A shard of another rank of the same world (or of another world size) is what
         frameworks hand every rank when they save the optimizer of rank 0 only: that reset is
@@ -365,350 +349,11 @@ class CompressionState:
         return self._staging
 
 
-def redistribute_errors(saved: Sequence[Dict[str, Any]], world_size: int, rank: int) -> Dict[str, Any]:
-    """The error feedback of a resume with another world size (elastic resume), as a
-    `CompressionState.state_dict` of `rank` in a world of `world_size` ranks.
-
-    `saved` holds the `CompressionState.state_dict` of every rank of the old world, in rank
-    order. What the error-feedback invariant (sum of outputs = sum of means - mean worker
-    error - server error) carries into the next call is the total error
-    mean_r(worker error r) + concat_k(server error k). It is preserved (up to the rounding
-    of the mean): every new rank's worker error is the mean of the saved worker errors, and
-    the concatenated server errors are cut into the new chunks; pad slots hold zero.
-
-    Raises:
-        ValueError: the shards are not one complete world of one tensor size and block size.
-    """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"redistribute_errors: invalid world_size {world_size!r}")
-    if not 0 <= rank < world_size:
-        raise ValueError(f"redistribute_errors: rank {rank} is not in a world of {world_size}")
-    old = len(saved)
-    if old == 0:
-        raise ValueError("redistribute_errors: no saved shards")
-    first = saved[0]
-    numel, block = first["numel"], first["block_size"]
-    for r, sd in enumerate(saved):
-        if (sd["world_size"], sd["rank"]) != (old, r) or (sd["numel"], sd["block_size"]) != (numel, block):
-            raise ValueError(f"redistribute_errors: shard {r} was saved for (numel, world_size, rank, block_size)="
-                             f"{(sd['numel'], sd['world_size'], sd['rank'], sd['block_size'])}; expected "
-                             f"{(numel, old, r, block)} (pass every rank's shard of one checkpoint, in rank order)")
-    worker = torch.stack([sd["worker_error"].reshape(-1)[:numel].double() for sd in saved]).mean(0)
-    server = torch.cat([sd["server_error"].reshape(-1) for sd in saved])[:numel]
-    chunk = chunk_size(numel, world_size)
-    new_worker = torch.zeros(world_size * chunk, dtype=torch.float32)
-    new_worker[:numel] = worker.float()
-    new_server = torch.zeros(world_size * chunk, dtype=torch.float32)
-    new_server[:numel] = server.float()
-    return {"numel": numel, "world_size": world_size, "rank": rank, "block_size": block,
-            "worker_error": new_worker.view(world_size, chunk),
-            "server_error": new_server[rank * chunk:(rank + 1) * chunk].clone(),
-            "calls": int(first.get("calls", 0)), "skipped": int(first.get("skipped", 0))}
-
-
-class _Call:
-    """One compressed allreduce: validation, the schedule and the phases."""
-
-    def __init__(self, name: str, state: CompressionState, source: Source, sink: Sink, checked: bool,
-                 result: Callable[[bool], Any], weights: Optional[Tensor] = None):
-        if not isinstance(state, CompressionState):
-            raise TypeError(f"{name}: state must be a CompressionState, got {type(state).__name__}")
-        self.name, self.state, self.checked, self.result = name, state, bool(checked), result
-        if isinstance(source, Tensor):
-            self._check_tensor(source, "the tensor")
-        elif not callable(source):
-            raise TypeError(f"{name}: expected a tensor or a callable source(lo, hi, buf), got {type(source).__name__}")
-        elif not checked:
-            raise ValueError(f"{name}: a callable source cannot be checked for NaN/Inf before the call; agree on "
-                             "finiteness with the other ranks first and pass checked=True, or pass a tensor")
-        if isinstance(sink, Tensor):
-            self._check_tensor(sink, "the output")
-        elif not callable(sink):
-            raise TypeError(f"{name}: expected a tensor or a callable sink(lo, hi, values), got {type(sink).__name__}")
-        if weights is not None:
-            if not isinstance(weights, Tensor) or weights.dtype not in (torch.float32, torch.bfloat16) \
-                    or weights.numel() != state.numel \
-                    or weights.device != state.device:
-                got = (f"{weights.dtype} {tuple(weights.shape)} on {weights.device}" if isinstance(weights, Tensor)
-                       else type(weights).__name__)
-                raise ValueError(f"{name}: weights must be a float32 or bfloat16 tensor of {state.numel} elements on "
-                                 f"{state.device} (one per coordinate), got {got}")
-            weights = weights.reshape(-1)
-        state._ensure_idle()
-        self.source, self.sink, self.weights = source, sink, weights
-        self.flat_source: Optional[Tensor] = None  # the tensor source as one flat view (made on first use)
-
-    def _check_tensor(self, t: Tensor, what: str) -> None:
-        st = self.state
-        if t.dtype not in FLOAT_DTYPES:
-            raise TypeError(f"{self.name}: expected a float32/float16/bfloat16 tensor, got {t.dtype} ({what})")
-        if t.numel() != st.numel:
-            raise ValueError(f"{self.name}: {what} has {t.numel()} elements but the state was built for {st.numel}; "
-                             "use one CompressionState per tensor size")
-        if t.device != st.device:
-            raise ValueError(f"{self.name}: {what} is on {t.device} but the state's error buffers are on "
-                             f"{st.device}; build the state with device={t.device!s}")
-
-    # ---------------------------------------------------------------- schedule
-    def steps(self) -> Generator[torch.futures.Future, None, Any]:
-        """The collective order of a call, once: yields each future the call must wait for
-        and returns `result(applied)`."""
-        st, tr = self.state, self.state.transport
-        if st._foreign_shard is not None:  # no rank-own shard followed the foreign one
-            _log.warning("%s", st._foreign_shard)
-            st._foreign_shard = None
-        if st.world_size == 1 or st.numel == 0:  # nothing to communicate: the result is the input
-            self._copy_through()
-            return self.result(True)
-        st._busy = True
-        try:
-            if not st._verified:
-                yield from self._handshake()
-            if not self.checked:
-                vec = agreement_vector(self._header(0), not self._input_finite()).to(st.device)
-                fut = tr.all_reduce(vec, "max", async_op=True)
-                yield fut
-                fut.value()
-                if read_agreement(vec, "the error buffers are unchanged"):
-                    return self.result(self._conclude(False, errors_changed=False))
-            wire = st._wire_buffers()
-            count = len(st.piece_spans)
-            # The all-to-alls of all pieces (each as soon as its piece is compressed), then
-            # the all-gathers in piece order (each as soon as its all-to-all has arrived).
-            sent = [tr.all_to_all(wire[s].recv, self._compress_piece(s), async_op=True) for s in range(count)]
-            gathered = []
-            for s in range(count):
-                yield sent[s]
-                sent[s].value()
-                gathered.append(tr.all_gather(wire[s].gathered, self._serve_piece(s), async_op=True))
-            for fut in gathered:
-                yield fut
-                fut.value()
-            # Every rank holds every server scale now, so all reach the same verdict.
-            finite = all(bool(torch.isfinite(self._scales(w.gathered, s)).all()) for s, w in enumerate(wire))
-            if not self._conclude(finite, errors_changed=True):
-                return self.result(False)
-            self._decode()
-            return self.result(True)
-        finally:
-            st._busy = False
-
-    def _handshake(self):
-        """Once per state: every rank's layout, compared before any variable-size collective."""
-        st = self.state
-        mine = torch.tensor([st.numel, st.block_size or 0, st.chunk, st.calls, len(st.piece_spans)],
-                            dtype=torch.int64)
-        k = mine.numel()
-        everyone = torch.empty(st.world_size * k, dtype=torch.int64, device=st.device)
-        local = mine.to(st.device)
-        fut = st.transport.all_gather(everyone.view(torch.uint8), local.view(torch.uint8), async_op=True)
-        yield fut
-        fut.value()
-        rows = everyone.view(st.world_size, k).cpu()
-        if not bool((rows == mine).all()):
-            desc = ", ".join(f"rank {r}: numel={int(v[0])} block_size={int(v[1]) or None} calls={int(v[3])} "
-                             f"pieces={int(v[4])}" for r, v in enumerate(rows))
-            raise ValueError("compressed_allreduce: ranks called with different tensors or state layouts "
-                             f"({desc}); every rank must reduce the same sizes in the same order")
-        st._verified = True
-
-    def _header(self, piece: int) -> Tensor:
-        st = self.state
-        return encode_header(st.numel, st.calls, st.block_size, piece, len(st.piece_spans))
-
-    def _input_finite(self) -> bool:
-        """Whether this rank's (tensor) input is all finite: one cheap pass (the sum is
-        finite only if every element is), the exact check only when the sum is not (an
-        overflowing sum of finite values must not skip a call)."""
-        if bool(torch.isfinite(self.source.sum(dtype=torch.float32))):
-            return True
-        return bool(torch.isfinite(self.source).all())
-
-    def _conclude(self, finite: bool, *, errors_changed: bool) -> bool:
-        """Count the call; for a non-finite verdict reset the errors if they changed, then
-        raise or return False per the state's policy. Every rank reaches the same verdict."""
-        st = self.state
-        st.calls += 1
-        st.last_skipped = not finite
-        if finite:
-            return True
-        st.skipped += 1
-        if errors_changed:
-            st.reset()
-            what = ("a block scale overflowed to Inf/NaN although every rank's input was checked finite: x + error "
-                    "or the server's sum went beyond the float32 range (|values| near 3e38), or an input was not "
-                    "finite under checked=True. The error feedback was reset to zero on every rank")
-        else:
-            what = "the input holds NaN or Inf on at least one rank (the error buffers are unchanged)"
-        if st.nonfinite == "raise":
-            raise NonFiniteError(f"{self.name}: {what}; check for overflow, or pass nonfinite='skip' to the "
-                                 "CompressionState")
-        _log.debug("%s: skipped: %s", self.name, what)
-        return False
-
-    # ---------------------------------------------------------------- phases
-    def _input(self, lo: int, hi: int) -> Tensor:
-        """Input elements [lo, hi): a view of a tensor source, or a callable source's
-        values in the staging buffer."""
-        if isinstance(self.source, Tensor):
-            if self.flat_source is None:
-                self.flat_source = self.source.reshape(-1)
-            return self.flat_source[lo:hi]
-        buf = self.state._staging_buffer(max(hi - lo, self.state._staging_cap))[:hi - lo]
-        if hi > lo:
-            self.source(lo, hi, buf)
-        return buf
-
-    def _scales(self, rows: Tensor, s: int) -> Tensor:
-        layout = self.state._row_layouts[s]
-        return rows[..., layout.sign_bytes:layout.scales_end].view(torch.float32)
-
-    def _compress_piece(self, s: int) -> Tensor:
-        """Phase 0: worker compress of piece s of every chunk into its send rows, the
-        worker error updated in place."""
-        st = self.state
-        send, layout = st._wire[s].send, st._row_layouts[s]
-        lo, hi = st.piece_spans[s]
-        q8, block, m, n0 = layout.sign_bytes, st.block_size, st.chunk, st.numel
-        if len(st.piece_spans) == 1 and (block is None or isinstance(self.source, Tensor)):
-            # one kernel call over every chunk (the only way with one scale for everything)
-            packed, scales = ops.worker_compress(self._input(0, n0), st._worker_error, block,
-                                                 weights=self.weights)
-            send[:, :q8].copy_(packed)
-            self._scales(send, s).copy_(scales)
-        else:
-            cap = hi - lo if isinstance(self.source, Tensor) else st._staging_cap
-            for j in range(st.world_size):
-                for a, b in block_ranges(lo, hi, block, cap):
-                    g0 = j * m + a
-                    g1 = max(g0, min(j * m + b, n0))
-                    w = None if self.weights is None else self.weights[g0:g1]
-                    packed, scales = ops.worker_compress(self._input(g0, g1), st._worker_error[j, a:b], block,
-                                                         weights=w)
-                    send[j, (a - lo) // 8:(b - lo) // 8].copy_(packed)
-                    first = (a - lo) // block
-                    self._scales(send[j], s)[first:first + scales.numel()].copy_(scales)
-        send[:, layout.scales_end:].copy_(self._header(s).view(torch.uint8))
-        return send
-
-    def _serve_piece(self, s: int) -> Tensor:
-        """Phase 2: server reduce + compress of piece s of this rank's chunk into its
-        all-gather row, the server error updated in place."""
-        st = self.state
-        wire, layout = st._wire[s], st._row_layouts[s]
-        try:  # every rank sees every header: all raise, or none
-            check_headers(wire.recv, self._header(s), "the error buffers were reset to zero on every rank")
-        except ValueError:
-            st.reset()  # phase 0 has already updated the worker error
-            raise
-        lo, hi = st.piece_spans[s]
-        real = min(max(st.numel - st.rank * st.chunk - lo, 0), hi - lo)
-        packed, scales = ops.server_compress(wire.recv[:, :layout.sign_bytes], self._scales(wire.recv, s),
-                                             st._server_error[lo:hi], st.block_size, real)
-        wire.server_send[:layout.sign_bytes].copy_(packed)
-        self._scales(wire.server_send, s).copy_(scales)
-        wire.server_send[layout.scales_end:].copy_(self._header(s).view(torch.uint8))
-        return wire.server_send
-
-    def _decode(self) -> None:
-        """Decode every server chunk into the sink: straight into a contiguous float32
-        tensor, else range by range (whole blocks) through the staging buffer."""
-        st, sink = self.state, self.sink
-        block, m, n0 = st.block_size, st.chunk, st.numel
-        whole, write, copy_back = self._sink_target()
-        if whole is not None and len(st.piece_spans) == 1:
-            g = st._wire[0].gathered
-            ops.unpack_into(g[:, :st._row_layouts[0].sign_bytes], self._scales(g, 0), block, whole,
-                            weights=self.weights)
-        else:
-            for s, (lo, hi) in enumerate(st.piece_spans):
-                g = st._wire[s].gathered
-                for k in range(st.world_size):
-                    for a, b in block_ranges(lo, hi, block, hi - lo if write is None else st._staging_cap):
-                        g0, g1 = k * m + a, min(k * m + b, n0)
-                        if g1 <= g0:
-                            continue
-                        first = (a - lo) // block if block else 0
-                        count = -(-(b - a) // block) if block else 1
-                        scales = self._scales(g[k:k + 1], s)[:, first:first + count]
-                        out = whole[g0:g1] if write is None else st._staging_buffer(st._staging_cap)[:g1 - g0]
-                        w = None if self.weights is None else self.weights[g0:g1]
-                        ops.unpack_into(g[k:k + 1, (a - lo) // 8:(b - lo) // 8], scales, block, out, weights=w)
-                        if write is not None:
-                            write(g0, g1, out)
-        if copy_back:
-            sink.copy_(whole.view(sink.shape))
-
-    def _sink_target(self):
-        """(whole, write, copy_back): a flat float32 tensor that takes the result directly
-        (the sink itself, or a temporary for a non-contiguous sink, then copy_back), or a
-        write(lo, hi, values) callback fed range by range (a callable or half sink)."""
-        sink = self.sink
-        if not isinstance(sink, Tensor):
-            return None, sink, False
-        if not sink.is_contiguous():
-            return torch.empty(self.state.numel, dtype=torch.float32, device=self.state.device), None, True
-        flat = sink.view(-1)
-        if sink.dtype == torch.float32:
-            return flat, None, False
-        return None, lambda lo, hi, values: flat[lo:hi].copy_(values), False
-
-    def _copy_through(self) -> None:
-        """One rank (or nothing to reduce): the sink receives the input unchanged."""
-        source, sink, st = self.source, self.sink, self.state
-        if isinstance(source, Tensor) and isinstance(sink, Tensor):
-            if sink is not source:
-                sink.copy_(source.reshape(sink.shape))
-            return
-        whole, write, copy_back = self._sink_target()
-        for lo, hi in block_ranges(0, st.numel, None, st._staging_cap):
-            values = self._input(lo, hi)
-            if write is None:
-                whole[lo:hi].copy_(values)
-                continue
-            buf = st._staging_buffer(st._staging_cap)[:hi - lo]
-            if buf.data_ptr() != values.data_ptr():
-                buf.copy_(values)
-            write(lo, hi, buf)
-        if copy_back:
-            sink.copy_(whole.view(sink.shape))
-
-
-def _drive(call: _Call, async_op: bool):
-    """Run a call's schedule: blocking (wait on each future), or from future callbacks
-    (returns a Future of the result). Errors before the first collective raise here."""
-    steps = call.steps()
-    if not async_op:
-        try:
-            fut = next(steps)
-            while True:
-                fut.wait()
-                fut = steps.send(None)
-        except StopIteration as done:
-            return done.value
-        finally:
-            steps.close()  # a failed wait: leave the schedule (its finally marks the state idle)
-    result = new_future(call.state.device)
-    try:
-        first = next(steps)
-    except StopIteration as done:
-        result.set_result(done.value)
-        return result
-
-    def advance(_=None) -> None:
-        try:
-            fut = next(steps)
-        except StopIteration as done:
-            result.set_result(done.value)
-            return
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller's future
-            steps.close()
-            result.set_exception(exc)
-            return
-        fut.add_done_callback(advance)
-
-    first.add_done_callback(advance)
-    return result
+def _run(name: str, state: CompressionState, source: Source, sink: Sink, checked: bool,
+         result: Callable[[bool], Any], weights: Optional[Tensor], async_op: bool):
+    if not isinstance(state, CompressionState):
+        raise TypeError(f"{name}: state must be a CompressionState, got {type(state).__name__}")
+    return drive(FlatCall(name, state, source, sink, checked, result, weights).steps(), state.device, async_op)
 
 
 def reduce_(state: CompressionState, source: Source, sink: Sink, *, checked: bool = False, async_op: bool = False,
@@ -756,7 +401,7 @@ def reduce_(state: CompressionState, source: Source, sink: Sink, *, checked: boo
         ``nonfinite="raise"`` a NonFiniteError is raised instead (on every rank). With one
         rank nothing is compressed: the sink receives the input unchanged.
     """
-    return _drive(_Call("reduce_", state, source, sink, checked, bool, weights), async_op)
+    return _run("reduce_", state, source, sink, checked, bool, weights, async_op)
 
 
 def compressed_allreduce_(tensor: Tensor, state: CompressionState, *, async_op: bool = False,
@@ -782,50 +427,24 @@ def compressed_allreduce_(tensor: Tensor, state: CompressionState, *, async_op: 
         >>> lbcomm.compressed_allreduce_(grad, state)          # grad now holds the mean
         >>> fut = lbcomm.compressed_allreduce_(grad, state, async_op=True)
     """
-    return _drive(_Call("compressed_allreduce_", state, tensor, tensor, False, lambda applied: tensor, weights),
-                  async_op)
+    return _run("compressed_allreduce_", state, tensor, tensor, False, lambda applied: tensor, weights, async_op)
 
 
-def compressed_allreduce(
-    tensor: Tensor, state: CompressionState, group=None, async_op: bool = False, out: Optional[Tensor] = None,
-    weights: Optional[Tensor] = None,
-):
+def compressed_allreduce(tensor: Tensor, state: CompressionState, *, out: Tensor, async_op: bool = False,
+                         weights: Optional[Tensor] = None):
     """Approximate MEAN of `tensor` over the ranks of the state's group, into `out`.
 
     Args:
         tensor (Tensor): float32/float16/bfloat16, `state.numel` elements, on `state.device`.
             Not modified (unless it is `out`).
         state (CompressionState): this rank's error feedback for this tensor size.
-        group (ProcessGroup, optional): must be the state's group if given (default: None).
-        async_op (bool, optional): return a Future of the result (see `reduce_`) (default: False).
         out (Tensor): receives the result (may be `tensor` itself); a float32 contiguous
             `out` is decoded without allocating. Left unchanged by a call skipped for
-            non-finite input. Leaving it out is deprecated: the call then allocates (and
-            page-faults) a new output every time; use `compressed_allreduce_` or pass out=.
+            non-finite input.
+        async_op (bool, optional): return a Future of the result (see `reduce_`) (default: False).
         weights (Tensor, optional): per-coordinate weights (see `reduce_`) (default: None).
 
     Returns:
-        `out` (or a Future of it), bitwise identical on every rank. Without `out`: a new
-        tensor of `tensor`'s shape and dtype (all NaN when skipped), or with one rank the
-        input itself.
+        `out` (or a Future of it), bitwise identical on every rank.
     """
-    if group is not None and isinstance(state, CompressionState) and group is not state.group:
-        raise ValueError("compressed_allreduce: the state was built for another process group; build one "
-                         "CompressionState per group")
-    fresh = out is None
-    if fresh:
-        warnings.warn("compressed_allreduce(tensor, state) without out= allocates a new output on every call; use "
-                      "lbcomm.compressed_allreduce_(tensor, state) (in place) or pass out=", DeprecationWarning,
-                      stacklevel=2)
-        one = isinstance(state, CompressionState) and (state.world_size == 1 or state.numel == 0)
-        if one or not isinstance(tensor, Tensor) or tensor.dtype not in FLOAT_DTYPES:
-            out = tensor  # one rank returns the input itself; bad inputs are refused by the call
-        else:
-            out = torch.empty_like(tensor, memory_format=torch.contiguous_format)
-
-    def result(applied: bool) -> Tensor:
-        if not applied and fresh and out is not tensor:
-            out.fill_(float("nan"))
-        return out
-
-    return _drive(_Call("compressed_allreduce", state, tensor, out, False, result, weights), async_op)
+    return _run("compressed_allreduce", state, tensor, out, False, lambda applied: out, weights, async_op)

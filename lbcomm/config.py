@@ -122,6 +122,6 @@ def _positive(x) -> bool:
 
 
 def _is_topology(x) -> bool:
-    from .topology import Topology  # topology imports the core, which imports this module's users
+    from .nodes import Topology  # nodes imports the transports, which this module does not need
 
     return isinstance(x, Topology)

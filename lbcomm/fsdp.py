@@ -45,7 +45,8 @@ from torch import Tensor
 
 from .comm import get_transport
 from .common import NONFINITE_POLICIES, report_exact_share
-from .compressed import DEFAULT_BLOCK_SIZE, CompressionState
+from .compressed import CompressionState
+from .config import DEFAULT_BLOCK_SIZE
 from .ddp.buckets import GradientStats, Unit
 from .ddp.claims import HOOK, claim_gradients, held_by
 from .topology import exact_mean_bytes

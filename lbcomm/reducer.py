@@ -15,15 +15,28 @@ Every reducer owns: the agreement over the ranks that every input is finite (``c
 says the caller has done it), its `state_dict` / `load_state_dict` (one shard per rank),
 `redistribute` (the saved shards of every rank of another world size onto this one,
 elastic resume), `compression_stats` and `bytes_per_call`.
+
+Elastic resume goes through one function, `redistribute(saved, world_size, rank)`: every
+saved rank's reducer `state_dict` in, this rank's out (or None: start from zero). The
+optimizers' checkpoints, the DDP hook's units, `lbcomm.load_sharded` and the framework
+integrations all call it.
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Dict, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 from torch import Tensor
 
-__all__ = ["Reducer"]
+from .compressed import CompressionState
+from .config import CommConfig, resolve
+from .nodes import Topology
+from .topology import HierarchicalState
+
+__all__ = ["Reducer", "make_reducer", "resolve_topology", "redistribute"]
+
+_log = logging.getLogger(__name__)
 
 
 @runtime_checkable
@@ -62,5 +75,88 @@ class Reducer(Protocol):
         """Calls, skipped calls and bytes sent so far, as plain numbers."""
 
     @classmethod
-    def redistribute(cls, saved: Sequence[Dict[str, Any]], world_size: int, rank: int) -> Dict[str, Any]:
-        """The `state_dict` of `rank` in a world of `world_size` from every saved rank's one."""
+    def redistribute(cls, saved: Sequence[Dict[str, Any]], world_size: int, rank: int) -> Optional[Dict[str, Any]]:
+        """The `state_dict` of `rank` in a world of `world_size` from every saved rank's one,
+        or None when this kind of state cannot be mapped onto another world (start from zero)."""
+
+
+def resolve_topology(comm: Optional[CommConfig] = None):
+    """The `lbcomm.topology.Topology` that `comm.topology` asks for, or None (flat):
+    "auto" is `Topology.auto()` (several nodes under torchrun, else None), "flat" None, a
+    Topology itself. "auto" creates process groups: every rank of the world calls it, in
+    the same order as its other collectives, and an owner (optimizer, hook state) calls it
+    once and passes the result to every `make_reducer` call."""
+    comm = resolve(comm, "resolve_topology")
+    if isinstance(comm.topology, Topology):
+        return comm.topology
+    if comm.topology == "flat" or comm.process_group is not None:  # a subgroup is reduced flat
+        return None
+    return Topology.auto()
+
+
+def make_reducer(numel: int, comm: Optional[CommConfig] = None, *, device=None, topology=None) -> Reducer:
+    """The reducer of `numel`-element tensors that `comm` describes: the one factory the
+    optimizers and hooks use.
+
+    Args:
+        numel (int): elements of the flat tensors it reduces.
+        comm (CommConfig, optional): process group, backend, block size and non-finite
+            policy (default: ``CommConfig()``).
+        device (optional): where its buffers live (default: as `CompressionState`).
+        topology (Topology, optional): a resolved topology (`resolve_topology(comm)`,
+            called once by the owner): a multi-node one gives a `HierarchicalState` over
+            it; None (or `comm.topology` set to "flat"/"auto") gives a `CompressionState`
+            on ``comm.process_group`` and ``comm.backend`` (default: None). `comm.topology`
+            itself is not resolved here, since "auto" creates process groups.
+
+    Returns:
+        A `Reducer`: a `lbcomm.topology.HierarchicalState` or a `lbcomm.CompressionState`.
+    """
+    comm = resolve(comm, "make_reducer")
+    if topology is not None:
+        if not isinstance(topology, Topology):
+            raise TypeError(f"make_reducer: topology must be a resolved lbcomm.topology.Topology or None, got "
+                            f"{type(topology).__name__} (resolve comm.topology once with resolve_topology)")
+        return HierarchicalState(numel, topology, device=device, block_size=comm.block_size,
+                                 nonfinite=comm.nonfinite)
+    return CompressionState(numel, group=comm.process_group, device=device, block_size=comm.block_size,
+                            nonfinite=comm.nonfinite, backend=comm.backend)
+
+
+def redistribute(saved: Sequence[Optional[Dict[str, Any]]], world_size: int, rank: int, *,
+                 where: str = "the checkpoint") -> Optional[Dict[str, Any]]:
+    """Elastic resume: the reducer `state_dict` of `rank` in a world of `world_size` from
+    the reducer state_dicts of every saved rank (`saved`, in rank order), the one
+    implementation behind every checkpoint path.
+
+    Flat states (`CompressionState.state_dict`) are redistributed by
+    `CompressionState.redistribute`, which preserves the total carried error. Returns
+    None, and the caller starts the error feedback from zero, when there is nothing to
+    carry: nothing saved (every entry None), one rank now (nothing is compressed), or
+    hierarchical states (`HierarchicalState.redistribute`: their errors belong to one node
+    shape); the last two are logged as warnings naming `where`.
+
+    Raises:
+        ValueError: some saved ranks hold a state and others not, or the states are not one
+            complete world of one tensor size (the checkpoint is inconsistent).
+    """
+    if all(sd is None for sd in saved):
+        return None
+    missing = [r for r, sd in enumerate(saved) if sd is None]
+    if missing:
+        raise ValueError(f"lbcomm: rank(s) {missing} of {where} hold no compression state, unlike the others; the "
+                         "checkpoint is inconsistent (load without elastic redistribution to reset the error "
+                         "feedback)")
+    if world_size == 1:
+        _log.warning("lbcomm: %s was saved by %s ranks; with one rank nothing is compressed, so the saved error "
+                     "feedback is dropped", where, len(saved))
+        return None
+    kind = HierarchicalState if "layout" in saved[0] else CompressionState
+    out = kind.redistribute(saved, world_size, rank)
+    if out is None:
+        _log.warning("lbcomm: %s was saved by %s ranks with a hierarchical reduction; its error feedback is not "
+                     "redistributed onto %s ranks and starts from zero", where, len(saved), world_size)
+    else:
+        _log.info("lbcomm: %s was saved by %s ranks and this run has %s; the compression error feedback of all saved "
+                  "ranks was redistributed onto this world (its total is preserved)", where, len(saved), world_size)
+    return out

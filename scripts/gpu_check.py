@@ -414,12 +414,12 @@ def check_allreduce_nccl_1rank(params):
                 problems.append(f"CompressionState(numel) on a one-rank NCCL group put its errors on "
                                 f"{fig['default_state_device']}, not on the current CUDA device")
             st = lbcomm.CompressionState(n, device=x.device)
-            if lbcomm.compressed_allreduce(x, st) is not x:
-                problems.append("one rank: compressed_allreduce must return the input itself")
+            if lbcomm.compressed_allreduce_(x, st) is not x:
+                problems.append("one rank: compressed_allreduce_ must return the input itself")
             out = torch.empty_like(x)
             if not (lbcomm.compressed_allreduce(x, st, out=out) is out and torch.equal(out, x)):
                 problems.append("one rank: out= must receive a copy of the input")
-            if lbcomm.compressed_allreduce(x, st, async_op=True).wait() is not x:
+            if lbcomm.compressed_allreduce_(x, st, async_op=True).wait() is not x:
                 problems.append("one rank: the future must hold the input itself")
             # The transport's two byte collectives through NCCL with device buffers (world 1).
             tr = TorchTransport(None)
@@ -705,14 +705,14 @@ def job_allreduce(ctx: RankContext, params):
             x = case_input(ci, t, ctx.rank, n0, dtype_name).to(ctx.device)
             mode = t % 3
             if mode == 0:
-                y = lbcomm.compressed_allreduce(x, st)
+                y = lbcomm.compressed_allreduce(x, st, out=torch.empty_like(x))
             elif mode == 1:
-                y = lbcomm.compressed_allreduce(x, st, async_op=True).wait()
+                y = lbcomm.compressed_allreduce(x, st, out=torch.empty_like(x), async_op=True).wait()
             else:
                 y = x.clone()
                 lbcomm.compressed_allreduce(y, st, async_op=True, out=y).wait()
             steps.append((y.cpu(), st.worker_error.cpu().clone(), st.server_error.cpu().clone()))
-        cases.append({"steps": steps, "pieces": len(st.pieces), "bytes_per_call": st.bytes_per_call(),
+        cases.append({"steps": steps, "pieces": len(st.piece_spans), "bytes_per_call": st.bytes_per_call(),
                       "transport": type(st.transport).__name__, "device": str(st.device),
                       "cuda_aware": getattr(st.transport, "cuda_aware", None) if ctx.device.type == "cuda" else None})
     return {"rank": ctx.rank, "cases": cases}
@@ -999,7 +999,7 @@ def _auto_cpu_pieces(ctx: RankContext, n: int) -> int:
 
     import lbcomm
 
-    return len(lbcomm.CompressionState(n, device=torch.device("cpu"), backend=ctx.lbcomm_backend).pieces)
+    return len(lbcomm.CompressionState(n, device=torch.device("cpu"), backend=ctx.lbcomm_backend).piece_spans)
 
 
 def job_pipelining(ctx: RankContext, params):
@@ -1022,7 +1022,7 @@ def job_pipelining(ctx: RankContext, params):
         for s in params["settings"]:
             pieces = _auto_cpu_pieces(ctx, n) if s == "auto" else int(s)
             st = lbcomm.CompressionState(n, device=ctx.device, backend=ctx.lbcomm_backend, pieces=pieces)
-            first[s] = lbcomm.compressed_allreduce(x, st).cpu()  # from zero errors: must not depend on pieces
+            first[s] = lbcomm.compressed_allreduce(x, st, out=torch.empty_like(x)).cpu()  # from zero errors: must not depend on pieces
             states[s] = st
         same = all(torch.equal(first[s], first[params["settings"][0]]) for s in params["settings"])
         times = {s: [] for s in params["settings"]}
@@ -1038,7 +1038,7 @@ def job_pipelining(ctx: RankContext, params):
                 lbcomm.compressed_allreduce(x, states[s], out=buf)
                 sync()
                 times[s].append(time.perf_counter() - t0)
-        out[n] = {"pieces": {s: len(states[s].pieces) for s in params["settings"]}, "same_output": same,
+        out[n] = {"pieces": {s: len(states[s].piece_spans) for s in params["settings"]}, "same_output": same,
                   "times": times}
         del states, x, buf
     return out

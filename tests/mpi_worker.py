@@ -48,13 +48,13 @@ def compute(rank: int, p: int, backend: str, concurrent: bool = False):
             st, x = states[case], inputs(rank, t, n0)
             mode = (t + n0) % 3
             if concurrent and n0 > 4000:
-                pending.append((case, lbcomm.compressed_allreduce(x, st, async_op=True)))
+                pending.append((case, lbcomm.compressed_allreduce(x, st, out=torch.empty_like(x), async_op=True)))
                 continue
             if mode == 0:  # the primary entry point, in place
                 out = x.clone()
                 assert lbcomm.compressed_allreduce_(out, st) is out
             elif mode == 1:
-                out = lbcomm.compressed_allreduce(x, st, async_op=True).wait()
+                out = lbcomm.compressed_allreduce(x, st, out=torch.empty_like(x), async_op=True).wait()
             else:
                 out = x.clone()
                 lbcomm.compressed_allreduce(out, st, async_op=True, out=out).wait()
@@ -124,13 +124,13 @@ def mpi_checks(rank: int, p: int):
 
     # Non-finite input on one rank: every rank raises, errors untouched.
     st = lbcomm.CompressionState(300, block_size=64, backend="mpi")
-    lbcomm.compressed_allreduce(torch.randn(300), st)
+    lbcomm.compressed_allreduce_(torch.randn(300), st)
     before = st.worker_error.clone(), st.server_error.clone()
     x = torch.randn(300)
     if rank == 1:
         x[7] = float("nan")
     try:
-        lbcomm.compressed_allreduce(x, st, async_op=True).wait()
+        lbcomm.compressed_allreduce_(x, st, async_op=True).wait()
         out["nonfinite"] = "no error"
     except lbcomm.NonFiniteError:
         out["nonfinite"] = "raised"
@@ -155,7 +155,7 @@ def mpi_checks(rank: int, p: int):
     # A blocking collective from a callback on the progress thread would wait for itself: it
     # is refused. Rank-local (COMM_SELF), and the callback is registered while the progress
     # thread cannot start the op yet, so that the callback surely runs on that thread.
-    from lbcomm.comm.mpi import _ENGINE
+    from lbcomm.comm.mpi_progress import ENGINE as _ENGINE
 
     good = MPITransport()
     alone = MPITransport(MPI.COMM_SELF)

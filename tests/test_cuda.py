@@ -249,7 +249,7 @@ def test_compressed_allreduce_single_rank_nccl():
             x = torch.randn(1000, device=DEV)
             state = lbcomm.CompressionState(1000)
             assert state.device.type == "cuda"
-            assert lbcomm.compressed_allreduce(x, state) is x
+            assert lbcomm.compressed_allreduce_(x, state) is x
         finally:
             dist.destroy_process_group()
 

@@ -10,7 +10,8 @@ import torch
 
 import lbcomm
 from dist_util import run_ranks
-from lbcomm.compressed import CompressionState, redistribute_errors
+from lbcomm.compressed import CompressionState
+from lbcomm.reducer import redistribute
 from lbcomm.wire import chunk_size
 from test_optim import OPTS, _loss, _mlp
 
@@ -64,7 +65,7 @@ def test_lightning_checkpoint_entries_are_redistributed(old, new):
 @pytest.mark.parametrize("numel", [1, 1000, 4099])
 def test_redistribution_preserves_the_total_error(old, new, numel):
     shards = _random_shards(numel, old, 64, seed=numel + old)
-    out = [redistribute_errors(shards, new, r) for r in range(new)]
+    out = [CompressionState.redistribute(shards, new, r) for r in range(new)]
     m = chunk_size(numel, new)
     for r, sd in enumerate(out):
         assert (sd["numel"], sd["world_size"], sd["rank"], sd["block_size"]) == (numel, new, r, 64)
@@ -82,20 +83,39 @@ def test_redistribution_preserves_the_total_error(old, new, numel):
 def test_redistributed_state_loads_into_a_compression_state():
     shards = _random_shards(1000, 4, 64, seed=3)
     st = CompressionState(1000, block_size=64)  # one rank: world 1
-    sd = redistribute_errors(shards, 1, 0)
+    sd = CompressionState.redistribute(shards, 1, 0)
     assert st.load_state_dict(sd)
     torch.testing.assert_close(st.worker_error.double()[:1000] + st.server_error.double()[:1000], _total(shards),
                                rtol=1e-6, atol=1e-7)
 
 
+def test_redistribute_is_the_one_entry_of_every_checkpoint_path(caplog):
+    """lbcomm.reducer.redistribute: flat states through CompressionState.redistribute,
+    None (start from zero) for nothing saved, one rank, or hierarchical states; an
+    inconsistent checkpoint raises."""
+    shards = _random_shards(1000, 4, 64, seed=5)
+    for r in range(3):
+        got, want = redistribute(shards, 3, r), CompressionState.redistribute(shards, 3, r)
+        assert all(torch.equal(got[k], want[k]) if torch.is_tensor(want[k]) else got[k] == want[k] for k in want)
+    assert redistribute([None] * 4, 2, 0) is None
+    with caplog.at_level("WARNING", logger="lbcomm.reducer"):
+        assert redistribute(shards, 1, 0) is None
+        hier = [{"layout": (1000, 2, 2, r // 2, r % 2, 64), "calls": 1, "skipped": 0, "compression": sd}
+                for r, sd in enumerate(shards)]
+        assert redistribute(hier, 2, 0, where="ckpt-x") is None
+    assert "nothing is compressed" in caplog.text and "ckpt-x" in caplog.text and "hierarchical" in caplog.text
+    with pytest.raises(ValueError, match=r"rank\(s\) \[1\] of the checkpoint hold no compression state"):
+        redistribute([shards[0], None, shards[2], shards[3]], 2, 0)
+
+
 def test_redistribution_refuses_an_incomplete_world():
     shards = _random_shards(100, 4, 64, seed=1)
     with pytest.raises(ValueError, match="every rank's shard"):
-        redistribute_errors(shards[:3], 2, 0)
+        CompressionState.redistribute(shards[:3], 2, 0)
     with pytest.raises(ValueError, match="every rank's shard"):
-        redistribute_errors(shards[::-1], 2, 0)
+        CompressionState.redistribute(shards[::-1], 2, 0)
     with pytest.raises(ValueError, match="rank 2 is not in a world of 2"):
-        redistribute_errors(shards, 2, 2)
+        CompressionState.redistribute(shards, 2, 2)
 
 
 def _make(name):

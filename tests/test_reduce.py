@@ -62,7 +62,7 @@ def test_agreement_vector():
 
 
 # ------------------------------------------------------------------ entry points, one rank
-def test_in_place_entry_and_deprecations():
+def test_in_place_entry_and_out_form():
     state = lbcomm.CompressionState(10)
     x = torch.randn(10)
     kept = x.clone()
@@ -73,10 +73,9 @@ def test_in_place_entry_and_deprecations():
         out = torch.empty(10)
         assert lbcomm.compressed_allreduce(x, state, out=out) is out
     assert torch.equal(x, kept) and torch.equal(out, kept)
-    with pytest.warns(DeprecationWarning, match=r"compressed_allreduce_\(tensor, state\).* or pass out="):
-        assert lbcomm.compressed_allreduce(x, state) is x
-    with pytest.warns(DeprecationWarning, match="piece_spans"):
-        assert state.pieces == state.piece_spans == [(0, 32)]
+    with pytest.raises(TypeError, match="out"):  # the allocating form is gone: out is required
+        lbcomm.compressed_allreduce(x, state)
+    assert state.piece_spans == [(0, 32)] and not hasattr(state, "pieces")
 
 
 def test_reduce_one_rank_copies_through_callables():
@@ -221,3 +220,23 @@ def test_overflow_of_finite_inputs_resets_the_errors_on_every_rank(policy):
         else:
             assert outcome.startswith("raised") and "reset to zero" in outcome
         assert nonzero and reset and untouched and finite
+
+
+# ------------------------------------------------------------------ make_reducer / resolve_topology
+def test_make_reducer_builds_the_flat_reducer_from_comm():
+    from lbcomm.config import CommConfig
+    from lbcomm.reducer import Reducer, make_reducer, resolve_topology
+
+    comm = CommConfig(block_size=64, nonfinite="raise", topology="flat")
+    assert resolve_topology(comm) is None and resolve_topology(CommConfig()) is None  # one node
+    r = make_reducer(100, comm, device="cpu")
+    assert isinstance(r, lbcomm.CompressionState) and isinstance(r, Reducer)
+    assert (r.numel, r.block_size, r.nonfinite, r.device) == (100, 64, "raise", torch.device("cpu"))
+    d = make_reducer(10)  # CommConfig() defaults
+    assert (d.block_size, d.nonfinite) == (lbcomm.config.DEFAULT_BLOCK_SIZE, "skip")
+    x = torch.randn(10)
+    assert d.reduce_(x, x) is True
+    with pytest.raises(TypeError, match="resolve_topology"):
+        make_reducer(10, comm, topology="auto")
+    with pytest.raises(TypeError, match="CommConfig"):
+        make_reducer(10, {"block_size": 64})

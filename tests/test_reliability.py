@@ -24,7 +24,7 @@ def _mismatch(rank, p, sizes):
     n = sizes[rank]
     state = lbcomm.CompressionState(n)
     try:
-        lbcomm.compressed_allreduce(torch.randn(n), state)
+        lbcomm.compressed_allreduce_(torch.randn(n), state)
     except ValueError as exc:
         return str(exc)
     return "no error"
@@ -40,12 +40,12 @@ def test_different_sizes_raise_clearly_on_every_rank(sizes):
 
 def _out_of_step(rank, p):
     state = lbcomm.CompressionState(500, block_size=64)
-    lbcomm.compressed_allreduce(torch.randn(500), state)
+    lbcomm.compressed_allreduce_(torch.randn(500), state)
     if rank == 1:
         state.calls += 1  # this rank believes it made one more call than the others
     before = (state.worker_error.clone(), state.server_error.clone())
     try:
-        lbcomm.compressed_allreduce(torch.randn(500), state)
+        lbcomm.compressed_allreduce_(torch.randn(500), state)
         return "no error", True
     except ValueError as exc:
         return str(exc), torch.equal(before[0], state.worker_error) and torch.equal(before[1], state.server_error)
@@ -63,13 +63,13 @@ def _dead_peer_rank(rank, p, init_file, result_dir, timeout_s):
                             timeout=datetime.timedelta(seconds=timeout_s))
     state = lbcomm.CompressionState(4096)
     for _ in range(3):
-        lbcomm.compressed_allreduce(torch.randn(4096), state)
+        lbcomm.compressed_allreduce_(torch.randn(4096), state)
     if rank == p - 1:
         os._exit(17)  # killed mid-run, without any goodbye
     t0 = time.monotonic()
     try:
         for _ in range(100):
-            lbcomm.compressed_allreduce(torch.randn(4096), state)
+            lbcomm.compressed_allreduce_(torch.randn(4096), state)
         outcome = "no error"
     except Exception as exc:  # noqa: BLE001 - any clear exception is the point
         outcome = f"{type(exc).__name__}: {exc}"

@@ -28,6 +28,22 @@ def _collectives(rank, p):
         assert shm.all_gather(a, row, async_op=True).wait()[0] is a
         ref.all_gather(b, row)
         ok.append(torch.equal(a, b))
+    from lbcomm.comm.base import Transport
+
+    assert isinstance(shm, Transport)
+    for L, use_async in ((12, False), (400, True), (8, True)):  # row collectives: read in place, same rows
+        g = torch.Generator().manual_seed(rank * 7 + L)
+        data = torch.randint(0, 256, (p, L), dtype=torch.uint8, generator=g)
+        got = []
+        for tr in (shm, ref):
+            tr.rows_out(p, L, torch.device("cpu")).copy_(data)
+            rows = tr.all_to_all_rows(async_op=use_async)
+            rows = rows.wait() if use_async else rows
+            got.append([r.clone() for r in rows])
+            tr.rows_out(1, L, torch.device("cpu"))[0].copy_(data[0])
+            rows = tr.all_gather_rows(async_op=use_async)
+            got.append([r.clone() for r in (rows.wait() if use_async else rows)])
+        ok.append(all(torch.equal(a, b) for a, b in zip(got[0] + got[1], got[2] + got[3])))
     x = torch.arange(4.0) + rank
     shm.all_reduce(x, "sum")
     ok.append(torch.equal(x, torch.arange(4.0) * p + sum(range(p))))

@@ -61,7 +61,13 @@ def _run_steps(rank, p, n, block, dtype, how):
     for t in range(STEPS):
         x = _input(t, rank, n, dtype)
         y = x.clone()
-        assert hierarchical_allreduce_(y, st) is y and not st.last_skipped
+        if t % 3 == 0:
+            assert hierarchical_allreduce_(y, st) is y and not st.last_skipped
+        elif t % 3 == 1:  # the same schedule, chained through future callbacks
+            assert hierarchical_allreduce_(y, st, async_op=True).wait() is y and not st.last_skipped
+        else:  # the Reducer call, asynchronous, into another tensor
+            y = torch.empty_like(x)
+            assert st.reduce_(x, y, async_op=True).wait() is True and not st.last_skipped
         steps.append({"out": y.clone(), "worker": st.worker_error.clone(), "server": st.server_error.clone()})
     flat = CompressionState(n, block_size=block)  # layout only: what the flat call would send
     # rows only (checked=True): the finiteness agreement is one small allreduce per call either way
@@ -237,6 +243,34 @@ def _bad_topology(rank, p):
     with pytest.raises(ValueError, match="elements"):
         hierarchical_allreduce_(torch.zeros(5), st)
     return True
+
+
+def _factory(rank, p):
+    """make_reducer with a resolved topology is the HierarchicalState of that topology
+    (bitwise the same calls); resolve_topology maps comm.topology."""
+    from lbcomm.config import CommConfig
+    from lbcomm.reducer import make_reducer, resolve_topology
+
+    topo = _mesh_topology(N, G)
+    comm = CommConfig(block_size=64, topology=topo)
+    assert resolve_topology(comm) is topo and resolve_topology(comm.replace(topology="flat")) is None
+    os.environ.update(LOCAL_WORLD_SIZE=str(G), WORLD_SIZE=str(p), LOCAL_RANK=str(rank % G))
+    auto = resolve_topology(CommConfig())  # "auto" under torchrun's variables: several nodes
+    assert (auto.nodes, auto.local_size) == (N, G)
+    made = make_reducer(500, comm, topology=resolve_topology(comm))
+    twin = HierarchicalState(500, topo, block_size=64, nonfinite="skip")
+    assert isinstance(made, HierarchicalState) and made.nonfinite == "skip"
+    same = True
+    for t in range(3):
+        a, b = _input(t, rank, 500, torch.float32), _input(t, rank, 500, torch.float32)
+        made.reduce_(a, a)
+        hierarchical_allreduce_(b, twin)
+        same = same and torch.equal(a, b)
+    return same
+
+
+def test_make_reducer_with_a_topology():
+    assert all(run_ranks(_factory, 4, timeout=300))
 
 
 def test_clear_errors():

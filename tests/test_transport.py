@@ -62,3 +62,55 @@ def test_loop_transport():
         LoopTransport(0)
     with pytest.raises(ValueError, match="invalid op"):
         tr.all_reduce(t, "avg")
+
+
+def _conforms(cls) -> list:
+    """The members of the Transport protocol that `cls` lacks (static check, no instance)."""
+    import inspect
+
+    from lbcomm.comm.base import Transport
+
+    missing = []
+    for name in ("check_device", "all_to_all", "all_gather", "all_reduce", "barrier", "rows_out",
+                 "all_to_all_rows", "all_gather_rows"):
+        mine = getattr(cls, name, None)
+        if mine is None:
+            missing.append(name)
+            continue
+        want = list(inspect.signature(getattr(Transport, name)).parameters)
+        if list(inspect.signature(mine).parameters)[:len(want)] != want:
+            missing.append(f"{name}{inspect.signature(mine)}")
+    return missing
+
+
+def test_every_transport_conforms_to_the_protocol():
+    from lbcomm.comm.base import Transport
+    from lbcomm.comm.counting import CountingTransport
+    from lbcomm.comm.mpi import MPITransport
+    from lbcomm.comm.shm import ShmTransport
+    from lbcomm.comm.torch_dist import TorchTransport
+
+    for cls in (TorchTransport, MPITransport, LoopTransport, ShmTransport, CountingTransport):
+        assert _conforms(cls) == [], cls
+    for tr in (get_transport(), LoopTransport(3), CountingTransport(LoopTransport(2)), CountingTransport(get_transport())):
+        assert isinstance(tr, Transport), tr
+    # ShmTransport and MPITransport instances: tests/test_shm.py and tests/mpi_worker.py
+
+
+def test_row_collectives_of_the_loop_transport():
+    """rows_out + all_to_all_rows / all_gather_rows through the byte collectives, and the
+    counted bytes of a CountingTransport (rows are counted like the byte collectives)."""
+    from lbcomm.comm.counting import CountingTransport
+
+    tr = CountingTransport(LoopTransport(3))
+    send = tr.rows_out(3, 8, torch.device("cpu"))
+    assert send.shape == (3, 8) and send.dtype == torch.uint8 and not send.any()
+    send.copy_(torch.arange(24, dtype=torch.uint8).view(3, 8))
+    rows = tr.all_to_all_rows(async_op=True).wait()
+    assert [r.tolist() for r in rows] == send.tolist()  # the loop: every rank sent what this one sent
+    mine = tr.rows_out(1, 8, torch.device("cpu"))
+    mine.fill_(7)
+    assert [r.tolist() for r in tr.all_gather_rows()] == [[7] * 8] * 3
+    assert tr.bytes_sent == 24 * 2 // 3 + 8 * 2 and tr.rounds == 2
+    with pytest.raises(RuntimeError, match="rows_out"):
+        tr.all_gather_rows()

@@ -30,7 +30,8 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from ..common import ring_allreduce_bytes
-from ..compressed import DEFAULT_BLOCK_SIZE, CompressionState, compressed_allreduce
+from ..compressed import CompressionState, compressed_allreduce
+from ..config import DEFAULT_BLOCK_SIZE
 
 METHODS = ("fp32", "fp16", "onebit", "hier")
 DEFAULT_METHODS = ("fp32", "fp16", "onebit")

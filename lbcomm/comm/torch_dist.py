@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .base import buckets, check_all_reduce, completed_future, finish_all_reduce
+from .base import StagedRows, buckets, check_all_reduce, completed_future, finish_all_reduce
 
 _OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -72,6 +72,7 @@ class TorchTransport:
         # Kept at world size 1 too: a one-rank NCCL group still needs CUDA buffers.
         initialized = dist.is_available() and dist.is_initialized()
         self.backend = dist.get_backend(group) if initialized else None
+        self._rows = StagedRows(self)
 
     def check_device(self, device: torch.device) -> None:
         """Clear error for a tensor the group's backend cannot move."""
@@ -105,3 +106,13 @@ class TorchTransport:
     def barrier(self) -> None:
         if self.world_size > 1:
             _issue(dist.barrier, group=self.group, async_op=False)
+
+    # row collectives (the `Transport` protocol), through this transport's byte collectives
+    def rows_out(self, rows: int, row_bytes: int, device) -> Tensor:
+        return self._rows.rows_out(rows, row_bytes, device)
+
+    def all_to_all_rows(self, async_op: bool = False):
+        return self._rows.all_to_all_rows(async_op)
+
+    def all_gather_rows(self, async_op: bool = False):
+        return self._rows.all_gather_rows(async_op)

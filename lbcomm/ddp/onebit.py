@@ -16,7 +16,8 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 
 from ..comm import world_info
 from ..common import FLOAT_DTYPES, NONFINITE_POLICIES, completed_future, report_exact_share, ring_allreduce_bytes
-from ..compressed import DEFAULT_BLOCK_SIZE, CompressionState, redistribute_errors
+from ..compressed import CompressionState
+from ..config import DEFAULT_BLOCK_SIZE
 from ..topology import HierarchicalState, Topology, exact_mean_bytes
 from ..wire import check_block_size
 from .buckets import BucketPlanner, BucketWorker, GradientStats, Plan, Transform, Unit
@@ -58,7 +59,7 @@ class OneBitHookState:
     to a run that never stopped. Another world size (elastic resume): every saved rank's
     state_dict is needed (``lbcomm.load_sharded(dir, opt, model, hook_state=state)`` reads
     them all); each unit's error feedback is redistributed onto the new world with
-    `lbcomm.compressed.redistribute_errors`, preserving the total carried error (the mean
+    `lbcomm.CompressionState.redistribute`, preserving the total carried error (the mean
     of the worker errors plus the concatenated server errors), and the replicas stay
     bitwise identical. Without them (or for another
     model) the errors are reset with a logged warning. Create the state and register the
@@ -379,7 +380,7 @@ class OneBitHookState:
         Saved for another world size (elastic resume), pass ``all_ranks``: the `state_dict`
         of every rank of the saved world, in rank order (``state_dict`` is then any one of
         them; `lbcomm.load_sharded` with ``hook_state=`` does this). Each unit's error
-        feedback is redistributed onto this world with `lbcomm.compressed.redistribute_errors`,
+        feedback is redistributed onto this world with `lbcomm.CompressionState.redistribute`,
         which preserves the total carried error (mean of worker errors + concatenated
         server errors); the replicas stay bitwise identical (every rank
         decodes the same all-gathered result). Without
@@ -421,7 +422,7 @@ class OneBitHookState:
 def _redistribute_units(all_ranks: Sequence[Dict[str, Any]], world: int, rank: int) -> List[Dict[str, Any]]:
     """The unit entries of `rank` in a world of `world` ranks from every saved rank's
     `OneBitHookState.state_dict` (elastic resume): each unit's errors through
-    `redistribute_errors`. Hierarchical units are dropped with a warning."""
+    `CompressionState.redistribute`. Hierarchical units are dropped with a warning."""
     saved_world = len(all_ranks)
     for r, sd in enumerate(all_ranks):
         if not isinstance(sd, dict) or sd.get("version") != _STATE_VERSION or sd.get("world_size") != saved_world:
@@ -445,7 +446,7 @@ def _redistribute_units(all_ranks: Sequence[Dict[str, Any]], world: int, rank: i
             tr = {**tr, "local": torch.stack([units[key]["transform"]["local"].double() for units in per_rank])
                   .mean(0).float()}
         out.append({"params": list(key), "shapes": entry["shapes"],
-                    "compression": redistribute_errors(shards, world, rank),
+                    "compression": CompressionState.redistribute(shards, world, rank),
                     "weights": entry.get("weights"),  # the same on every rank: any world size
                     "transform": tr})
     if dropped:

@@ -6,7 +6,7 @@ from typing import List, Optional, Tuple, Union
 
 import torch
 
-from ..compressed import DEFAULT_BLOCK_SIZE
+from ..config import DEFAULT_BLOCK_SIZE
 from ..topology import Topology
 from . import functional as F
 from . import kernels

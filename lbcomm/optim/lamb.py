@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from ..compressed import DEFAULT_BLOCK_SIZE
+from ..config import DEFAULT_BLOCK_SIZE
 from ..topology import Topology
 from . import functional as F
 from .base import BaseOptimizer

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from ..comm import get_transport
 from ..comm.counting import CountingTransport
-from ..compressed import DEFAULT_BLOCK_SIZE
+from ..config import DEFAULT_BLOCK_SIZE
 from . import functional as F
 from . import kernels
 from .adam import OneBitAdam
