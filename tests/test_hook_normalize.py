@@ -25,6 +25,7 @@ import pytest
 from dist_util import run_ranks
 from lbcomm.common import ring_allreduce_bytes
 from lbcomm import reference as R
+from lbcomm.config import CommConfig
 from lbcomm.ddp import OneBitHookState, onebit_hook
 
 P, START, STEPS, BLOCK = 2, 3, 6, 256
@@ -47,7 +48,7 @@ def _run(rank, steps, normalize="warmup", state=None, first=0, model_state=None,
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     if opt_state is not None:
         opt.load_state_dict(opt_state)
-    hook = OneBitHookState(None, start_iter=START, block_size=BLOCK, normalize=normalize, exact_numel=exact_numel)
+    hook = OneBitHookState(START, normalize=normalize, comm=CommConfig(block_size=BLOCK, exact_numel=exact_numel))
     if state is not None:
         hook.load_state_dict(state)
     seen = []
