@@ -181,10 +181,12 @@ def test_onebit_hsdp_refuses_native_hsdp():
 
 def _resume(rank, p, ckpt):
     """onebit_hsdp with a start, weights and exact shards, AdamW: 12 steps straight, and 6 +
-    a resume from per-rank files (model shards, optimizer, hook state) + 6; and a resume that
-    restores the model and the optimizer but forgets the hook state: warned, naming it."""
+    a resume from per-rank files (model shards, optimizer, hook state) + 6; and a DCP resume
+    that restores the model and the optimizer but forgets the hook state: warned, naming it."""
     import warnings
 
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -214,6 +216,8 @@ def _resume(rank, p, ckpt):
     run(model, opt, range(6))
     path = f"{ckpt}/rank{rank}.pt"
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "hsdp": state.state_dict()}, path)
+    model_sd, opt_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": opt_sd}, checkpoint_id=f"{ckpt}/dcp")  # the hook state left out
     run(model, opt, range(6, 12))
     straight = [q.to_local().clone() for q in model.parameters()]
     saved_weights = sorted(state.state_dict()["weights"])
@@ -222,10 +226,14 @@ def _resume(rank, p, ckpt):
     warned = {}
     for restore_hook in (True, False):
         model, opt, state = build()
-        model.load_state_dict(sd["model"])
-        opt.load_state_dict(sd["opt"])
-        if restore_hook:
+        if restore_hook:  # the per-rank files, the hook state included
+            model.load_state_dict(sd["model"])
+            opt.load_state_dict(sd["opt"])
             state.load_state_dict(sd["hsdp"])
+        else:  # a DCP resume of the model and the optimizer only
+            model_sd, opt_sd = get_state_dict(model, opt)
+            dcp.load({"model": model_sd, "optim": opt_sd}, checkpoint_id=f"{ckpt}/dcp")
+            set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=opt_sd)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             run(model, opt, range(6, 12))

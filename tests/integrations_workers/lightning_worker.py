@@ -80,7 +80,7 @@ class Probe(Callback):
 
 
 def run(ckpt_path=None):
-    hook_state = None if kind in ("onebit_lamb", "onebit_lamb_clip") else lbcomm.OneBitHookState(start_iter=FREEZE, exact_numel=0)
+    hook_state = None if kind in ("onebit_lamb", "onebit_lamb_clip") else lbcomm.OneBitHookState(FREEZE, comm=lbcomm.CommConfig(exact_numel=0))
     clip = kind == "onebit_lamb_clip"
     module = Net(hook_state)
     probe = Probe(hook_state)

@@ -78,7 +78,7 @@ def build(output_dir, resume=None):
         opt = lbcomm.OneBitLamb(model.parameters(), lr=3e-3, freeze_step=FREEZE, exact_numel=0)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        hook_state = lbcomm.OneBitHookState(start_iter=FREEZE, exact_numel=0)
+        hook_state = lbcomm.OneBitHookState(FREEZE, comm=lbcomm.CommConfig(exact_numel=0))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3) * (1 - s / (2 * STEPS)))
     args = TrainingArguments(output_dir=output_dir, max_steps=STEPS, per_device_train_batch_size=2,
                              gradient_accumulation_steps=2, max_grad_norm=0 if kind == "onebit_adam_clip" else 1.2,
