@@ -20,7 +20,7 @@ from .normalize import Transform
 from .state import OneBitHookState
 from .units import Plan, Unit
 
-__all__ = ["OneBitHookState", "onebit_hook"]
+__all__ = ["onebit_hook"]
 
 _log = logging.getLogger(__name__)
 
