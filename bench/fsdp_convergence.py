@@ -56,7 +56,10 @@ def build(run, a, mesh):
         opt = lbcomm.fsdp.onebit_optimizer(model, mesh, lbcomm.OneBitAdam, freeze_step=a.freeze, **common)
     else:
         if run == "onebit_hsdp":
-            lbcomm.fsdp.onebit_hsdp(model, mesh, **a.hsdp_options)
+            opts = dict(a.hsdp_options)
+            comm = lbcomm.CommConfig(**{k: opts.pop(k) for k in ("block_size", "exact_numel", "nonfinite")
+                                        if k in opts})
+            lbcomm.fsdp.onebit_hsdp(model, mesh, comm=comm, **opts)
         opt = torch.optim.AdamW(model.parameters(), **common)
     return model, opt
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import dataclasses
 import functools
 import itertools
 import json
@@ -66,6 +67,7 @@ SGD_MOMENTUM = 0.9
 HOOKS = ("sgd_hook", "sgd_mom_hook", "lars_hook", "adamw_hook")
 # sgd_mom_hook: the hook as README recommends it for SGD momentum (its momentum = SGD's)
 MOM_HOOK = {"momentum": SGD_MOMENTUM, "normalize": "adaptive"}
+COMM_FIELDS = {f.name for f in dataclasses.fields(lbcomm.CommConfig)}  # hook options that go to comm=
 ORDER_STRIDE = 1_000_003  # --repeats: order k reads the task's batches of steps k * ORDER_STRIDE + step
 
 
@@ -119,10 +121,14 @@ def build(method, model, lr, task, world, a):
     if method in HOOKS:
         base = MOM_HOOK if method == "sgd_mom_hook" else {}
         # its bytes are reported
-        ddp.hook_state = lbcomm.OneBitHookState(**{"start_iter": freeze_of(task), **base, **extra})
+        opts = {**base, **extra}
+        comm = lbcomm.CommConfig(**{k: opts.pop(k) for k in list(opts) if k in COMM_FIELDS})
+        ddp.hook_state = lbcomm.OneBitHookState(freeze_of(task), **opts, comm=comm)
         ddp.register_comm_hook(ddp.hook_state, lbcomm.onebit_hook)
-    if method == "lars_hook":  # Lars sees onebit_hook's claim and does not average again
-        return ddp, lars()
+    if method == "lars_hook":  # onebit_hook averages the gradients: Lars is told not to average again
+        opt = lars()
+        opt.grads_averaged = True
+        return ddp, opt
     if method == "adamw_hook":
         return ddp, torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=wd)
     return ddp, torch.optim.SGD(model.parameters(), lr=lr, momentum=SGD_MOMENTUM)

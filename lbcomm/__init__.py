@@ -6,16 +6,17 @@ docs/optimizers.md) with their per-rank checkpoints, and the DDP communication h
 """
 from . import ddp, fsdp, ops, optim, reference, schedules, stats, topology, wire
 from .checkpoint import load_sharded, save_sharded, shard_path
+from .config import CommConfig
 from .compressed import (DEFAULT_BLOCK_SIZE, CompressionState, NonFiniteError, compressed_allreduce,
                          compressed_allreduce_)
-from .ddp import (OneBitHookState, onebit_hook, onebit_optimizer_bf16_hook, onebit_optimizer_fp16_hook,
-                  onebit_optimizer_hook, onebit_optimizer_hook_for)
+from .ddp import OneBitHookState, WarmupAverage, onebit_hook, warmup_average_hook
 from .integrations import attach
 from .optim import Lamb, Lars, OneBitAdam, OneBitLamb, ZeroOneAdam
 from .topology import HierarchicalState, Topology, hierarchical_allreduce_
 
 __version__ = "0.1.0"
 __all__ = [
+    "CommConfig",
     "CompressionState",
     "compressed_allreduce",
     "compressed_allreduce_",
@@ -34,10 +35,8 @@ __all__ = [
     "shard_path",
     "OneBitHookState",
     "onebit_hook",
-    "onebit_optimizer_hook",
-    "onebit_optimizer_fp16_hook",
-    "onebit_optimizer_bf16_hook",
-    "onebit_optimizer_hook_for",
+    "WarmupAverage",
+    "warmup_average_hook",
     "attach",
     "ops",
     "optim",

@@ -303,7 +303,7 @@ class CompressionState:
                           self._foreign_shard)
             elif layout[0] == mine[0] and layout[3] == mine[3]:
                 # another world size: deferred like a foreign shard, since an elastic load
-                # (the callbacks, load_sharded, ElasticLoadPlanner) may follow the framework's
+                # (the callbacks, load_sharded, LoadPlanner) may follow the framework's
                 self._foreign_shard = (
                     f"lbcomm: compression error buffers were saved for (numel, world_size, rank, block_size)={layout} "
                     f"but this run has {mine}; resetting them to zero and continuing (another world size: "

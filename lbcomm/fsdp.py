@@ -38,19 +38,19 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
-from .comm import get_transport
-from .common import NONFINITE_POLICIES, report_exact_share
+from .comm import get_transport, world_info
+from .common import report_exact_share
 from .compressed import CompressionState
-from .config import DEFAULT_BLOCK_SIZE
-from .ddp.buckets import GradientStats, Unit
-from .ddp.claims import HOOK, claim_gradients, held_by
-from .topology import exact_mean_bytes
-from .wire import check_block_size
+from .config import CommConfig, resolve
+from .ddp.normalize import GradientStats
+from .ddp.resume import ResumeCheck
+from .ddp.units import Unit
+from .exact import ExactMean
 
 __all__ = ["OneBitHSDPState", "onebit_hsdp", "onebit_optimizer"]
 
@@ -58,47 +58,54 @@ _log = logging.getLogger(__name__)
 
 
 class OneBitHSDPState:
-    """Error feedback of `onebit_hsdp`: one CompressionState per FSDP parameter group
-    (made at its first hook call), the iteration count and statistics.
+    """Error feedback of `onebit_hsdp`: one reducer (a `CompressionState` over the
+    replicate group) per FSDP parameter group, made at its first compressed call, the call
+    counts and statistics.
 
     Args:
-        replicate_group (ProcessGroup): the ranks that hold the same shard, one per node.
+        replicate_group (ProcessGroup): the ranks that hold the same shard, one per node
+            (`onebit_hsdp` takes it from the mesh).
         start_iter (int, optional): hook calls of each parameter group averaged at full
             precision before compression starts (default: 0).
-        block_size (int or None, optional): as `CompressionState` (default: 2048).
-        nonfinite (str, optional): "skip" (the shard becomes NaN on every rank, as a plain
-            allreduce would, so that a GradScaler skips the step; error feedback untouched)
-            or "raise" (default: "skip").
-        exact_numel (int, optional): the shards of parameters of at most this many elements
-            (whole parameters: biases, norms) are averaged exactly across the nodes (fp32
-            allreduce beside the compressed call, their errors held at zero), as
-            `onebit_hook`'s exact_numel; 0 compresses every shard (default: 4096).
         normalize (str or None, optional): "warmup": each group compresses g / w and
             decodes times w, w the per-coordinate RMS of its averaged gradient shard over
             the full-precision start, floored at ``normalize_floor`` x the group's RMS
-            (rounded to bfloat16), so that a coordinate's compression noise follows its own
-            magnitude, as `onebit_hook`'s normalize="warmup"; it needs a start
+            (rounded to bfloat16), as `onebit_hook`'s normalize="warmup"; it needs a start
             (start_iter > 0: without one the shards are compressed unweighted, said at INFO).
             None: unweighted, as published (default: "warmup").
         normalize_floor (float, optional): the weights' floor relative to the group's RMS
             (default: 0.1).
+        comm (CommConfig, optional): ``block_size``, ``nonfinite`` ("skip": the shard
+            becomes NaN on every rank, as a plain allreduce would, so that a GradScaler
+            skips the step, error feedback untouched; or "raise") and ``exact_numel`` (the
+            shards of parameters of at most that many elements, whole parameters, are
+            averaged exactly across the nodes beside the compressed call). The reduction
+            runs over the replicate group: ``process_group`` must stay None and
+            ``topology`` "auto" or "flat" (default: ``CommConfig()``).
+
+    Checkpoints: `state_dict` / `load_state_dict` (one shard per rank, with every saved
+    rank's for another number of nodes: ``all_ranks``), `compression_stats`, and
+    `check_resume` as `OneBitHookState`'s.
     """
 
-    __slots__ = ("replicate_group", "start_iter", "block_size", "nonfinite", "exact_numel", "normalize",
-                 "normalize_floor", "states", "calls", "bytes_sent", "skipped_calls", "layouts", "units", "stats",
-                 "saved_weights", "__weakref__")
+    __slots__ = ("replicate_group", "transport", "comm", "start_iter", "normalize", "normalize_floor", "states",
+                 "calls", "bytes_sent", "skipped_calls", "layouts", "units", "grad_stats", "saved_weights", "resume",
+                 "__weakref__")
 
-    def __init__(self, replicate_group, start_iter: int = 0, block_size: Optional[int] = DEFAULT_BLOCK_SIZE, *,
-                 nonfinite: str = "skip", exact_numel: int = 4096, normalize: Optional[str] = "warmup",
-                 normalize_floor: float = 0.1):
+    def __init__(self, replicate_group, start_iter: int = 0, *, normalize: Optional[str] = "warmup",
+                 normalize_floor: float = 0.1, comm: Optional[CommConfig] = None):
+        comm = resolve(comm, "OneBitHSDPState")
+        if comm.process_group is not None:
+            raise ValueError("OneBitHSDPState: the reduction runs over the mesh's replicate group; leave "
+                             "comm.process_group=None (pass the mesh to onebit_hsdp)")
+        if comm.topology not in ("auto", "flat"):
+            raise ValueError("OneBitHSDPState: the replicate group (one rank per node) is the reduction; leave "
+                             "comm.topology at 'auto' (or 'flat')")
+        if comm.backend == "mpi":
+            raise ValueError("OneBitHSDPState: FSDP2's hook runs on torch.distributed; use CommConfig(backend='torch') "
+                             "or 'auto'")
         if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
             raise ValueError(f"Invalid start_iter: {start_iter!r} (must be an int >= 0)")
-        check_block_size(block_size)
-        if nonfinite not in NONFINITE_POLICIES:
-            raise ValueError(f"Invalid nonfinite policy: {nonfinite!r} (use one of {NONFINITE_POLICIES})")
-        if isinstance(exact_numel, bool) or not isinstance(exact_numel, int) or exact_numel < 0:
-            raise ValueError(f"Invalid exact_numel: {exact_numel!r} (an int >= 0: parameters of at most this many "
-                             "elements are averaged exactly; 0 compresses all)")
         if normalize not in (None, "warmup"):
             raise ValueError(f"Invalid normalize: {normalize!r} (use 'warmup', or None for the published algorithm)")
         if isinstance(normalize_floor, bool) or not isinstance(normalize_floor, (int, float)) or \
@@ -108,10 +115,10 @@ class OneBitHSDPState:
             _log.info("onebit_hsdp: normalize='warmup' estimates its weights over the full-precision start, and "
                       "start_iter=0 has none: the gradient shards are compressed unweighted, as published (pass "
                       "start_iter > 0, e.g. a few hundred steps, for the weights)")
-        self.replicate_group, self.start_iter, self.block_size = replicate_group, start_iter, block_size
-        self.nonfinite, self.exact_numel = nonfinite, exact_numel
+        self.replicate_group, self.comm, self.start_iter = replicate_group, comm, start_iter
+        self.transport = get_transport(replicate_group, backend="torch")
         self.normalize, self.normalize_floor = normalize, float(normalize_floor)
-        self.stats = GradientStats()  # the start's sums of squares per group (its index in `layouts`)
+        self.grad_stats = GradientStats()  # the start's sums of squares per group (its index in `layouts`)
         self.saved_weights: Dict[str, Tensor] = {}  # from a checkpoint, for the units made after it
         # per parameter group: (padded shard numel, whole parameter numel) of its parameters in
         # the reduce-scatter output's order (set by onebit_hsdp), and the Unit reducing it
@@ -121,40 +128,102 @@ class OneBitHSDPState:
         self.calls: Dict[str, int] = {}
         self.bytes_sent = 0
         self.skipped_calls = 0
+        self.resume = ResumeCheck()
+
+    def check_resume(self, optimizer) -> None:
+        """Name the optimizer of the sharded parameters: at the first hook call, if it
+        already holds state (restored from a checkpoint) while this state was not restored,
+        a `lbcomm.ddp.MissingHookStateWarning` names the missing state."""
+        self.resume.watch(optimizer)
+
+    def compression_stats(self) -> Dict[str, Any]:
+        """Totals since the start (carried over by checkpoints), plain numbers: ``calls``
+        (hook calls of every group), ``compressed_calls``, ``skipped_calls`` (non-finite
+        shards), ``bytes_sent`` (across the nodes, compressed calls and exact means; the
+        full-precision start is not counted) and ``error_norm`` (this rank's error feedback)."""
+        err = sum(float(st.worker_error.double().square().sum()) + float(st.server_error.double().square().sum())
+                  for st in self.states.values())
+        return {"calls": sum(self.calls.values()), "compressed_calls": sum(st.calls for st in self.states.values()),
+                "skipped_calls": self.skipped_calls, "bytes_sent": self.bytes_sent, "error_norm": math.sqrt(err)}
 
     def state_dict(self) -> Dict[str, Any]:
         """This rank's error feedback per parameter group (one shard per rank)."""
         weights = dict(self.saved_weights)
         weights.update({k: u.weights for k, u in self.units.items() if u.weights is not None})
         return {"calls": dict(self.calls), "states": {k: st.state_dict() for k, st in self.states.items()},
-                "bytes_sent": self.bytes_sent, "skipped_calls": self.skipped_calls, "exact_numel": self.exact_numel,
-                "normalize": self.normalize, "stats": self.stats.state_dict(), "weights": weights}
+                "bytes_sent": self.bytes_sent, "skipped_calls": self.skipped_calls,
+                "exact_numel": self.comm.exact_numel, "normalize": self.normalize,
+                "stats": self.grad_stats.state_dict(), "weights": weights,
+                "replicate": world_info(self.replicate_group)}
 
-    def load_state_dict(self, sd: Dict[str, Any]) -> None:
-        """Restore a `state_dict` of this rank (before the next backward pass); error
-        feedback saved for another replicate-group size is reset with a logged warning."""
+    def load_state_dict(self, sd: Dict[str, Any], *, all_ranks: Optional[Sequence[Dict[str, Any]]] = None) -> None:
+        """Restore a `state_dict` of this rank (before the next backward pass). Saved for
+        another number of nodes, pass ``all_ranks`` (every saved rank's `state_dict`, in
+        rank order): the error feedback of each parameter group is redistributed from the
+        saved ranks that held this rank's shard with `CompressionState.redistribute` (its
+        total is preserved); without it the errors are reset with a logged warning."""
         self.calls = dict(sd["calls"])
-        self.bytes_sent, self.skipped_calls = int(sd.get("bytes_sent", 0)), int(sd.get("skipped_calls", 0))
-        saved_exact = int(sd.get("exact_numel", 0))  # saved before the option: every shard compressed
-        if saved_exact != self.exact_numel:
+        self.bytes_sent, self.skipped_calls = int(sd["bytes_sent"]), int(sd["skipped_calls"])
+        if sd["exact_numel"] != self.comm.exact_numel:
             _log.warning("onebit_hsdp: the state was saved with exact_numel=%s and this OneBitHSDPState has %s; it "
-                         "continues with %s as it was trained", saved_exact, self.exact_numel, saved_exact)
-            self.exact_numel = saved_exact
-        saved_norm = sd.get("normalize")  # saved before the option: None, unweighted
-        if saved_norm != self.normalize:
+                         "continues with %s as it was trained", sd["exact_numel"], self.comm.exact_numel,
+                         sd["exact_numel"])
+            self.comm = self.comm.replace(exact_numel=int(sd["exact_numel"]))
+        if sd["normalize"] != self.normalize:
             _log.warning("onebit_hsdp: the state was saved with normalize=%r and this OneBitHSDPState has %r; it "
-                         "continues with %r as it was trained", saved_norm, self.normalize, saved_norm)
-            self.normalize = saved_norm
-        self.stats.load_state_dict(sd.get("stats", []))
-        self.saved_weights = {k: w.clone() for k, w in sd.get("weights", {}).items()}
+                         "continues with %r as it was trained", sd["normalize"], self.normalize, sd["normalize"])
+            self.normalize = sd["normalize"]
+        self.grad_stats.load_state_dict(sd["stats"])
+        self.saved_weights = {k: w.clone() for k, w in sd["weights"].items()}
         self.units = {}
-        for key, saved in sd["states"].items():
+        states, replicate = sd["states"], world_info(self.replicate_group)
+        if sd["replicate"][0] != replicate[0] and all_ranks is not None:
+            states = _redistribute(all_ranks, replicate, world_info())
+        elif sd["replicate"][0] != replicate[0]:
+            _log.warning("onebit_hsdp: the state was saved by %s nodes and this run has %s; the error feedback is "
+                         "reset to zero (load_state_dict(sd, all_ranks=[every saved rank's state_dict]) "
+                         "redistributes it)", sd["replicate"][0], replicate[0])
+            states = {}
+        for key, saved in states.items():
             st = self.states.get(key)
             if st is None:
-                st = self.states[key] = CompressionState(int(saved["numel"]), group=self.replicate_group,
-                                                         block_size=self.block_size, nonfinite=self.nonfinite,
-                                                         backend="torch")
+                st = self.states[key] = _new_reducer(self, int(saved["numel"]), None)
             st.load_state_dict(saved)
+        self.resume.loaded = True
+
+
+def _redistribute(all_ranks: Sequence[Dict[str, Any]], replicate: Tuple[int, int],
+                  world: Tuple[int, int]) -> Dict[str, Dict[str, Any]]:
+    """The reducers' state_dicts of this rank (`replicate`: its (size, rank) in the new
+    replicate group; `world`: in the world) from every saved rank's
+    `OneBitHSDPState.state_dict`: each group's error feedback of the saved ranks that held
+    this rank's shard, through `CompressionState.redistribute`. The mesh is node-major, as
+    ``init_device_mesh(device, (nodes, ranks_per_node))`` builds it: world rank = node x
+    ranks_per_node + shard index; the number of ranks per node must stay the same (the
+    shards keep their layout)."""
+    size, rank = replicate
+    world, me = world
+    old_world, old_size = len(all_ranks), int(all_ranks[0]["replicate"][0])
+    local = old_world // old_size
+    if world // size != local:
+        raise ValueError(f"OneBitHSDPState.load_state_dict: the checkpoint has {local} ranks per node and this run "
+                         f"{world // size}; the gradient shards change with it: resume with {local} ranks per node")
+    holders = [sd for r, sd in enumerate(all_ranks) if r % local == me % local]
+    if [int(sd["replicate"][1]) for sd in holders] != list(range(old_size)):
+        raise ValueError("OneBitHSDPState.load_state_dict: all_ranks must be every saved rank's state_dict, in rank "
+                         "order, of a node-major mesh")
+    out = {key: CompressionState.redistribute([sd["states"][key] for sd in holders], size, rank)
+           for key in holders[0]["states"]}
+    _log.info("onebit_hsdp: the error feedback of %s parameter group(s) saved by %s nodes was redistributed onto %s "
+              "(its total is preserved)", len(out), old_size, size)
+    return out
+
+
+def _new_reducer(state: OneBitHSDPState, numel: int, device) -> CompressionState:
+    """The one place that builds the hook's reducers: a flat compressed allreduce over the
+    replicate group, on the state's transport."""
+    return CompressionState(numel, group=state.replicate_group, device=device, block_size=state.comm.block_size,
+                            nonfinite=state.comm.nonfinite, transport=state.transport)
 
 
 def _hook(state: OneBitHSDPState, key: str, reduce_output: Tensor) -> None:
@@ -162,21 +231,18 @@ def _hook(state: OneBitHSDPState, key: str, reduce_output: Tensor) -> None:
     over the replicate group (full precision for the first start_iter calls)."""
     calls = state.calls.get(key, 0)
     state.calls[key] = calls + 1
+    state.resume.check("onebit_hsdp", "OneBitHSDPState", fresh=sum(state.calls.values()) == 1)
     if calls < state.start_iter:
-        get_transport(state.replicate_group, backend="torch").all_reduce(reduce_output, "mean")
+        state.transport.all_reduce(reduce_output, "mean")
         if state.normalize == "warmup" and key in state.layouts:
-            state.stats.add(_stats_key(state, key), [reduce_output.numel()], reduce_output)
+            state.grad_stats.add(_stats_key(state, key), [reduce_output.numel()], reduce_output)
         return
     st = state.states.get(key)
     if st is None or st.numel != reduce_output.numel():
-        st = state.states[key] = CompressionState(reduce_output.numel(), group=state.replicate_group,
-                                                  device=reduce_output.device, block_size=state.block_size,
-                                                  nonfinite=state.nonfinite, backend="torch")
+        st = state.states[key] = _new_reducer(state, reduce_output.numel(), reduce_output.device)
     unit = _unit(state, key, st, reduce_output)
     unit.reduce(reduce_output, None)  # the exact shards' mean beside the compressed call
-    if not unit.fully_exact():
-        state.bytes_sent += st.bytes_per_call()
-    state.bytes_sent += exact_mean_bytes(unit.exact_numel(), st.world_size)
+    state.bytes_sent += unit.bytes_per_call()
     if unit.last_skipped:
         state.skipped_calls += 1
         reduce_output.fill_(float("nan"))
@@ -185,7 +251,7 @@ def _hook(state: OneBitHSDPState, key: str, reduce_output: Tensor) -> None:
 
 
 def onebit_hsdp(model: torch.nn.Module, mesh, *, replicate_dim: str = "node", shard_dim: str = "local",
-                state: Optional[OneBitHSDPState] = None, **kwargs) -> OneBitHSDPState:
+                state: Optional[OneBitHSDPState] = None, optimizer=None, **kwargs) -> OneBitHSDPState:
     """Set the 1-bit all-reduce hook on every FSDP module of `model` (already sharded with
     ``fully_shard(..., mesh=mesh[shard_dim])``); returns the state (error feedback).
 
@@ -193,9 +259,10 @@ def onebit_hsdp(model: torch.nn.Module, mesh, *, replicate_dim: str = "node", sh
         model (nn.Module): the model, its FSDP modules sharded over `shard_dim` only.
         mesh (DeviceMesh): 2-D, dimensions (replicate_dim, shard_dim).
         state (OneBitHSDPState, optional): an existing state; else one is made with
-            ``kwargs`` (start_iter, block_size, nonfinite, exact_numel, normalize,
-            normalize_floor) on
+            ``kwargs`` (start_iter, normalize, normalize_floor, comm) on
             ``mesh.get_group(replicate_dim)``.
+        optimizer (optional): the optimizer of the sharded parameters: a resume that
+            restores it but not the state is warned about (`OneBitHSDPState.check_resume`).
 
     Example::
 
@@ -215,9 +282,9 @@ def onebit_hsdp(model: torch.nn.Module, mesh, *, replicate_dim: str = "node", sh
         state = OneBitHSDPState(mesh.get_group(replicate_dim), **kwargs)
     elif kwargs:
         raise ValueError(f"onebit_hsdp: pass either state= or settings, not both (got {sorted(kwargs)})")
+    if optimizer is not None:
+        state.check_resume(optimizer)
     found: List[str] = []
-    # a 1-bit optimizer that compresses its momentum across nodes would stack on the hook
-    claim_gradients(list(model.parameters()), state, HOOK)
     for name, module in model.named_modules():
         if not isinstance(module, FSDPModule):
             continue
@@ -228,7 +295,7 @@ def onebit_hsdp(model: torch.nn.Module, mesh, *, replicate_dim: str = "node", sh
                                  "native HSDP all-reduces across nodes in full precision itself); shard it with "
                                  f"fully_shard(module, mesh=mesh[{shard_dim!r}]) and let onebit_hsdp reduce across "
                                  "nodes")
-        layout = _group_layout(module, name or "<root>", state.exact_numel)
+        layout = _group_layout(module, name or "<root>", state.comm.exact_numel)
         if layout is not None:
             state.layouts[name or "<root>"] = layout
         module.set_all_reduce_hook(functools.partial(_hook, state, name or "<root>"))
@@ -239,8 +306,9 @@ def onebit_hsdp(model: torch.nn.Module, mesh, *, replicate_dim: str = "node", sh
     _log.info("onebit_hsdp: 1-bit all-reduce hook on %s FSDP module(s) across %s ranks per shard", len(found),
               mesh.size(list(names).index(replicate_dim)))
     sizes = [(c, w) for chunks, whole in state.layouts.values() for c, w in zip(chunks, whole)]
-    report_exact_share(_log, "onebit_hsdp", "gradient shard", sum(c for c, w in sizes if 0 < w <= state.exact_numel),
-                       sum(c for c, _ in sizes), state.exact_numel)
+    limit = state.comm.exact_numel
+    report_exact_share(_log, "onebit_hsdp", "gradient shard", sum(c for c, w in sizes if 0 < w <= limit),
+                       sum(c for c, _ in sizes), limit)
     return state
 
 
@@ -261,13 +329,13 @@ def _unit(state: OneBitHSDPState, key: str, st: CompressionState, out: Tensor) -
                            "differently than lbcomm expects: pass exact_numel=0")
     weights = state.saved_weights.pop(key, None)
     if weights is None and state.normalize == "warmup" and key in state.layouts:
-        weights = state.stats.weights(_stats_key(state, key), state.normalize_floor)
+        weights = state.grad_stats.weights(_stats_key(state, key), state.normalize_floor)
     if weights is not None and weights.numel() != out.numel():
         raise RuntimeError(f"onebit_hsdp: the weights of parameter group {key} hold {weights.numel()} elements, its "
                            f"gradient shard {out.numel()}")
     unit = state.units[key] = Unit(key, [(c,) for c in chunks], st,
                                    None if weights is None else weights.to(out.device))
-    unit.set_exact(state.exact_numel, state.replicate_group, out.device, whole)
+    unit.set_exact(state.comm.exact_numel, ExactMean(transport=state.transport), out.device, whole)
     return unit
 
 
@@ -357,10 +425,6 @@ def onebit_optimizer(model: torch.nn.Module, mesh, optimizer_class=None, *, repl
                          f"mesh=mesh[{shard_dim!r}]) on its blocks and on the model first")
     shard_mesh = mesh[shard_dim]
     for pname, p in model.named_parameters():
-        if held_by(p) == HOOK:
-            raise ValueError(f"onebit_optimizer: parameter {pname} is already compressed across nodes by "
-                             "lbcomm.fsdp.onebit_hsdp's all-reduce hook; the optimizer would reduce it a second time. "
-                             "Use one of them: onebit_hsdp with a plain optimizer, or onebit_optimizer alone")
         pm = getattr(p, "device_mesh", None)
         if pm is None:
             raise ValueError(f"onebit_optimizer: parameter {pname} is not sharded by FSDP (not a DTensor); its "

@@ -893,13 +893,13 @@ def _train_variant(ctx: RankContext, variant: str, params, counter: Optional[Syn
     hook_state = None
     if variant == "ddp_onebit_hook_adamw":
         net = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None, bucket_cap_mb=0.1)
-        hook_state = lbcomm.OneBitHookState(process_group=None, start_iter=4)
+        hook_state = lbcomm.OneBitHookState(4)
         net.register_comm_hook(hook_state, _counted_hook(lbcomm.onebit_hook, counter, hook_stats))
         opt = torch.optim.AdamW(net.parameters(), lr=3e-3, weight_decay=0.0)
     elif variant == "ddp_onebit_adam":
         net = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None, bucket_cap_mb=0.1)
         opt = lbcomm.OneBitAdam(net.parameters(), lr=3e-3, freeze_step=6, weight_decay=0.0)
-        net.register_comm_hook(opt, _counted_hook(lbcomm.onebit_optimizer_hook, counter, hook_stats))
+        net.register_comm_hook(lbcomm.WarmupAverage(opt), _counted_hook(lbcomm.warmup_average_hook, counter, hook_stats))
     elif variant == "onebit_adam":
         net = model
         opt = lbcomm.OneBitAdam(net.parameters(), lr=3e-3, freeze_step=6, weight_decay=0.0)

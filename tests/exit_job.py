@@ -46,7 +46,7 @@ elif variant == "ddp_hook":
     import lbcomm
 
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 64))
-    state = lbcomm.OneBitHookState(start_iter=2, exact_numel=0)
+    state = lbcomm.OneBitHookState(2, comm=lbcomm.CommConfig(exact_numel=0))
     model.register_comm_hook(state, lbcomm.onebit_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for _ in range(6):

@@ -8,7 +8,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import lbcomm
 from dist_util import run_ranks
-from lbcomm.ddp import onebit_optimizer_hook
+from lbcomm.ddp import WarmupAverage, warmup_average_hook
 from test_optim import OPTS, _loss, _mlp
 
 FREEZE, MAX = 2, 0.05
@@ -40,7 +40,7 @@ def _clip(rank, p):
     model = _mlp(seed=3)
     ddp = DDP(model)
     opt = lbcomm.OneBitAdam(ddp.parameters(), lr=1e-2, freeze_step=5)
-    ddp.register_comm_hook(opt, onebit_optimizer_hook)
+    ddp.register_comm_hook(WarmupAverage(opt), warmup_average_hook)
     twin = _mlp(seed=3)
     _loss(ddp, rank, 0).backward()
     for a, b in zip(twin.parameters(), model.parameters()):

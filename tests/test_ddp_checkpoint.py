@@ -1,11 +1,11 @@
-"""OneBitHookState checkpoints written by an earlier lbcomm still load and continue bitwise.
+"""OneBitHookState checkpoints of format version 1, frozen in files, load and continue bitwise.
 
 tests/data/ddp_hook_state_v1/ holds, per rank r (rank{r}.pt) of a 2-rank gloo run, what
-``tests/data/make_ddp_hook_state.py`` saved with the code of commit 80a1b96 (before the
-hooks became a package): the model, the SGD optimizer and the `OneBitHookState` (its
-`state_dict` and the pickled object) after `CUT` iterations, and the parameters after
-`MORE` further iterations of that same run (expected{r}.pt). The test resumes from the files with today's
-code and must reach exactly those parameters.
+``tests/data/make_ddp_hook_state.py`` saved: the model, the SGD optimizer and the
+`OneBitHookState` (its `state_dict` and the pickled object) after `CUT` iterations, and the
+parameters after `MORE` further iterations of that same run (expected{r}.pt). The test
+resumes from the files with today's code and must reach exactly those parameters: a change
+of the checkpoint format or of the numbers shows here.
 """
 import os
 
@@ -13,6 +13,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dist_util import run_ranks
+from lbcomm.config import CommConfig
 from lbcomm.ddp import OneBitHookState, onebit_hook
 
 P = 2
@@ -57,7 +58,7 @@ def generate(rank, p):
     """Run by make_ddp_hook_state.py with the code whose format is being frozen. The
     checkpoint is written at once (its tensors are the live ones, changed by later steps)."""
     model, ddp, opt = _build()
-    hook = OneBitHookState(None, start_iter=START_ITER, block_size=256, exact_numel=0)
+    hook = OneBitHookState(START_ITER, comm=CommConfig(block_size=256, exact_numel=0))
     ddp.register_comm_hook(hook, onebit_hook)
     _train(ddp, opt, rank, 0, CUT)
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "hook": hook.state_dict(), "pickled": hook},
@@ -70,7 +71,7 @@ def _resume(rank, p, how):
     saved = torch.load(os.path.join(DATA, f"rank{rank}.pt"), weights_only=False)
     model, ddp, opt = _build(saved)
     if how == "state_dict":
-        hook = OneBitHookState(None, start_iter=START_ITER, block_size=256, exact_numel=0)
+        hook = OneBitHookState(START_ITER, comm=CommConfig(block_size=256, exact_numel=0))
         hook.load_state_dict(saved["hook"])
     else:  # the pickled object itself (__setstate__)
         hook = saved["pickled"]

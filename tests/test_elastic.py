@@ -190,9 +190,9 @@ def _hook_objects():
 
     model_a, opt = _make("adam")
     model_b, ddp, sgd = _build()
-    hook = lbcomm.OneBitHookState(None, start_iter=START_ITER, block_size=256, exact_numel=0)
+    hook = lbcomm.OneBitHookState(START_ITER, comm=lbcomm.CommConfig(block_size=256, exact_numel=0))
     model_c, ddp_c, sgd_c = _build()  # the same SGD model resumed through load_sharded
-    hook_c = lbcomm.OneBitHookState(None, start_iter=START_ITER, block_size=256, exact_numel=0)
+    hook_c = lbcomm.OneBitHookState(START_ITER, comm=lbcomm.CommConfig(block_size=256, exact_numel=0))
     return {"a": model_a, "opt": opt, "b": model_b, "ddp": ddp, "sgd": sgd, "hook": hook,
             "c": model_c, "ddp_c": ddp_c, "sgd_c": sgd_c, "hook_c": hook_c}
 

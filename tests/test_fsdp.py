@@ -10,6 +10,7 @@ import torch
 
 from dist_util import run_ranks
 from lbcomm import reference
+from lbcomm.config import CommConfig
 
 N, G = 2, 2
 STEPS = 20
@@ -44,8 +45,8 @@ def _train(rank, p, exact_numel=0, start_iter=0, normalize=None):
     fully_shard(model[0], mesh=mesh["local"])
     fully_shard(model[2], mesh=mesh["local"])
     fully_shard(model, mesh=mesh["local"])
-    state = fsdp.onebit_hsdp(model, mesh, block_size=BLOCK, exact_numel=exact_numel, start_iter=start_iter,
-                             normalize=normalize)
+    state = fsdp.onebit_hsdp(model, mesh, start_iter=start_iter, normalize=normalize,
+                             comm=CommConfig(block_size=BLOCK, exact_numel=exact_numel))
     records = {}
 
     def recording(key):
@@ -180,11 +181,17 @@ def test_onebit_hsdp_refuses_native_hsdp():
 
 def _resume(rank, p, ckpt):
     """onebit_hsdp with a start, weights and exact shards, AdamW: 12 steps straight, and 6 +
-    a resume from per-rank files (model shards, optimizer, hook state) + 6."""
+    a resume from per-rank files (model shards, optimizer, hook state) + 6; and a DCP resume
+    that restores the model and the optimizer but forgets the hook state: warned, naming it."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from lbcomm import fsdp
+    from lbcomm.ddp import MissingHookStateWarning
 
     mesh = init_device_mesh("cpu", (N, G), mesh_dim_names=("node", "local"))
 
@@ -193,8 +200,10 @@ def _resume(rank, p, ckpt):
         fully_shard(model[0], mesh=mesh["local"])
         fully_shard(model[2], mesh=mesh["local"])
         fully_shard(model, mesh=mesh["local"])
-        state = fsdp.onebit_hsdp(model, mesh, block_size=BLOCK, start_iter=3, exact_numel=EXACT)
-        return model, torch.optim.AdamW(model.parameters(), lr=1e-2), state
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        state = fsdp.onebit_hsdp(model, mesh, start_iter=3, optimizer=opt,
+                                 comm=CommConfig(block_size=BLOCK, exact_numel=EXACT))
+        return model, opt, state
 
     def run(model, opt, steps):
         for step in steps:
@@ -207,20 +216,72 @@ def _resume(rank, p, ckpt):
     run(model, opt, range(6))
     path = f"{ckpt}/rank{rank}.pt"
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "hsdp": state.state_dict()}, path)
+    model_sd, opt_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": opt_sd}, checkpoint_id=f"{ckpt}/dcp")  # the hook state left out
     run(model, opt, range(6, 12))
     straight = [q.to_local().clone() for q in model.parameters()]
     saved_weights = sorted(state.state_dict()["weights"])
-    model, opt, state = build()
+    stats = state.compression_stats()
     sd = torch.load(path, weights_only=False)
-    model.load_state_dict(sd["model"])
-    opt.load_state_dict(sd["opt"])
-    state.load_state_dict(sd["hsdp"])
-    run(model, opt, range(6, 12))
-    resumed = [q.to_local().clone() for q in model.parameters()]
-    return all(torch.equal(a, b) for a, b in zip(straight, resumed)), saved_weights
+    warned = {}
+    for restore_hook in (True, False):
+        model, opt, state = build()
+        if restore_hook:  # the per-rank files, the hook state included
+            model.load_state_dict(sd["model"])
+            opt.load_state_dict(sd["opt"])
+            state.load_state_dict(sd["hsdp"])
+        else:  # a DCP resume of the model and the optimizer only
+            model_sd, opt_sd = get_state_dict(model, opt)
+            dcp.load({"model": model_sd, "optim": opt_sd}, checkpoint_id=f"{ckpt}/dcp")
+            set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=opt_sd)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run(model, opt, range(6, 12))
+        warned[restore_hook] = [str(w.message) for w in caught if issubclass(w.category, MissingHookStateWarning)]
+        if restore_hook:
+            resumed = [q.to_local().clone() for q in model.parameters()]
+    return all(torch.equal(a, b) for a, b in zip(straight, resumed)), saved_weights, warned, stats
 
 
 def test_onebit_hsdp_resumes_bitwise(tmp_path):
     res = run_ranks(_resume, N * G, str(tmp_path), timeout=600)
-    assert all(same for same, _ in res), res
-    assert all(weights == ["0", "2"] for _, weights in res), res  # the start's weights were saved and reloaded
+    assert all(same for same, *_ in res), res
+    assert all(weights == ["0", "2"] for _, weights, *_ in res), res  # the start's weights were saved and reloaded
+    for _, _, warned, stats in res:
+        assert warned[True] == [], warned  # restored with the model and optimizer: nothing to say
+        (msg,) = warned[False]  # forgotten: named once, at the first hook call
+        assert "OneBitHSDPState was not restored" in msg and "RankLocal" in msg, msg
+        # plain numbers: 2 groups x 12 calls, 3 of each at full precision
+        assert stats["calls"] == 24 and stats["compressed_calls"] == 18 and stats["skipped_calls"] == 0, stats
+        assert all(type(v) in (int, float) for v in stats.values()) and stats["bytes_sent"] > 0, stats
+
+
+def test_hsdp_state_takes_comm_and_redistributes_like_compression_state():
+    """OneBitHSDPState: the communication settings in CommConfig (its process group is the
+    mesh's), and the error feedback saved by 2 nodes x 2 ranks onto 3 nodes x 2 ranks: each
+    rank's groups from the saved ranks of its shard, by CompressionState.redistribute."""
+    from lbcomm import fsdp
+    from lbcomm.compressed import CompressionState, chunk_size
+
+    with pytest.raises(ValueError, match="replicate group"):
+        fsdp.OneBitHSDPState(None, comm=CommConfig(process_group=object()))
+    with pytest.raises(ValueError, match="start_iter"):
+        fsdp.OneBitHSDPState(None, start_iter=-1)
+    state = fsdp.OneBitHSDPState(None)
+    assert state.comm == CommConfig() and state.compression_stats() == {
+        "calls": 0, "compressed_calls": 0, "skipped_calls": 0, "bytes_sent": 0, "error_norm": 0.0}
+    n, old = 10, 2
+    m = chunk_size(n, old)
+    saved = []
+    for r in range(N * G):  # node-major: world rank = node * G + shard index
+        node, shard = divmod(r, G)
+        comp = {"numel": n, "world_size": old, "rank": node, "block_size": BLOCK,
+                "worker_error": torch.full((old, m), 10.0 * shard + node), "server_error": torch.full((m,), r + 0.5)}
+        saved.append({"states": {"0": comp}, "replicate": (old, node)})
+    for world_rank in range(3 * G):
+        node, shard = divmod(world_rank, G)
+        got = fsdp._redistribute(saved, (3, node), (3 * G, world_rank))["0"]
+        want = CompressionState.redistribute([saved[a * G + shard]["states"]["0"] for a in range(old)], 3, node)
+        assert all(torch.equal(got[k], want[k]) if torch.is_tensor(want[k]) else got[k] == want[k] for k in want)
+    with pytest.raises(ValueError, match="ranks per node"):
+        fsdp._redistribute(saved, (2, 0), (6, 0))

@@ -162,26 +162,36 @@ def _refusals():
     from torch.distributed.fsdp import fully_shard
 
     from lbcomm import OneBitAdam, fsdp
-    from lbcomm.ddp import DoubleCompressionError
+    from lbcomm.errors import AveragedGradientsError
+
+    def step(model, opt):
+        g = torch.Generator().manual_seed(torch.distributed.get_rank())
+        x = torch.randn(8, 16, generator=g)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), torch.sin(x[:, :8])).backward()
+        opt.step()
 
     mesh = init_device_mesh("cpu", (N, G), mesh_dim_names=("node", "local"))
     with pytest.raises(ValueError, match="native HSDP"):
         fsdp.onebit_optimizer(fully_shard(_model(), mesh=mesh), mesh)
-    hooked = _sharded(mesh)
-    fsdp.onebit_hsdp(hooked, mesh)
-    with pytest.raises(ValueError, match="already compressed across nodes"):
-        fsdp.onebit_optimizer(hooked, mesh)
+    # onebit_hsdp's hook and the optimizer both across the nodes: the optimizer's probe sees
+    # gradient shards identical on every node (averaged, or compressed, by the hook)
+    for start_iter in (0, 2):
+        hooked = _sharded(mesh)
+        fsdp.onebit_hsdp(hooked, mesh, start_iter=start_iter)
+        with pytest.raises(AveragedGradientsError, match="identical on all 2 ranks"):
+            step(hooked, fsdp.onebit_optimizer(hooked, mesh))
     partial = _model()
     fully_shard(partial[0], mesh=mesh["local"])  # model[2] is left unsharded
     with pytest.raises(ValueError, match="not sharded by FSDP"):
         fsdp.onebit_optimizer(partial, mesh)
     with pytest.raises(ValueError, match="lbcomm.fsdp.onebit_optimizer"):
         OneBitAdam(_sharded(mesh).parameters()).step()
-    owned = _sharded(mesh)
+    owned = _sharded(mesh)  # the other order alike
     opt = fsdp.onebit_optimizer(owned, mesh)
-    with pytest.raises(DoubleCompressionError):
-        fsdp.onebit_hsdp(owned, mesh)
-    del opt
+    fsdp.onebit_hsdp(owned, mesh)
+    with pytest.raises(AveragedGradientsError, match="identical on all 2 ranks"):
+        step(owned, opt)
     return True
 
 

@@ -17,11 +17,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dist_util import run_ranks
 from lbcomm import reference as R
+from lbcomm.config import CommConfig
 from lbcomm.ddp import OneBitHookState, onebit_hook
 from test_hook_normalize import _model, _relayout
 
 P, START, STEPS, BLOCK, MU, BETA = 2, 3, 7, 256, 0.9, 0.99
-OPTS = dict(block_size=BLOCK, normalize="adaptive", momentum=MU, normalize_beta=BETA, exact_numel=0)
+OPTS = dict(normalize="adaptive", momentum=MU, normalize_beta=BETA, comm=CommConfig(block_size=BLOCK, exact_numel=0))
 
 
 def _batch(s, rank):
@@ -40,7 +41,7 @@ def _run(rank, steps, first=0, resume=None, nan_at=None, drop=None):
         model.load_state_dict(resume[0])
     ddp = DDP(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=MU)
-    hook = OneBitHookState(None, start_iter=START, **OPTS)
+    hook = OneBitHookState(START, **OPTS)
     if resume is not None:
         opt.load_state_dict(resume[1])
         hook.load_state_dict(resume[2])
@@ -159,8 +160,8 @@ def test_hook_momentum_adaptive_matches_reference_resumes_and_skips():
         assert all(torch.equal(a, b) for a, b in zip(res[r]["nan"], res[r]["dropped"])), \
             f"rank {r}: a skipped NaN bucket changed some state"
     assert float(w.max() / w.min()) > 3  # the weights differ between coordinates
-    # the statistics' reduce + broadcast is counted: 2 matrices (rows + columns) and 2 biases, 4 B each
-    stats_bytes = 2 * 4 * ((48 + 24) + 48 + (3 + 48) + 3)
+    # the statistics' allreduce is counted: 2 matrices (rows + columns) and 2 biases, 4 B each, a ring of 2
+    stats_bytes = 4 * ((48 + 24) + 48 + (3 + 48) + 3)
     assert res[0]["bytes"] > (STEPS - START) * stats_bytes
 
 
@@ -177,7 +178,8 @@ def test_hook_momentum_elastic_redistribution():
     """Another world size: every new rank's momentum is the mean of the saved ranks' (the
     mean momentum is what the ranks compress together); the shared state is kept."""
     from lbcomm.compressed import chunk_size
-    from lbcomm.ddp.onebit import _STATE_VERSION, _redistribute_units
+    from lbcomm.compressed import CompressionState
+    from lbcomm.ddp.units import redistribute_units
     n, old = 10, 2
     m = chunk_size(n, old)
     shared = {"decoded": torch.arange(n, dtype=torch.float32), "ema": torch.ones(7)}
@@ -186,11 +188,10 @@ def test_hook_momentum_elastic_redistribution():
         comp = {"numel": n, "world_size": old, "rank": r, "block_size": 32, "worker_error": torch.full((old, m), r + 1.0),
                 "server_error": torch.full((m,), 10.0 * (r + 1))}
         tr = {"momentum": MU, "adaptive": True, "local": torch.full((n,), 2.0 * r), **shared}
-        sds.append({"version": _STATE_VERSION, "world_size": old, "iter": 9,
-                    "units": [{"params": [0, 1], "shapes": [(2, 3), (4,)], "compression": comp,
-                               "weights": torch.ones(n), "transform": tr}]})
+        sds.append([{"params": [0, 1], "shapes": [(2, 3), (4,)], "compression": comp, "weights": torch.ones(n),
+                     "transform": tr}])
     for rank in range(3):
-        (unit,) = _redistribute_units(sds, 3, rank)
+        (unit,) = redistribute_units(sds, 3, rank, CompressionState.redistribute)
         assert torch.equal(unit["transform"]["local"], torch.full((n,), 1.0))
         assert torch.equal(unit["transform"]["decoded"], shared["decoded"])
         assert unit["compression"]["world_size"] == 3 and torch.equal(unit["weights"], torch.ones(n))

@@ -7,7 +7,7 @@ independent pure-torch reference (`lbcomm.reference.compressed_allreduce`):
   its initial bucket layout), floored at ``normalize_floor`` x the bucket's RMS of it;
   normalize=None is the published compression of g itself;
 * a checkpoint taken before ``start_iter`` (the statistics) resumes bitwise; the weights are
-  bf16, and a checkpoint whose weights are fp32 (an earlier version's) keeps them and resumes
+  bf16, and a checkpoint whose weights are fp32 (written by hand) keeps them and resumes
   the same run bitwise;
 * ``exact_numel``: the parameters of at most that many elements get the exact mean and keep
   zero error feedback, the others are compressed as above; a NaN in one of them on one rank
@@ -25,6 +25,7 @@ import pytest
 from dist_util import run_ranks
 from lbcomm.common import ring_allreduce_bytes
 from lbcomm import reference as R
+from lbcomm.config import CommConfig
 from lbcomm.ddp import OneBitHookState, onebit_hook
 
 P, START, STEPS, BLOCK = 2, 3, 6, 256
@@ -47,7 +48,7 @@ def _run(rank, steps, normalize="warmup", state=None, first=0, model_state=None,
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     if opt_state is not None:
         opt.load_state_dict(opt_state)
-    hook = OneBitHookState(None, start_iter=START, block_size=BLOCK, normalize=normalize, exact_numel=exact_numel)
+    hook = OneBitHookState(START, normalize=normalize, comm=CommConfig(block_size=BLOCK, exact_numel=exact_numel))
     if state is not None:
         hook.load_state_dict(state)
     seen = []
@@ -96,7 +97,7 @@ def _scenarios(rank, p):
                           model_state=model.state_dict(), opt_state=opt.state_dict())
     out["resumed"] = [q.detach().clone() for q in model.parameters()]
     out["saved_stats"] = len(sd["grad_stats"])
-    # after the start: the saved weights are bf16; as fp32 (a checkpoint of an earlier version)
+    # after the start: the saved weights are bf16; made fp32 in the state_dict
     # they are kept fp32 and give the same run (the kernels use a bf16 weight's exact fp32 value)
     _, model, opt, hook = _run(rank, START + 1)
     sd = hook.state_dict()

@@ -40,7 +40,7 @@ def _cases(rank, p):
     except ValueError as exc:
         out["momentum_mismatch"] = str(exc)
     out["hooks_after_refusal"] = len(getattr(ddp2, "_comm_hooks", []))
-    state = lbcomm.OneBitHookState(start_iter=2, exact_numel=0)  # a 64 x 64 layer: compress it all
+    state = lbcomm.OneBitHookState(2, comm=lbcomm.CommConfig(exact_numel=0))  # a 64 x 64 layer: compress it all
     attach(ddp2, state, optimizer=sgd)  # SGD momentum under the default state: a hint, not an error
     for it in range(4):
         ddp2.zero_grad()

@@ -1,4 +1,5 @@
-"""Never silent: duplicated communication raises an error that names the fix,
+"""Never silent: duplicated communication (a DDP's allreduce, or onebit_hook's compression,
+under a 1-bit optimizer) raises an error that names the fix,
 the freeze logs what the compression stage sends, and a shard saved for another rank is
 reported with its cause and fix. Real gloo processes, real DDP."""
 import logging
@@ -10,8 +11,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import lbcomm
 from dist_util import run_ranks
 from lbcomm.common import ring_allreduce_bytes
-from lbcomm.ddp import AveragedGradientsError, DoubleCompressionError, OneBitHookState, onebit_optimizer_hook
-from lbcomm.ddp.claims import HOOK, claim_gradients
+from lbcomm.ddp import OneBitHookState, WarmupAverage, onebit_hook, warmup_average_hook
+from lbcomm.errors import AveragedGradientsError
 from test_optim import OPTS, _batch, _loss, _mlp
 
 FREEZE = 3
@@ -64,8 +65,21 @@ def _averaged_grads(rank, p):
         model = _mlp(seed=1)
         ddp = DDP(model)
         opt = cls(ddp.parameters(), lr=1e-2, freeze_step=FREEZE)
-        ddp.register_comm_hook(opt, onebit_optimizer_hook)
+        ddp.register_comm_hook(WarmupAverage(opt), warmup_average_hook)
         out[(name, "lbcomm_hook")] = _steps(ddp, opt, rank, 6)
+        # onebit_hook (compressing the gradients) under the 1-bit optimizer (compressing its momentum): the
+        # gradients arrive averaged (in full precision during the hook's start, compressed after it) ...
+        model = _mlp(seed=1)
+        ddp = DDP(model)
+        ddp.register_comm_hook(OneBitHookState(2), onebit_hook)
+        out[(name, "onebit_hook")] = _steps(ddp, cls(ddp.parameters(), lr=1e-2, freeze_step=FREEZE), rank, 6)
+        # ... also when told they arrive averaged: caught past the freeze, when the hook compresses
+        model = _mlp(seed=1)
+        ddp = DDP(model)
+        ddp.register_comm_hook(OneBitHookState(2), onebit_hook)
+        opt = cls(ddp.parameters(), lr=1e-2, freeze_step=FREEZE)
+        opt.grads_averaged = True
+        out[(name, "onebit_hook_told")] = _steps(ddp, opt, rank, 6)
         # no DDP but every rank the same batch: the false positive the error message names ...
         model = _mlp(seed=1)
         out[(name, "same_batch")] = _steps(model, cls(model.parameters(), lr=1e-2, freeze_step=FREEZE), rank, 6,
@@ -88,7 +102,7 @@ def test_gradients_averaged_by_ddp_raise_at_the_first_step(averaged, name):
         step, msg, taken = averaged[r][(name, "plain_ddp")]
         assert step == 1 and taken == 0, (step, taken)
         for fix in ("(warmup)", "identical on all 2 ranks", "lbcomm.attach(ddp_model, optimizer)",
-                    "onebit_optimizer_hook", "LbcommCallback", "detect_averaged_grads=False"):
+                    "warmup_average_hook", "LbcommCallback", "detect_averaged_grads=False"):
             assert fix in msg, (fix, msg)
 
 
@@ -109,19 +123,27 @@ def test_lbcomm_hook_and_opt_out_train_through(averaged, name):
         assert step == 1 and "same batch on every rank" in msg, msg
 
 
-def test_onebit_optimizers_claim_their_parameters():
-    params = [torch.zeros(3, requires_grad=True)]
-    hook = OneBitHookState(start_iter=2)
-    claim_gradients(params, hook, HOOK)
-    for cls in OPTS.values():
-        with pytest.raises(DoubleCompressionError, match="compressed twice.*onebit_optimizer_hook"):
-            cls(params)
-    lbcomm.Lamb(params)  # the full-precision twin compresses nothing
-    del hook
-    opt = lbcomm.OneBitAdam(params)
-    with pytest.raises(DoubleCompressionError, match="already compressed by OneBitAdam"):
-        claim_gradients(params, OneBitHookState(start_iter=2), HOOK)
-    del opt
+@pytest.mark.parametrize("name", list(OPTS))
+def test_onebit_hook_under_a_onebit_optimizer_raises(averaged, name):
+    """Double compression: the optimizer's averaged-gradients probe catches onebit_hook's
+    gradients, in the warmup (averaged by the hook's full-precision start) and, when the
+    optimizer is told they arrive averaged, at the first step past the freeze (compressed
+    by the hook, bitwise identical on every rank)."""
+    for r in range(2):
+        step, msg, taken = averaged[r][(name, "onebit_hook")]
+        assert step == 1 and taken == 0 and "identical on all 2 ranks" in msg, (step, taken, msg)
+        step, msg, taken = averaged[r][(name, "onebit_hook_told")]
+        assert step == FREEZE + 1 and taken == FREEZE and "(compression)" in msg, (step, taken, msg)
+
+
+@pytest.mark.xfail(strict=True, reason="the 1-bit optimizers' AveragedGradientsError names onebit_hook as a cause "
+                                       "once the optimizer refactor (wt-opt) is merged; remove this mark then")
+@pytest.mark.parametrize("name", list(OPTS))
+def test_double_compression_error_names_onebit_hook(averaged, name):
+    for r in range(2):
+        for case in ("onebit_hook", "onebit_hook_told"):
+            msg = averaged[r][(name, case)][1]
+            assert "onebit_hook" in msg, msg
 
 
 def _freeze_log_and_foreign_shard(rank, p):

@@ -5,7 +5,7 @@ change of its gradient scale, measured by the ranks' mean squared local gradient
 One and two ranks: bitwise against lbcomm.optim.reference (a sum of two ranks' norms has
 one result whatever the order; with four, gloo's order is not the simulation's and the
 last bit can differ: tests/test_optim.py compares that case to fp32 rounding). The
-optimizer's own averaging and onebit_optimizer_hook give the same statistic and the same
+optimizer's own averaging and warmup_average_hook give the same statistic and the same
 run (the hook stashes the local norms before it averages). Checkpoints: a resume is
 bitwise; a state dict saved before the option existed resumes with the published frozen
 variance.
@@ -145,7 +145,7 @@ def _two_ranks(rank, p):
         net = model
         if how == "hook":
             net = DDP(model)
-            net.register_comm_hook(opt, lbcomm.ddp.onebit_optimizer_hook)
+            net.register_comm_hook(lbcomm.ddp.WarmupAverage(opt), lbcomm.ddp.warmup_average_hook)
         hist, grads = [], []
         for x, y in _batches(rank):
             opt.zero_grad()

@@ -203,7 +203,7 @@ def _ranks_check(rank, p):
         if exact:
             hook_state = StatsHookState(stats, allreduce_hook, None, exact=True)
         else:
-            hook_state = StatsHookState(stats, onebit_hook, OneBitHookState(process_group=None, start_iter=2),
+            hook_state = StatsHookState(stats, onebit_hook, OneBitHookState(2),
                                         exact=False)
         ddp.register_comm_hook(hook_state, stats_hook)
         sgd = torch.optim.SGD(ddp.parameters(), lr=0.05)

@@ -295,7 +295,7 @@ def _hook_training(rank, p, how):
     shadow.load_state_dict(lin.state_dict())
     model = DDP(lin)
     # normalize=None: the published compression, which the reference below runs
-    state = lbcomm.OneBitHookState(start_iter=2, block_size=64, topology=topo, normalize=None, exact_numel=0)
+    state = lbcomm.OneBitHookState(2, normalize=None, comm=lbcomm.CommConfig(block_size=64, topology=topo, exact_numel=0))
     model.register_comm_hook(state, lbcomm.onebit_hook)
     ref_topo = _mesh_topology(N, G)
     ref = HierarchicalState(lin.weight.numel(), ref_topo, block_size=64, nonfinite="skip")
@@ -404,8 +404,8 @@ def _hook_resume(rank, p):
         model = DDP(torch.nn.Sequential(torch.nn.Linear(13, 40), torch.nn.Tanh(), torch.nn.Linear(40, 5)))
         if saved is not None:
             model.module.load_state_dict(saved["model"])
-        state = lbcomm.OneBitHookState(start_iter=2, block_size=32, topology=_mesh_topology(N, G),
-                                       exact_numel=exact_numel)
+        state = lbcomm.OneBitHookState(2, comm=lbcomm.CommConfig(block_size=32, topology=_mesh_topology(N, G),
+                                                                 exact_numel=exact_numel))
         if saved is not None:
             state.load_state_dict(saved["hook"])
         model.register_comm_hook(state, lbcomm.onebit_hook)

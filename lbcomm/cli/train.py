@@ -152,7 +152,10 @@ class _Setup:
             if method != "hsdp":
                 from ..fsdp import onebit_hsdp
 
-                published = dict(normalize=None, exact_numel=0) if method == "hsdp_onebit_published" else {}
+                from ..config import CommConfig
+
+                published = dict(normalize=None, comm=CommConfig(exact_numel=0)) \
+                    if method == "hsdp_onebit_published" else {}
                 self.hook_state = onebit_hsdp(model, mesh, start_iter=COMPRESSION_START, **published)
             self.model = model
             self.opt = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -203,14 +206,16 @@ class _Setup:
         elif method in ("onebit_hook", "onebit_hook_hier", "onebit_hook_published"):
             from ..ddp import OneBitHookState, onebit_hook
 
-            topology = None  # flat
+            from ..config import CommConfig
+
+            topology = "flat"
             if method == "onebit_hook_hier":  # the mesh's nodes (also over loopback, where no LOCAL_WORLD_SIZE says)
                 from ..topology import Topology
 
                 topology = Topology.from_mesh(mesh)
-            published = dict(normalize=None, exact_numel=0) if method == "onebit_hook_published" else {}
-            self.hook_state = OneBitHookState(process_group=None, start_iter=COMPRESSION_START, topology=topology,
-                                              **published)
+            published = method == "onebit_hook_published"
+            self.hook_state = OneBitHookState(COMPRESSION_START, **(dict(normalize=None) if published else {}),
+                                              comm=CommConfig(topology=topology, exact_numel=0 if published else 4096))
             ddp.register_comm_hook(self.hook_state, onebit_hook)
         elif method == "ddp_hook":
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks

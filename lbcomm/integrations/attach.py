@@ -6,7 +6,7 @@ their own objects (accelerate may compile it, Lightning keeps it in
 usual ``ddp_model.register_comm_hook(...)`` first needs the DDP. `find_ddp` looks for it
 through these wrappers; `attach` registers
 
-* `lbcomm.onebit_optimizer_hook` with the optimizer as its state for a lbcomm optimizer
+* `lbcomm.ddp.warmup_average_hook` with a `WarmupAverage` of the optimizer for a lbcomm optimizer
   (`OneBitAdam`, `OneBitLamb`, `Lamb`): DDP averages the gradients during the warmup and
   communicates nothing after the freeze, where the optimizer compresses its momentum;
 * `lbcomm.onebit_hook` for a `OneBitHookState` (an optimizer that does not communicate
@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ..comm import world_info
-from ..ddp import OneBitHookState, onebit_hook, onebit_optimizer_fp16_hook, onebit_optimizer_hook
+from ..ddp import OneBitHookState, WarmupAverage, onebit_hook, warmup_average_hook
 from ..errors import DoubleCompressionError
 from ..optim import Lamb, OneBitAdam, OneBitLamb, ZeroOneAdam
 
@@ -39,7 +39,7 @@ _log = logging.getLogger(__name__)
 #: The lbcomm optimizers that compress their own communication (the momentum, after the freeze).
 ONEBIT_OPTIMIZERS = (OneBitAdam, OneBitLamb, ZeroOneAdam)
 #: The lbcomm optimizers that average or compress by themselves: they pair with
-#: `onebit_optimizer_hook` (DDP averages their warmup gradients, or nothing at all).
+#: `warmup_average_hook` (DDP averages their warmup gradients, or nothing at all).
 LBCOMM_OPTIMIZERS = ONEBIT_OPTIMIZERS + (Lamb,)
 
 # Attributes under which known wrappers keep the object they wrap, searched in this order:
@@ -191,7 +191,7 @@ def attach(model: Any, optimizer_or_hook_state: Any, *, optimizer: Any = None,
             it trains), ``torch.compile(ddp_model)``.
         optimizer_or_hook_state: a lbcomm optimizer (`OneBitAdam`, `OneBitLamb`,
             `Lamb`; also inside accelerate's/Lightning's optimizer wrappers) ->
-            `onebit_optimizer_hook`; a `OneBitHookState` (with any optimizer) -> `onebit_hook`.
+            `warmup_average_hook`; a `OneBitHookState` (with any optimizer) -> `onebit_hook`.
         optimizer (optional): with a `OneBitHookState`, the optimizer that steps on the
             hook's gradients (or its accelerate / Lightning wrapper, or a list of them),
             checked against the state: a 1-bit optimizer (`OneBitAdam`, `OneBitLamb`,
@@ -201,7 +201,7 @@ def attach(model: Any, optimizer_or_hook_state: Any, *, optimizer: Any = None,
             wrong); SGD with momentum under the gradient-compressing default logs a hint
             (default: None, nothing checked). The frameworks' callbacks always pass it.
         warmup_fp16 (bool, optional): with a lbcomm optimizer, average the warmup gradients
-            in fp16 (`onebit_optimizer_fp16_hook`) (default: False).
+            in fp16 (``WarmupAverage(opt, torch.float16)``) (default: False).
 
     Returns:
         The `DistributedDataParallel` the hook was registered on, or None with one process
@@ -230,7 +230,7 @@ def attach(model: Any, optimizer_or_hook_state: Any, *, optimizer: Any = None,
         if optimizer is not None:
             raise TypeError("lbcomm.attach: optimizer= is for a OneBitHookState (the optimizer stepping on the "
                             f"hook's gradients); {type(target).__name__} is the optimizer already: attach(model, opt)")
-        hook = onebit_optimizer_fp16_hook if warmup_fp16 else onebit_optimizer_hook
+        hook = warmup_average_hook
     elif isinstance(target, OneBitHookState):
         if warmup_fp16:
             raise ValueError("lbcomm.attach: warmup_fp16 applies to lbcomm optimizers; a OneBitHookState averages "
@@ -267,11 +267,16 @@ def attach(model: Any, optimizer_or_hook_state: Any, *, optimizer: Any = None,
                          "build it with process_group=<the DDP's process group>")
     if hook is onebit_hook and not _same_group(target.process_group, ddp.process_group):
         raise ValueError("lbcomm.attach: the OneBitHookState has another process group than the DDP model; "
-                         "build it with OneBitHookState(process_group=<the DDP's process group>)")
+                         "build it with OneBitHookState(comm=lbcomm.CommConfig(process_group=<the DDP's process "
+                         "group>))")
 
+    state = target
+    if hook is warmup_average_hook:
+        state = WarmupAverage(target, torch.float16 if warmup_fp16 else torch.float32,
+                              process_group=target.process_group)
     registered = getattr(ddp, "_comm_hooks", None)  # DDP keeps [(hook, state)]; read only
     if registered:
-        if any(h is hook and s is target for h, s in registered):
+        if any(h is hook and getattr(s, "optimizer", s) is target for h, s in registered):
             _log.debug("lbcomm.attach: %s is already registered with this state", hook.__name__)
             return ddp
         names = ", ".join(getattr(h, "__name__", repr(h)) for h, _ in registered)
@@ -279,7 +284,7 @@ def attach(model: Any, optimizer_or_hook_state: Any, *, optimizer: Any = None,
                          "Remove the other registration (e.g. accelerate's comm_hook setting, Lightning's "
                          "ddp_comm_hook, an earlier register_comm_hook) and let lbcomm.attach register its hook.")
     try:
-        ddp.register_comm_hook(target, hook)
+        ddp.register_comm_hook(state, hook)
     except RuntimeError as exc:  # e.g. a built-in (C++) hook that `_comm_hooks` does not list
         raise ValueError(f"lbcomm.attach: DDP refused the hook ({exc}); the model already has a communication "
                          "hook. Remove the other registration and let lbcomm.attach register its hook.") from exc

@@ -235,7 +235,7 @@ OneBitAdam.__doc__ = r"""Implements 1-bit Adam: AdamW in the warmup, then a froz
         bucket_cap_mb (float, optional): bucket size of the warmup gradient allreduce
             (default: 25)
         detect_averaged_grads (bool, optional): with several ranks, raise
-            `lbcomm.ddp.AveragedGradientsError` when the gradients are identical on every
+            `lbcomm.errors.AveragedGradientsError` when the gradients are identical on every
             rank at the first warmup step or the first compression step (a DDP without
             lbcomm's hook averaged them); costs 2 floats per rank in collectives the
             optimizer makes anyway, twice. Set False only when every rank really trains on

@@ -13,7 +13,7 @@ the step skeleton and the checkpoint format.
   already averaged the gradients sets `grads_averaged` and the optimizer does not
   communicate.
 * Never silent (a misconfigured stack raises instead of training quietly at full
-  precision, see `lbcomm.ddp.claims`), for optimizers with the ``detect_averaged_grads``
+  precision, see `lbcomm.errors`), for optimizers with the ``detect_averaged_grads``
   option: until it is decided, a per-rank checksum of the local gradients (their sum and sum of
   squares) rides along the warmup allreduce in slots of its own (2 floats per rank); if
   every rank sent the same checksum, a DDP without lbcomm's hook has averaged the
@@ -42,7 +42,7 @@ from torch.optim import Optimizer
 from ..comm import BACKENDS, get_transport
 from ..common import FLOAT_DTYPES, NONFINITE_POLICIES
 from ..compressed import NonFiniteError
-from ..ddp.claims import AveragedGradientsError
+from ..errors import AveragedGradientsError
 from . import functional as F
 from .flat import FlatLayout, Segment, local_tensor, segments
 
@@ -209,6 +209,13 @@ class BaseOptimizer(Optimizer):
     def frozen(self) -> bool:
         """True once the variance is frozen (never for `Lamb`)."""
         return False
+
+    def note_local_grads(self, params, grads) -> None:
+        """Called by `lbcomm.ddp.warmup_average_hook` with a bucket's parameters and local
+        gradients before it averages them (OneBitAdam's rescale_variance keeps their
+        squared norms; a no-op otherwise)."""
+        if self._tracks_grad_sq():
+            self.stash_local_grad_sq(params, grads)
 
     @property
     def global_step(self) -> int:
@@ -555,7 +562,7 @@ class BaseOptimizer(Optimizer):
                 f"DistributedDataParallel without lbcomm's communication hook has already averaged them at full "
                 f"precision; {why}. Register lbcomm's hook: lbcomm.attach(ddp_model, optimizer) (it finds the DDP "
                 "inside accelerate, Lightning and torch.compile wrappers) or ddp_model.register_comm_hook(optimizer, "
-                "lbcomm.onebit_optimizer_hook); with the Hugging Face Trainer add callbacks=[lbcomm.integrations."
+                "lbcomm.ddp.warmup_average_hook); with the Hugging Face Trainer add callbacks=[lbcomm.integrations."
                 "transformers.LbcommCallback()], with Lightning callbacks=[lbcomm.integrations.lightning."
                 f"LbcommCallback()]. If every rank really computes the same gradients (the same batch on every "
                 f"rank), pass {name}(..., detect_averaged_grads=False).")

@@ -403,7 +403,7 @@ OneBitLamb.__doc__ = r"""Implements 1-bit LAMB: LAMB in the warmup, then a froze
         nonfinite (str, optional): "raise" or "skip" a step with NaN/Inf, state unchanged
             (default: "raise")
         bucket_cap_mb (float, optional): bucket size of the warmup gradient allreduce (default: 25)
-        detect_averaged_grads (bool, optional): raise `lbcomm.ddp.AveragedGradientsError`
+        detect_averaged_grads (bool, optional): raise `lbcomm.errors.AveragedGradientsError`
             when the gradients are identical on every rank at the first warmup or compression
             step (a DDP without lbcomm's hook); False only when every rank really trains on
             the same batch (default: True)

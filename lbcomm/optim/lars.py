@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from ..common import NONFINITE_POLICIES
-from ..ddp.claims import AveragedGradientsError, compressed_by_hook
+from ..errors import AveragedGradientsError
 from . import functional as F
 from .base import BaseOptimizer, replicas_identical
 from .flat import FlatLayout, Segment
@@ -95,14 +95,6 @@ class Lars(BaseOptimizer):
             raise ValueError(f"Invalid bucket_cap_mb: {group['bucket_cap_mb']} (must be > 0)")
 
     # ------------------------------------------------------------------ communication
-    def _take_step(self, L: FlatLayout) -> bool:
-        if not self._grads_averaged and self.transport.world_size > 1 and compressed_by_hook(L.params):
-            # lbcomm.onebit_hook has averaged (compressed) the gradients: do not reduce them again
-            self._grads_averaged = True
-            _log.info("%s: the gradients are averaged by lbcomm.onebit_hook; the optimizer does not communicate",
-                      type(self).__name__)
-        return super()._take_step(L)
-
     def _check_replicas(self, slots: Tensor, stage: str) -> bool:
         same = replicas_identical(slots)
         if same:
@@ -111,7 +103,7 @@ class Lars(BaseOptimizer):
                 f"{name}: at step {self._global_step + 1} the gradients are identical on all {p} ranks: a "
                 f"DistributedDataParallel has already averaged them, and {name} would average them a second time. "
                 f"Set optimizer.grads_averaged = True ({name} then does not communicate), or compress them with "
-                "lbcomm.onebit_hook (detected automatically). If every rank really computes the same gradients, "
+                "lbcomm.onebit_hook (then set grads_averaged = True as well). If every rank really computes the same gradients, "
                 f"pass {name}(..., detect_averaged_grads=False).")
         return same is not None
 
@@ -185,10 +177,9 @@ Lars.__doc__ = r"""Implements LARS (layer-wise adaptive rate scaling, You et al.
 
     Data parallel: the gradients reaching `step` must be the mean over the ranks, or the
     optimizer averages them itself (one bucketed fp32 allreduce; no DDP needed). Under
-    `lbcomm.onebit_hook` (1-bit compressed gradients, error feedback) the optimizer sees the
-    hook's claim on its parameters and does not communicate; under DDP's own allreduce or
-    another hook set ``optimizer.grads_averaged = True`` (identical gradients on every rank
-    otherwise raise `lbcomm.ddp.AveragedGradientsError` naming this fix). NaN/Inf in the
+    `lbcomm.onebit_hook` (1-bit compressed gradients, error feedback), DDP's own allreduce or
+    another averaging hook set ``optimizer.grads_averaged = True`` (identical gradients on every rank
+    otherwise raise `lbcomm.errors.AveragedGradientsError` naming this fix). NaN/Inf in the
     averaged gradients (onebit_hook's ``nonfinite="skip"`` makes a bucket NaN on every rank)
     raise or skip the step on every rank alike (``nonfinite``).
 
@@ -208,7 +199,7 @@ Lars.__doc__ = r"""Implements LARS (layer-wise adaptive rate scaling, You et al.
             NaN/Inf; the state is unchanged either way (default: "raise")
         bucket_cap_mb (float, optional): bucket size of the optimizer's own gradient
             allreduce (default: 25)
-        detect_averaged_grads (bool, optional): raise `lbcomm.ddp.AveragedGradientsError`
+        detect_averaged_grads (bool, optional): raise `lbcomm.errors.AveragedGradientsError`
             when the gradients are identical on every rank although `grads_averaged` is not
             set (default: True)
         process_group (ProcessGroup, optional): the ranks to average over (default: the world)

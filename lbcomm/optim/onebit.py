@@ -52,7 +52,6 @@ from torch import Tensor
 from ..common import report_exact_share, ring_allreduce_bytes
 from ..compressed import CompressionState, NonFiniteError, reduce_
 from ..topology import HierarchicalState, Topology, exact_mean_bytes, hierarchical_allreduce_, hierarchical_mean_
-from ..ddp.claims import claim_gradients
 from ..wire import check_block_size
 from . import functional as F
 from .base import BaseOptimizer, grad_norm, local_sq_, replica_slots
@@ -103,11 +102,9 @@ class OneBitOptimizer(BaseOptimizer):
         self._stats_ride: Optional[Tensor] = None  # gradient_stats' sample, to ride in _grads_finite's allreduce
         self._stats_mean: Optional[Tensor] = None  # ... and its mean over the ranks
         self._grad_sq_now: Optional[Tensor] = None  # this step's local_grad_sq (rescale_variance), folded once taken
-        self._hook_sq: Dict[int, Tensor] = {}  # id(param) -> local squared norm, from onebit_optimizer_hook
+        self._hook_sq: Dict[int, Tensor] = {}  # id(param) -> local squared norm, from warmup_average_hook
         self._untracked_warned = False
         super().__init__(*args, **kwargs)
-        # onebit_hook on the same parameters would compress them a second time
-        claim_gradients([p for g in self.param_groups for p in g["params"]], self, type(self).__name__)
 
     def _validate_group(self, group: Dict[str, Any]) -> None:
         super()._validate_group(group)
@@ -281,7 +278,7 @@ class OneBitOptimizer(BaseOptimizer):
         return "grad_sq" in self._param_vectors and any(g.get("rescale_variance", False) for g in self.param_groups)
 
     def stash_local_grad_sq(self, params, grads) -> None:
-        """Called by `lbcomm.ddp.onebit_optimizer_hook` with a bucket's parameters and local
+        """Called by `note_local_grads` (`lbcomm.ddp.warmup_average_hook`) with a bucket's parameters and local
         gradients before it averages them: their squared norms, which the warmup's
         `rescale_variance` needs and the averaged gradients no longer hold."""
         for p, g in zip(params, grads):
@@ -292,7 +289,7 @@ class OneBitOptimizer(BaseOptimizer):
             stash, self._hook_sq = self._hook_sq, {}
             if not stash:
                 self._untrack("the gradients were averaged before the optimizer saw them, not by "
-                              "lbcomm.ddp.onebit_optimizer_hook, so their local squared norms are unknown")
+                              "lbcomm.ddp.warmup_average_hook, so their local squared norms are unknown")
                 return
             for i, p in enumerate(L.params):
                 # -1: a parameter with a gradient that the hook did not see (its tracking stops)
@@ -314,7 +311,7 @@ class OneBitOptimizer(BaseOptimizer):
         if not self._untracked_warned:
             self._untracked_warned = True
             _log.warning("%s: rescale_variance is off for this run: %s. The variance stays frozen as published. "
-                         "Use onebit_optimizer_hook (or let the optimizer average the gradients) to keep it",
+                         "Use lbcomm.ddp.warmup_average_hook (or let the optimizer average the gradients) to keep it",
                          type(self).__name__, why)
 
     def _grad_sq_ema(self, L: FlatLayout):

@@ -82,7 +82,7 @@ class Probe(Callback):
 
 
 def run(ckpt_path=None):
-    hook_state = None if kind in ("onebit_lamb", "onebit_lamb_clip") else lbcomm.OneBitHookState(start_iter=FREEZE, exact_numel=0)
+    hook_state = None if kind in ("onebit_lamb", "onebit_lamb_clip") else lbcomm.OneBitHookState(FREEZE, comm=lbcomm.CommConfig(exact_numel=0))
     # A lbcomm optimizer clips by the shared norm in the callback (Lightning's clipping off);
     # the hook averages the gradients, so Lightning clips them itself.
     clip = {"onebit_lamb_clip": CLIP, "onebit_lamb": SOME_CLIP}.get(kind)

@@ -80,7 +80,7 @@ def build(output_dir, resume=None):
         opt = lbcomm.OneBitLamb(model.parameters(), lr=3e-3, freeze_step=FREEZE, exact_numel=0)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        hook_state = lbcomm.OneBitHookState(start_iter=FREEZE, exact_numel=0)
+        hook_state = lbcomm.OneBitHookState(FREEZE, comm=lbcomm.CommConfig(exact_numel=0))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3) * (1 - s / (2 * STEPS)))
     # A lbcomm optimizer clips by the shared norm in the callback (the Trainer's own clipping
     # off); the hook averages the gradients, so the Trainer clips them itself.
