@@ -198,8 +198,10 @@ def attach(model: Any, optimizer_or_hook_state: Any, *, optimizer: Any = None,
             `ZeroOneAdam`) raises `lbcomm.errors.DoubleCompressionError` (it compresses by
             itself), `Lamb` a ValueError (it averages by itself); ``torch.optim.SGD`` whose
             momentum differs from ``OneBitHookState(momentum=)`` raises (the steps would be
-            wrong); SGD with momentum under the gradient-compressing default logs a hint
-            (default: None, nothing checked). The frameworks' callbacks always pass it.
+            wrong); SGD with momentum under the gradient-compressing default logs a hint.
+            It is also the optimizer `OneBitHookState.check_resume` watches: a resume that
+            restores it but not the hook state warns (default: None, nothing checked). The
+            frameworks' callbacks always pass it.
         warmup_fp16 (bool, optional): with a lbcomm optimizer, average the warmup gradients
             in fp16 (``WarmupAverage(opt, torch.float16)``) (default: False).
 
@@ -241,6 +243,9 @@ def attach(model: Any, optimizer_or_hook_state: Any, *, optimizer: Any = None,
         for opt in (o for o in optimizers if o is not None):
             check_not_communicating("lbcomm.attach", opt)
         check_hook_momentum("lbcomm.attach", target, [o for o in optimizers if o is not None])
+        for opt in (o for o in optimizers if o is not None):  # a resume that forgets the hook state is named
+            target.check_resume(unwrap_optimizer(opt))
+            break
     elif isinstance(target, torch.optim.Optimizer):
         raise TypeError(f"lbcomm.attach: {type(target).__name__} is not a lbcomm optimizer, so it cannot compress "
                         "anything itself. Either use lbcomm.OneBitAdam / lbcomm.OneBitLamb, or keep this optimizer "
