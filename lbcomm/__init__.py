@@ -8,6 +8,7 @@ from . import ddp, fsdp, ops, optim, reference, schedules, stats, topology, wire
 from .checkpoint import load_sharded, save_sharded, shard_path
 from .compressed import (DEFAULT_BLOCK_SIZE, CompressionState, NonFiniteError, compressed_allreduce,
                          compressed_allreduce_)
+from .config import CommConfig
 from .ddp import (OneBitHookState, onebit_hook, onebit_optimizer_bf16_hook, onebit_optimizer_fp16_hook,
                   onebit_optimizer_hook, onebit_optimizer_hook_for)
 from .integrations import attach
@@ -16,6 +17,7 @@ from .topology import HierarchicalState, Topology, hierarchical_allreduce_
 
 __version__ = "0.1.0"
 __all__ = [
+    "CommConfig",
     "CompressionState",
     "compressed_allreduce",
     "compressed_allreduce_",

@@ -183,7 +183,8 @@ def _onebit_optimizer(rank, opt_cls, lr, hook, steps, freeze_step):
 
 def _onebit_adam_without_ddp(rank, freeze_step):
     model = _model()
-    opt = lbcomm.OneBitAdam(model.parameters(), lr=1e-2, freeze_step=freeze_step, block_size=256)
+    opt = lbcomm.OneBitAdam(model.parameters(), lr=1e-2, freeze_step=freeze_step,
+                            comm=lbcomm.CommConfig(block_size=256))
     _train(model, opt, rank, freeze_step)
     return _flat(model)
 

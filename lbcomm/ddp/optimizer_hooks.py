@@ -41,8 +41,7 @@ def _optimizer_hook(dtype: torch.dtype, optimizer, bucket: dist.GradBucket) -> t
     if optimizer.frozen:
         return completed_future(buf, buf.device)
     optimizer.grads_averaged = True
-    if optimizer._tracks_grad_sq():  # OneBitAdam's rescale_variance needs the local squared norms
-        optimizer.stash_local_grad_sq(bucket.parameters(), bucket.gradients())
+    optimizer.note_local_grads(bucket.parameters(), bucket.gradients())  # before they are averaged
     return _WARMUP[dtype](optimizer.process_group, bucket)
 
 
