@@ -166,7 +166,7 @@ def _resume(rank, ckpt_dir, total, cut, start_iter):
 def _onebit_optimizer(rank, opt_cls, lr, hook, steps, freeze_step):
     model = _model()
     ddp = DDP(model, bucket_cap_mb=BUCKET_MB)
-    opt = opt_cls(ddp.parameters(), lr=lr, freeze_step=freeze_step, block_size=256)
+    opt = opt_cls(ddp.parameters(), lr=lr, freeze_step=freeze_step, comm=lbcomm.CommConfig(block_size=256))
     ddp.register_comm_hook(opt, hook)
     before = _eval_loss(model)
     grads, warm = {}, None

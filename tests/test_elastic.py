@@ -100,8 +100,8 @@ def test_redistribution_refuses_an_incomplete_world():
 
 def _make(name):
     model = _mlp(seed=5)
-    opt = OPTS[name](model.parameters(), lr=1e-2, weight_decay=0.01, freeze_step=FREEZE, block_size=64,
-                          exact_numel=0)  # every parameter compressed: errors to redistribute
+    opt = OPTS[name](model.parameters(), lr=1e-2, weight_decay=0.01, freeze_step=FREEZE,
+                     comm=lbcomm.CommConfig(block_size=64, exact_numel=0))  # every parameter compressed
     return model, opt
 
 
