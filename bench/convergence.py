@@ -41,7 +41,7 @@ from torch import nn
 import lbcomm
 from lbcomm.comm.counting import CountingTransport
 
-from .cli_options import json_options
+from .cli_options import json_options, optimizer_options
 
 BASELINE = {"onebit_adam": "adamw", "onebit_lamb": "lamb"}  # the block-size sweeps
 TWIN = {**BASELINE, "zeroone": "adamw"}
@@ -141,17 +141,18 @@ def make_optimizer(kind, params, a, block):
     common = dict(betas=(0.9, a.beta2), eps=1e-8, weight_decay=a.weight_decay)
     if kind == "adamw":
         return torch.optim.AdamW(params, lr=a.adam_lr, **common)
-    extra = a.onebit_options
+    # non-finite steps raise, as a diverged run should
+    extra = optimizer_options(a.onebit_options, block_size=block, nonfinite="raise")
     if kind == "onebit_adam":
-        return lbcomm.OneBitAdam(params, lr=a.adam_lr, freeze_step=a.freeze, block_size=block, **common, **extra)
+        return lbcomm.OneBitAdam(params, lr=a.adam_lr, freeze_step=a.freeze, **common, **extra)
     if kind == "zeroone":
-        return lbcomm.ZeroOneAdam(params, lr=a.adam_lr, var_freeze_step=a.freeze, block_size=block,
+        return lbcomm.ZeroOneAdam(params, lr=a.adam_lr, var_freeze_step=a.freeze,
                                   var_update_scaler=a.var_update_scaler, local_step_scaler=a.local_step_scaler,
                                   local_step_clipper=a.local_step_clipper, **common,
-                                  **a.zeroone_options)
+                                  **optimizer_options(a.zeroone_options, block_size=block, nonfinite="raise"))
     if kind == "lamb":
-        return lbcomm.Lamb(params, lr=a.lamb_lr, **common)
-    return lbcomm.OneBitLamb(params, lr=a.lamb_lr, freeze_step=a.freeze, block_size=block, **common, **extra)
+        return lbcomm.Lamb(params, lr=a.lamb_lr, comm=lbcomm.CommConfig(nonfinite="raise"), **common)
+    return lbcomm.OneBitLamb(params, lr=a.lamb_lr, freeze_step=a.freeze, **common, **extra)
 
 
 def lr_factor(step: int, total: int, warmup: int) -> float:

@@ -47,7 +47,7 @@ import torch.multiprocessing as mp
 
 import lbcomm
 
-from .cli_options import json_options
+from .cli_options import json_options, optimizer_options
 from . import tasks as T
 from .convergence import average_grads, zeroone_local_step_scaler
 
@@ -93,7 +93,8 @@ def freeze_of(task) -> int:
 def build(method, model, lr, task, world, a):
     """(model to call, optimizer, ddp state) for one run."""
     betas, wd = (0.9, task.beta2), task.weight_decay
-    extra = a.onebit_options
+    # non-finite steps raise (NonFiniteError marks the run diverged, below)
+    extra = optimizer_options(a.onebit_options, nonfinite="raise")
     adam_cls, lamb_cls = lbcomm.OneBitAdam, lbcomm.OneBitLamb
     if method == "adamw":
         return model, torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=wd)
@@ -101,18 +102,19 @@ def build(method, model, lr, task, world, a):
         return model, adam_cls(model.parameters(), lr=lr, betas=betas, weight_decay=wd,
                                         freeze_step=freeze_of(task), **extra)
     if method == "zeroone":  # var_freeze_step at 25 % as the others' freeze; alpha scaled to the run
-        opts = {"local_step_scaler": zeroone_local_step_scaler(task.steps),
-                **a.zeroone_options}
+        opts = optimizer_options({"local_step_scaler": zeroone_local_step_scaler(task.steps),
+                                  **a.zeroone_options}, nonfinite="raise")
         return model, lbcomm.ZeroOneAdam(model.parameters(), lr=lr, betas=betas, weight_decay=wd,
                                          var_freeze_step=freeze_of(task), **opts)
     if method == "lamb":
-        return model, lbcomm.Lamb(model.parameters(), lr=lr, betas=betas, weight_decay=wd)
+        return model, lbcomm.Lamb(model.parameters(), lr=lr, betas=betas, weight_decay=wd,
+                                  comm=lbcomm.CommConfig(nonfinite="raise"))
     if method == "onebit_lamb":
         return model, lamb_cls(model.parameters(), lr=lr, betas=betas, weight_decay=wd,
                                         freeze_step=freeze_of(task), **extra)
-    def lars():
+    def lars(grads_averaged=False):
         return lbcomm.Lars(model.parameters(), lr=lr, weight_decay=wd, trust_coefficient=LARS_TRUST,
-                           **lars_options(a))
+                           grads_averaged=grads_averaged, **optimizer_options(lars_options(a), nonfinite="raise"))
 
     if method == "lars":
         return model, lars()
@@ -125,10 +127,8 @@ def build(method, model, lr, task, world, a):
         comm = lbcomm.CommConfig(**{k: opts.pop(k) for k in list(opts) if k in COMM_FIELDS})
         ddp.hook_state = lbcomm.OneBitHookState(freeze_of(task), **opts, comm=comm)
         ddp.register_comm_hook(ddp.hook_state, lbcomm.onebit_hook)
-    if method == "lars_hook":  # onebit_hook averages the gradients: Lars is told not to average again
-        opt = lars()
-        opt.grads_averaged = True
-        return ddp, opt
+    if method == "lars_hook":  # onebit_hook averages the gradients: Lars does not average them again
+        return ddp, lars(grads_averaged=True)
     if method == "adamw_hook":
         return ddp, torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=wd)
     return ddp, torch.optim.SGD(model.parameters(), lr=lr, momentum=SGD_MOMENTUM)

@@ -1,50 +1,52 @@
-"""lbcomm: 1-bit compressed allreduce with error feedback for large-batch training.
+"""lbcomm: 1-bit compressed communication with error feedback for large-batch training.
 
-The core (`compressed_allreduce`, docs/concepts.md), the optimizers (`lbcomm.optim`,
-docs/optimizers.md) with their per-rank checkpoints, and the DDP communication hooks
-(`lbcomm.ddp`, docs/hooks.md).
+What a user calls is exported here: the 1-bit optimizers and their full-precision twins
+(docs/optimizers.md), the DDP and FSDP2/HSDP hooks (docs/hooks.md, docs/topology.md), the
+communication settings `CommConfig`, the reducers and the compressed allreduce itself
+(docs/concepts.md), per-rank checkpoints (docs/checkpoints.md) and `attach` for
+frameworks (docs/integrations.md). Everything else lives in its module: `lbcomm.comm`
+(transports), `lbcomm.stats` and `lbcomm.schedules` (large-batch tools), `lbcomm.errors`,
+`lbcomm.reference` (pure-torch references of the kernels and algorithms).
 """
-from . import ddp, fsdp, ops, optim, reference, schedules, stats, topology, wire
-from .checkpoint import load_sharded, save_sharded, shard_path
+from . import ddp, fsdp, optim, schedules, stats, topology
+from .checkpoint import load_sharded, save_sharded
+from .compressed import CompressionState, NonFiniteError, compressed_allreduce, compressed_allreduce_
 from .config import CommConfig
-from .compressed import (DEFAULT_BLOCK_SIZE, CompressionState, NonFiniteError, compressed_allreduce,
-                         compressed_allreduce_)
 from .ddp import OneBitHookState, WarmupAverage, onebit_hook, warmup_average_hook
+from .fsdp import OneBitHSDPState, onebit_hsdp
 from .integrations import attach
 from .optim import Lamb, Lars, OneBitAdam, OneBitLamb, ZeroOneAdam
-from .topology import HierarchicalState, Topology, hierarchical_allreduce_
+from .reducer import Reducer, make_reducer
+from .topology import HierarchicalState, Topology
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 __all__ = [
-    "CommConfig",
-    "CompressionState",
-    "compressed_allreduce",
-    "compressed_allreduce_",
-    "NonFiniteError",
-    "DEFAULT_BLOCK_SIZE",
-    "Topology",
-    "HierarchicalState",
-    "hierarchical_allreduce_",
+    # optimizers
     "OneBitAdam",
-    "ZeroOneAdam",
     "OneBitLamb",
+    "ZeroOneAdam",
     "Lamb",
     "Lars",
-    "save_sharded",
-    "load_sharded",
-    "shard_path",
+    # communication settings
+    "CommConfig",
+    # hooks
     "OneBitHookState",
     "onebit_hook",
     "WarmupAverage",
     "warmup_average_hook",
+    "OneBitHSDPState",
+    "onebit_hsdp",
+    # reducers and the compressed allreduce
+    "Reducer",
+    "make_reducer",
+    "CompressionState",
+    "HierarchicalState",
+    "Topology",
+    "compressed_allreduce_",
+    "compressed_allreduce",
+    "NonFiniteError",
+    # checkpoints and frameworks
+    "save_sharded",
+    "load_sharded",
     "attach",
-    "ops",
-    "optim",
-    "ddp",
-    "fsdp",
-    "topology",
-    "reference",
-    "schedules",
-    "wire",
-    "stats",
 ]

@@ -380,8 +380,8 @@ def onebit_optimizer(model: torch.nn.Module, mesh, optimizer_class=None, *, repl
         replicate_dim, shard_dim (str, optional): the mesh's dimension names (default:
             "node", "local").
         params (iterable, optional): parameters or param groups (default: model.parameters()).
-        **kwargs: the optimizer's options (lr, freeze_step, ...); process_group, shard_group
-            and topology are set here.
+        **kwargs: the optimizer's options (lr, freeze_step, ..., comm); the comm settings
+            process_group, shard_group, backend and topology are set here.
 
     Returns:
         The optimizer (process_group = the replicate group, shard_group = the shard group).
@@ -407,18 +407,22 @@ def onebit_optimizer(model: torch.nn.Module, mesh, optimizer_class=None, *, repl
     """
     from torch.distributed.fsdp import FSDPModule
 
-    from .optim import Lamb, OneBitAdam
-    from .optim.onebit import OneBitOptimizer
+    from .config import resolve
+    from .optim import Lamb, OneBitAdam, OneBitLamb
 
     _check_mesh(mesh, replicate_dim, shard_dim, "onebit_optimizer")
     cls = OneBitAdam if optimizer_class is None else optimizer_class
-    if not (isinstance(cls, type) and issubclass(cls, (OneBitOptimizer, Lamb))):
+    if not (isinstance(cls, type) and issubclass(cls, (OneBitAdam, OneBitLamb, Lamb))):
         raise TypeError(f"onebit_optimizer: optimizer_class must be lbcomm.OneBitAdam, lbcomm.OneBitLamb or "
                         f"lbcomm.Lamb (or a subclass), got {cls!r}")
-    for name in ("process_group", "shard_group", "topology"):
-        if name in kwargs:
-            raise ValueError(f"onebit_optimizer: {name} is set from the mesh (the replicate group is the topology's "
-                             f"cross-node step); do not pass it")
+    comm = resolve(kwargs.pop("comm", None), "onebit_optimizer")
+    for name in ("process_group", "shard_group"):
+        if getattr(comm, name) is not None:
+            raise ValueError(f"onebit_optimizer: comm.{name} is set from the mesh (the replicate group is the "
+                             f"topology's cross-node step); do not pass it")
+    if comm.topology not in ("auto", "flat"):
+        raise ValueError("onebit_optimizer: comm.topology is set from the mesh (the replicate group is the topology's "
+                         "cross-node step); do not pass it")
     fsdp_modules = [(name or "<root>", m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
     if not fsdp_modules:
         raise ValueError(f"onebit_optimizer: the model has no FSDP module; call fully_shard(module, "
@@ -438,9 +442,9 @@ def onebit_optimizer(model: torch.nn.Module, mesh, optimizer_class=None, *, repl
         if pm.mesh.tolist() != shard_mesh.mesh.tolist():
             raise ValueError(f"onebit_optimizer: parameter {pname} is sharded over ranks {pm.mesh.tolist()}, not over "
                              f"this rank's {shard_dim!r} dimension {shard_mesh.mesh.tolist()}")
-    extra = {} if issubclass(cls, Lamb) and not issubclass(cls, OneBitOptimizer) else {"topology": "flat"}
-    opt = cls(model.parameters() if params is None else params, process_group=mesh.get_group(replicate_dim),
-              shard_group=mesh.get_group(shard_dim), backend="torch", **extra, **kwargs)
+    comm = comm.replace(process_group=mesh.get_group(replicate_dim), shard_group=mesh.get_group(shard_dim),
+                        backend="torch", topology="flat")
+    opt = cls(model.parameters() if params is None else params, comm=comm, **kwargs)
     _log.info("onebit_optimizer: %s on %s FSDP module(s), shards averaged across %s nodes", cls.__name__,
               len(fsdp_modules), mesh.size(list(mesh.mesh_dim_names).index(replicate_dim)))
     return opt

@@ -36,7 +36,7 @@ elif variant == "onebit_adam":  # through the freeze: the warmup's averaging, th
     import lbcomm
 
     model = torch.nn.Linear(64, 64)
-    opt = lbcomm.OneBitAdam(model.parameters(), lr=1e-3, freeze_step=3, exact_numel=0)
+    opt = lbcomm.OneBitAdam(model.parameters(), lr=1e-3, freeze_step=3, comm=lbcomm.CommConfig(exact_numel=0))
     for _ in range(6):
         model(torch.randn(8, 64)).square().mean().backward()
         opt.step()

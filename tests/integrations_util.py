@@ -45,7 +45,7 @@ def assert_bitwise(a, b, what):
 def assert_same_shards(dir_a, dir_b, nproc=2):
     """Every rank's lbcomm shard (model, optimizer, extra) in dir_a equals the one in dir_b bit for bit."""
     from integrations_workers.common import tensors_of
-    from lbcomm import shard_path
+    from lbcomm.checkpoint import shard_path
 
     for r in range(nproc):
         a = torch.load(shard_path(dir_a, r, nproc), weights_only=False)

@@ -32,10 +32,10 @@ def model() -> nn.Module:
 
 
 def make(kind: str, params, backend: str):
-    kw = dict(lr=1e-2, weight_decay=0.01, backend=backend)
     if kind == "Lamb":
-        return lbcomm.Lamb(params, **kw)
-    return getattr(lbcomm, kind)(params, freeze_step=FREEZE, block_size=32, exact_numel=0, **kw)
+        return lbcomm.Lamb(params, lr=1e-2, weight_decay=0.01, comm=lbcomm.CommConfig(backend=backend))
+    return getattr(lbcomm, kind)(params, lr=1e-2, weight_decay=0.01, freeze_step=FREEZE,
+                                 comm=lbcomm.CommConfig(backend=backend, block_size=32, exact_numel=0))
 
 
 def step(net: nn.Module, opt, rank: int, t: int) -> None:

@@ -83,7 +83,7 @@ def _check(results, p, sizes, block, steps, dtype):
 
 @pytest.mark.parametrize("p", [1, 2, 3, 4, 5])
 def test_matches_reference_and_invariant(p):
-    blocks = (None, lbcomm.DEFAULT_BLOCK_SIZE, 64)
+    blocks = (None, lbcomm.config.DEFAULT_BLOCK_SIZE, 64)
     results = run_ranks(_run_blocks, p, SIZES, blocks, STEPS, torch.float32)
     for block in blocks:
         _check([r[block] for r in results], p, SIZES, block, STEPS, torch.float32)

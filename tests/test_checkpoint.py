@@ -17,8 +17,8 @@ SAVE_AT, TOTAL, FREEZE = 8, 16, 4  # saved 4 steps into the compression stage
 
 def _make(name):
     model = _mlp(seed=5)
-    opt = OPTS[name](model.parameters(), lr=1e-2, weight_decay=0.01, freeze_step=FREEZE, block_size=64,
-                          exact_numel=0)  # every parameter compressed: errors to save
+    opt = OPTS[name](model.parameters(), lr=1e-2, weight_decay=0.01, freeze_step=FREEZE,
+                     comm=lbcomm.CommConfig(block_size=64, exact_numel=0))  # every parameter compressed: errors to save
     return model, opt
 
 
@@ -84,7 +84,7 @@ def test_shards_are_one_file_per_rank(saved):
     ckpt, _ = saved
     for name in OPTS:
         assert sorted(os.listdir(os.path.join(ckpt, name))) == ["shard-00000-of-00002.pt", "shard-00001-of-00002.pt"]
-        shards = [torch.load(lbcomm.shard_path(os.path.join(ckpt, name), r, 2), weights_only=True) for r in range(2)]
+        shards = [torch.load(lbcomm.checkpoint.shard_path(os.path.join(ckpt, name), r, 2), weights_only=True) for r in range(2)]
         errors = [s["optimizer"]["lbcomm"]["compression"]["worker_error"] for s in shards]
         assert errors[0].abs().sum() > 0 and not torch.equal(errors[0], errors[1])  # each rank its own errors
 
@@ -113,7 +113,7 @@ def test_resume_with_another_world_size_without_elastic_warns_resets_and_keeps_l
             res = resumed[rank][name]
             assert not res["exact"] and res["errors_zero"]
             # the model and the moments come back as saved (they are the same on every rank)
-            saved_state = torch.load(lbcomm.shard_path(os.path.join(ckpt, name), rank % 2, 2), weights_only=True)
+            saved_state = torch.load(lbcomm.checkpoint.shard_path(os.path.join(ckpt, name), rank % 2, 2), weights_only=True)
             assert _same(res["loaded"]["buffers"], _flat_state(saved_state["optimizer"])["buffers"])
             assert res["after"]["global_step"] == SAVE_AT + 12
             assert all(torch.isfinite(q).all() for q in res["after"]["params"])
@@ -148,6 +148,6 @@ def test_loading_problems_are_reported(tmp_path):
     lbcomm.load_sharded(str(tmp_path), model=nn.Sequential(*list(_mlp(seed=9))))
     other = tmp_path / "other"
     other.mkdir()
-    torch.save({"not": "a shard"}, lbcomm.shard_path(str(other), 0, 1))
+    torch.save({"not": "a shard"}, lbcomm.checkpoint.shard_path(str(other), 0, 1))
     with pytest.raises(ValueError, match="not an lbcomm checkpoint shard"):
         lbcomm.load_sharded(str(other), opt)

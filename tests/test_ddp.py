@@ -173,7 +173,7 @@ def _resume(rank, ckpt_dir, total, cut, start_iter):
 def _onebit_optimizer(rank, opt_cls, lr, dtype, steps, freeze_step):
     model = _model()
     ddp = DDP(model, bucket_cap_mb=BUCKET_MB)
-    opt = opt_cls(ddp.parameters(), lr=lr, freeze_step=freeze_step, block_size=256)
+    opt = opt_cls(ddp.parameters(), lr=lr, freeze_step=freeze_step, comm=lbcomm.CommConfig(block_size=256))
     ddp.register_comm_hook(WarmupAverage(opt, dtype), warmup_average_hook)
     before = _eval_loss(model)
     grads, warm = {}, None
@@ -190,7 +190,8 @@ def _onebit_optimizer(rank, opt_cls, lr, dtype, steps, freeze_step):
 
 def _onebit_adam_without_ddp(rank, freeze_step):
     model = _model()
-    opt = lbcomm.OneBitAdam(model.parameters(), lr=1e-2, freeze_step=freeze_step, block_size=256)
+    opt = lbcomm.OneBitAdam(model.parameters(), lr=1e-2, freeze_step=freeze_step,
+                            comm=lbcomm.CommConfig(block_size=256))
     _train(model, opt, rank, freeze_step)
     return _flat(model)
 

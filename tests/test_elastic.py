@@ -120,8 +120,8 @@ def test_redistribution_refuses_an_incomplete_world():
 
 def _make(name):
     model = _mlp(seed=5)
-    opt = OPTS[name](model.parameters(), lr=1e-2, weight_decay=0.01, freeze_step=FREEZE, block_size=64,
-                          exact_numel=0)  # every parameter compressed: errors to redistribute
+    opt = OPTS[name](model.parameters(), lr=1e-2, weight_decay=0.01, freeze_step=FREEZE,
+                     comm=lbcomm.CommConfig(block_size=64, exact_numel=0))  # every parameter compressed
     return model, opt
 
 
@@ -143,7 +143,7 @@ def _resume(rank, p, ckpt, old):
     for name in OPTS:
         model, opt = _make(name)
         # first what a framework does (rank 0's optimizer on every rank: a reset, logged at INFO) ...
-        opt.load_state_dict(torch.load(lbcomm.shard_path(os.path.join(ckpt, name), 0, old),
+        opt.load_state_dict(torch.load(lbcomm.checkpoint.shard_path(os.path.join(ckpt, name), 0, old),
                                        weights_only=True)["optimizer"])
         # ... then the redistribution, so the reset is never warned about
         info = lbcomm.load_sharded(os.path.join(ckpt, name), opt, model)
@@ -165,7 +165,7 @@ def test_load_sharded_redistributes_the_error_feedback(old, new, tmp_path):
     resumed = run_ranks(_resume, new, ckpt, old, timeout=240)
     assert all(r["warnings"] == [] for r in resumed), [r["warnings"] for r in resumed]
     for name in OPTS:
-        saved = [torch.load(lbcomm.shard_path(os.path.join(ckpt, name), r, old), weights_only=True)
+        saved = [torch.load(lbcomm.checkpoint.shard_path(os.path.join(ckpt, name), r, old), weights_only=True)
                  ["optimizer"]["lbcomm"]["compression"] for r in range(old)]
         loaded = [resumed[r][name]["loaded"] for r in range(new)]
         assert all(not resumed[r][name]["exact"] for r in range(new))

@@ -24,8 +24,10 @@ import os
 import pytest
 import torch
 
+import lbcomm
 from dist_util import run_ranks
 from test_fsdp import _batch  # the same synthetic regression batches as the HSDP hook's tests
+from test_optim import COMM_FIELDS
 
 N, G = 2, 2
 STEPS, FREEZE, BLOCK = 8, 4, 64
@@ -33,6 +35,13 @@ NAN_WARMUP, NAN_COMP, SAVE_AFTER = 2, 6, 6  # NaN injected before these steps; c
 LR = 0.01
 EXACT = 300  # of 16x32 + 32 + 32x8 + 8: all but the first weight
 ALL = {"exact_numel": 0}  # every parameter compressed (the default, 4096, would average this model exactly)
+
+
+def _kw(opts, **comm):
+    """`opts` (hyperparameters and communication settings in one dict) as optimizer keyword
+    arguments, the CommConfig fields (on top of `comm`) in ``comm``."""
+    comm.update({k: v for k, v in opts.items() if k in COMM_FIELDS})
+    return {**{k: v for k, v in opts.items() if k not in COMM_FIELDS}, "comm": lbcomm.CommConfig(**comm)}
 
 
 def _model():
@@ -70,7 +79,7 @@ def _same(a, b):
 def _exact_errors(opt):
     """(largest |error| at the exact coordinates, largest elsewhere) of this rank's worker
     error (its slice when hierarchical); None without exact_numel."""
-    part = opt._exact_part(opt._layout)
+    part = opt._onebit.exact.part(opt._layout)
     if part is None:
         return None
     st = opt.compression_state
@@ -92,8 +101,8 @@ def _fsdp_run(rank, cls, opts, ckpt=None, resume=None, nan=True):
 
     mesh = init_device_mesh("cpu", (N, G), mesh_dim_names=("node", "local"))
     model = _sharded(mesh)
-    opt = fsdp.onebit_optimizer(model, mesh, cls, lr=LR, freeze_step=FREEZE, block_size=BLOCK, nonfinite="skip",
-                                **opts)
+    opt = fsdp.onebit_optimizer(model, mesh, cls, lr=LR, freeze_step=FREEZE,
+                                **_kw(opts, block_size=BLOCK, nonfinite="skip"))
     start = 0
     if resume is not None:
         state = {"model": model.state_dict(), "optim": RankLocal(opt)}
@@ -128,7 +137,7 @@ def _dp_run(rank, p, cls, opts, reload=True):
 
     model = _model()
     topo = Topology.node_by_node(G)
-    opt = cls(model.parameters(), lr=LR, freeze_step=FREEZE, block_size=BLOCK, topology=topo, **opts)
+    opt = cls(model.parameters(), lr=LR, freeze_step=FREEZE, **_kw(opts, block_size=BLOCK, topology=topo))
     grads, params = [], []
     for step in range(1, STEPS + 1):
         x, y = _batch(rank, step)
@@ -148,7 +157,7 @@ def _dp_run(rank, p, cls, opts, reload=True):
     handler = logging.Handler()
     handler.emit = lambda record: warnings.append(record.getMessage())
     logging.getLogger("lbcomm.optim.onebit").addHandler(handler)
-    flat = cls(model.parameters(), lr=LR, freeze_step=FREEZE, block_size=BLOCK, topology="flat", **opts)
+    flat = cls(model.parameters(), lr=LR, freeze_step=FREEZE, **_kw(opts, block_size=BLOCK, topology="flat"))
     flat.load_state_dict(opt.state_dict())
     st = flat.compression_state
     reload = (type(st).__name__, float(st.worker_error.abs().sum() + st.server_error.abs().sum()),
@@ -163,13 +172,6 @@ def _refusals():
 
     from lbcomm import OneBitAdam, fsdp
     from lbcomm.errors import AveragedGradientsError
-
-    def step(model, opt):
-        g = torch.Generator().manual_seed(torch.distributed.get_rank())
-        x = torch.randn(8, 16, generator=g)
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x), torch.sin(x[:, :8])).backward()
-        opt.step()
 
     mesh = init_device_mesh("cpu", (N, G), mesh_dim_names=("node", "local"))
     with pytest.raises(ValueError, match="native HSDP"):
@@ -187,11 +189,17 @@ def _refusals():
         fsdp.onebit_optimizer(partial, mesh)
     with pytest.raises(ValueError, match="lbcomm.fsdp.onebit_optimizer"):
         OneBitAdam(_sharded(mesh).parameters()).step()
-    owned = _sharded(mesh)  # the other order alike
-    opt = fsdp.onebit_optimizer(owned, mesh)
+    with pytest.raises(ValueError, match="comm.process_group is set from the mesh"):
+        fsdp.onebit_optimizer(_sharded(mesh), mesh, comm=lbcomm.CommConfig(process_group=mesh.get_group("node")))
+    # onebit_hsdp on the optimizer's model reduces across nodes a second time: the optimizer's
+    # averaged-gradients probe names it at the first step
+    owned = _sharded(mesh)
+    opt = fsdp.onebit_optimizer(owned, mesh, lr=LR, freeze_step=FREEZE)
     fsdp.onebit_hsdp(owned, mesh)
-    with pytest.raises(AveragedGradientsError, match="identical on all 2 ranks"):
-        step(owned, opt)
+    x, y = _batch(torch.distributed.get_rank(), 1)
+    torch.nn.functional.mse_loss(owned(x), y).backward()
+    with pytest.raises(AveragedGradientsError, match="onebit_hook"):
+        opt.step()
     return True
 
 

@@ -95,10 +95,11 @@ def test_param_groups_and_validation():
     assert all(torch.equal(x, y) for x, y in zip(a[-1] + b[-1], weights + others))
     for bad, match in [(dict(lr=-1.0), "learning rate"), (dict(lr=1.0, momentum=1.0), "momentum"),
                        (dict(lr=1.0, trust_coefficient=0.0), "trust_coefficient"),
-                       (dict(lr=1.0, exclude_from_adaptation="bias"), "exclude_from_adaptation"),
-                       (dict(lr=1.0, nonfinite="ignore"), "nonfinite")]:
+                       (dict(lr=1.0, exclude_from_adaptation="bias"), "exclude_from_adaptation")]:
         with pytest.raises(ValueError, match=match):
             lbcomm.Lars(model.parameters(), **bad)
+    with pytest.raises(ValueError, match="nonfinite"):
+        lbcomm.Lars(model.parameters(), lr=1.0, comm=lbcomm.CommConfig(nonfinite="ignore"))
 
 
 def test_scheduler_state_dict_and_bitwise_resume():
@@ -131,7 +132,7 @@ def test_scheduler_state_dict_and_bitwise_resume():
 
 def test_nonfinite_gradients_raise_or_skip_with_the_state_unchanged():
     model = _mlp(seed=4)
-    opt = lbcomm.Lars(model.parameters(), lr=1.0, nonfinite="skip")
+    opt = lbcomm.Lars(model.parameters(), lr=1.0, comm=lbcomm.CommConfig(nonfinite="skip"))
     _run(model, opt, 2)
     before = copy.deepcopy(opt.state_dict())
     w = [q.detach().clone() for q in model.parameters()]
@@ -144,7 +145,7 @@ def test_nonfinite_gradients_raise_or_skip_with_the_state_unchanged():
     after = opt.state_dict()
     assert all(torch.equal(before["state"][k][n], after["state"][k][n]) for k in before["state"]
                for n in before["state"][k])
-    strict = lbcomm.Lars(model.parameters(), lr=1.0)
+    strict = lbcomm.Lars(model.parameters(), lr=1.0, comm=lbcomm.CommConfig(nonfinite="raise"))
     with pytest.raises(NonFiniteError, match="nonfinite='skip'"):
         strict.step()
 
@@ -171,8 +172,9 @@ def _ddp_onebit_hook(rank):
     ddp = DDP(model)
     state = lbcomm.OneBitHookState(3, comm=lbcomm.CommConfig(nonfinite="skip", exact_numel=0))
     ddp.register_comm_hook(state, lbcomm.onebit_hook)
-    opt = lbcomm.Lars(ddp.parameters(), lr=2.0, weight_decay=1e-3, trust_coefficient=0.01, nonfinite="skip")
-    opt.grads_averaged = True  # onebit_hook averages (compresses) the gradients
+    # the hook averages the gradients: Lars is told so and does not communicate
+    opt = lbcomm.Lars(ddp.parameters(), lr=2.0, weight_decay=1e-3, trust_coefficient=0.01, grads_averaged=True,
+                      comm=lbcomm.CommConfig(nonfinite="skip"))
     calls = []
     orig = opt.transport.all_reduce
     opt.transport.all_reduce = lambda *a, **k: (calls.append(1), orig(*a, **k))[1]

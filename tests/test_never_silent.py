@@ -61,7 +61,12 @@ def _averaged_grads(rank, p):
         opt = cls(ddp.parameters(), lr=1e-2, freeze_step=FREEZE)
         opt.grads_averaged = True
         out[(name, "averaging_hook")] = _steps(ddp, opt, rank, 6)
-        # lbcomm's hook: nothing to report
+        # onebit_hook compresses the gradients already: a second compression, caught at the first step
+        model = _mlp(seed=1)
+        ddp = DDP(model)
+        ddp.register_comm_hook(OneBitHookState(start_iter=2), onebit_hook)
+        out[(name, "onebit_hook")] = _steps(ddp, cls(ddp.parameters(), lr=1e-2, freeze_step=FREEZE), rank, 6)
+        # lbcomm's warmup hook: nothing to report
         model = _mlp(seed=1)
         ddp = DDP(model)
         opt = cls(ddp.parameters(), lr=1e-2, freeze_step=FREEZE)
@@ -86,7 +91,8 @@ def _averaged_grads(rank, p):
                                            same_batch=True)
         # ... and its opt-out
         model = _mlp(seed=1)
-        opt = cls(model.parameters(), lr=1e-2, freeze_step=FREEZE, detect_averaged_grads=False)
+        opt = cls(model.parameters(), lr=1e-2, freeze_step=FREEZE,
+                  comm=lbcomm.CommConfig(detect_averaged_grads=False))
         out[(name, "same_batch_opt_out")] = _steps(model, opt, rank, 6, same_batch=True)
     return out
 
@@ -102,8 +108,19 @@ def test_gradients_averaged_by_ddp_raise_at_the_first_step(averaged, name):
         step, msg, taken = averaged[r][(name, "plain_ddp")]
         assert step == 1 and taken == 0, (step, taken)
         for fix in ("(warmup)", "identical on all 2 ranks", "lbcomm.attach(ddp_model, optimizer)",
-                    "warmup_average_hook", "LbcommCallback", "detect_averaged_grads=False"):
+                    "DistributedDataParallel's own", "onebit_hook", "warmup_average_hook", "LbcommCallback",
+                    "detect_averaged_grads=False"):
             assert fix in msg, (fix, msg)
+
+
+@pytest.mark.parametrize("name", list(OPTS))
+def test_a_compressing_hook_and_a_onebit_optimizer_raise_at_the_first_step(averaged, name):
+    """onebit_hook's DDP and a 1-bit optimizer would compress twice: the averaged-gradients
+    probe catches it, and the error names the hook."""
+    for r in range(2):
+        step, msg, taken = averaged[r][(name, "onebit_hook")]
+        assert step == 1 and taken == 0, (step, taken)
+        assert "compressing hook such as lbcomm.onebit_hook" in msg, msg
 
 
 @pytest.mark.parametrize("name", list(OPTS))
@@ -136,8 +153,6 @@ def test_onebit_hook_under_a_onebit_optimizer_raises(averaged, name):
         assert step == FREEZE + 1 and taken == FREEZE and "(compression)" in msg, (step, taken, msg)
 
 
-@pytest.mark.xfail(strict=True, reason="the 1-bit optimizers' AveragedGradientsError names onebit_hook as a cause "
-                                       "once the optimizer refactor (wt-opt) is merged; remove this mark then")
 @pytest.mark.parametrize("name", list(OPTS))
 def test_double_compression_error_names_onebit_hook(averaged, name):
     for r in range(2):
@@ -151,7 +166,7 @@ def _freeze_log_and_foreign_shard(rank, p):
     out = {}
     for name, cls in OPTS.items():
         model = _mlp(seed=2)
-        opt = cls(model.parameters(), lr=1e-2, freeze_step=FREEZE, block_size=64)
+        opt = cls(model.parameters(), lr=1e-2, freeze_step=FREEZE, comm=lbcomm.CommConfig(block_size=64))
         for t in range(FREEZE + 2):
             opt.zero_grad()
             _loss(model, rank, t).backward()
@@ -205,7 +220,8 @@ def test_exact_numel_covering_most_of_the_model_is_a_warning():
 def _train_past_freeze(rank, **kw):
     records = _capture()
     model = _mlp(seed=2)
-    opt = lbcomm.OneBitAdam(model.parameters(), lr=1e-2, freeze_step=FREEZE, block_size=64, **kw)
+    opt = lbcomm.OneBitAdam(model.parameters(), lr=1e-2, freeze_step=FREEZE,
+                            comm=lbcomm.CommConfig(block_size=64, **kw))
     for t in range(FREEZE + 3):
         opt.zero_grad()
         _loss(model, rank, t).backward()

@@ -4,6 +4,8 @@ plain-torch simulation in lbcomm.optim.reference, and as drop-in torch optimizer
 The multi-rank checks run in ONE spawn of four real gloo processes (`four_ranks`, module
 scope); every test below reads its part of the result."""
 import copy
+import dataclasses
+import inspect
 import logging
 import math
 
@@ -18,6 +20,14 @@ from lbcomm.optim import reference as SIM
 from dist_util import run_ranks, same as _same
 
 OPTS = {"adam": lbcomm.OneBitAdam, "lamb": lbcomm.OneBitLamb}
+COMM_FIELDS = {f.name for f in dataclasses.fields(lbcomm.CommConfig)}
+
+
+def make_opt(cls, params, **kw):
+    """An optimizer from one flat dict of options, the form the simulations in
+    lbcomm.optim.reference take: the CommConfig fields go into ``comm``."""
+    comm = {k: kw.pop(k) for k in list(kw) if k in COMM_FIELDS}
+    return cls(params, comm=lbcomm.CommConfig(**comm), **kw)
 
 
 # ---------------------------------------------------------------------- models and data
@@ -126,7 +136,7 @@ def _record(rank, p, name, steps, freeze, kw):
     """Train with quantized local grads; record them and the params after each step."""
     model = _mlp(seed=1)
     params0 = [q.detach().clone() for q in model.parameters()]
-    opt = OPTS[name](model.parameters(), freeze_step=freeze, **kw)
+    opt = make_opt(OPTS[name], model.parameters(), freeze_step=freeze, **kw)
     grads, params = [], []
     for t in range(steps):
         opt.zero_grad()
@@ -188,8 +198,8 @@ def _masking(rank, p, override, threshold=1e-10, max_update=None):
     """max_update=None by default: the mask is what keeps the published update safe."""
     model = _SparseNet()
     init = {k: v.clone() for k, v in model.state_dict().items()}
-    opt = lbcomm.OneBitAdam(model.parameters(), lr=1e-2, weight_decay=0.0, freeze_step=4, mask_threshold=threshold,
-                            max_update=max_update, exact_numel=0)
+    opt = lbcomm.OneBitAdam(model.parameters(), lr=1e-2, weight_decay=0.0, freeze_step=4,
+                            comm=lbcomm.CommConfig(mask_threshold=threshold, max_update=max_update, exact_numel=0))
     if override:  # train every coordinate: the mask that the automatic one replaces
         for q in model.parameters():
             opt.set_momentum_mask(q, torch.ones_like(q, dtype=torch.bool))
@@ -213,7 +223,7 @@ def _masking(rank, p, override, threshold=1e-10, max_update=None):
 def _nonfinite(rank, p, policy):
     """Inject NaN (warmup, step 2, rank 1) and Inf (compression, step 6, rank 2)."""
     model = _mlp(seed=2)
-    opt = lbcomm.OneBitAdam(model.parameters(), lr=1e-2, freeze_step=4, nonfinite=policy)
+    opt = lbcomm.OneBitAdam(model.parameters(), lr=1e-2, freeze_step=4, comm=lbcomm.CommConfig(nonfinite=policy))
     out = {"skipped": [], "raised": [], "unchanged": [], "params_equal_after": None}
     for t in range(9):
         opt.zero_grad()
@@ -241,7 +251,7 @@ def _hook_style(rank, p):
     mine, theirs = _mlp(seed=4), _mlp(seed=4)
     # rescale_variance off: averaged by a hook other than lbcomm's, the local norms are unknown
     # (tests/test_rescale_variance.py checks that warning)
-    kw = dict(lr=1e-2, freeze_step=5, block_size=64, rescale_variance=False)
+    kw = dict(lr=1e-2, freeze_step=5, comm=lbcomm.CommConfig(block_size=64), rescale_variance=False)
     opt, hooked = lbcomm.OneBitAdam(mine.parameters(), **kw), lbcomm.OneBitAdam(theirs.parameters(), **kw)
     hooked.grads_averaged = True
     diffs, frozen = [], []
@@ -491,7 +501,8 @@ def test_one_rank_past_freeze_equals_adamw_with_frozen_variance():
     lr, b1, b2, eps, wd, freeze = 3e-3, 0.9, 0.999, 1e-8, 0.02, 12
     model, ref = _mlp(), _mlp()
     opt = lbcomm.OneBitAdam(model.parameters(), lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd, freeze_step=freeze,
-                            max_update=None, rescale_variance=False)  # the published update (the formula below)
+                            rescale_variance=False,  # the published update (the formula below)
+                            comm=lbcomm.CommConfig(max_update=None))
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd)
     _train(model, opt, freeze)
     _train(ref, ref_opt, freeze)
@@ -517,7 +528,8 @@ def test_past_freeze_missing_grads_and_eps_changes_match_the_formula():
     lr, b1, b2, wd, freeze = 3e-3, 0.9, 0.999, 0.02, 5
     model, ref = _mlp(), _mlp()
     opt = lbcomm.OneBitAdam(model.parameters(), lr=lr, betas=(b1, b2), eps=1e-8, weight_decay=wd, freeze_step=freeze,
-                            max_update=None, rescale_variance=False)  # the published update (the formula below)
+                            rescale_variance=False,  # the published update (the formula below)
+                            comm=lbcomm.CommConfig(max_update=None))
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr, betas=(b1, b2), eps=1e-8, weight_decay=wd)
     _train(model, opt, freeze)
     _train(ref, ref_opt, freeze)
@@ -600,7 +612,7 @@ def test_lamb_coefficients_stay_finite_for_zero_norms(name, wd):
 def test_nonfinite_on_one_rank_raises_or_skips_with_state_untouched():
     for policy in ("raise", "skip"):
         model = _mlp()
-        opt = lbcomm.OneBitAdam(model.parameters(), lr=1e-2, freeze_step=2, nonfinite=policy)
+        opt = lbcomm.OneBitAdam(model.parameters(), lr=1e-2, freeze_step=2, comm=lbcomm.CommConfig(nonfinite=policy))
         for t in range(4):
             opt.zero_grad()
             _loss(model, 0, t).backward()
@@ -671,23 +683,35 @@ def test_state_dict_before_the_first_step_and_add_param_group():
 def test_invalid_options_are_refused(kwargs, match):
     for cls in (lbcomm.OneBitAdam, lbcomm.OneBitLamb):
         with pytest.raises(ValueError, match=match):
-            cls(_mlp().parameters(), **kwargs)
-    with pytest.raises(ValueError, match="Invalid min_coeff"):
-        lbcomm.Lamb(_mlp().parameters(), min_coeff=2.0, max_coeff=1.0)
+            make_opt(cls, _mlp().parameters(), **kwargs)
+    for bad in ((2.0, 1.0), (-1.0, 1.0), (1.0,)):
+        with pytest.raises(ValueError, match="Invalid coeff_range"):
+            lbcomm.Lamb(_mlp().parameters(), coeff_range=bad)
+    with pytest.raises(ValueError, match="Invalid factor_range"):
+        lbcomm.OneBitLamb(_mlp().parameters(), factor_range=(0.0, 4.0))
+    with pytest.raises(TypeError, match="comm must be a lbcomm.CommConfig"):
+        lbcomm.OneBitAdam(_mlp().parameters(), comm={"block_size": 64})
     with pytest.raises(ValueError, match="same for all param groups"):
         model = _mlp()
         lbcomm.OneBitAdam([{"params": model[0].parameters(), "freeze_step": 3},
                            {"params": model[3].parameters()}], freeze_step=5)
 
 
-def test_every_option_round_trips_through_the_state_dict():
-    opt = lbcomm.OneBitLamb(_mlp().parameters(), freeze_step=7, block_size=None, nonfinite="skip")
+def test_every_hyperparameter_round_trips_through_the_state_dict():
+    """Hyperparameters live in the param groups (as in torch); communication settings in
+    the optimizer's CommConfig, not in the state dict."""
+    opt = lbcomm.OneBitLamb(_mlp().parameters(), freeze_step=7, coeff_range=(0.1, 5.0), factor_range=(0.25, 2.0),
+                            comm=lbcomm.CommConfig(block_size=None, nonfinite="raise"))
     group = opt.state_dict()["param_groups"][0]
-    for key in ("lr", "betas", "eps", "weight_decay", "freeze_step", "max_coeff", "min_coeff", "coeff_beta",
-                "factor_max", "factor_min", "factor_threshold", "bias_correction", "block_size", "nonfinite",
-                "bucket_cap_mb", "max_update"):
+    for key in ("lr", "betas", "eps", "weight_decay", "freeze_step", "coeff_range", "coeff_beta", "factor_range",
+                "factor_threshold", "bias_correction"):
         assert key in group, key
-    assert group["block_size"] is None and group["nonfinite"] == "skip"
+    assert group["coeff_range"] == (0.1, 5.0) and group["factor_range"] == (0.25, 2.0)
+    assert not COMM_FIELDS & set(group)
+    assert opt.comm.block_size is None and opt.comm.nonfinite == "raise"
+    for cls, n in ((lbcomm.OneBitAdam, 9), (lbcomm.OneBitLamb, 12), (lbcomm.ZeroOneAdam, 12), (lbcomm.Lamb, 8),
+                   (lbcomm.Lars, 9)):  # at most 12, params and comm included
+        assert len(inspect.signature(cls).parameters) == n, cls
 
 
 def test_set_momentum_mask_validates_its_input():
@@ -712,7 +736,7 @@ def test_warmup_bound_is_recorded_at_the_freeze_and_checkpointed(name):
     """max_update="warmup": U_p = max |m^ / (sqrt(v^) + eps)| of each tensor after the last
     warmup step, kept per parameter; a resumed optimizer continues bitwise with it."""
     b1, b2, eps, freeze = 0.9, 0.999, 1e-8, 3
-    kw = dict(lr=1e-2, betas=(b1, b2), eps=eps, freeze_step=freeze, max_update="warmup")
+    kw = dict(lr=1e-2, betas=(b1, b2), eps=eps, freeze_step=freeze, comm=lbcomm.CommConfig(max_update="warmup"))
     model = _mlp()
     opt = OPTS[name](model.parameters(), **kw)
     _train(model, opt, freeze - 1)
@@ -753,5 +777,5 @@ def test_exact_numel_is_validated(cls):
     model = _mlp()
     for bad in (-1, 2.5, True):
         with pytest.raises(ValueError, match="exact_numel"):
-            cls(model.parameters(), exact_numel=bad)
-    assert cls(model.parameters(), exact_numel=4096).param_groups[0]["exact_numel"] == 4096
+            cls(model.parameters(), comm=lbcomm.CommConfig(exact_numel=bad))
+    assert cls(model.parameters(), comm=lbcomm.CommConfig(exact_numel=4096)).comm.exact_numel == 4096

@@ -1,39 +1,44 @@
 """The optimizer core's structure (lbcomm.optim.base / onebit / flat / functional): torch's
 per-parameter state and state-dict hooks, options kept in the param groups, the 1-bit
-machinery only where it compresses, the compact mask, the finiteness pre-check, and the
-deprecated FlatOptimizer name."""
+machinery as one component held by the optimizers that compress (no diamond, one level of
+lbcomm base class), the compact mask and the finiteness pre-check."""
 import copy
 
 import pytest
 import torch
 
 import lbcomm
-from lbcomm.optim import BaseOptimizer, OneBitOptimizer
+from lbcomm.optim import BaseOptimizer, OneBitStage
 from test_optim import _mlp, _train
 
 
-def test_flat_optimizer_is_a_deprecated_alias():
-    with pytest.warns(DeprecationWarning, match="FlatOptimizer is deprecated"):
-        cls = lbcomm.optim.FlatOptimizer
-    assert cls is OneBitOptimizer
-    assert isinstance(lbcomm.OneBitAdam(_mlp().parameters()), cls)
+def test_the_optimizers_compose_the_onebit_stage():
+    """One level of lbcomm base class, no diamond; the 1-bit machinery is a component."""
+    import lbcomm.optim as O
 
-
-def test_lamb_has_no_onebit_machinery_and_onebit_lamb_runs_lamb_init(monkeypatch):
+    assert not hasattr(O, "FlatOptimizer") and not hasattr(O, "OneBitOptimizer")
+    for cls in (lbcomm.OneBitAdam, lbcomm.OneBitLamb, lbcomm.ZeroOneAdam, lbcomm.Lamb, lbcomm.Lars):
+        assert cls.__bases__ == (BaseOptimizer,), cls
+    for cls in (lbcomm.OneBitAdam, lbcomm.OneBitLamb, lbcomm.ZeroOneAdam):
+        assert isinstance(cls(_mlp().parameters())._onebit, OneBitStage)
     lamb = lbcomm.Lamb(_mlp().parameters())
-    assert isinstance(lamb, BaseOptimizer) and not isinstance(lamb, OneBitOptimizer)
+    assert lamb._onebit is None and not lamb.frozen
     assert not hasattr(lamb, "set_momentum_mask") and not hasattr(lamb, "compression_state")
-    calls = []
-    original = lbcomm.Lamb.__init__
+    opt = lbcomm.OneBitLamb(_mlp().parameters(), coeff_range=(0.01, 3.0), coeff_beta=0.5)
+    assert opt.param_groups[0]["coeff_range"] == (0.01, 3.0) and opt.param_groups[0]["coeff_beta"] == 0.5
 
-    def spy(self, *args, **kwargs):
-        calls.append(type(self).__name__)
-        original(self, *args, **kwargs)
 
-    monkeypatch.setattr(lbcomm.Lamb, "__init__", spy)
-    opt = lbcomm.OneBitLamb(_mlp().parameters(), max_coeff=3.0, coeff_beta=0.5)
-    assert calls == ["OneBitLamb"]
-    assert opt.param_groups[0]["max_coeff"] == 3.0 and opt.param_groups[0]["coeff_beta"] == 0.5
+def test_warmup_hook_contract():
+    """frozen (read-only), grads_averaged (settable), note_local_grads (a no-op where unused)."""
+    model = _mlp()
+    for cls in (lbcomm.OneBitAdam, lbcomm.OneBitLamb, lbcomm.ZeroOneAdam, lbcomm.Lamb):
+        opt = cls(model.parameters())
+        assert opt.frozen is False and opt.grads_averaged is False
+        opt.grads_averaged = True
+        assert opt.grads_averaged is True
+        with pytest.raises(AttributeError):
+            opt.frozen = True
+        opt.note_local_grads(list(model.parameters()), [torch.ones_like(q) for q in model.parameters()])
 
 
 def test_state_dict_carries_torch_per_parameter_state():
@@ -67,7 +72,7 @@ def test_global_options_come_back_from_the_state_dict():
 
 def test_backend_is_validated():
     with pytest.raises(ValueError, match="Invalid backend"):
-        lbcomm.OneBitAdam(_mlp().parameters(), backend="nccl")
+        lbcomm.OneBitAdam(_mlp().parameters(), comm=lbcomm.CommConfig(backend="nccl"))
 
 
 @pytest.mark.parametrize("fraction, kind", [(0.001, torch.int64), (0.5, torch.bool)])
@@ -86,7 +91,7 @@ def test_mask_is_an_index_list_when_few_coordinates_are_masked(fraction, kind):
 def test_finite_gradients_whose_sum_overflows_are_not_skipped():
     """The pre-check's per-parameter sum overflows to inf; the exact count then says finite."""
     model = _mlp()
-    opt = lbcomm.OneBitAdam(model.parameters(), lr=1e-2, freeze_step=2)
+    opt = lbcomm.OneBitAdam(model.parameters(), lr=1e-2, freeze_step=2, comm=lbcomm.CommConfig(nonfinite="raise"))
     _train(model, opt, 2)
     opt.zero_grad()
     for q in model.parameters():

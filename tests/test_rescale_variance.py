@@ -5,10 +5,9 @@ change of its gradient scale, measured by the ranks' mean squared local gradient
 One and two ranks: bitwise against lbcomm.optim.reference (a sum of two ranks' norms has
 one result whatever the order; with four, gloo's order is not the simulation's and the
 last bit can differ: tests/test_optim.py compares that case to fp32 rounding). The
-optimizer's own averaging and warmup_average_hook give the same statistic and the same
-run (the hook stashes the local norms before it averages). Checkpoints: a resume is
-bitwise; a state dict saved before the option existed resumes with the published frozen
-variance.
+optimizer's own averaging and lbcomm's warmup hook give the same statistic and the same
+run (the hook hands over the local gradients, note_local_grads, before it averages).
+Checkpoints: a resume is bitwise.
 """
 import copy
 import logging
@@ -19,6 +18,7 @@ import torch
 import lbcomm
 from lbcomm.optim.reference import simulate_onebit_adam
 from dist_util import run_ranks
+from test_optim import make_opt
 
 FREEZE, STEPS, LR = 4, 14, 1e-2
 KW = dict(lr=LR, freeze_step=FREEZE, exact_numel=0, block_size=64, weight_decay=1e-2)
@@ -51,7 +51,7 @@ def _run(model, opt, batches, record_grads=False):
 def test_one_rank_bitwise_against_the_simulation():
     model = _model()
     p0 = [p.detach().clone() for p in model.parameters()]
-    opt = lbcomm.OneBitAdam(model.parameters(), rescale_variance=True, **KW)
+    opt = make_opt(lbcomm.OneBitAdam, model.parameters(), rescale_variance=True, **KW)
     hist, grads = _run(model, opt, _batches(0), record_grads=True)
     sim = simulate_onebit_adam(p0, [[g] for g in grads], rescale_variance=True, **KW)
     for t in range(STEPS):
@@ -64,51 +64,37 @@ def test_one_rank_bitwise_against_the_simulation():
     assert bool((frozen > 0).all())
 
 
-def test_resume_is_bitwise_and_old_checkpoints_resume_published(caplog):
+def test_resume_is_bitwise_and_the_option_round_trips():
     save_at = FREEZE + 3
     batches = _batches(0)
     model = _model()
-    opt = lbcomm.OneBitAdam(model.parameters(), rescale_variance=True, **KW)
+    opt = make_opt(lbcomm.OneBitAdam, model.parameters(), rescale_variance=True, **KW)
     straight, _ = _run(model, opt, batches)
 
     model = _model()
-    opt = lbcomm.OneBitAdam(model.parameters(), rescale_variance=True, **KW)
+    opt = make_opt(lbcomm.OneBitAdam, model.parameters(), rescale_variance=True, **KW)
     _run(model, opt, batches[:save_at])
     sd, weights = copy.deepcopy(opt.state_dict()), copy.deepcopy(model.state_dict())
     model2 = _model(seed=1)
     model2.load_state_dict(weights)
-    opt2 = lbcomm.OneBitAdam(model2.parameters(), rescale_variance=True, **KW)
+    opt2 = make_opt(lbcomm.OneBitAdam, model2.parameters(), rescale_variance=True, **KW)
     opt2.load_state_dict(sd)
     resumed, _ = _run(model2, opt2, batches[save_at:])
     for a, b in zip(resumed, straight[save_at:]):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
 
-    # saved before the option: no group key, no per-parameter EMA -> the published frozen variance
-    def resume(state, **kw):
-        m = _model(seed=1)
-        m.load_state_dict(weights)
-        o = lbcomm.OneBitAdam(m.parameters(), **KW, **kw)
-        o.load_state_dict(state)
-        return m, o
-
-    old = copy.deepcopy(sd)
-    for g in old["param_groups"]:
-        del g["rescale_variance"]
-    for st in old["state"].values():
-        del st["grad_sq"], st["grad_sq_frozen"]
-    with caplog.at_level(logging.WARNING, logger="lbcomm"):
-        model3, opt3 = resume(old, rescale_variance=True)
-    assert "predates rescale_variance" in caplog.text
-    assert opt3.param_groups[0]["rescale_variance"] is False
-    continued, _ = _run(model3, opt3, batches[save_at:])
+    # rescale_variance is a hyperparameter of the param groups: switched off in the state
+    # dict, the run continues with the published frozen variance instead
     off = copy.deepcopy(sd)
     for g in off["param_groups"]:
         g["rescale_variance"] = False
-    published, _ = _run(*resume(off), batches[save_at:])
-    for a, b in zip(continued, published):
-        assert all(torch.equal(x, y) for x, y in zip(a, b))
-    # ... and that is not the rescaled continuation
-    assert max((a - b).abs().max().item() for a, b in zip(continued[-1], resumed[-1])) > 1e-6
+    m = _model(seed=1)
+    m.load_state_dict(weights)
+    o = make_opt(lbcomm.OneBitAdam, m.parameters(), rescale_variance=True, **KW)
+    o.load_state_dict(off)
+    assert o.param_groups[0]["rescale_variance"] is False
+    published, _ = _run(m, o, batches[save_at:])
+    assert max((a - b).abs().max().item() for a, b in zip(published[-1], resumed[-1])) > 1e-6
 
 
 def test_gradients_averaged_elsewhere_warn_and_keep_the_variance_frozen(caplog):
@@ -117,7 +103,7 @@ def test_gradients_averaged_elsewhere_warn_and_keep_the_variance_frozen(caplog):
     runs = {}
     for rescale in (True, False):
         model = _model()
-        opt = lbcomm.OneBitAdam(model.parameters(), rescale_variance=rescale, **KW)
+        opt = make_opt(lbcomm.OneBitAdam, model.parameters(), rescale_variance=rescale, **KW)
         opt.grads_averaged = True  # one rank: the "averaged" gradients are the local ones
         with caplog.at_level(logging.WARNING, logger="lbcomm"):
             runs[rescale], _ = _run(model, opt, _batches(0))
@@ -130,7 +116,7 @@ def test_gradients_averaged_elsewhere_warn_and_keep_the_variance_frozen(caplog):
 
 def test_invalid_option():
     with pytest.raises(ValueError, match="rescale_variance"):
-        lbcomm.OneBitAdam(_model().parameters(), rescale_variance=1, **KW)
+        make_opt(lbcomm.OneBitAdam, _model().parameters(), rescale_variance=1, **KW)
 
 
 def _two_ranks(rank, p):
@@ -141,7 +127,7 @@ def _two_ranks(rank, p):
     for how in ("optimizer", "hook"):
         model = _model()
         p0 = [q.detach().clone() for q in model.parameters()]
-        opt = lbcomm.OneBitAdam(model.parameters(), rescale_variance=True, **KW)
+        opt = make_opt(lbcomm.OneBitAdam, model.parameters(), rescale_variance=True, **KW)
         net = model
         if how == "hook":
             net = DDP(model)
@@ -168,7 +154,7 @@ def test_two_ranks_optimizer_and_hook_paths_agree_with_the_simulation():
         for t in range(STEPS):  # every rank the same parameters
             assert all(torch.equal(a, b) for a, b in zip(res[0][how]["hist"][t], res[1][how]["hist"][t]))
         assert bool((res[0][how]["frozen"] > 0).all()), how  # tracked on both paths
-    # the hook stashed the same local norms the optimizer measures itself
+    # the hook handed over the same local norms the optimizer measures itself
     assert torch.equal(res[0]["hook"]["frozen"], res[0]["optimizer"]["frozen"])
     assert torch.equal(res[0]["hook"]["ema"], res[0]["optimizer"]["ema"])
     grads = [[res[r]["grads"][t] for r in range(2)] for t in range(STEPS)]

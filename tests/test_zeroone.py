@@ -13,8 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import lbcomm
-from lbcomm.optim import reference as SIM
+from lbcomm.optim.reference_zeroone import simulate_zero_one_adam
 from dist_util import run_ranks, same as _same
+from test_optim import make_opt
 
 
 def _mlp(seed=0, d_in=12, d_h=24, d_out=5):
@@ -84,7 +85,7 @@ def _make(model, cfg):
         params = [{"params": ps[:4]}, {"params": ps[4:], "lr": 5e-3, "weight_decay": 0.1}]
     else:
         params = model.parameters()
-    opt = lbcomm.ZeroOneAdam(params, **SCHED, **cfg["kw"])
+    opt = make_opt(lbcomm.ZeroOneAdam, params, **SCHED, **cfg["kw"])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_factor) if cfg["sched"] else None
     return opt, sched
 
@@ -125,7 +126,8 @@ def _resume(rank, p):
     torch.save(opt.state_dict(), buf)
     buf.seek(0)
     clone = copy.deepcopy(model)
-    opt2 = lbcomm.ZeroOneAdam(clone.parameters(), lr=1.0, var_freeze_step=1000)
+    # hyperparameters come from the state dict; the communication settings are the run's (block_size 64)
+    opt2 = lbcomm.ZeroOneAdam(clone.parameters(), lr=1.0, var_freeze_step=1000, comm=opt.comm)
     opt2.load_state_dict(torch.load(buf, weights_only=False))
     round_trip = _same(opt2.state_dict(), opt.state_dict())
     diffs = []
@@ -142,7 +144,8 @@ def _nonfinite(rank, p, policy):
     at a local step (11), Inf on rank 0 at a sync step (14); each step is then retried with
     clean gradients."""
     model = _mlp(seed=2)
-    opt = lbcomm.ZeroOneAdam(model.parameters(), lr=1e-2, nonfinite=policy, block_size=64, **SCHED)
+    opt = lbcomm.ZeroOneAdam(model.parameters(), lr=1e-2, comm=lbcomm.CommConfig(nonfinite=policy, block_size=64),
+                             **SCHED)
     bad = {1: (1, "nan"), 4: (2, "inf"), 10: (3, "nan"), 13: (0, "inf")}  # steps taken so far -> rank, value
     out = {"raised": [], "skipped": [], "unchanged": [], "kinds": []}
     t = 0
@@ -213,7 +216,7 @@ def test_four_ranks_match_the_simulation_bitwise(four_ranks, run):
         lrs, wds = [1e-2] * 4 + [5e-3] * 4, [0.0] * 4 + [0.1] * 4
         kw["lr"] = lambda step, i: lrs[i] * (_lr_factor(step - 1) if cfg["sched"] else 1.0)
         kw["weight_decay"] = wds
-    history = SIM.simulate_zero_one_adam(recs[0]["params0"], grads, **SCHED, **kw)
+    history = simulate_zero_one_adam(recs[0]["params0"], grads, **SCHED, **kw)
     for t in range(steps):
         for r in range(4):
             worst = max((a - b).abs().max().item() for a, b in zip(history[t][r], recs[r]["params"][t]))
@@ -301,7 +304,13 @@ def test_one_rank_first_step_is_the_plain_formula():
 def test_state_dict_before_the_first_step_and_validation():
     model = _mlp()
     opt = lbcomm.ZeroOneAdam(model.parameters(), var_freeze_step=3, var_update_scaler=1, local_step_scaler=1)
-    assert opt.topology == "flat"  # never the hierarchical reduction, also under multi-node torchrun
+    # never the hierarchical reduction: "auto" is flat (also under multi-node torchrun), and a
+    # Topology of several nodes is refused
+    assert opt._onebit.flat_only
+    nodes = object.__new__(lbcomm.Topology)
+    nodes.nodes, nodes.local_size, nodes.node, nodes.local_rank, nodes.intra_node = 2, 2, 0, 0, "group"
+    with pytest.raises(ValueError, match="flat compressed reduction only"):
+        lbcomm.ZeroOneAdam(model.parameters(), comm=lbcomm.CommConfig(topology=nodes))
     sd = opt.state_dict()
     assert sd["lbcomm"]["layout"] is None
     opt.load_state_dict(sd)
@@ -319,13 +328,12 @@ def test_state_dict_before_the_first_step_and_validation():
                       (dict(block_size=100), "Invalid block_size"),
                       (dict(lr=-1.0), "Invalid learning rate")]:
         with pytest.raises(ValueError, match=match):
-            lbcomm.ZeroOneAdam(model.parameters(), **kw)
+            make_opt(lbcomm.ZeroOneAdam, model.parameters(), **kw)
 
 
-def test_var_decay_and_checkpoints_from_before_it():
-    """var_decay="time" changes the run (variance steps 1 2 4 6 of SCHED: gaps of 2); a
-    state dict without the option (saved before it existed, the paper's decay) resumes as
-    var_decay="update" bitwise, not as the new default."""
+def test_var_decay_changes_the_run_and_resumes_bitwise():
+    """var_decay="time" changes the run (variance steps 1 2 4 6 of SCHED: gaps of 2); the
+    option round-trips through the state dict, and a resumed run continues bitwise."""
     def run(decay, load_from=None, steps=10, start=0):
         model = _mlp(seed=9)
         opt = lbcomm.ZeroOneAdam(model.parameters(), lr=1e-2, **SCHED, **({} if decay is None else
@@ -342,8 +350,7 @@ def test_var_decay_and_checkpoints_from_before_it():
     assert not _same(_params(update), _params(time_))
     model, opt = run("update", steps=3)  # before the variance updates at steps 4 and 6
     sd = copy.deepcopy(opt.state_dict())
-    for g in sd["param_groups"]:
-        del g["var_decay"]
+    assert all(g["var_decay"] == "update" for g in sd["param_groups"])
     resumed = run(None, load_from=(copy.deepcopy(model.state_dict()), sd), steps=7, start=3)[0]
     assert _same(_params(resumed), _params(update))
 

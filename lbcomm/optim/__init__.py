@@ -2,30 +2,26 @@
 
 `OneBitAdam` and `OneBitLamb` run AdamW / LAMB on averaged gradients during a warmup,
 then freeze the variance and reduce the momentum with one compressed allreduce per
-step; `Lamb` and `Lars` are the full-precision baselines. One module per idea:
+step; `ZeroOneAdam` adds local steps; `Lamb` and `Lars` are the full-precision baselines.
+Constructors take the algorithm's hyperparameters and ``comm=lbcomm.CommConfig(...)``.
+One module per idea:
 
-* `flat`: the flat layout of the state (`FlatLayout`, `Segment`);
-* `functional`: the update math over flat slices (AdamW, LAMB, 1-bit LAMB's factor);
-* `base`: `BaseOptimizer`, validation, the step skeleton, warmup averaging, checkpoints;
-* `onebit`: `OneBitOptimizer`, the freeze, the mask and the compressed momentum;
-* `adam`, `lamb`, `lars`, `zeroone`: the optimizers; `reference`: the plain-torch simulation (test oracle).
+* `flat`: the flat layout of the state (`FlatLayout`, `Segment`); `state`: building it,
+  and the checkpoint format with its versioning;
+* `functional`, `kernels`: the update math over flat slices (AdamW, LAMB, 1-bit LAMB's factor);
+* `base`: `BaseOptimizer`, the flat state, the step skeleton, warmup averaging, checkpoints;
+* `agree`: what the ranks agree on (the averaged-gradients probe, shard verdicts, clipping);
+* `onebit`: `OneBitStage`, the 1-bit component (freeze, mask, bound, compressed momentum),
+  with `exact` (exactly averaged small parameters);
+* `adam` (with `rescale`), `lamb`, `onebit_lamb`, `lars`, `zeroone` (with `local_steps`):
+  the optimizers; `reference`: the plain-torch simulation (test oracle).
 """
-import warnings
-
 from .adam import OneBitAdam
 from .base import BaseOptimizer
-from .lamb import Lamb, OneBitLamb
+from .lamb import Lamb
 from .lars import Lars
-from .onebit import OneBitOptimizer
+from .onebit import OneBitStage
+from .onebit_lamb import OneBitLamb
 from .zeroone import ZeroOneAdam
 
-__all__ = ["OneBitAdam", "OneBitLamb", "Lamb", "Lars", "ZeroOneAdam", "BaseOptimizer", "OneBitOptimizer"]
-
-
-def __getattr__(name):
-    if name == "FlatOptimizer":  # the pre-0.2 base class, split into BaseOptimizer and OneBitOptimizer
-        warnings.warn("lbcomm.optim.FlatOptimizer is deprecated: use lbcomm.optim.BaseOptimizer (validation, flat "
-                      "state, step skeleton) or lbcomm.optim.OneBitOptimizer (the 1-bit machinery)",
-                      DeprecationWarning, stacklevel=2)
-        return OneBitOptimizer
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__all__ = ["OneBitAdam", "OneBitLamb", "Lamb", "Lars", "ZeroOneAdam", "BaseOptimizer", "OneBitStage"]

@@ -1,26 +1,88 @@
-"""1-bit Adam: AdamW during the warmup, then a frozen variance and a
-1-bit compressed allreduce of the momentum."""
+"""1-bit Adam: AdamW during the warmup, then a frozen variance and a 1-bit compressed
+allreduce of the momentum (the 1-bit machinery is the `OneBitStage` it holds; the update
+math is `functional` / `kernels`; rescale_variance is `rescale.VarianceRescale`).
+
+`adamw_warmup_` and `frozen_adamw_step_` are the two Adam updates over the flat state,
+shared with `ZeroOneAdam`."""
 from __future__ import annotations
 
-from typing import List, Optional, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-import torch
+from torch import Tensor
 
-from ..config import DEFAULT_BLOCK_SIZE
-from ..topology import Topology
+from ..config import CommConfig
 from . import functional as F
 from . import kernels
+from .base import BaseOptimizer
 from .flat import FlatLayout
-from .onebit import OneBitOptimizer
+from .onebit import OneBitStage
+from .rescale import VECTORS as RESCALE_VECTORS
+from .rescale import VarianceRescale, local_sq_
 
-__all__ = ["OneBitAdam"]
+__all__ = ["OneBitAdam", "adamw_warmup_", "frozen_adamw_step_", "check_freeze_step"]
 
 
-class OneBitAdam(OneBitOptimizer):
-    # the variance's step count in the warmup update (None: the step; ZeroOneAdam: the steps its updates cover)
-    _WARMUP_VSTEP: Optional[str] = None
-    # rescale_variance: EMA of local_grad_sq and its bias-corrected value at the freeze (-1: untracked)
-    _param_vectors = {**OneBitOptimizer._param_vectors, "grad_sq": -1.0, "grad_sq_frozen": -1.0}
+def check_freeze_step(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"Invalid {name}: {value!r} (must be an int >= 1: the variance is frozen after that many "
+                         "warmup steps)")
+
+
+def adamw_warmup_(opt: BaseOptimizer, L: FlatLayout, active: List[bool], bounds: List[Optional[float]],
+                  vstep: Optional[str] = None, decay_steps: int = 1) -> None:
+    """AdamW on the averaged gradients in ``opt._grad_buf`` for the `active` parameters
+    (`bounds`: per parameter, max_update's U of the step, None: AdamW's unbounded update;
+    `vstep`: the vector counting the variance's steps; `decay_steps`: the variance decays by
+    beta2 to that power)."""
+    v = opt._flat["exp_avg_sq"]
+    m = opt._flat["exp_avg"]
+    for seg in opt._segments(L, active, vstep=vstep):
+        opt._moments(seg, decay_steps)
+        group = opt.param_groups[seg.group]
+        lr, wd = group["lr"], group["weight_decay"]
+        bc1, bc2 = opt._bias_corrections(group, seg)
+        # the gradient buffer is consumed by now: it receives sqrt(v^) + eps
+        d = F.denominator(v[seg.lo:seg.hi], bc2, group["eps"], out=opt._grad_buf[seg.lo:seg.hi])
+        for i in seg.idx:
+            o = L.offsets[i] - seg.lo
+            d_i = d[o:o + L.numels[i]].view(L.shapes[i])
+            b = None if bounds[i] is None else lr * bounds[i]
+            F.apply_fp32(L.tensor(i), lambda w, m_i=L.view(m, i), d_i=d_i, b=b: F.adamw_(w, m_i, d_i, lr * wd,
+                                                                                         lr / bc1, b))
+
+
+def frozen_adamw_step_(opt: BaseOptimizer, stage: OneBitStage, L: FlatLayout,
+                       factors_of: Optional[Callable[[List[bool]], Optional[Sequence]]] = None) -> bool:
+    """The compression stage's step: the new momentum reduced by `stage` straight into m
+    (only once every rank has the result), then AdamW with the frozen variance, each
+    coordinate bounded by max_update; `factors_of(participating)` (rescale_variance, called
+    once the step counts have advanced) gives per parameter a factor of its v^ or None.
+    False when the reduction saw NaN/Inf (state unchanged)."""
+    m, v = opt._flat["exp_avg"], opt._flat["exp_avg_sq"]
+    if not stage.reduce_momentum(L, stage.momentum_source(L), m):
+        return False
+    scratch = stage.stage_buffer(L)
+    bounds = stage.update_bounds(L)
+    include = stage.participating(L)
+    segs = opt._segments(L, include, vstep="variance_step")
+    factors = None if factors_of is None else factors_of(include)
+    for seg in segs:
+        group = opt.param_groups[seg.group]
+        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+        bc1, bc2 = opt._bias_corrections(group, seg)
+        for i in seg.idx:
+            # max_update U: |lr m^ / (sqrt(v^) + eps)| <= lr U for every coordinate
+            step_bound = None if bounds[i] is None else lr * bounds[i]
+            # rescale_variance: v^ f = v / (bc2 / f)
+            bc2_i = bc2 if factors is None or factors[i] is None else bc2 / factors[i]
+            F.apply_fp32(L.tensor(i), lambda w, i=i, b=step_bound, c=bc2_i: kernels.frozen_adamw_(
+                w, L.view(m, i), L.view(v, i), c, eps, lr * wd, lr / bc1, scratch, b))
+    return True
+
+
+class OneBitAdam(BaseOptimizer):
+    _GLOBAL_OPTIONS = ("freeze_step",)
+    _param_vectors: Dict[str, float] = {**OneBitStage.VECTORS, **RESCALE_VECTORS}
 
     def __init__(
         self,
@@ -32,73 +94,102 @@ class OneBitAdam(OneBitOptimizer):
         freeze_step: int = 100000,
         *,
         bias_correction: bool = True,
-        block_size: Optional[int] = DEFAULT_BLOCK_SIZE,
-        mask_threshold: float = 1e-10,
-        max_update: Union[float, str, None] = 1.0,
-        exact_numel: int = 4096,
         rescale_variance: bool = True,
-        nonfinite: str = "raise",
-        bucket_cap_mb: float = 25.0,
-        detect_averaged_grads: bool = True,
-        process_group=None,
-        backend: str = "auto",
-        topology: Union[str, "Topology", None] = "auto",
-        shard_group=None,
+        comm: Optional[CommConfig] = None,
     ) -> None:
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, freeze_step=freeze_step,
-                        bias_correction=bias_correction, block_size=block_size, mask_threshold=mask_threshold,
-                        max_update=max_update, exact_numel=exact_numel, rescale_variance=rescale_variance,
-                        nonfinite=nonfinite,
-                        bucket_cap_mb=bucket_cap_mb,
-                        detect_averaged_grads=detect_averaged_grads)
-        super().__init__(params, defaults, process_group=process_group, backend=backend, topology=topology,
-                         shard_group=shard_group)
+                        bias_correction=bias_correction, rescale_variance=rescale_variance)
+        super().__init__(params, defaults, comm)
+        self._onebit = OneBitStage(self, exact_numel=self.comm.exact_numel)
+        self._rescale = VarianceRescale(self)
 
-    def _warmup_bounds(self, L: FlatLayout) -> List[Optional[float]]:
-        """Per parameter, the bound U of a warmup step (None: AdamW's update, unbounded)."""
-        return [None] * len(L.params)
+    def _validate_group(self, group) -> None:
+        super()._validate_group(group)
+        check_freeze_step("freeze_step", group["freeze_step"])
+        F.resolve_max_update(self.comm.max_update, group["betas"])
+        if not isinstance(group["rescale_variance"], bool):
+            raise ValueError(f"Invalid rescale_variance: {group['rescale_variance']!r} (must be True or False)")
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def compression_state(self):
+        """The reducer of the momentum (`lbcomm.reducer.Reducer`: a CompressionState, flat,
+        or a HierarchicalState, nodes of several ranks); None before the freeze and with one rank."""
+        return self._onebit.reducer
+
+    def bytes_per_step(self) -> Optional[Dict[str, int]]:
+        """What this rank sends per compression-stage step: {"compressed", "exact" (the
+        exact_numel parameters' fp32 mean), "agreement" (the finiteness check), "total"};
+        with a hierarchical reduction the first two count the bytes between nodes; None
+        before the freeze and with one rank."""
+        return self._onebit.bytes_per_step()
+
+    @property
+    def masked_coordinates(self) -> int:
+        """How many momentum coordinates are held at zero (0 before the freeze)."""
+        return self._onebit.masked_coordinates
+
+    def set_momentum_mask(self, param: Tensor, mask: Optional[Tensor]) -> None:
+        """Override the automatic zero-variance mask for one parameter.
+
+        Args:
+            param (Tensor): a parameter of this optimizer.
+            mask (Tensor or None): bool tensor of param's shape, True where the parameter is
+                trained after the freeze and False where its momentum is held at zero; None
+                returns to the automatic mask (coordinates whose variance is zero, or at most
+                comm.mask_threshold times the mean, at the freeze are held at zero).
+        """
+        self._onebit.set_momentum_mask(param, mask)
+
+    def note_local_grads(self, params, grads) -> None:
+        """A warmup hook's local gradients, before it averages them: their squared norms,
+        which rescale_variance needs and the averaged gradients no longer hold."""
+        if self._rescale.tracking():
+            self._rescale.note(params, grads)
+
+    # ------------------------------------------------------------------ step
+    def _local_slots(self, L: FlatLayout) -> int:
+        return len(L.params) if self._rescale.tracking() else 0
+
+    def _fill_local_slots(self, L: FlatLayout, buf: Optional[Tensor], out: Tensor) -> None:
+        local_sq_(L, buf[:L.total] if buf is not None else None, out)
+
+    def _reduced_local_slots(self, L: FlatLayout, slots: Tensor) -> None:
+        self._rescale.reduced(L, slots)
+
+    def _take_step(self, L: FlatLayout) -> bool:
+        st = self._onebit
+        if not st.frozen:
+            taken = self._warmup_step(L)
+            if taken:
+                self._rescale.fold_warmup(L, (self._grad_buf[L.total:L.total + len(L.params)] > 0).tolist())
+            self._rescale.now = None
+            return taken
+        # The gradients are read where autograd left them; all ranks first agree they are finite.
+        if not st.grads_finite(L):
+            return self._nonfinite("the local gradients")
+        keep = []
+
+        def factors_of(include):
+            factors, grad_sq = self._rescale.factors(L, include)
+            keep.append(grad_sq)
+            return factors
+
+        if not frozen_adamw_step_(self, st, L, factors_of):
+            return self._nonfinite("the new momenta")
+        if keep and keep[0] is not None:
+            self._vectors["grad_sq"].copy_(keep[0])
+        return True
 
     def _warmup_update(self, L: FlatLayout, active: List[bool]) -> None:
-        m, v = self._flat["exp_avg"], self._flat["exp_avg_sq"]
-        bounds = self._warmup_bounds(L)
-        for seg in self._segments(L, active, vstep=self._WARMUP_VSTEP):
-            self._moments(seg)
-            group = self.param_groups[seg.group]
-            lr, wd = group["lr"], group["weight_decay"]
-            bc1, bc2 = self._bias_corrections(group, seg)
-            # the gradient buffer is consumed by now: it receives sqrt(v^) + eps
-            d = F.denominator(v[seg.lo:seg.hi], bc2, group["eps"], out=self._grad_buf[seg.lo:seg.hi])
-            for i in seg.idx:
-                o = L.offsets[i] - seg.lo
-                d_i = d[o:o + L.numels[i]].view(L.shapes[i])
-                b = None if bounds[i] is None else lr * bounds[i]
-                F.apply_fp32(L.tensor(i), lambda w, m_i=L.view(m, i), d_i=d_i, b=b: F.adamw_(w, m_i, d_i, lr * wd,
-                                                                                             lr / bc1, b))
+        adamw_warmup_(self, L, active, [None] * len(L.params))
 
-    def _compressed_update(self, L: FlatLayout) -> bool:
-        m, v = self._flat["exp_avg"], self._flat["exp_avg_sq"]
-        # decoded straight into m, and only once every rank has the result
-        if not self._reduce_momentum(L, self._momentum_source(L), m):
-            return False
-        scratch = self._stage_buffer(L)
-        bounds = self._update_bounds(L)
-        include = self._participating(L)
-        segs = self._segments(L, include, vstep="variance_step")
-        factors, grad_sq = self._variance_factors(L, include)
-        for seg in segs:
-            group = self.param_groups[seg.group]
-            lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
-            bc1, bc2 = self._bias_corrections(group, seg)
-            for i in seg.idx:
-                # max_update U: |lr m^ / (sqrt(v^) + eps)| <= lr U for every coordinate
-                step_bound = None if bounds[i] is None else lr * bounds[i]
-                # rescale_variance: v^ f = v / (bc2 / f)
-                bc2_i = bc2 if factors is None or factors[i] is None else bc2 / factors[i]
-                F.apply_fp32(L.tensor(i), lambda w, i=i, b=step_bound, c=bc2_i: kernels.frozen_adamw_(
-                    w, L.view(m, i), L.view(v, i), c, eps, lr * wd, lr / bc1, scratch, b))
-        if grad_sq is not None:
-            self._vectors["grad_sq"].copy_(grad_sq)
-        return True
+    def _after_step(self, L: FlatLayout) -> None:
+        if not self.frozen and self._global_step >= self._option("freeze_step"):
+            self._onebit.freeze(L)
+            self._rescale.record_at_freeze(L)
+            self._attach_views()
+            self._onebit.log_freeze(L)
 
 
 OneBitAdam.__doc__ = r"""Implements 1-bit Adam: AdamW in the warmup, then a frozen variance
@@ -169,9 +260,9 @@ OneBitAdam.__doc__ = r"""Implements 1-bit Adam: AdamW in the warmup, then a froz
     that the factor is 1 at the freeze and follows the change of the gradient scale after it;
     the shape of the preconditioner inside the tensor stays frozen. The norms ride in
     collectives that exist (the warmup's gradient allreduce, the compression stage's
-    finiteness agreement: one fp32 scalar per parameter tensor); with
-    `lbcomm.ddp.onebit_optimizer_hook` the hook records them before it averages (one small
-    allreduce per warmup step), and under FSDP2 the shards' norms are summed over the shard
+    finiteness agreement: one fp32 scalar per parameter tensor); with lbcomm's warmup hook
+    the hook hands the local gradients over first (`note_local_grads`; one small allreduce
+    per warmup step), and under FSDP2 the shards' norms are summed over the shard
     group (one small allreduce per step). max_update still bounds every coordinate's step.
 
     All momenta live in one flat fp32 buffer, so
@@ -192,73 +283,45 @@ OneBitAdam.__doc__ = r"""Implements 1-bit Adam: AdamW in the warmup, then a froz
             good start (default: 100000)
         bias_correction (bool, optional): divide m by 1-b1^t and v by 1-b2^t (the latter
             frozen at freeze_step); False gives the published formulas (default: True)
-        block_size (int or None, optional): elements per scale block of the compressed
-            allreduce; None selects the published single-scale scheme
-            (default: lbcomm.DEFAULT_BLOCK_SIZE)
-        mask_threshold (float, optional): at the freeze, the momentum of coordinates whose
-            variance is at most mask_threshold times the mean variance of all coordinates is
-            held at zero; 0 masks exactly the coordinates with zero variance. The default
-            also catches variances made of rounding noise only (e.g. attention key biases, to
-            which softmax is invariant: their variance lies many orders of magnitude below
-            the mean) (default: 1e-10)
-        max_update (float, str or None, optional): in the compression stage, the bound U on
-            each coordinate's |m^ / (sqrt(v^) + eps)|, so that no coordinate moves more than
-            lr U per step (plus weight decay). A number > 0; "warmup": per parameter tensor,
-            its largest |m^ / (sqrt(v^) + eps)| after the last warmup step (recorded at the
-            freeze, saved in checkpoints); "auto": (1-b1) / sqrt((1-b2)(1-b1^2/b2)), the
-            largest value Adam's update can take (7.27 at betas (0.9, 0.999), needs
-            b1^2 < b2); None: the published, unbounded update (with block_size=None,
-            exact_numel=0 and rescale_variance=False, exactly the published algorithm)
-            (default: 1.0)
-        exact_numel (int, optional): in the compression stage, the parameters of at most
-            this many elements (whole parameters, also under FSDP2) get the exact mean of
-            the ranks' gradients (summed in fp32 by the finiteness agreement's allreduce
-            over the ranks the momentum is reduced over; on nodes by `hierarchical_mean_`)
-            instead of 1-bit compression, their
-            compression errors held at zero: biases, norm weights and small heads, where
-            sign compression saves little and costs the most accuracy. Flat, hierarchical
-            and FSDP2 alike. The INFO line at the freeze gives the share (a warning when it
-            is most of the model); 0 compresses every parameter, as published (default: 4096,
-            as onebit_hook)
         rescale_variance (bool, optional): scale each parameter tensor's frozen variance by
             the change of its gradients' mean square since the freeze (above), so that the
             compression stage keeps Adam's step size as the gradients shrink or grow; False:
-            the published frozen variance. Checkpoints carry the statistic; one saved before
-            the option resumes with False (a warning). If the warmup's gradients reach the
-            optimizer averaged by anything but its own allreduce or onebit_optimizer_hook,
+            the published frozen variance. Checkpoints carry the statistic. If the warmup's gradients reach the
+            optimizer averaged by anything but its own allreduce or lbcomm's warmup hook,
             the local norms are unknown: a warning, and the variance stays frozen
             (default: True)
-        nonfinite (str, optional): what a step does when the averaged gradients (warmup) or
-            the momenta of any rank (compression) hold NaN/Inf: "raise" a NonFiniteError
-            on every rank, or "skip" the step on every rank (``last_step_skipped`` is set,
-            e.g. for fp16 loss scaling). The state is unchanged either way (default: "raise")
-        bucket_cap_mb (float, optional): bucket size of the warmup gradient allreduce
-            (default: 25)
-        detect_averaged_grads (bool, optional): with several ranks, raise
-            `lbcomm.errors.AveragedGradientsError` when the gradients are identical on every
-            rank at the first warmup step or the first compression step (a DDP without
-            lbcomm's hook averaged them); costs 2 floats per rank in collectives the
-            optimizer makes anyway, twice. Set False only when every rank really trains on
-            the same batch (default: True)
-        process_group (ProcessGroup, optional): the ranks to average over (default: the
-            world; one rank, or no torch.distributed, means no communication)
-        backend (str, optional): "torch" (torch.distributed), "mpi" (mpi4py, launched with
-            mpirun; `process_group` is then an mpi4py communicator or None) or "auto":
-            torch.distributed when initialized, else MPI under mpirun; every collective goes
-            through `lbcomm.comm.get_transport` (default: "auto")
-        topology (Topology, str or None, optional): nodes of fast-linked ranks
-            (`lbcomm.topology`): with a Topology of several nodes of several ranks, the
-            compression stage reduces the momentum hierarchically (fp32 reduce-scatter
-            inside the node, 1 bit across nodes, all-gather: G times less traffic between
-            nodes than the flat call, for one more model-sized fp32 buffer); "auto" makes
-            one with `Topology.auto` under torchrun with more than one node (world group,
-            torch.distributed only) and is flat otherwise; "flat" or None: the flat call
-            over `process_group`. Checkpoints carry the hierarchical errors; loading them
-            on another topology resets them with a logged warning, like a world-size
-            change (default: "auto")
-        shard_group (ProcessGroup, optional): for FSDP2-sharded (DTensor) parameters, the
-            ranks holding the other shards; set by `lbcomm.fsdp.onebit_optimizer`, which
-            is the way to build an optimizer for a sharded model (default: None)
+        comm (lbcomm.CommConfig, optional): the communication settings (default: CommConfig()).
+            What they do here: ``block_size``, the compressed allreduce's scale blocks
+            (None: the published single-scale scheme); ``mask_threshold``, at the freeze the
+            momentum of coordinates whose variance is at most mask_threshold times the mean
+            variance is held at zero (0: exactly the zero-variance ones; the default also
+            catches variances of rounding noise, e.g. attention key biases); ``max_update``,
+            the bound U on each coordinate's |m^ / (sqrt(v^) + eps)| in the compression stage
+            (a number > 0; "warmup": per parameter tensor its largest value after the last
+            warmup step, recorded at the freeze and checkpointed; "auto": (1-b1) /
+            sqrt((1-b2)(1-b1^2/b2)), Adam's largest possible update, 7.27 at betas (0.9,
+            0.999), needs b1^2 < b2; None: the published, unbounded update, exactly the
+            published algorithm together with block_size=None, exact_numel=0 and
+            rescale_variance=False); ``exact_numel``, the parameters of at most this many
+            elements get the exact mean of the ranks' gradients in the compression stage
+            instead of 1-bit compression, their errors held at zero (biases, norm weights,
+            small heads; flat, hierarchical and FSDP2 alike; 0 compresses every parameter, as
+            published); ``nonfinite``, "skip" (every rank skips a step whose averaged
+            gradients or new momenta hold NaN/Inf on any rank, ``last_step_skipped`` is set)
+            or "raise" a NonFiniteError on every rank, the state unchanged either way;
+            ``bucket_cap_mb``, the warmup allreduce's buckets; ``detect_averaged_grads``,
+            raise `lbcomm.errors.AveragedGradientsError` when the gradients are identical on
+            every rank at the first warmup or compression step (False only when every rank
+            really trains on the same batch); ``process_group`` / ``backend``, the ranks to
+            average over and the transport (`lbcomm.comm.get_transport`); ``topology``,
+            nodes of fast-linked ranks: a `Topology` of several nodes reduces the momentum
+            hierarchically (fp32 inside the node, 1 bit across nodes: G times less traffic
+            between nodes for one more model-sized fp32 buffer), "auto" makes one with
+            `Topology.auto` under torchrun with more than one node (world group,
+            torch.distributed only), "flat" the flat call; checkpoints carry the errors, and
+            loading them on another topology resets them with a logged warning, like a
+            world-size change; ``shard_group``, set by `lbcomm.fsdp.onebit_optimizer`, the
+            way to build an optimizer for an FSDP2-sharded model.
 
     Example::
 

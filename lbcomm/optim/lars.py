@@ -8,21 +8,19 @@ so the hook is the way to compress Lars's communication.
 """
 from __future__ import annotations
 
-import logging
-from typing import Any, Callable, Dict, List, Union
+from typing import Any, Callable, Dict, List, Optional, Union
 
 import torch
 from torch import Tensor
 
-from ..common import NONFINITE_POLICIES
+from ..config import CommConfig
 from ..errors import AveragedGradientsError
 from . import functional as F
-from .base import BaseOptimizer, replicas_identical
+from .agree import replicas_identical
+from .base import BaseOptimizer
 from .flat import FlatLayout, Segment
 
 __all__ = ["Lars", "lars_trust_ratio", "adapts"]
-
-_log = logging.getLogger(__name__)
 
 Exclude = Union[None, bool, Callable[[Tensor], bool]]
 
@@ -58,17 +56,13 @@ class Lars(BaseOptimizer):
         eps: float = 1e-8,
         exclude_from_adaptation: Exclude = None,
         *,
-        nonfinite: str = "raise",
-        bucket_cap_mb: float = 25.0,
-        detect_averaged_grads: bool = True,
-        process_group=None,
-        backend: str = "auto",
+        grads_averaged: bool = False,
+        comm: Optional[CommConfig] = None,
     ) -> None:
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, trust_coefficient=trust_coefficient,
-                        eps=eps, exclude_from_adaptation=exclude_from_adaptation, nonfinite=nonfinite,
-                        bucket_cap_mb=bucket_cap_mb, detect_averaged_grads=detect_averaged_grads)
-        self._hook_seen = False
-        super().__init__(params, defaults, process_group=process_group, backend=backend)
+                        eps=eps, exclude_from_adaptation=exclude_from_adaptation)
+        super().__init__(params, defaults, comm)
+        self.grads_averaged = grads_averaged
 
     def _validate_group(self, group: Dict[str, Any]) -> None:
         # Not BaseOptimizer's: LARS has no betas (its momentum is `momentum`).
@@ -89,10 +83,6 @@ class Lars(BaseOptimizer):
         if not (ex is None or isinstance(ex, bool) or callable(ex)):
             raise ValueError(f"Invalid exclude_from_adaptation: {ex!r} (use None for the 1-D rule, True/False, or a "
                              "callable param -> bool that returns True for parameters to exclude)")
-        if group["nonfinite"] not in NONFINITE_POLICIES:
-            raise ValueError(f"Invalid nonfinite policy: {group['nonfinite']!r} (use one of {NONFINITE_POLICIES})")
-        if not group["bucket_cap_mb"] > 0:
-            raise ValueError(f"Invalid bucket_cap_mb: {group['bucket_cap_mb']} (must be > 0)")
 
     # ------------------------------------------------------------------ communication
     def _check_replicas(self, slots: Tensor, stage: str) -> bool:
@@ -102,9 +92,10 @@ class Lars(BaseOptimizer):
             raise AveragedGradientsError(
                 f"{name}: at step {self._global_step + 1} the gradients are identical on all {p} ranks: a "
                 f"DistributedDataParallel has already averaged them, and {name} would average them a second time. "
-                f"Set optimizer.grads_averaged = True ({name} then does not communicate), or compress them with "
-                "lbcomm.onebit_hook (then set grads_averaged = True as well). If every rank really computes the same gradients, "
-                f"pass {name}(..., detect_averaged_grads=False).")
+                f"Pass {name}(..., grads_averaged=True) (or set optimizer.grads_averaged = True) when a DDP hook such "
+                "as lbcomm.onebit_hook or DDP itself averages them; the optimizer then does not communicate. If "
+                f"every rank really computes the same gradients, pass {name}(..., "
+                "comm=lbcomm.CommConfig(detect_averaged_grads=False)).")
         return same is not None
 
     # ------------------------------------------------------------------ update
@@ -178,8 +169,9 @@ Lars.__doc__ = r"""Implements LARS (layer-wise adaptive rate scaling, You et al.
     Data parallel: the gradients reaching `step` must be the mean over the ranks, or the
     optimizer averages them itself (one bucketed fp32 allreduce; no DDP needed). Under
     `lbcomm.onebit_hook` (1-bit compressed gradients, error feedback), DDP's own allreduce or
-    another averaging hook set ``optimizer.grads_averaged = True`` (identical gradients on every rank
-    otherwise raise `lbcomm.errors.AveragedGradientsError` naming this fix). NaN/Inf in the
+    another averaging hook pass ``grads_averaged=True``: the optimizer then does not
+    communicate (identical gradients on every rank otherwise raise
+    `lbcomm.errors.AveragedGradientsError` naming this fix). NaN/Inf in the
     averaged gradients (onebit_hook's ``nonfinite="skip"`` makes a bucket NaN on every rank)
     raise or skip the step on every rank alike (``nonfinite``).
 
@@ -195,15 +187,16 @@ Lars.__doc__ = r"""Implements LARS (layer-wise adaptive rate scaling, You et al.
         eps (float, optional): added to ||u|| in the trust ratio (default: 1e-8)
         exclude_from_adaptation (None, bool or callable, optional): which tensors get neither
             trust ratio nor weight decay, see above (default: None, tensors with dim <= 1)
-        nonfinite (str, optional): "raise" or "skip" a step whose averaged gradients hold
-            NaN/Inf; the state is unchanged either way (default: "raise")
-        bucket_cap_mb (float, optional): bucket size of the optimizer's own gradient
-            allreduce (default: 25)
-        detect_averaged_grads (bool, optional): raise `lbcomm.errors.AveragedGradientsError`
-            when the gradients are identical on every rank although `grads_averaged` is not
-            set (default: True)
-        process_group (ProcessGroup, optional): the ranks to average over (default: the world)
-        backend (str, optional): "torch", "mpi" or "auto", as in :class:`Lamb` (default: "auto")
+        grads_averaged (bool, optional): the gradients reaching `step` are already the mean
+            over the ranks (a DDP hook such as lbcomm.onebit_hook, or DDP itself, averaged
+            them); the optimizer then does not communicate (the `grads_averaged` attribute)
+            (default: False)
+        comm (lbcomm.CommConfig, optional): ``process_group`` / ``backend`` (the ranks the
+            optimizer averages over itself), ``bucket_cap_mb`` (its allreduce's buckets),
+            ``nonfinite`` ("skip" or "raise" a step whose averaged gradients hold NaN/Inf, the
+            state unchanged either way) and ``detect_averaged_grads`` (raise when the
+            gradients are identical on every rank although `grads_averaged` is not set)
+            (default: CommConfig())
 
     Example::
 

@@ -8,7 +8,8 @@ same elementary torch operations as `lbcomm.optim.functional`, in their natural 
 so the real optimizers and this simulation can be compared to the last bit.
 
 Inputs are the parameters at step 0 and, for every step, every rank's local gradients;
-the warmup gradient is their mean (sum over ranks, then divided by p).
+the warmup gradient is their mean (sum over ranks, then divided by p). ZeroOneAdam's
+simulation is `reference_zeroone`.
 """
 from __future__ import annotations
 
@@ -20,8 +21,7 @@ from torch import Tensor
 
 from .. import reference as R
 
-__all__ = ["simulate_onebit_adam", "simulate_onebit_lamb", "simulate_lamb", "simulate_lars",
-           "simulate_zero_one_adam"]
+__all__ = ["simulate_onebit_adam", "simulate_onebit_lamb", "simulate_lamb", "simulate_lars"]
 
 
 def _mean(per_rank: Sequence[Tensor]) -> Tensor:
@@ -384,116 +384,4 @@ def _lars(params0, grads, *, lr, momentum, weight_decay, trust_coefficient, eps,
             c = trust_coefficient * pn / (un + eps) if pn > 0 and un > 0 else torch.ones(())
             theta[i].add_(u * c, alpha=-lr)
         history.append([t.clone() for t in theta])
-    return history
-
-
-def simulate_zero_one_adam(params0: Sequence[Tensor], grads: Sequence[Sequence[Sequence[Tensor]]], *, lr,
-                           betas=(0.9, 0.999), eps: float = 1e-8, weight_decay=0.0, var_freeze_step: int,
-                           var_update_scaler: int = 16, local_step_scaler: int = 32678, local_step_clipper: int = 16,
-                           block_size: Optional[int], bias_correction: bool = True, mask_threshold: float = 1e-10,
-                           max_update=1.0, var_decay: str = "time") -> List[List[List[Tensor]]]:
-    """0/1 Adam (the equations of lbcomm.ZeroOneAdam's docstring). grads[t][r][i]: gradient
-    of parameter i on rank r at step t + 1; lr: a float, or lr(step, i) for a schedule or
-    param groups; weight_decay: a float or one per parameter. Returns, after every step,
-    every rank's parameters ([t][r][i]): identical on all ranks except between
-    synchronizations of the local-step stage."""
-    b1, b2 = betas
-    p, n_params = len(grads[0]), len(params0)
-    lr_of = lr if callable(lr) else (lambda step, i: lr)
-    wds = list(weight_decay) if isinstance(weight_decay, (list, tuple)) else [weight_decay] * n_params
-    theta = [[t.detach().float().clone() for t in params0] for _ in range(p)]  # per rank
-    m = [[torch.zeros_like(t) for t in theta[0]] for _ in range(p)]  # per rank (equal until local steps)
-    v = [torch.zeros_like(t) for t in theta[0]]
-    comp = _Compressor(sum(t.numel() for t in theta[0]), p, block_size)
-    if max_update == "warmup":
-        raise ValueError("simulate_zero_one_adam: max_update='warmup' is not part of 0/1 Adam")
-    bounds = _bounds(max_update, betas, [None] * n_params, None, 1.0, 1.0, eps)  # a number, "auto" or None
-    keep = None
-    n_v, var_updates, next_var, local, syncs, next_sync, last_var = 0, 0, 1, False, 0, 0, 0
-    compressed = False  # a 1-bit step has been taken: later variance steps are bounded too
-    anchor = acc = lr_sum = decay_keep = None
-    history = []
-
-    def adam_step(w, m_i, v_i, bc2, decay, step_size, bound):  # frozen_adamw_'s operations
-        if decay != 0:
-            w.mul_(1 - decay)
-        d = _denom(v_i, bc2, eps)
-        if bound is None:
-            w.addcdiv_(m_i, d, value=-step_size)
-        else:
-            w.add_(torch.mul(m_i, -step_size).div_(d).clamp_(-bound, bound))
-
-    for step, g_step in enumerate(grads, start=1):
-        lrs = [lr_of(step, i) for i in range(n_params)]
-        bc1 = 1 - b1 ** step if bias_correction else 1.0
-        if step == next_var:  # AdamW on the averaged gradients, the variance updated
-            k = step - last_var if var_decay == "time" else 1  # the steps since the last update
-            last_var = step
-            n_v += k
-            bc2 = 1 - b2 ** n_v if bias_correction else 1.0
-            for i in range(n_params):
-                g = _mean([g_step[r][i].float() for r in range(p)])
-                m[0][i].lerp_(g, 1 - b1)
-                v[i].mul_(b2 ** k).addcmul_(g, g, value=1 - b2 ** k)
-                b = None if not compressed or bounds[i] is None else lrs[i] * bounds[i]
-                adam_step(theta[0][i], m[0][i], v[i], bc2, lrs[i] * wds[i], lrs[i] / bc1, b)
-            m = [[t.clone() for t in m[0]] for _ in range(p)]
-            theta = [[t.clone() for t in theta[0]] for _ in range(p)]
-            var_updates += 1
-            nxt = step + 2 ** (var_updates // var_update_scaler)
-            next_var = nxt if nxt <= var_freeze_step else 0
-            keep = _keep(v, mask_threshold)
-        elif not local:  # OneBitAdam's compression step
-            compressed = True
-            bc2 = 1 - b2 ** n_v if bias_correction else 1.0
-            local_m = [_cat([torch.lerp(m[0][i], g_step[r][i].float(), 1 - b1) for i in range(n_params)])
-                       for r in range(p)]
-            new = [torch.where(k, mi, 0.0) for mi, k in zip(_split(comp(local_m), theta[0]), keep)]
-            for i in range(n_params):
-                b = None if bounds[i] is None else lrs[i] * bounds[i]
-                adam_step(theta[0][i], new[i], v[i], bc2, lrs[i] * wds[i], lrs[i] / bc1, b)
-            m = [[t.clone() for t in new] for _ in range(p)]
-            theta = [[t.clone() for t in theta[0]] for _ in range(p)]
-        else:
-            bc2 = 1 - b2 ** n_v if bias_correction else 1.0
-            new_sum = [lr_sum[i] + lrs[i] for i in range(n_params)]
-            new_keep = [decay_keep[i] * (1 - lrs[i] * wds[i]) for i in range(n_params)]
-            if step != next_sync:  # a local step on every rank
-                for r in range(p):
-                    for i in range(n_params):
-                        m[r][i] = torch.where(keep[i], torch.lerp(m[r][i], g_step[r][i].float(), 1 - b1), 0.0)
-                        b = None if bounds[i] is None else lrs[i] * bounds[i]
-                        adam_step(theta[r][i], m[r][i], v[i], bc2, lrs[i] * wds[i], lrs[i] / bc1, b)
-                        acc[r][i].add_(m[r][i], alpha=lrs[i] / bc1)
-            else:  # the synchronization
-                inputs = []
-                for r in range(p):
-                    parts = []
-                    for i in range(n_params):
-                        x = torch.lerp(m[r][i], g_step[r][i].float(), 1 - b1)
-                        x = torch.add(acc[r][i], x, alpha=lrs[i] / bc1)
-                        parts.append(x.mul_(bc1 / float(new_sum[i])))
-                    inputs.append(_cat(parts))
-                new = [torch.where(k, mi, 0.0) for mi, k in zip(_split(comp(inputs), theta[0]), keep)]
-                for i in range(n_params):
-                    total = float(new_sum[i])
-                    b = None if bounds[i] is None else total * bounds[i]
-                    w = anchor[i].clone()
-                    adam_step(w, new[i], v[i], bc2, 1 - float(new_keep[i]), total / bc1, b)
-                    anchor[i] = w
-                theta = [[t.clone() for t in anchor] for _ in range(p)]
-                m = [[t.clone() for t in new] for _ in range(p)]
-                acc = [[torch.zeros_like(t) for t in anchor] for _ in range(p)]
-                new_sum = [torch.zeros(()) for _ in range(n_params)]
-                new_keep = [torch.ones(()) for _ in range(n_params)]
-                syncs += 1
-                next_sync = step + min(2 ** (syncs // local_step_scaler), local_step_clipper)
-            lr_sum, decay_keep = new_sum, new_keep
-        if not local and step >= var_freeze_step:  # the local-step stage begins
-            local, syncs, next_sync, next_var = True, 0, step + 1, 0
-            anchor = [t.clone() for t in theta[0]]
-            acc = [[torch.zeros_like(t) for t in anchor] for _ in range(p)]
-            lr_sum = [torch.zeros(()) for _ in range(n_params)]
-            decay_keep = [torch.ones(()) for _ in range(n_params)]
-        history.append([[t.clone() for t in theta[r]] for r in range(p)])
     return history

@@ -1,24 +1,26 @@
 """0/1 Adam (Lu et al., 2022): the variance updated on an exponentially spaced schedule and
 then frozen, 1-bit compressed momentum synchronization, and after the freeze local steps
-between synchronizations on a growing interval. Built on `OneBitAdam`'s machinery (the
-freeze, the mask, the finiteness agreement, the compressed momentum allreduce, max_update);
-the equations are in `ZeroOneAdam`'s docstring."""
+between synchronizations on a growing interval. It holds a `OneBitStage` (the mask, the
+finiteness agreement, the compressed momentum allreduce, max_update) and shares Adam's
+updates with `OneBitAdam` (`adam.adamw_warmup_`, `adam.frozen_adamw_step_`); the equations
+are in `ZeroOneAdam`'s docstring. It runs on the flat compressed reduction only."""
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from ..comm import get_transport
 from ..comm.counting import CountingTransport
-from ..config import DEFAULT_BLOCK_SIZE
+from ..config import CommConfig
 from . import functional as F
-from . import kernels
-from .adam import OneBitAdam
+from .adam import adamw_warmup_, check_freeze_step, frozen_adamw_step_
+from .base import BaseOptimizer
 from .flat import FlatLayout
-from .onebit import OneBitOptimizer
+from . import local_steps
+from .onebit import OneBitStage
 
 __all__ = ["ZeroOneAdam"]
 
@@ -33,13 +35,11 @@ def _positive_int(group: Dict[str, Any], name: str) -> None:
         raise ValueError(f"Invalid {name}: {value!r} (must be an int >= 1)")
 
 
-class ZeroOneAdam(OneBitAdam):
-    _GLOBAL_OPTIONS = tuple(o for o in OneBitOptimizer._GLOBAL_OPTIONS if o not in ("freeze_step", "exact_numel")) + (
-        "var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper", "var_decay")
+class ZeroOneAdam(BaseOptimizer):
+    _GLOBAL_OPTIONS = ("var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper", "var_decay")
     # interval_lr: sum of the lrs since the last synchronization; interval_keep: product of
     # the weight-decay factors (1 - lr wd) since then (fp32, per parameter, checkpointed)
-    _param_vectors: Dict[str, float] = {**OneBitOptimizer._param_vectors, "interval_lr": 0.0, "interval_keep": 1.0}
-    _WARMUP_VSTEP = "variance_step"  # the variance's bias correction counts the steps its updates cover
+    _param_vectors: Dict[str, float] = {**OneBitStage.VECTORS, "interval_lr": 0.0, "interval_keep": 1.0}
     # flat buffers of the local-step stage: the accumulated lr-weighted momentum and the
     # parameters at the last synchronization (identical on every rank)
     _local_buffers: tuple = ("local_update", "anchor")
@@ -58,26 +58,17 @@ class ZeroOneAdam(OneBitAdam):
         local_step_clipper: int = 16,
         var_decay: str = "time",
         bias_correction: bool = True,
-        block_size: Optional[int] = DEFAULT_BLOCK_SIZE,
-        mask_threshold: float = 1e-10,
-        max_update: Union[float, str, None] = 1.0,
-        nonfinite: str = "raise",
-        bucket_cap_mb: float = 25.0,
-        detect_averaged_grads: bool = True,
-        process_group=None,
-        backend: str = "auto",
+        comm: Optional[CommConfig] = None,
     ) -> None:
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, var_freeze_step=var_freeze_step,
                         var_update_scaler=var_update_scaler, local_step_scaler=local_step_scaler,
-                        local_step_clipper=local_step_clipper, var_decay=var_decay, bias_correction=bias_correction,
-                        block_size=block_size, mask_threshold=mask_threshold, max_update=max_update,
-                        nonfinite=nonfinite, bucket_cap_mb=bucket_cap_mb,
-                        detect_averaged_grads=detect_averaged_grads)
+                        local_step_clipper=local_step_clipper, var_decay=var_decay, bias_correction=bias_correction)
         self._schedule = self._initial_schedule()
         self._last_kind: Optional[str] = None
         self._counts = {k: 0 for k in _KINDS}
-        # flat compression only: its local steps and syncs are not built on the hierarchical reduction
-        OneBitOptimizer.__init__(self, params, defaults, process_group=process_group, backend=backend, topology="flat")
+        super().__init__(params, defaults, comm)
+        # every parameter compressed (exact_numel does not apply), on the flat reduction only
+        self._onebit = OneBitStage(self, exact_numel=0, flat_only=True)
 
     @staticmethod
     def _initial_schedule() -> Dict[str, Any]:
@@ -88,15 +79,16 @@ class ZeroOneAdam(OneBitAdam):
 
     # ------------------------------------------------------------------ options
     def _validate_group(self, group: Dict[str, Any]) -> None:
-        for name in ("var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper"):
+        super()._validate_group(group)
+        check_freeze_step("var_freeze_step", group["var_freeze_step"])
+        for name in ("var_update_scaler", "local_step_scaler", "local_step_clipper"):
             _positive_int(group, name)
-        if group.get("var_decay", "update") not in ("time", "update"):
+        if group["var_decay"] not in ("time", "update"):
             raise ValueError(f"Invalid var_decay: {group['var_decay']!r} (must be 'time' or 'update')")
-        if group["max_update"] == "warmup":
+        if self.comm.max_update == "warmup":
             raise ValueError("Invalid max_update: 'warmup' is not supported by ZeroOneAdam (its variance keeps "
                              "changing until var_freeze_step); use a number, 'auto' or None")
-        # OneBitOptimizer's checks; its freeze is ZeroOneAdam's var_freeze_step
-        super()._validate_group({**group, "freeze_step": group["var_freeze_step"]})
+        F.resolve_max_update(self.comm.max_update, group["betas"])
 
     # ------------------------------------------------------------------ public API
     @property
@@ -104,7 +96,7 @@ class ZeroOneAdam(OneBitAdam):
         """The `lbcomm.comm` transport of `process_group`, wrapped in a `CountingTransport`
         (what `comm_stats` reports)."""
         if self._transport is None:
-            self._transport = CountingTransport(get_transport(self.process_group, backend=self.backend))
+            self._transport = CountingTransport(get_transport(self.process_group, backend=self.comm.backend))
         return self._transport
 
     @property
@@ -131,23 +123,39 @@ class ZeroOneAdam(OneBitAdam):
         return {"bytes_sent": tr.bytes_sent, "rounds": tr.rounds,
                 **{f"{k}_steps": v for k, v in self._counts.items()}}
 
+    @property
+    def compression_state(self):
+        """The reducer of the momentum (a flat CompressionState); None before the first step and with one rank."""
+        return self._onebit.reducer
+
+    @property
+    def masked_coordinates(self) -> int:
+        """How many momentum coordinates are held at zero."""
+        return self._onebit.masked_coordinates
+
+    def set_momentum_mask(self, param: Tensor, mask: Optional[Tensor]) -> None:
+        """Override the automatic zero-variance mask for one parameter, as `OneBitAdam.set_momentum_mask`."""
+        self._onebit.set_momentum_mask(param, mask)
+
     # ------------------------------------------------------------------ layout
     def _buffer_names(self) -> tuple:
-        return super()._buffer_names() + (self._local_buffers if self._schedule["local"] else ())
+        return self._flat_buffers + (self._local_buffers if self._schedule["local"] else ())
 
     # ------------------------------------------------------------------ step
     def _take_step(self, L: FlatLayout) -> bool:
-        t, s = self._global_step + 1, self._schedule
-        if not self._frozen or t == s["next_var"]:
+        t, s, st = self._global_step + 1, self._schedule, self._onebit
+        if not self.frozen or t == s["next_var"]:
             self._last_kind = "variance"
             return self._variance_step(L)
-        if not s["local"]:
-            self._last_kind = "onebit"
-            return super()._take_step(L)  # OneBitAdam's compression step with the current variance
-        self._last_kind = "sync" if t == s["next_sync"] else "local"
         # every rank agrees that the local gradients are finite (4 bytes), so that every rank
         # skips the same steps and the synchronizations stay aligned
-        if not self._grads_finite(L):
+        if not s["local"]:
+            self._last_kind = "onebit"  # OneBitAdam's compression step with the current variance
+            if not st.grads_finite(L):
+                return self._nonfinite("the local gradients")
+            return frozen_adamw_step_(self, st, L) or self._nonfinite("the new momenta")
+        self._last_kind = "sync" if t == s["next_sync"] else "local"
+        if not st.grads_finite(L):
             return self._nonfinite("the local gradients")
         if self._last_kind == "sync":
             return self._sync_step(L) or self._nonfinite("the synchronized momenta")
@@ -156,7 +164,7 @@ class ZeroOneAdam(OneBitAdam):
 
     def _variance_step(self, L: FlatLayout) -> bool:
         """AdamW on the gradients averaged at full precision, the variance updated."""
-        if not self._frozen:
+        if not self.frozen:
             return self._warmup_step(L)
         # after the first step a DDP hook no longer averages (the optimizer is frozen for it)
         hooked, self._grads_averaged = self._grads_averaged, False
@@ -169,28 +177,24 @@ class ZeroOneAdam(OneBitAdam):
         """The variance's decay exponent at this variance update: with var_decay="time" the
         steps since the last update (the schedule's interval, 2^(n // kappa) after n
         updates), so that v forgets at beta2 per step as Adam's does; with "update" (the
-        paper; checkpoints from before the option) 1."""
-        if self.param_groups[0].get("var_decay", "update") != "time":
+        paper) 1."""
+        if self._option("var_decay") != "time":
             return 1
         return 2 ** (self._schedule["var_updates"] // self._option("var_update_scaler"))
 
     def _warmup_update(self, L: FlatLayout, active: List[bool]) -> None:
+        """AdamW whose variance covers the steps since its last update (the bias correction
+        counts them in variance_step, the decay is beta2 to their number). A variance step
+        after the first 1-bit step takes its momentum from decoded compressed momenta:
+        max_update bounds it as it bounds the compressed steps (coordinates of a tiny
+        variance would otherwise move by lr x block scale / sqrt(v) and blow up). The steps
+        before any compression are AdamW's."""
         idx = [i for i, on in enumerate(active) if on]
-        if idx:  # the bias correction's count: the steps the variance covers
-            self._vectors["variance_step"][idx] += self._variance_gap()
-        super()._warmup_update(L, active)
-
-    def _warmup_bounds(self, L: FlatLayout) -> List[Optional[float]]:
-        """A variance step after the first 1-bit step takes its momentum from decoded
-        compressed momenta: max_update bounds it as it bounds the compressed steps (coordinates
-        of a tiny variance would otherwise move by lr x block scale / sqrt(v) and blow up).
-        The steps before any compression are AdamW's."""
-        if not self._counts["onebit"]:
-            return super()._warmup_bounds(L)
-        return self._update_bounds(L)
-
-    def _moments(self, seg) -> None:
-        super()._moments(seg, self._variance_gap())
+        gap = self._variance_gap()
+        if idx:
+            self._vectors["variance_step"][idx] += gap
+        bounds = self._onebit.update_bounds(L) if self._counts["onebit"] else [None] * len(L.params)
+        adamw_warmup_(self, L, active, bounds, vstep="variance_step", decay_steps=gap)
 
     def _after_step(self, L: FlatLayout) -> None:
         t, s, kind = self._global_step, self._schedule, self._last_kind
@@ -199,10 +203,12 @@ class ZeroOneAdam(OneBitAdam):
             s["var_updates"] += 1
             nxt = t + 2 ** (s["var_updates"] // self._option("var_update_scaler"))
             s["next_var"] = nxt if nxt <= self._option("var_freeze_step") else 0
-            if not self._frozen:
-                self._freeze(L)  # the compression state and the mask, from the first step on
+            if not self.frozen:  # the reducer and the mask, from the first step on
+                self._onebit.freeze(L)
+                self._attach_views()
+                self._onebit.log_freeze(L)
             else:
-                self._build_mask(L)  # the variance changed
+                self._onebit.build_mask(L)  # the variance changed
         elif kind == "sync":
             s["syncs"] += 1
             s["next_sync"] = t + min(2 ** (s["syncs"] // self._option("local_step_scaler")),
@@ -225,112 +231,11 @@ class ZeroOneAdam(OneBitAdam):
                   "synchronized every min(2^(j // %s), %s) steps", type(self).__name__, self._global_step,
                   s["var_updates"], self._option("local_step_scaler"), self._option("local_step_clipper"))
 
-    # ------------------------------------------------------------------ local steps
-    def _bc1(self, group: Dict[str, Any], step: float) -> float:
-        return 1 - group["betas"][0] ** step if group["bias_correction"] else 1.0
-
-    @staticmethod
-    def _local_momentum(m_i: Tensor, g: Optional[Tensor], weight: float, out: Tensor) -> None:
-        """out = b1 m + (1-b1) g (torch.lerp), g None counting as zeros."""
-        if g is None:
-            g = torch.zeros_like(m_i)
-        elif g.dtype != torch.float32:
-            g = g.float()
-        torch.lerp(m_i, g.reshape(-1), weight, out=out)
-
-    def _interval_vectors(self, idx_by_group: Dict[int, List[int]], out_lr: Tensor, out_keep: Tensor) -> None:
-        """Add this step's lr to interval_lr and its decay factor to interval_keep (fp32)."""
-        for gi, idx in idx_by_group.items():
-            group = self.param_groups[gi]
-            out_lr[idx] += group["lr"]
-            out_keep[idx] *= 1 - group["lr"] * group["weight_decay"]
-
-    @staticmethod
-    def _by_group(L: FlatLayout, include: List[bool]) -> Dict[int, List[int]]:
-        out: Dict[int, List[int]] = {}
-        for i, on in enumerate(include):
-            if on:
-                out.setdefault(L.group_of[i], []).append(i)
-        return out
-
     def _local_step(self, L: FlatLayout) -> None:
-        """No communication: the local momentum and an AdamW step with the frozen variance,
-        accumulated into local_update."""
-        m, v, acc = self._flat["exp_avg"], self._flat["exp_avg_sq"], self._flat["local_update"]
-        part = self._participating(L)
-        for i, on in enumerate(part):
-            if on:
-                m_i = L.view(m, i).view(-1)
-                self._local_momentum(m_i, L.params[i].grad, 1 - self.param_groups[L.group_of[i]]["betas"][0], m_i)
-        self._mask_range(m, 0, L.total)
-        scratch, bounds = self._stage_buffer(L), self._update_bounds(L)
-        for seg in self._segments(L, part, vstep="variance_step"):
-            group = self.param_groups[seg.group]
-            lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
-            bc1, bc2 = self._bias_corrections(group, seg)
-            for i in seg.idx:
-                b = None if bounds[i] is None else lr * bounds[i]
-                F.apply_fp32(L.params[i], lambda w, i=i, b=b: kernels.frozen_adamw_(
-                    w, L.view(m, i), L.view(v, i), bc2, eps, lr * wd, lr / bc1, scratch, b))
-                L.view(acc, i).add_(L.view(m, i), alpha=lr / bc1)
-        self._interval_vectors(self._by_group(L, part), self._vectors["interval_lr"], self._vectors["interval_keep"])
+        local_steps.local_step_(self, L)
 
     def _sync_step(self, L: FlatLayout) -> bool:
-        """The local step's momentum, then one compressed allreduce of the interval's mean
-        bias-corrected momentum (times bc1) into m, and every rank's parameters rebuilt from
-        the anchor; False (nothing changed) when the result is non-finite."""
-        m, v = self._flat["exp_avg"], self._flat["exp_avg_sq"]
-        acc, anchor = self._flat["local_update"], self._flat["anchor"]
-        part = self._participating(L)
-        steps = self._vectors["step"].tolist()
-        lr_sum, keep = self._vectors["interval_lr"].clone(), self._vectors["interval_keep"].clone()
-        self._interval_vectors(self._by_group(L, part), lr_sum, keep)
-        sums = lr_sum.tolist()
-        weights, alphas, scales = [], [], []
-        for i, gi in enumerate(L.group_of):
-            group = self.param_groups[gi]
-            weights.append(1 - group["betas"][0])
-            if part[i]:
-                bc1 = self._bc1(group, steps[i] + 1)
-                alphas.append(group["lr"] / bc1)
-                scales.append(bc1 / sums[i] if sums[i] > 0 else 0.0)
-            else:  # not trained: its momentum is reduced as OneBitAdam's, it does not move
-                alphas.append(None)
-                scales.append(None)
-
-        def source(lo: int, hi: int, buf: Tensor) -> None:
-            for i, a, b in L.overlapping(lo, hi):
-                o = L.offsets[i]
-                out, g = buf[o + a - lo:o + b - lo], L.params[i].grad
-                self._local_momentum(m[o + a:o + b], None if g is None else g.reshape(-1)[a:b], weights[i], out)
-                if alphas[i] is not None:
-                    torch.add(acc[o + a:o + b], out, alpha=alphas[i], out=out)
-                    out.mul_(scales[i])
-
-        if not self._reduce_momentum(L, source, m):
-            return False
-        scratch, bounds = self._stage_buffer(L), self._update_bounds(L)
-        keeps = keep.tolist()
-        for seg in self._segments(L, part, vstep="variance_step"):
-            group = self.param_groups[seg.group]
-            eps = group["eps"]
-            bc1, bc2 = self._bias_corrections(group, seg)
-            for i in seg.idx:
-                total = sums[i]
-                b = None if bounds[i] is None else total * bounds[i]
-                a_i = L.view(anchor, i)
-
-                def rebuild(w, i=i, b=b, total=total, a_i=a_i):
-                    w.copy_(a_i)
-                    kernels.frozen_adamw_(w, L.view(m, i), L.view(v, i), bc2, eps, 1 - keeps[i], total / bc1,
-                                          scratch, b)
-                    a_i.copy_(w)
-
-                F.apply_fp32(L.params[i], rebuild)
-        acc.zero_()
-        self._vectors["interval_lr"].zero_()
-        self._vectors["interval_keep"].fill_(1.0)
-        return True
+        return local_steps.sync_step_(self, L)
 
     # ------------------------------------------------------------------ checkpoints
     def _extra_state(self) -> Dict[str, Any]:
@@ -346,7 +251,7 @@ class ZeroOneAdam(OneBitAdam):
             raise ValueError(f"{type(self).__name__}.load_state_dict: the state dict has no 'zero_one' entry (it was "
                              "saved by another lbcomm optimizer); load it into the optimizer class that saved it")
         self._schedule = {k: saved[k] for k in self._initial_schedule()}
-        self._counts = {k: int(saved["counts"].get(k, 0)) for k in _KINDS}
+        self._counts = {k: int(saved["counts"][k]) for k in _KINDS}
         tr = self.transport
         tr.bytes_sent, tr.rounds = int(saved["bytes_sent"]), int(saved["rounds"])
         super()._load_extra_state(state, extra)
@@ -467,24 +372,12 @@ ZeroOneAdam.__doc__ = r"""Implements 0/1 Adam (Lu et al., 2022, "Maximizing Comm
             (default: "time")
         bias_correction (bool, optional): divide m by 1-b1^t and v by 1-b2^(n_v);
             False gives the published formulas (default: True)
-        block_size (int or None, optional): elements per scale block of the compressed
-            allreduce; None: one scale per tensor, the published scheme
-            (default: lbcomm.DEFAULT_BLOCK_SIZE)
-        mask_threshold (float, optional): coordinates whose variance is at most
-            mask_threshold times the mean variance have their momentum held at zero after
-            every compressed allreduce (default: 1e-10)
-        max_update (float, str or None, optional): the bound U of the compressed and local
-            steps: a number > 0, "auto" (Adam's largest possible update) or None (unbounded,
-            the published update); "warmup" is not supported (default: 1.0)
-        nonfinite (str, optional): "raise" or "skip" a step whose gradients (on any rank)
-            hold NaN/Inf; every rank does the same and the state is unchanged
-            (default: "raise")
-        bucket_cap_mb (float, optional): bucket size of the variance steps' allreduce
-            (default: 25)
-        detect_averaged_grads (bool, optional): raise when every rank holds the same
-            gradients (a DDP without lbcomm's hook averaged them) (default: True)
-        process_group (ProcessGroup, optional): the ranks to average over (default: the world)
-        backend (str, optional): "torch", "mpi" or "auto", as in OneBitAdam (default: "auto")
+        comm (lbcomm.CommConfig, optional): the communication settings, as in
+            :class:`OneBitAdam`, with two differences: ``topology`` "auto" resolves to the
+            flat reduction (the local steps and syncs are built on it; a `Topology` of
+            several nodes raises ValueError), and ``exact_numel`` does not apply (every
+            parameter is compressed); ``max_update`` "warmup" is not supported, and
+            ``nonfinite`` applies to every rank's gradients (default: CommConfig())
 
     Example::
 

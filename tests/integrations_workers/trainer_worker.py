@@ -75,9 +75,10 @@ def build(output_dir, resume=None):
     model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=16, n_embd=32, n_layer=2, n_head=2))
     hook_state = None
     if kind in ("onebit_adam", "onebit_adam_clip"):
-        opt = lbcomm.OneBitAdam(model.parameters(), lr=3e-3, freeze_step=FREEZE, weight_decay=0.01, exact_numel=0)
+        opt = lbcomm.OneBitAdam(model.parameters(), lr=3e-3, freeze_step=FREEZE, weight_decay=0.01,
+                                comm=lbcomm.CommConfig(exact_numel=0))
     elif kind == "onebit_lamb":
-        opt = lbcomm.OneBitLamb(model.parameters(), lr=3e-3, freeze_step=FREEZE, exact_numel=0)
+        opt = lbcomm.OneBitLamb(model.parameters(), lr=3e-3, freeze_step=FREEZE, comm=lbcomm.CommConfig(exact_numel=0))
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
         hook_state = lbcomm.OneBitHookState(FREEZE, comm=lbcomm.CommConfig(exact_numel=0))

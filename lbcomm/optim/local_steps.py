@@ -1,0 +1,126 @@
+"""ZeroOneAdam's local-step stage (after var_freeze_step): local steps without communication
+between synchronizations, and the synchronization that rebuilds every rank's parameters
+from the anchor with one compressed allreduce (see `ZeroOneAdam`'s docs for the equations).
+Functions of the optimizer `opt` (a ZeroOneAdam) and its `OneBitStage`."""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+import torch
+from torch import Tensor
+
+from . import functional as F
+from . import kernels
+from .flat import FlatLayout
+
+__all__ = ["local_step_", "sync_step_"]
+
+
+def _bc1(group: Dict[str, Any], step: float) -> float:
+    return 1 - group["betas"][0] ** step if group["bias_correction"] else 1.0
+
+
+def _local_momentum(m_i: Tensor, g: Optional[Tensor], weight: float, out: Tensor) -> None:
+    """out = b1 m + (1-b1) g (torch.lerp), g None counting as zeros."""
+    if g is None:
+        g = torch.zeros_like(m_i)
+    elif g.dtype != torch.float32:
+        g = g.float()
+    torch.lerp(m_i, g.reshape(-1), weight, out=out)
+
+
+def _interval_vectors(opt, idx_by_group: Dict[int, List[int]], out_lr: Tensor, out_keep: Tensor) -> None:
+    """Add this step's lr to interval_lr and its decay factor to interval_keep (fp32)."""
+    for gi, idx in idx_by_group.items():
+        group = opt.param_groups[gi]
+        out_lr[idx] += group["lr"]
+        out_keep[idx] *= 1 - group["lr"] * group["weight_decay"]
+
+
+def _by_group(L: FlatLayout, include: List[bool]) -> Dict[int, List[int]]:
+    out: Dict[int, List[int]] = {}
+    for i, on in enumerate(include):
+        if on:
+            out.setdefault(L.group_of[i], []).append(i)
+    return out
+
+
+def local_step_(opt, L: FlatLayout) -> None:
+    """No communication: the local momentum and an AdamW step with the frozen variance,
+    accumulated into local_update."""
+    m, v, acc = opt._flat["exp_avg"], opt._flat["exp_avg_sq"], opt._flat["local_update"]
+    part = opt._onebit.participating(L)
+    for i, on in enumerate(part):
+        if on:
+            m_i = L.view(m, i).view(-1)
+            _local_momentum(m_i, L.params[i].grad, 1 - opt.param_groups[L.group_of[i]]["betas"][0], m_i)
+    opt._onebit.mask_range(m, 0, L.total)
+    scratch, bounds = opt._onebit.stage_buffer(L), opt._onebit.update_bounds(L)
+    for seg in opt._segments(L, part, vstep="variance_step"):
+        group = opt.param_groups[seg.group]
+        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+        bc1, bc2 = opt._bias_corrections(group, seg)
+        for i in seg.idx:
+            b = None if bounds[i] is None else lr * bounds[i]
+            F.apply_fp32(L.params[i], lambda w, i=i, b=b: kernels.frozen_adamw_(
+                w, L.view(m, i), L.view(v, i), bc2, eps, lr * wd, lr / bc1, scratch, b))
+            L.view(acc, i).add_(L.view(m, i), alpha=lr / bc1)
+    _interval_vectors(opt, _by_group(L, part), opt._vectors["interval_lr"], opt._vectors["interval_keep"])
+
+
+def sync_step_(opt, L: FlatLayout) -> bool:
+    """The local step's momentum, then one compressed allreduce of the interval's mean
+    bias-corrected momentum (times bc1) into m, and every rank's parameters rebuilt from
+    the anchor; False (nothing changed) when the result is non-finite."""
+    m, v = opt._flat["exp_avg"], opt._flat["exp_avg_sq"]
+    acc, anchor = opt._flat["local_update"], opt._flat["anchor"]
+    part = opt._onebit.participating(L)
+    steps = opt._vectors["step"].tolist()
+    lr_sum, keep = opt._vectors["interval_lr"].clone(), opt._vectors["interval_keep"].clone()
+    _interval_vectors(opt, _by_group(L, part), lr_sum, keep)
+    sums = lr_sum.tolist()
+    weights, alphas, scales = [], [], []
+    for i, gi in enumerate(L.group_of):
+        group = opt.param_groups[gi]
+        weights.append(1 - group["betas"][0])
+        if part[i]:
+            bc1 = _bc1(group, steps[i] + 1)
+            alphas.append(group["lr"] / bc1)
+            scales.append(bc1 / sums[i] if sums[i] > 0 else 0.0)
+        else:  # not trained: its momentum is reduced as OneBitAdam's, it does not move
+            alphas.append(None)
+            scales.append(None)
+
+    def source(lo: int, hi: int, buf: Tensor) -> None:
+        for i, a, b in L.overlapping(lo, hi):
+            o = L.offsets[i]
+            out, g = buf[o + a - lo:o + b - lo], L.params[i].grad
+            _local_momentum(m[o + a:o + b], None if g is None else g.reshape(-1)[a:b], weights[i], out)
+            if alphas[i] is not None:
+                torch.add(acc[o + a:o + b], out, alpha=alphas[i], out=out)
+                out.mul_(scales[i])
+
+    if not opt._onebit.reduce_momentum(L, source, m):
+        return False
+    scratch, bounds = opt._onebit.stage_buffer(L), opt._onebit.update_bounds(L)
+    keeps = keep.tolist()
+    for seg in opt._segments(L, part, vstep="variance_step"):
+        group = opt.param_groups[seg.group]
+        eps = group["eps"]
+        bc1, bc2 = opt._bias_corrections(group, seg)
+        for i in seg.idx:
+            total = sums[i]
+            b = None if bounds[i] is None else total * bounds[i]
+            a_i = L.view(anchor, i)
+
+            def rebuild(w, i=i, b=b, total=total, a_i=a_i):
+                w.copy_(a_i)
+                kernels.frozen_adamw_(w, L.view(m, i), L.view(v, i), bc2, eps, 1 - keeps[i], total / bc1,
+                                      scratch, b)
+                a_i.copy_(w)
+
+            F.apply_fp32(L.params[i], rebuild)
+    acc.zero_()
+    opt._vectors["interval_lr"].zero_()
+    opt._vectors["interval_keep"].fill_(1.0)
+    return True

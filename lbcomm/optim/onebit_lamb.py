@@ -1,0 +1,307 @@
+"""1-bit LAMB: LAMB in the warmup (`lamb.lamb_warmup_`), then a frozen variance, one 1-bit
+compressed allreduce of the (rescaled) momentum per step through the `OneBitStage` it
+holds, and a LAMB coefficient frozen at the warmup's average (docs/optimizers.md)."""
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ..config import CommConfig
+from . import functional as F
+from .adam import check_freeze_step
+from .base import BaseOptimizer
+from .flat import FlatLayout, Segment
+from .lamb import check_range, lamb_step_, lamb_warmup_
+from .onebit import OneBitStage
+
+__all__ = ["OneBitLamb"]
+
+
+class OneBitLamb(BaseOptimizer):
+    _GLOBAL_OPTIONS = ("freeze_step",)
+    _param_vectors: Dict[str, float] = {**OneBitStage.VECTORS, "lamb_coeff_freeze": 0.0, "momentum_scale": 1.0,
+                                        "last_factor": 1.0}
+    _frozen_buffers = ("exp_avg_sq_fresh",)
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: Tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        freeze_step: int = 100000,
+        *,
+        coeff_range: Tuple[float, float] = (0.01, 10.0),
+        coeff_beta: float = 0.9,
+        factor_range: Tuple[float, float] = (0.5, 4.0),
+        factor_threshold: float = 0.1,
+        bias_correction: bool = True,
+        comm: Optional[CommConfig] = None,
+    ) -> None:
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, freeze_step=freeze_step,
+                        coeff_range=tuple(coeff_range), coeff_beta=coeff_beta, factor_range=tuple(factor_range),
+                        factor_threshold=factor_threshold, bias_correction=bias_correction)
+        self._scratch_u: Optional[Tensor] = None
+        super().__init__(params, defaults, comm)
+        self._onebit = OneBitStage(self, exact_numel=self.comm.exact_numel)
+
+    def _validate_group(self, group) -> None:
+        super()._validate_group(group)
+        check_freeze_step("freeze_step", group["freeze_step"])
+        F.resolve_max_update(self.comm.max_update, group["betas"])
+        check_range("coeff_range", group["coeff_range"], 0.0)
+        if not 0.0 <= group["coeff_beta"] < 1.0:
+            raise ValueError(f"Invalid coeff_beta: {group['coeff_beta']} (need 0 <= coeff_beta < 1)")
+        check_range("factor_range", group["factor_range"], 0.0, strict=True)
+        if not 0.0 <= group["factor_threshold"]:
+            raise ValueError(f"Invalid factor_threshold: {group['factor_threshold']} (must be >= 0)")
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def compression_state(self):
+        """The reducer of the momentum, as `OneBitAdam.compression_state`."""
+        return self._onebit.reducer
+
+    def bytes_per_step(self) -> Optional[Dict[str, int]]:
+        """What this rank sends per compression-stage step, as `OneBitAdam.bytes_per_step`."""
+        return self._onebit.bytes_per_step()
+
+    @property
+    def masked_coordinates(self) -> int:
+        """How many momentum coordinates are held at zero (0 before the freeze)."""
+        return self._onebit.masked_coordinates
+
+    def set_momentum_mask(self, param: Tensor, mask: Optional[Tensor]) -> None:
+        """Override the automatic zero-variance mask for one parameter, as `OneBitAdam.set_momentum_mask`."""
+        self._onebit.set_momentum_mask(param, mask)
+
+    # ------------------------------------------------------------------ layout and step
+    def _buffer_names(self) -> tuple:
+        return self._flat_buffers + (self._frozen_buffers if self.frozen else ())
+
+    def _on_layout(self, old, new) -> None:
+        super()._on_layout(old, new)
+        self._scratch_u = None
+
+    def _take_step(self, L: FlatLayout) -> bool:
+        if not self.frozen:
+            return self._warmup_step(L)
+        if not self._onebit.grads_finite(L):
+            return self._nonfinite("the local gradients")
+        if not self._compressed_update(L):
+            return self._nonfinite("the new momenta")
+        return True
+
+    def _warmup_update(self, L: FlatLayout, active: List[bool]) -> None:
+        lamb_warmup_(self, L, active, self._track_coeff)
+
+    def _track_coeff(self, seg: Segment, c: Tensor) -> None:
+        """Warmup: c_frz <- coeff_beta c_frz + (1 - coeff_beta) c where c != 1."""
+        cf = self._vectors["lamb_coeff_freeze"]
+        idx = torch.tensor(seg.idx, device=cf.device)
+        cf[idx] = F.track_coeff(cf[idx], c, self.param_groups[seg.group]["coeff_beta"])
+
+    def _after_step(self, L: FlatLayout) -> None:
+        if not self.frozen and self._global_step >= self._option("freeze_step"):
+            self._onebit.freeze(L)
+            self._flat["exp_avg_sq_fresh"] = torch.zeros_like(self._flat["exp_avg"])
+            self._on_freeze(L)
+            self._attach_views()
+            self._onebit.log_freeze(L)
+
+    def _on_freeze(self, L: FlatLayout) -> None:
+        self._flat["exp_avg_sq_fresh"].copy_(self._flat["exp_avg_sq"])
+        idx = [i for i, on in enumerate(self._onebit.participating(L)) if on]
+        m = self._flat["exp_avg"]
+        if self._sharded():  # rms of whole parameters, the mean over every parameter of the model
+            local = torch.zeros(len(L.params), 2, dtype=torch.float32, device=m.device)
+            for i in idx:
+                local[i, 0] = torch.linalg.vector_norm(L.view(m, i)).square()
+                local[i, 1] = 1.0
+            full, where = self._per_tensor(L, local, full=True)
+            numels = torch.tensor([float(p.numel()) for g in self.param_groups for p in g["params"]], device=m.device)
+            rms = (full[:, 0] / numels).sqrt()
+            on = full[:, 1] > 0
+            if bool(on.any()) and idx:
+                mean = rms[on].mean()
+                mine = rms[where[idx]]
+                k = torch.where(mine > 0, mean / mine, torch.ones_like(mine))
+                self._vectors["momentum_scale"][torch.tensor(idx, device=m.device)] = k
+        elif idx:  # k_p = mean_q rms(m_q) / rms(m_p): momenta of similar size through one compression
+            rms = torch.stack([torch.linalg.vector_norm(L.view(m, i)) / math.sqrt(L.numels[i]) for i in idx])
+            k = torch.where(rms > 0, rms.mean() / rms, torch.ones_like(rms))
+            self._vectors["momentum_scale"][torch.tensor(idx, device=m.device)] = k
+        self._vectors["last_factor"].fill_(1.0)
+        cf = self._vectors["lamb_coeff_freeze"]
+        cf.masked_fill_(cf == 0, 1.0)  # never tracked (c was always 1): keep the plain step
+
+    def _momentum_sink(self, L: FlatLayout, scale: Tensor):
+        """sink(lo, hi, values): the reduced (scaled) momentum of [lo, hi): unscaled, masked,
+        its implied gradient folded into the fresh variance, then committed to m."""
+        m, vf = self._flat["exp_avg"], self._flat["exp_avg_sq_fresh"]
+
+        def sink(lo: int, hi: int, values: Tensor) -> None:
+            parts = [(i, L.offsets[i] + a, L.offsets[i] + b) for i, a, b in L.overlapping(lo, hi)]
+            for i, a, b in parts:
+                values[a - lo:b - lo].div_(scale[i])
+            self._onebit.mask_range(values, lo, hi)
+            for i, a, b in parts:
+                b1, b2 = self.param_groups[L.group_of[i]]["betas"]
+                F.implied_grad_variance_(vf[a:b], values[a - lo:b - lo], m[a:b], b1, b2)  # commits m too
+
+        return sink
+
+    def _compressed_update(self, L: FlatLayout) -> bool:
+        vecs = self._vectors
+        scale = vecs["momentum_scale"]
+        st = self._onebit
+        if not st.reduce_momentum(L, st.momentum_source(L, scale), self._momentum_sink(L, scale)):
+            return False
+        bounds = st.update_bounds(L)
+        segs = self._segments(L, self._onebit.participating(L), vstep="variance_step")
+        sharded = self._sharded()
+        stats = torch.zeros(len(L.params), 3, dtype=torch.float32, device=self._device(L)) if sharded else None
+        for seg in segs:
+            for i in seg.idx:
+                u, ratio_max, u0n, un = self._direction(L, seg, i, bounds[i])
+                if sharded:  # the shards' max and squared norms first, the step below
+                    stats[i, 0] = ratio_max.reshape(())
+                    if u0n is not None:
+                        stats[i, 1:] = torch.cat([u0n, un]).square()
+                else:
+                    self._frozen_lamb_step(L, seg, i, u, ratio_max, u0n, un)
+        if sharded:  # one allreduce for the max ratio (of d / d~ >= 0) and one for the norms
+            ratio = self._per_tensor(L, stats[:, :1], op="max")[:, 0]
+            norms = self._per_tensor(L, stats[:, 1:]).sqrt_()
+            for seg in segs:
+                wd = self.param_groups[seg.group]["weight_decay"] != 0
+                for i in seg.idx:
+                    u = self._direction(L, seg, i, bounds[i], stats=False)[0]
+                    self._frozen_lamb_step(L, seg, i, u, ratio[i:i + 1], norms[i, :1] if wd else None,
+                                           norms[i, 1:] if wd else None)
+        return True
+
+    def _direction(self, L: FlatLayout, seg: Segment, i: int, bound: Optional[float], stats: bool = True):
+        """Parameter i's update direction u = clamp(m^ / d, -U, U) [+ wd p] in the update
+        buffer, with (if `stats`) max(d / d~) and, under weight decay, ||u0|| and ||u||
+        (1-element tensors) of this rank's elements."""
+        m, v, vf = self._flat["exp_avg"], self._flat["exp_avg_sq"], self._flat["exp_avg_sq_fresh"]
+        stage, u_buf = self._onebit.stage_buffer(L), self._update_buffer(L)
+        group = self.param_groups[seg.group]
+        bc1, bc2 = self._bias_corrections(group, seg)
+        eps, wd = group["eps"], group["weight_decay"]
+        o, n = L.offsets[i], L.numels[i]
+        u = u_buf[:n]
+        # d = sqrt(v^) + eps, d~ likewise of the fresh variance; f = max(d / d~);
+        # u0 = m^ / d, clamped to [-U, U] per coordinate (max_update)
+        ratio_max = None
+        for lo in range(0, n, F.STAGE):
+            hi = min(n, lo + F.STAGE)
+            d = F.denominator(v[o + lo:o + hi], bc2, eps, out=stage[:hi - lo])
+            if stats:
+                r = F.denominator(vf[o + lo:o + hi], bc2, eps, out=u[lo:hi])
+                part = torch.amax(torch.div(d, r, out=r)).reshape(1)
+                ratio_max = part if ratio_max is None else torch.maximum(ratio_max, part)
+            torch.div(m[o + lo:o + hi], bc1, out=u[lo:hi]).div_(d)
+            if bound is not None:
+                u[lo:hi].clamp_(-bound, bound)
+        u0n = un = None
+        u = u.view(L.shapes[i])
+        if wd != 0:
+            u0n = F.norms([u]) if stats else None
+            u.add_(L.tensor(i), alpha=wd)
+            un = F.norms([u]) if stats else None
+        return u, ratio_max, u0n, un
+
+    def _frozen_lamb_step(self, L: FlatLayout, seg: Segment, i: int, u: Tensor, ratio_max: Tensor,
+                          u0n: Optional[Tensor], un: Optional[Tensor]) -> None:
+        """p <- p - lr c_frz f u with the variance factor f of parameter i."""
+        group, vecs = self.param_groups[seg.group], self._vectors
+        last = vecs["last_factor"][i:i + 1]
+        f = F.onebit_lamb_factor(ratio_max, u0n, un, last, *group["factor_range"], group["factor_threshold"])
+        vecs["last_factor"][i:i + 1] = f
+        lamb_step_(L.tensor(i), u, vecs["lamb_coeff_freeze"][i:i + 1] * f, group["lr"])
+
+    def _update_buffer(self, L: FlatLayout) -> Tensor:
+        """One parameter's update direction (the largest parameter's size): its norms need
+        the whole of it."""
+        if self._scratch_u is None:
+            self._scratch_u = torch.empty(max(L.numels, default=0), dtype=torch.float32, device=self._device(L))
+        return self._scratch_u
+
+
+OneBitLamb.__doc__ = r"""Implements 1-bit LAMB: LAMB in the warmup, then a frozen variance, one
+    1-bit compressed allreduce of the (rescaled) momentum per step and a LAMB coefficient
+    frozen at the warmup's average, adapted by the variance the compressed momentum implies.
+
+    .. math::
+       \begin{aligned}
+            &\rule{110mm}{0.4pt}                                                                 \\
+            &\textbf{warmup } (t \leq T_w): \text{ exactly } \mathrm{Lamb}, \text{ and per parameter }
+                c_{frz} \leftarrow \beta_c c_{frz} + (1-\beta_c) c_t \text{ when } c_t \neq 1      \\
+            &\textbf{at the freeze}: \tilde{v} \leftarrow v, \:
+                k_p \leftarrow \mathrm{mean}_q\,\mathrm{rms}(m_q) / \mathrm{rms}(m_p), \:
+                f_{last} \leftarrow 1                                                            \\
+            &\textbf{compression } (t > T_w), \text{ per parameter tensor}:                      \\
+            &\hspace{5mm} m' \leftarrow \mathrm{CompressedAllreduce}\big(
+                (\beta_1 m + (1-\beta_1) g_{t,r}) k_p\big) / k_p \odot \mathrm{mask}               \\
+            &\hspace{5mm} \tilde{g} \leftarrow (m' - \beta_1 m)/(1-\beta_1), \: m \leftarrow m', \:
+                \tilde{v} \leftarrow \beta_2 \tilde{v} + (1-\beta_2) \tilde{g}^2                  \\
+            &\hspace{5mm} d \leftarrow \sqrt{\hat{v}} + \epsilon, \:
+                \tilde{d} \leftarrow \sqrt{\hat{\tilde{v}}} + \epsilon, \:
+                u_0 \leftarrow \mathrm{clamp}(\hat{m} / d, -U_p, U_p), \: u \leftarrow u_0 + \lambda \theta \\
+            &\hspace{5mm} f \leftarrow \max_i (d / \tilde{d}); \:
+                \textbf{if } \lambda > 0: r \leftarrow \min(1, \|u_0\|/\|u\|), \:
+                f \leftarrow f r + (1 - r)                                                       \\
+            &\hspace{5mm} f \leftarrow \mathrm{clamp}(f, f_{min}, f_{max}), \:
+                f \leftarrow \mathrm{clamp}\big(f, f_{last}(1-\tau), f_{last}(1+\tau)\big), \:
+                f_{last} \leftarrow f                                                            \\
+            &\hspace{5mm} \theta \leftarrow \theta - \gamma \, c_{frz} f \, u                      \\
+            &\rule{110mm}{0.4pt}                                                          \\[-1.ex]
+       \end{aligned}
+
+    :math:`\hat{m} = m / (1-\beta_1^t)`; :math:`\hat{v}` and :math:`\hat{\tilde{v}}` are divided
+    by :math:`1-\beta_2^{T_w}` (the correction frozen with the variance). The mask, the
+    flat fp32 state, the checkpoints and the non-finite handling are those of
+    :class:`OneBitAdam`. :math:`U_p` (max_update) bounds each coordinate of :math:`u_0`
+    (no clamp when None); the default 1.0 is OneBitAdam's: no coordinate's direction beyond
+    the largest steady Adam step (see :class:`OneBitAdam` for why the compressed momentum
+    needs a bound). "warmup" takes the largest :math:`|\hat{m}/(\sqrt{\hat{v}}+\epsilon)|` of
+    parameter tensor p after the last warmup step instead (the earlier default).
+
+    Args:
+        params (iterable): iterable of parameters or named parameters to optimize
+            or iterable of dicts defining parameter groups.
+        lr (float, optional): learning rate; the best value can be larger than Lamb's on
+            the same task, so tune it rather than copying Lamb's (default: 1e-3)
+        betas (Tuple[float, float], optional): coefficients of the running averages of the
+            gradient and its square (default: (0.9, 0.999))
+        eps (float, optional): term added to the denominator (default: 1e-8)
+        weight_decay (float, optional): weight decay added to the update (default: 0)
+        freeze_step (int, optional): warmup steps before the variance is frozen and the
+            momentum compressed (default: 100000)
+        coeff_range (Tuple[float, float], optional): (min_coeff, max_coeff), the bounds of
+            the LAMB coefficient (default: (0.01, 10.0))
+        coeff_beta (float, optional): averaging factor of the frozen coefficient (default: 0.9)
+        factor_range (Tuple[float, float], optional): (f_min, f_max), the bounds of the
+            variance factor f (default: (0.5, 4.0))
+        factor_threshold (float, optional): largest relative change of f per step (default: 0.1)
+        bias_correction (bool, optional): as in :class:`OneBitAdam` (default: True)
+        comm (lbcomm.CommConfig, optional): the communication settings, as in
+            :class:`OneBitAdam`; ``max_update`` bounds each coordinate of u0 = m^ / (sqrt(v^) +
+            eps), before weight decay and the LAMB coefficient ("warmup": per parameter
+            tensor its largest |u0| after the last warmup step); under FSDP2 LAMB's norms
+            are reduced over ``shard_group`` (default: CommConfig())
+
+    Example::
+
+        >>> # xdoctest: +SKIP
+        >>> optimizer = lbcomm.OneBitLamb(model.parameters(), lr=1e-2, freeze_step=1000)
+        >>> optimizer.zero_grad()
+        >>> loss_fn(model(input), target).backward()
+        >>> optimizer.step()
+    """

@@ -1,0 +1,156 @@
+"""OneBitAdam's rescale_variance: the frozen variance of each parameter tensor follows the
+change of its gradients' mean square after the freeze (see `OneBitAdam`'s docs).
+
+`VarianceRescale` is held by `OneBitAdam` (and used by no other optimizer). Per step, the
+statistic q (the ranks' mean squared local gradient norm per parameter tensor) rides in
+collectives the optimizer makes anyway: the warmup's gradient allreduce and the
+compression stage's finiteness agreement (the optimizer's `_local_slots`). When a warmup
+hook averages the gradients, it hands the local ones over first
+(`OneBitAdam.note_local_grads`) and one small allreduce averages their norms. The EMA of q
+(beta2, the variance's window, fp32 per parameter, checkpointed as ``grad_sq``) and its
+bias-corrected value at the freeze (``grad_sq_frozen``) give the factor
+q^_t / q^_freeze by which the frozen v^ is scaled; -1 marks an untracked parameter.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Dict, List, Optional
+
+import torch
+from torch import Tensor
+
+from .flat import FlatLayout
+
+__all__ = ["VarianceRescale", "grad_norm", "local_sq_"]
+
+_log = logging.getLogger(__name__)
+
+VECTORS: Dict[str, float] = {"grad_sq": -1.0, "grad_sq_frozen": -1.0}
+
+
+def grad_norm(g: Tensor) -> Tensor:
+    """The L2 norm of a gradient as one flat fp32 vector (one read, no temporary); squared,
+    the local statistic of rescale_variance, as lbcomm.optim.reference computes it."""
+    return torch.linalg.vector_norm(g.reshape(-1).float())
+
+
+def local_sq_(L: FlatLayout, flat: Optional[Tensor], out: Tensor) -> Tensor:
+    """out[i] = `grad_norm` squared of parameter i's gradient (its view of `flat`, or its
+    .grad when flat is None; 0 without one)."""
+    norms = []
+    for i in range(len(L.params)):
+        g = L.view(flat, i) if flat is not None else L.grad(i)
+        norms.append(out.new_zeros(()) if g is None else grad_norm(g))
+    if norms:
+        torch.stack(norms, out=out).square_()
+    return out
+
+
+class VarianceRescale:
+    """rescale_variance of the optimizer `opt` (a OneBitAdam)."""
+
+    def __init__(self, opt):
+        self.opt = opt
+        self.now: Optional[Tensor] = None  # this step's statistic, folded once the step is taken
+        self._noted: Dict[int, Tensor] = {}  # id(param) -> local squared norm, from a warmup hook
+        self._warned = False
+
+    def tracking(self) -> bool:
+        return any(g["rescale_variance"] for g in self.opt.param_groups)
+
+    def note(self, params, grads) -> None:
+        for p, g in zip(params, grads):
+            self._noted[id(p)] = grad_norm(g.detach()).square()
+
+    def reduced(self, L: FlatLayout, sq: Tensor) -> None:
+        """This step's statistic after the collective (warmup: from a hook's notes when the
+        gradients arrived averaged), kept until the step is taken."""
+        opt = self.opt
+        if opt.grads_averaged and not opt.frozen:  # a hook averaged them: its notes, one small allreduce
+            noted, self._noted = self._noted, {}
+            if not noted:
+                self._untrack("the gradients were averaged before the optimizer saw them, and no warmup hook "
+                              "handed over the local ones (note_local_grads), so their squared norms are unknown")
+                return
+            for i, p in enumerate(L.params):
+                # -1: a parameter with a gradient that the hook did not see (its tracking stops)
+                sq[i] = noted[id(p)] if id(p) in noted else (0.0 if L.grad(i) is None else -1.0)
+            if opt.transport.world_size > 1:
+                opt.transport.all_reduce(sq, op="mean")
+        if opt._sharded():  # the shards' sums
+            sq = opt._per_tensor(L, sq.reshape(-1, 1)).reshape(-1)
+        self.now = sq.clone()
+
+    def _untrack(self, why: str) -> None:
+        """Stop rescale_variance for every parameter (the variance then stays frozen), with a warning."""
+        self.opt._vectors["grad_sq"].fill_(-1.0)
+        if not self._warned:
+            self._warned = True
+            _log.warning("%s: rescale_variance is off for this run: %s. The variance stays frozen as published. "
+                         "Use lbcomm's warmup hook (or let the optimizer average the gradients) to keep it",
+                         type(self.opt).__name__, why)
+
+    def _ema(self, L: FlatLayout):
+        """This step's statistic (consumed) and the EMA before and after it, per parameter:
+        (sq, old, new), new = max(old, 0) b2 + (1 - b2) sq in float64 rounded to fp32 (the
+        vectors' dtype), as the reference computes it; -1 in old: untracked."""
+        opt = self.opt
+        sq, self.now = self.now.tolist(), None
+        old = opt._vectors["grad_sq"].tolist()
+        b2 = [opt.param_groups[gi]["betas"][1] for gi in L.group_of]
+        new = [max(o, 0.0) * b + (1 - b) * x for o, x, b in zip(old, sq, b2)]
+        return sq, old, torch.tensor(new, dtype=torch.float32).tolist()
+
+    def fold_warmup(self, L: FlatLayout, active: List[bool]) -> None:
+        """A taken warmup step: the EMA of the statistic for the parameters whose variance
+        moved (a gradient on some rank), started at their first step."""
+        if self.now is None:
+            return
+        sq, old, new = self._ema(L)
+        steps = self.opt._vectors["step"].tolist()
+        out = list(old)
+        for i in range(len(L.params)):
+            # tracked: started at the parameter's first step (steps[i] is 1 by now); -1 (a hook
+            # that did not see it) stays untracked; a norm that overflowed fp32 (finite
+            # gradients over 1e19) leaves the EMA as it was
+            if active[i] and 0 <= sq[i] < math.inf and (old[i] >= 0 or steps[i] == 1):
+                out[i] = new[i]
+            elif active[i] and sq[i] < 0:
+                out[i] = -1.0
+        self.opt._vectors["grad_sq"].copy_(torch.tensor(out, dtype=torch.float32))
+
+    def _bc(self, L: FlatLayout, i: int, step: int) -> float:
+        """The bias correction of parameter i's statistic after `step` steps (beta2's, as v's)."""
+        group = self.opt.param_groups[L.group_of[i]]
+        return 1 - group["betas"][1] ** step if group["bias_correction"] else 1.0
+
+    def record_at_freeze(self, L: FlatLayout) -> None:
+        """grad_sq_frozen = the bias-corrected EMA, the reference of the compression stage's
+        rescale (-1: untracked, no rescale)."""
+        vec = self.opt._vectors
+        q, steps = vec["grad_sq"].tolist(), vec["step"].tolist()
+        out = [q[i] / self._bc(L, i, steps[i]) if q[i] >= 0 and steps[i] > 0 else -1.0 for i in range(len(L.params))]
+        vec["grad_sq_frozen"].copy_(torch.tensor(out, dtype=torch.float32))
+
+    def factors(self, L: FlatLayout, include: List[bool]):
+        """Compression stage: per parameter, the factor f by which its frozen variance is
+        scaled this step (None: unscaled), f = EMA_t / EMA_freeze, both bias-corrected
+        (steps already advanced); and the new EMA vector to keep once the step is taken.
+        (None, None) when nothing is tracked."""
+        if self.now is None:
+            return None, None
+        opt = self.opt
+        sq, old, new = self._ema(L)
+        frz, steps = opt._vectors["grad_sq_frozen"].tolist(), opt._vectors["step"].tolist()
+        factors: List[Optional[float]] = [None] * len(L.params)
+        keep = list(old)
+        for i, gi in enumerate(L.group_of):
+            if not (include[i] and old[i] >= 0 and frz[i] > 0 and 0 <= sq[i] < math.inf):
+                continue
+            keep[i] = new[i]
+            if not opt.param_groups[gi]["rescale_variance"]:
+                continue
+            f = new[i] / self._bc(L, i, steps[i]) / frz[i]
+            factors[i] = f if 0.0 < f < math.inf else None
+        return factors, torch.tensor(keep, dtype=torch.float32)
