@@ -51,6 +51,7 @@ from .ddp.normalize import GradientStats
 from .ddp.resume import ResumeCheck
 from .ddp.units import Unit
 from .exact import ExactMean
+from .reducer import make_reducer
 
 __all__ = ["OneBitHSDPState", "onebit_hsdp", "onebit_optimizer"]
 
@@ -222,8 +223,7 @@ def _redistribute(all_ranks: Sequence[Dict[str, Any]], replicate: Tuple[int, int
 def _new_reducer(state: OneBitHSDPState, numel: int, device) -> CompressionState:
     """The one place that builds the hook's reducers: a flat compressed allreduce over the
     replicate group, on the state's transport."""
-    return CompressionState(numel, group=state.replicate_group, device=device, block_size=state.comm.block_size,
-                            nonfinite=state.comm.nonfinite, transport=state.transport)
+    return make_reducer(numel, state.comm, device=device, transport=state.transport)
 
 
 def _hook(state: OneBitHSDPState, key: str, reduce_output: Tensor) -> None:

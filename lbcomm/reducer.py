@@ -94,7 +94,8 @@ def resolve_topology(comm: Optional[CommConfig] = None):
     return Topology.auto()
 
 
-def make_reducer(numel: int, comm: Optional[CommConfig] = None, *, device=None, topology=None) -> Reducer:
+def make_reducer(numel: int, comm: Optional[CommConfig] = None, *, device=None, topology=None,
+                 transport=None) -> Reducer:
     """The reducer of `numel`-element tensors that `comm` describes: the one factory the
     optimizers and hooks use.
 
@@ -108,6 +109,9 @@ def make_reducer(numel: int, comm: Optional[CommConfig] = None, *, device=None, 
             it; None (or `comm.topology` set to "flat"/"auto") gives a `CompressionState`
             on ``comm.process_group`` and ``comm.backend`` (default: None). `comm.topology`
             itself is not resolved here, since "auto" creates process groups.
+        transport (optional): the transport a flat reducer runs on, when its owner holds
+            one already (a private duplicate group, a counting transport); its group then
+            replaces ``comm.process_group`` (default: None, one for ``comm``).
 
     Returns:
         A `Reducer`: a `lbcomm.topology.HierarchicalState` or a `lbcomm.CompressionState`.
@@ -119,8 +123,9 @@ def make_reducer(numel: int, comm: Optional[CommConfig] = None, *, device=None, 
                             f"{type(topology).__name__} (resolve comm.topology once with resolve_topology)")
         return HierarchicalState(numel, topology, device=device, block_size=comm.block_size,
                                  nonfinite=comm.nonfinite)
-    return CompressionState(numel, group=comm.process_group, device=device, block_size=comm.block_size,
-                            nonfinite=comm.nonfinite, backend=comm.backend)
+    group = comm.process_group if transport is None else getattr(transport, "group", comm.process_group)
+    return CompressionState(numel, group=group, device=device, block_size=comm.block_size,
+                            nonfinite=comm.nonfinite, backend=comm.backend, transport=transport)
 
 
 def redistribute(saved: Sequence[Optional[Dict[str, Any]]], world_size: int, rank: int, *,

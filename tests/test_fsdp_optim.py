@@ -173,6 +173,13 @@ def _refusals():
     from lbcomm import OneBitAdam, fsdp
     from lbcomm.errors import AveragedGradientsError
 
+    def step(model, opt):
+        g = torch.Generator().manual_seed(torch.distributed.get_rank())
+        x = torch.randn(8, 16, generator=g)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), torch.sin(x[:, :8])).backward()
+        opt.step()
+
     mesh = init_device_mesh("cpu", (N, G), mesh_dim_names=("node", "local"))
     with pytest.raises(ValueError, match="native HSDP"):
         fsdp.onebit_optimizer(fully_shard(_model(), mesh=mesh), mesh)

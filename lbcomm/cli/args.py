@@ -81,7 +81,6 @@ def _sub(sub, name: str, help: str, description: str, epilog: str = "") -> argpa
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .allreduce import DEFAULT_METHODS as ALLREDUCE_DEFAULT_METHODS
     from .allreduce import METHODS as ALLREDUCE_METHODS
     from .train import DEFAULT_NODE_METHODS as DEFAULT_NODE_TRAIN_METHODS
     from .train import FLAT_METHODS as FLAT_TRAIN_METHODS

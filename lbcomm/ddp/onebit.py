@@ -13,9 +13,8 @@ from torch import Tensor
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from ..common import FLOAT_DTYPES, completed_future, report_exact_share, ring_allreduce_bytes
-from ..compressed import CompressionState
 from ..exact import ExactMean
-from ..topology import HierarchicalState
+from ..reducer import make_reducer
 from .normalize import Transform
 from .state import OneBitHookState
 from .units import Plan, Unit
@@ -29,10 +28,8 @@ def _new_reducer(state: OneBitHookState, numel: int, device: torch.device):
     """The error feedback of a new unit: the one place that builds the hook's reducers, on
     the worker's private group (or the private topology)."""
     if state.hier_topology is not None:
-        return HierarchicalState(numel, state.hier_topology, device=device, block_size=state.comm.block_size,
-                                 nonfinite=state.comm.nonfinite)
-    return CompressionState(numel, group=state.worker.group, device=device, block_size=state.comm.block_size,
-                            nonfinite=state.comm.nonfinite, transport=state.worker.transport)
+        return make_reducer(numel, state.comm, device=device, topology=state.hier_topology)
+    return make_reducer(numel, state.comm, device=device, transport=state.worker.transport)
 
 
 def _exact_mean(state: OneBitHookState) -> ExactMean:

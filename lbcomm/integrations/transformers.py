@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Optional
+from typing import Optional
 
 from transformers import Trainer, TrainerCallback
 

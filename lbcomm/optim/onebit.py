@@ -37,8 +37,9 @@ import torch
 from torch import Tensor
 
 from ..common import report_exact_share, ring_allreduce_bytes
-from ..compressed import CompressionState, NonFiniteError
-from ..topology import HierarchicalState, Topology, exact_mean_bytes
+from ..compressed import NonFiniteError
+from ..reducer import make_reducer
+from ..topology import Topology, exact_mean_bytes
 from . import agree
 from . import functional as F
 from .exact import ExactPart
@@ -46,22 +47,12 @@ from .flat import FlatLayout
 from .functional import STAGE
 from .mask import MomentumMask
 
-__all__ = ["OneBitStage", "make_reducer"]
+__all__ = ["OneBitStage"]
 
 _log = logging.getLogger(__name__)
 
 Source = Callable[[int, int, Tensor], None]
 Sink = Union[Tensor, Callable[[int, int, Tensor], None]]
-
-
-def make_reducer(numel: int, comm, transport, topology: Optional[Topology], device):
-    """The reducer of a model's momentum: a `HierarchicalState` over `topology` (nodes of
-    several ranks), else a flat `CompressionState` over ``comm.process_group`` (on
-    `transport`). Non-finite calls are skipped (the caller applies its own policy)."""
-    if topology is not None:
-        return HierarchicalState(numel, topology, device=device, block_size=comm.block_size, nonfinite="skip")
-    return CompressionState(numel, group=comm.process_group, device=device, block_size=comm.block_size,
-                            nonfinite="skip", transport=transport)
 
 
 class OneBitStage:
@@ -210,7 +201,9 @@ class OneBitStage:
         opt = self.opt
         self.reducer = None
         if opt.transport.world_size > 1:
-            self.reducer = make_reducer(L.total, self.comm, opt.transport, self._resolve_topology(), opt._device(L))
+            # non-finite calls are skipped inside: the optimizer applies comm.nonfinite itself
+            self.reducer = make_reducer(L.total, self.comm.replace(nonfinite="skip"), device=opt._device(L),
+                                        topology=self._resolve_topology(), transport=opt.transport)
 
     def freeze(self, L: FlatLayout) -> None:
         """The end of the warmup: variance step, mask, bounds and reducer (the optimizer adds
