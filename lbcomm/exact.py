@@ -3,9 +3,10 @@
 1-bit compression saves little on small tensors (biases, norm weights) and costs the most
 accuracy there, so the tensors of at most ``exact_numel`` elements are averaged exactly in
 fp32 while the rest of the flat input is compressed; their error feedback is held at zero.
-Two pieces, used by the DDP and FSDP2 hooks:
+Two pieces, used by the DDP and FSDP2 hooks and the 1-bit optimizers:
 
-* `exact_index`: the flat coordinates of those tensors in a concatenation of tensors;
+* `exact_members` / `exact_index`: which tensors, and their flat coordinates in a
+  concatenation of tensors;
 * `ExactMean`: their exact mean over the ranks, started beside the compressed call, through
   a transport (flat) or a multi-node `Topology` (`hierarchical_mean_`: 1/G of a flat
   allreduce's bytes between nodes), and the bytes it sends.
@@ -21,7 +22,7 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -29,7 +30,15 @@ from torch import Tensor
 from .common import ring_allreduce_bytes
 from .compressed import chunk_size
 
-__all__ = ["exact_index", "ExactMean"]
+__all__ = ["exact_members", "exact_index", "ExactMean"]
+
+
+def exact_members(numels: Sequence[int], limit: int, whole: Optional[Sequence[int]] = None) -> List[int]:
+    """The positions k of the non-empty tensors averaged exactly: ``0 < whole[k] <= limit``
+    (`whole` defaults to `numels`; FSDP2 shards are decided by their whole parameter)."""
+    if not limit:
+        return []
+    return [k for k, n in enumerate(numels) if n and 0 < (n if whole is None else whole[k]) <= limit]
 
 
 def exact_index(numels: Sequence[int], limit: int, *, offsets: Optional[Sequence[int]] = None,
@@ -47,12 +56,11 @@ def exact_index(numels: Sequence[int], limit: int, *, offsets: Optional[Sequence
             belongs to, for FSDP2; default: the tensor's own).
         device (optional): where the index lives (default: the CPU).
     """
-    spans, at = [], 0
-    for k, n in enumerate(numels):
-        start = at if offsets is None else offsets[k]
-        if limit and n and 0 < (n if whole is None else whole[k]) <= limit:
-            spans.append(torch.arange(start, start + n))
-        at = start + n
+    if offsets is None:
+        offsets = [0]
+        for n in numels[:-1]:
+            offsets.append(offsets[-1] + n)
+    spans = [torch.arange(offsets[k], offsets[k] + numels[k]) for k in exact_members(numels, limit, whole)]
     return torch.cat(spans).to(device) if spans else None
 
 

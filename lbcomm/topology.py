@@ -66,7 +66,7 @@ import torch
 from torch import Tensor
 
 from . import hiercall
-from .common import NONFINITE_POLICIES, drive, ring_allreduce_bytes
+from .common import NONFINITE_POLICIES, drive
 from .compressed import CompressionState
 from .config import DEFAULT_BLOCK_SIZE
 from .flatcall import check_tensor
@@ -74,7 +74,7 @@ from .hiercall import FLAG_BYTES
 from .nodes import INTRA_NODE, Topology, slice_spans
 from .wire import chunk_size
 
-__all__ = ["Topology", "HierarchicalState", "hierarchical_allreduce_", "hierarchical_mean_", "exact_mean_bytes",
+__all__ = ["Topology", "HierarchicalState", "hierarchical_allreduce_", "hierarchical_mean_",
            "slice_spans", "INTRA_NODE"]
 
 _log = logging.getLogger(__name__)
@@ -294,19 +294,6 @@ def hierarchical_mean_(tensor: Tensor, topology: "Topology") -> Tensor:
     acc.div_(t.world_size)
     t.local.all_gather(rows, acc)
     return tensor.copy_(rows.view(-1)[:n])
-
-
-def exact_mean_bytes(numel: int, world_size: int, state=None) -> int:
-    """Bytes a rank sends to average `numel` fp32 elements exactly beside a compressed call
-    whose state is `state`: a ring allreduce over `world_size` ranks, or for a multi-node
-    HierarchicalState `hierarchical_mean_`'s bytes between nodes (the convention of its
-    bytes_per_call)."""
-    if not numel:
-        return 0
-    if isinstance(state, HierarchicalState) and not state.topology.flat:
-        t = state.topology
-        return int(ring_allreduce_bytes(4 * chunk_size(numel, t.local_size), t.nodes))
-    return int(ring_allreduce_bytes(4 * numel, world_size))
 
 
 def hierarchical_allreduce_(tensor: Tensor, state: HierarchicalState, *, async_op: bool = False):

@@ -158,7 +158,9 @@ def _exact_means(rank, p):
     """hierarchical_mean_ over shm and over the groups' sockets, odd sizes (fewer elements
     than local ranks too), on inputs whose sums are exact in any order (a 2^-10 grid), and
     its refusals."""
-    from lbcomm.topology import exact_mean_bytes, hierarchical_mean_
+    from lbcomm.comm import LoopTransport
+    from lbcomm.exact import ExactMean
+    from lbcomm.topology import hierarchical_mean_
 
     out = {}
     for how, topo in (("shm", _mesh_topology(N, G)), ("group", _explicit_topology(rank, p))):
@@ -170,8 +172,8 @@ def _exact_means(rank, p):
     flat = _mesh_topology(1, p)
     with pytest.raises(ValueError, match="flat"):
         hierarchical_mean_(torch.zeros(4), flat)
-    st = HierarchicalState(1001, topo)
-    out["bytes"] = (exact_mean_bytes(1001, p, st), exact_mean_bytes(1001, p), exact_mean_bytes(0, p, st))
+    nodes, flat_p = ExactMean(topology=topo), ExactMean(transport=LoopTransport(p))
+    out["bytes"] = (nodes.bytes(1001), flat_p.bytes(1001), nodes.bytes(0))
     return out
 
 

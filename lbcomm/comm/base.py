@@ -10,7 +10,8 @@ from torch import Tensor
 
 from ..common import completed_future
 
-__all__ = ["Transport", "StagedRows", "REDUCE_OPS", "check_all_reduce", "buckets", "finish_all_reduce",
+__all__ = ["Transport", "StagedRows", "RowsThroughBytes",
+           "REDUCE_OPS", "check_all_reduce", "buckets", "finish_all_reduce",
            "completed_future"]
 
 REDUCE_OPS = ("sum", "mean", "max", "min")
@@ -64,6 +65,20 @@ class Transport(Protocol):
 
     def all_gather_rows(self, async_op: bool = False):
         """The staged [1, row_bytes] row of every rank: a list of p rows, row j from rank j."""
+
+
+class RowsThroughBytes:
+    """The row collectives of `Transport` for a transport with byte collectives: delegated
+    to the `StagedRows` it holds as ``self._rows``."""
+
+    def rows_out(self, rows: int, row_bytes: int, device) -> Tensor:
+        return self._rows.rows_out(rows, row_bytes, device)
+
+    def all_to_all_rows(self, async_op: bool = False):
+        return self._rows.all_to_all_rows(async_op)
+
+    def all_gather_rows(self, async_op: bool = False):
+        return self._rows.all_gather_rows(async_op)
 
 
 class StagedRows:

@@ -14,12 +14,12 @@ from typing import Optional
 from torch import Tensor
 
 from ..common import ring_allreduce_bytes
-from .base import StagedRows, buckets
+from .base import RowsThroughBytes, StagedRows, buckets
 
 __all__ = ["CountingTransport"]
 
 
-class CountingTransport:
+class CountingTransport(RowsThroughBytes):
     """Wraps `inner` (a transport of `lbcomm.comm`); every attribute other than the three
     collectives is the inner transport's.
 
@@ -78,12 +78,3 @@ class CountingTransport:
                     len(parts))
         return self.inner.all_reduce(tensor, op=op, async_op=async_op, bucket_bytes=bucket_bytes)
 
-    # row collectives (the `Transport` protocol), through this transport's byte collectives
-    def rows_out(self, rows: int, row_bytes: int, device) -> Tensor:
-        return self._rows.rows_out(rows, row_bytes, device)
-
-    def all_to_all_rows(self, async_op: bool = False):
-        return self._rows.all_to_all_rows(async_op)
-
-    def all_gather_rows(self, async_op: bool = False):
-        return self._rows.all_gather_rows(async_op)

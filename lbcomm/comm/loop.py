@@ -5,12 +5,12 @@ from typing import Optional
 
 from torch import Tensor
 
-from .base import StagedRows, check_all_reduce, completed_future
+from .base import RowsThroughBytes, StagedRows, check_all_reduce, completed_future
 
 __all__ = ["LoopTransport"]
 
 
-class LoopTransport:
+class LoopTransport(RowsThroughBytes):
     """A transport for one process that acts as rank 0 of `world_size` ranks which all
     sent the same data: no network, the same buffers and kernels as a real call, so the
     cost model can time the compute of a compressed allreduce alone."""
@@ -49,12 +49,3 @@ class LoopTransport:
     def barrier(self) -> None:
         pass
 
-    # row collectives (the `Transport` protocol), through this transport's byte collectives
-    def rows_out(self, rows: int, row_bytes: int, device) -> Tensor:
-        return self._rows.rows_out(rows, row_bytes, device)
-
-    def all_to_all_rows(self, async_op: bool = False):
-        return self._rows.all_to_all_rows(async_op)
-
-    def all_gather_rows(self, async_op: bool = False):
-        return self._rows.all_gather_rows(async_op)

@@ -33,7 +33,7 @@ from typing import List, Optional
 import torch
 from torch import Tensor
 
-from .base import StagedRows, buckets, check_all_reduce, completed_future, finish_all_reduce
+from .base import RowsThroughBytes, StagedRows, buckets, check_all_reduce, completed_future, finish_all_reduce
 from .mpi_progress import ENGINE, _Op
 
 __all__ = ["MPITransport", "mpi_available", "launched_by_mpirun", "cuda_aware_mpi"]
@@ -117,7 +117,7 @@ def cuda_aware_mpi() -> bool:
 
 
 
-class MPITransport:
+class MPITransport(RowsThroughBytes):
     """The byte collectives over an MPI communicator (mpi4py).
 
     Args:
@@ -263,15 +263,6 @@ class MPITransport:
         """Blocks until every rank has called it (queued behind this transport's collectives)."""
         self._run("barrier", None, None, async_op=False)
 
-    # row collectives (the `Transport` protocol), through the byte collectives above
-    def rows_out(self, rows: int, row_bytes: int, device) -> Tensor:
-        return self._rows.rows_out(rows, row_bytes, device)
-
-    def all_to_all_rows(self, async_op: bool = False):
-        return self._rows.all_to_all_rows(async_op)
-
-    def all_gather_rows(self, async_op: bool = False):
-        return self._rows.all_gather_rows(async_op)
 
 
 def _bytes(t: Tensor, name: str) -> Tensor:

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .base import StagedRows, buckets, check_all_reduce, completed_future, finish_all_reduce
+from .base import RowsThroughBytes, StagedRows, buckets, check_all_reduce, completed_future, finish_all_reduce
 
 _OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -63,7 +63,7 @@ def world_info(group=None) -> Tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-class TorchTransport:
+class TorchTransport(RowsThroughBytes):
     """The byte collectives over a torch.distributed process group."""
 
     def __init__(self, group=None):
@@ -107,12 +107,3 @@ class TorchTransport:
         if self.world_size > 1:
             _issue(dist.barrier, group=self.group, async_op=False)
 
-    # row collectives (the `Transport` protocol), through this transport's byte collectives
-    def rows_out(self, rows: int, row_bytes: int, device) -> Tensor:
-        return self._rows.rows_out(rows, row_bytes, device)
-
-    def all_to_all_rows(self, async_op: bool = False):
-        return self._rows.all_to_all_rows(async_op)
-
-    def all_gather_rows(self, async_op: bool = False):
-        return self._rows.all_gather_rows(async_op)

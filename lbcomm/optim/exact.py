@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..topology import hierarchical_mean_
+from ..exact import ExactMean, exact_index, exact_members
 from .flat import FlatLayout
 
 __all__ = ["ExactPart"]
@@ -40,15 +40,14 @@ class ExactPart:
         """(index, places) of the parameters of at most `limit` elements: their flat
         coordinates (int64, ascending) and (parameter, its first element in index) pairs;
         None without such parameters."""
-        if self._part is None:
-            places, spans, at = [], [], 0
-            for i, q in enumerate(L.params):
-                if self.limit and 0 < q.numel() <= self.limit:
-                    places.append((i, at))
-                    spans.append(torch.arange(L.offsets[i], L.offsets[i] + L.numels[i]))
-                    at += L.numels[i]
-            index = torch.cat(spans).to(self.stage.opt._device(L)) if spans else None
-            self._part = (index, places)
+        if self._part is None:  # decided by the whole parameter, also when sharded
+            whole = [q.numel() for q in L.params]
+            members = exact_members(L.numels, self.limit, whole)
+            starts = [0]
+            for i in members:
+                starts.append(starts[-1] + L.numels[i])
+            index = exact_index(L.numels, self.limit, offsets=L.offsets, whole=whole, device=self.stage.opt._device(L))
+            self._part = (index, list(zip(members, starts)))
         return None if self._part[0] is None else self._part
 
     def grads(self, L: FlatLayout, places, out: Optional[Tensor] = None) -> Tensor:
@@ -74,14 +73,11 @@ class ExactPart:
         index, places = part
         m, weights, scale = source.momentum
         dev, n = index.device, index.numel()
-        opt, topology = self.stage.opt, self.stage.topology
+        opt = self.stage.opt
         if fused is not None:  # summed by grads_finite's allreduce
             g = fused.div_(opt.transport.world_size)
-        elif topology is not None:  # nodes of several ranks: 1/G of the bytes between nodes
-            g = hierarchical_mean_(self.grads(L, places), topology)
-        else:
-            g = self.grads(L, places)
-            opt.transport.all_reduce(g, op="mean")
+        else:  # on nodes of several ranks hierarchical_mean_: 1/G of the bytes between nodes
+            g = self.exact_mean().start(self.grads(L, places))()
         if not bool(torch.isfinite(g).all()):
             return False
         # in place, one op each for all exact parameters: the mean gradient becomes the new momentum
@@ -95,6 +91,11 @@ class ExactPart:
             counts = torch.tensor([L.numels[i] for i in ids], device=scale.device)
             g.mul_(scale[torch.tensor(ids, device=scale.device)].repeat_interleave(counts, output_size=n))
         return index, places, g
+
+    def exact_mean(self) -> ExactMean:
+        """How the exact gradients are averaged when the agreement did not sum them."""
+        topology = self.stage.topology
+        return ExactMean(topology=topology) if topology is not None else ExactMean(transport=self.stage.opt.transport)
 
     @staticmethod
     def put(L: FlatLayout, values: Tensor, lo: int, hi: int, exact) -> Tensor:

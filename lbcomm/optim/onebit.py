@@ -39,7 +39,7 @@ from torch import Tensor
 from ..common import report_exact_share, ring_allreduce_bytes
 from ..compressed import NonFiniteError
 from ..reducer import make_reducer
-from ..topology import Topology, exact_mean_bytes
+from ..topology import Topology
 from . import agree
 from . import functional as F
 from .exact import ExactPart
@@ -243,7 +243,7 @@ class OneBitStage:
         p = self.opt.transport.world_size
         part = self.exact.part(L)
         k = 0 if part is None else part[0].numel()
-        out = {"compressed": int(st.bytes_per_call(checked=True)), "exact": exact_mean_bytes(k, p, st),
+        out = {"compressed": int(st.bytes_per_call(checked=True)), "exact": self.exact.exact_mean().bytes(k),
                # one fp32 scalar, + the optimizer's own slots (rescale_variance: one per parameter)
                "agreement": int(ring_allreduce_bytes(4 * (1 + self.opt._local_slots(L)), p))}
         out["total"] = sum(out.values())
