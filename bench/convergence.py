@@ -10,7 +10,7 @@ optimizer sees exactly the same samples in the same order from the same initial 
 
 with the variance frozen after 25 % of the steps (--freeze-frac). The 1-bit optimizers also
 run with block_size=None (the published single-scale scheme) and several block sizes, to
-choose lbcomm.DEFAULT_BLOCK_SIZE; ZeroOneAdam (0/1 Adam) runs at the default block size with
+choose lbcomm.config.DEFAULT_BLOCK_SIZE; ZeroOneAdam (0/1 Adam) runs at the default block size with
 var_freeze_step = freeze_step. Printed: the final validation loss of each run, the ratio to
 its full-precision twin (target: within 1 %), the block-size table with the bytes each rank
 sends per step, the bytes and communication rounds each rank really sent per step (counted
@@ -284,7 +284,7 @@ def rank_main(rank, world, a, runs, data_path, init_file, out_path):
 # ---------------------------------------------------------------------- report
 def report(results, a, plot_path):
     by = {(r["kind"], r["block"]): r for r in results}
-    default = lbcomm.DEFAULT_BLOCK_SIZE
+    default = lbcomm.config.DEFAULT_BLOCK_SIZE
     print(f"\nfinal validation loss ({a.final_eval_seqs} held-out windows of {a.ctx} bytes), {a.ranks} ranks, "
           f"global batch {a.batch} x {a.ctx} bytes, {a.steps} steps, freeze_step {a.freeze}")
     print(f"{'optimizer':<12}{'block_size':>11}{'val loss':>10}{'ratio to twin':>15}{'bytes sent/step':>17}"
@@ -332,7 +332,7 @@ def traffic_report(results, a):
     run and over the steps after freeze_step (OneBitAdam's compression stage; ZeroOneAdam's
     local-step stage), with ratios to OneBitAdam at the default block size."""
     rows = [r for r in results if r["traffic"] and (r["kind"], r["block"]) in
-            (("adamw", None), ("onebit_adam", lbcomm.DEFAULT_BLOCK_SIZE), ("zeroone", lbcomm.DEFAULT_BLOCK_SIZE))]
+            (("adamw", None), ("onebit_adam", lbcomm.config.DEFAULT_BLOCK_SIZE), ("zeroone", lbcomm.config.DEFAULT_BLOCK_SIZE))]
     if not rows:
         return
 
@@ -377,8 +377,8 @@ def plot(results, a, path):
             xs, ys = zip(*r["curve"])
             full = r["kind"] == base
             label = LABEL[r["kind"]] + ("" if full or r["kind"] == "zeroone" else f" (block {r['block']})")
-            ax.plot(xs, ys, label=label, lw=2.2 if full or r["block"] == lbcomm.DEFAULT_BLOCK_SIZE else 1.0,
-                    ls="-" if full or r["block"] == lbcomm.DEFAULT_BLOCK_SIZE else "--", color="k" if full else None)
+            ax.plot(xs, ys, label=label, lw=2.2 if full or r["block"] == lbcomm.config.DEFAULT_BLOCK_SIZE else 1.0,
+                    ls="-" if full or r["block"] == lbcomm.config.DEFAULT_BLOCK_SIZE else "--", color="k" if full else None)
         ax.axvline(a.freeze, color="grey", ls=":", lw=1)
         ax.text(a.freeze, 0.98, " freeze", va="top", color="grey", fontsize=8, transform=ax.get_xaxis_transform())
         also = " and ZeroOneAdam" if kind == "onebit_adam" and any(r["kind"] == "zeroone" for r in results) else ""
@@ -476,7 +476,7 @@ def main(argv=None):
     a = parse_args(argv)
     kinds = [k for k in KINDS if not a.only or k in a.only.split(",")]
     runs = [(k, b) for k in kinds
-            for b in (a.blocks if k in BASELINE else [lbcomm.DEFAULT_BLOCK_SIZE] if k in TWIN else [None])]
+            for b in (a.blocks if k in BASELINE else [lbcomm.config.DEFAULT_BLOCK_SIZE] if k in TWIN else [None])]
     train, val, root, nfiles = load_corpus(int(a.train_mb * 2**20), 2**20)
     n_params = sum(p.numel() for p in ByteLM(a.d_model, a.layers, a.heads, a.ctx).parameters())
     print(f"corpus: {root} ({nfiles} files): {train.numel():,} train bytes, {val.numel():,} held-out bytes")

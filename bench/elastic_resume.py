@@ -90,7 +90,7 @@ def main(argv=None):
     p.add_argument("--adam-lr", type=float, default=4e-3)
     p.add_argument("--beta2", type=float, default=0.99)
     p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument("--block", type=int, default=lbcomm.DEFAULT_BLOCK_SIZE)
+    p.add_argument("--block", type=int, default=lbcomm.config.DEFAULT_BLOCK_SIZE)
     p.add_argument("--final-eval-seqs", type=int, default=512)
     p.add_argument("--train-mb", type=float, default=6.0)
     p.add_argument("--seed", type=int, default=0)

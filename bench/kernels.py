@@ -116,7 +116,7 @@ def main(argv=None):
                                  description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="1M,8M,64M")
     ap.add_argument("--threads", default=f"1,{os.cpu_count()}")
-    ap.add_argument("--block-size", default=str(lbcomm.DEFAULT_BLOCK_SIZE), help="int or 'none'")
+    ap.add_argument("--block-size", default=str(lbcomm.config.DEFAULT_BLOCK_SIZE), help="int or 'none'")
     ap.add_argument("--world-size", default="4", help="p, or a comma list: chunks for the worker, ranks for the server")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cuda: GPU kernels against a device-to-device copy (--threads is then ignored)")

@@ -318,7 +318,7 @@ def hierarchical_allreduce_(tensor: Tensor, state: HierarchicalState, *, async_o
 
         >>> mesh = init_device_mesh("cpu", (nodes, ranks_per_node), mesh_dim_names=("node", "local"))
         >>> state = lbcomm.HierarchicalState(grad.numel(), lbcomm.Topology.from_mesh(mesh))
-        >>> lbcomm.hierarchical_allreduce_(grad, state)
+        >>> lbcomm.topology.hierarchical_allreduce_(grad, state)
     """
     name = "hierarchical_allreduce_"
     if not isinstance(state, HierarchicalState):
