@@ -1,11 +1,11 @@
 """Small definitions shared by the algorithm, the optimizers, the hooks and the bench."""
 from __future__ import annotations
 
-from typing import Any, Generator, Optional
+from typing import Any, Dict, Generator, Optional
 
 import torch
 
-__all__ = ["FLOAT_DTYPES", "NONFINITE_POLICIES", "NonFiniteError", "completed_future", "new_future", "drive",
+__all__ = ["STATS_KEYS", "compressor_stats", "FLOAT_DTYPES", "NONFINITE_POLICIES", "NonFiniteError", "completed_future", "new_future", "drive",
            "ring_allreduce_bytes"]
 
 # Tensors the compressed allreduce takes: fp16/bf16 are upcast into the fp32 error domain.
@@ -94,3 +94,21 @@ def report_exact_share(log, who: str, what: str, exact: int, total: int, limit: 
                     *args)
     else:
         log.info(msg, *args)
+
+
+#: The keys of every lbcomm compressor's ``compression_stats()`` (reducers, hook states,
+#: optimizers): calls that compressed, calls skipped for NaN/Inf, the bytes this rank sent,
+#: and the norm of its error feedback.
+STATS_KEYS = ("compressed_calls", "skipped_calls", "bytes_sent", "error_norm")
+
+
+def compressor_stats(reducer) -> Dict[str, Any]:
+    """The `STATS_KEYS` of one reducer as plain numbers (all zero for None, a reducer not
+    made yet): ``bytes_sent`` counts its compressed calls at `bytes_per_call` (a skipped
+    call sends only the small finiteness agreement)."""
+    if reducer is None:
+        return {"compressed_calls": 0, "skipped_calls": 0, "bytes_sent": 0, "error_norm": 0.0}
+    done = reducer.calls - reducer.skipped
+    err = reducer.worker_error.double().square().sum() + reducer.server_error.double().square().sum()
+    return {"compressed_calls": done, "skipped_calls": reducer.skipped, "bytes_sent": done * reducer.bytes_per_call(),
+            "error_norm": float(err) ** 0.5}

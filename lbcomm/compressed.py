@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from .comm import get_transport
-from .common import NONFINITE_POLICIES, NonFiniteError, drive, ring_allreduce_bytes
+from .common import NONFINITE_POLICIES, NonFiniteError, compressor_stats, drive, ring_allreduce_bytes
 from .config import DEFAULT_BLOCK_SIZE
 from .flatcall import FlatCall, Sink, Source
 from .wire import AGREEMENT_BYTES, ALIGN, check_block_size, chunk_size, piece_spans, row_layout
@@ -153,9 +153,8 @@ class CompressionState:
         return reduce_(self, source, sink, checked=checked, async_op=async_op, weights=weights)
 
     def compression_stats(self) -> Dict[str, Any]:
-        """Calls, skipped calls and the bytes this rank sent so far (plain numbers)."""
-        return {"calls": self.calls, "skipped_calls": self.skipped, "bytes_per_call": self.bytes_per_call(),
-                "world_size": self.world_size, "numel": self.numel}
+        """`lbcomm.common.compressor_stats` (the keys every compressor reports), bytes_per_call."""
+        return {**compressor_stats(self), "bytes_per_call": self.bytes_per_call()}
 
     @classmethod
     def redistribute(cls, saved: Sequence[Dict[str, Any]], world_size: int, rank: int) -> Dict[str, Any]:

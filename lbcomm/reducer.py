@@ -29,12 +29,13 @@ from typing import Any, Dict, Optional, Protocol, Sequence, runtime_checkable
 import torch
 from torch import Tensor
 
+from .common import STATS_KEYS, compressor_stats  # noqa: F401 (re-exported)
 from .compressed import CompressionState
 from .config import CommConfig, resolve
 from .nodes import Topology
 from .topology import HierarchicalState
 
-__all__ = ["Reducer", "make_reducer", "resolve_topology", "redistribute"]
+__all__ = ["Reducer", "make_reducer", "resolve_topology", "redistribute", "compressor_stats", "STATS_KEYS"]
 
 _log = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ class Reducer(Protocol):
         """Restore a `state_dict`; False (errors reset, warned) when it belongs to another layout."""
 
     def compression_stats(self) -> Dict[str, Any]:
-        """Calls, skipped calls and bytes sent so far, as plain numbers."""
+        """`compressor_stats` of this reducer, plus its own figures."""
 
     @classmethod
     def redistribute(cls, saved: Sequence[Dict[str, Any]], world_size: int, rank: int) -> Optional[Dict[str, Any]]:

@@ -66,7 +66,7 @@ import torch
 from torch import Tensor
 
 from . import hiercall
-from .common import NONFINITE_POLICIES, drive
+from .common import NONFINITE_POLICIES, compressor_stats, drive
 from .compressed import CompressionState
 from .config import DEFAULT_BLOCK_SIZE
 from .flatcall import check_tensor
@@ -187,10 +187,10 @@ class HierarchicalState:
         return drive(call(), self.device, async_op)
 
     def compression_stats(self) -> Dict[str, Any]:
-        """Calls, skipped calls and the bytes this rank sends per call between and inside nodes."""
-        return {"calls": self.calls, "skipped_calls": self.skipped, "bytes_per_call": self.bytes_per_call(),
-                "intra_node_bytes_per_call": self.intra_node_bytes_per_call(), "world_size": self.world_size,
-                "numel": self.numel}
+        """`lbcomm.common.compressor_stats`, and the bytes this rank sends per call between
+        and inside nodes."""
+        return {**compressor_stats(self), "bytes_per_call": self.bytes_per_call(),
+                "intra_node_bytes_per_call": self.intra_node_bytes_per_call()}
 
     @classmethod
     def redistribute(cls, saved, world_size: int, rank: int) -> None:

@@ -63,6 +63,7 @@ MULTIPROC = {
     "test_exit": ALL,
     "test_fsdp": ALL,
     "test_fsdp_optim": ALL,
+    "test_state_contract": ALL,
     "test_gpu_check": {"test_allreduce_job_and_its_verdict_on_cpu_ranks", "test_allreduce_check_over_mpirun_on_cpu_ranks",
                        "test_train_job_and_its_verdict_on_cpu_ranks", "test_pipelining_job_on_cpu_ranks"},
     "test_hook_momentum": {"test_hook_momentum_adaptive_matches_reference_resumes_and_skips"},

@@ -6,11 +6,12 @@ math is `functional` / `kernels`; rescale_variance is `rescale.VarianceRescale`)
 shared with `ZeroOneAdam`."""
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from torch import Tensor
 
 from ..config import CommConfig
+from ..common import compressor_stats
 from . import functional as F
 from . import kernels
 from .base import BaseOptimizer
@@ -116,6 +117,10 @@ class OneBitAdam(BaseOptimizer):
         """The reducer of the momentum (`lbcomm.reducer.Reducer`: a CompressionState, flat,
         or a HierarchicalState, nodes of several ranks); None before the freeze and with one rank."""
         return self._onebit.reducer
+
+    def compression_stats(self) -> Dict[str, Any]:
+        """The momentum reducer's `lbcomm.common.compressor_stats` (zeros before the freeze)."""
+        return compressor_stats(self._onebit.reducer)
 
     def bytes_per_step(self) -> Optional[Dict[str, int]]:
         """What this rank sends per compression-stage step: {"compressed", "exact" (the

@@ -4,12 +4,13 @@ holds, and a LAMB coefficient frozen at the warmup's average (docs/optimizers.md
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from ..config import CommConfig
+from ..common import compressor_stats
 from . import functional as F
 from .adam import check_freeze_step
 from .base import BaseOptimizer
@@ -65,6 +66,10 @@ class OneBitLamb(BaseOptimizer):
     def compression_state(self):
         """The reducer of the momentum, as `OneBitAdam.compression_state`."""
         return self._onebit.reducer
+
+    def compression_stats(self) -> Dict[str, Any]:
+        """The momentum reducer's `lbcomm.common.compressor_stats` (zeros before the freeze)."""
+        return compressor_stats(self._onebit.reducer)
 
     def bytes_per_step(self) -> Optional[Dict[str, int]]:
         """What this rank sends per compression-stage step, as `OneBitAdam.bytes_per_step`."""

@@ -15,6 +15,7 @@ from torch import Tensor
 from ..comm import get_transport
 from ..comm.counting import CountingTransport
 from ..config import CommConfig
+from ..common import compressor_stats
 from . import functional as F
 from .adam import adamw_warmup_, check_freeze_step, frozen_adamw_step_
 from .base import BaseOptimizer
@@ -112,6 +113,10 @@ class ZeroOneAdam(BaseOptimizer):
         if not s["local"]:
             return 1
         return min(2 ** (s["syncs"] // self._option("local_step_scaler")), self._option("local_step_clipper"))
+
+    def compression_stats(self) -> Dict[str, Any]:
+        """The momentum reducer's `lbcomm.common.compressor_stats` (zeros before the freeze)."""
+        return compressor_stats(self._onebit.reducer)
 
     def comm_stats(self) -> Dict[str, int]:
         """What this rank has sent so far: ``bytes_sent``, ``rounds`` (collectives started; a
