@@ -1,0 +1,94 @@
+"""The plain user call against the benchmark CLI's measurement, in the same processes.
+
+A user who calls ``lbcomm.compressed_allreduce_(grad, state)`` on an existing tensor in
+their own loop should see what ``lbcomm-bench allreduce`` reports for the 1-bit method.
+Each rank (one thread) first runs the CLI's own timing (`lbcomm.cli.allreduce.measure`,
+methods onebit and fp32), then times the plain loop the same way (barrier, call, slowest
+rank's median), on the same tensor size; the ratio plain / CLI should stay near 1.
+
+    python -m bench.plain_call                          # 4 ranks, 8M elements, loopback
+    sudo python -m bench.plain_call --bandwidth 1gbit   # on an emulated 1 Gbit/s cluster
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+
+def _rank(size: int, iters: int, warmup: int) -> dict:
+    import torch.distributed as dist
+
+    import lbcomm
+    from lbcomm.cli.allreduce import measure
+    from lbcomm.comm import get_transport
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    transport = get_transport(None, backend="torch")
+    rows = {r["method"]: r["median_s"] for r in measure([size], ["onebit", "fp32"], iters=iters, warmup=warmup,
+                                                       transport=transport)}
+    grad = torch.randn(size, generator=torch.Generator().manual_seed(dist.get_rank()))
+    state = lbcomm.CompressionState(size)
+    for _ in range(warmup):
+        lbcomm.compressed_allreduce_(grad, state)
+    times = []
+    for _ in range(iters):
+        transport.barrier()
+        t0 = time.perf_counter()
+        lbcomm.compressed_allreduce_(grad, state)
+        times.append(time.perf_counter() - t0)
+    slowest = torch.tensor(times, dtype=torch.float64)
+    transport.all_reduce(slowest, op="max")
+    plain = float(slowest.median())
+    dist.destroy_process_group()
+    return {"cli_onebit_s": rows["onebit"], "cli_fp32_s": rows["fp32"], "plain_s": plain,
+            "plain_over_cli": plain / rows["onebit"], "fp32_over_plain": rows["fp32"] / plain}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--world-size", type=int, default=4)
+    ap.add_argument("--size", type=int, default=8 << 20, help="elements (default: 8M)")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--bandwidth", default=None, help="tc rate of an emulated cluster (root), e.g. 1gbit")
+    ap.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.rank:
+        res = _rank(a.size, a.iters, a.warmup)
+        if os.environ.get("RANK") == "0":
+            print(json.dumps(res))
+        return
+    argv = [sys.executable, "-m", "bench.plain_call", "--rank", "--size", str(a.size), "--iters", str(a.iters),
+            "--warmup", str(a.warmup)]
+    if a.bandwidth:
+        from lbcomm.cli.netem import EmulatedCluster
+
+        with EmulatedCluster(a.world_size, a.bandwidth) as cluster:
+            outs = cluster.launch([argv] * a.world_size, timeout=900)
+    else:
+        import socket
+        import subprocess
+
+        with socket.socket() as sock:  # a free port for the rendezvous
+            sock.bind(("127.0.0.1", 0))
+            port = str(sock.getsockname()[1])
+        procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, text=True,
+                                  env={**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": str(r),
+                                       "WORLD_SIZE": str(a.world_size)}) for r in range(a.world_size)]
+        outs = [subprocess.CompletedProcess(p.args, p.wait(timeout=900), p.stdout.read(), "") for p in procs]
+        if any(o.returncode for o in outs):
+            sys.exit("a rank failed")
+    res = json.loads(outs[0].stdout.strip().splitlines()[-1])
+    where = f"emulated {a.bandwidth}" if a.bandwidth else "loopback"
+    print(f"{a.world_size} ranks, {a.size} elements, {where}, one thread per rank")
+    print(f"  lbcomm-bench allreduce onebit: {1e3 * res['cli_onebit_s']:.1f} ms   fp32: {1e3 * res['cli_fp32_s']:.1f} ms")
+    print(f"  plain compressed_allreduce_:   {1e3 * res['plain_s']:.1f} ms   "
+          f"plain / CLI {res['plain_over_cli']:.3f}, fp32 / plain {res['fp32_over_plain']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
