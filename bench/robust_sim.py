@@ -61,7 +61,7 @@ The hook (SGD momentum on compressed gradients): scale rule, block size, start f
     _fX         floor X x the unit's RMS of the weights (default 0.1); _bN: block size N
                 (also for the optimizers' rules)
     _exN        the parameters of at most N elements averaged exactly, their errors kept at
-                zero (OneBitHookState(exact_numel=N)); also for the optimizers' rules
+                zero (CommConfig(exact_numel=N)); also for the optimizers' rules
                 (clipwarm_ex4096); _exlayerK: only parameter K of the flat order; _exvec: the
                 vectors only
 
@@ -124,7 +124,7 @@ class Compressor:
         self.worker = torch.zeros(p, p * self.m)
         self.server = torch.zeros(p, self.m)
         self.real = (torch.arange(p * self.m) < n)
-        self.exact: Optional[Tensor] = None  # bool [n]: averaged exactly, zero error (OneBitHookState(exact_numel))
+        self.exact: Optional[Tensor] = None  # bool [n]: averaged exactly, zero error (CommConfig.exact_numel)
 
     def __call__(self, xs: Tensor) -> Tensor:
         """xs [p, n] -> approximate mean [n]."""
