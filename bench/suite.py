@@ -13,16 +13,21 @@ For each task and each pair (full precision vs 1-bit)
 
 every lr of the task's small grid is run from the same initial weights on the same samples
 (4 gloo ranks, each its quarter of the global batch; variance frozen / compression started
-after 25 % of the steps). Printed: best-of-grid final validation loss per method, the
+after 25 % of the steps; the lr schedule of --schedule, by default 10 % linear warmup and
+cosine decay, both twins alike). Printed: best-of-grid final validation loss per method, the
 ratio of each 1-bit method to its twin (target: within 5 %, 1 % on the byte LM), the lrs
-at which a 1-bit method diverged while its twin did not (target: none), and the largest
-first compressed update per coordinate in units of lr. Written: a PNG of the ratios.
+at which a 1-bit method diverged while its twin did not (target: none), the largest
+first compressed update per coordinate in units of lr, and the same-lr ratios: 1-bit /
+twin at every lr of the grid (a user who keeps the twin's lr) and the worst such cell per
+task, against the same targets. Written: a PNG of the best-of-grid ratios.
 
     python -m bench.suite                     # all tasks, the fine lr grids: about 15 minutes on 2 cores
     python -m bench.suite --grid coarse       # 4 lrs per grid instead of 7 (the figures of earlier rounds)
     python -m bench.suite --quick             # 3 tasks, short runs, coarse grids: the regression guard
     python -m bench.suite --onebit-options '{"mask_threshold": 1e-3}'   # options of both 1-bit optimizers
     python -m bench.suite --tasks dead_relu --repeats 3   # each lr's loss: the mean over 3 batch orders
+    python -m bench.suite --schedule long_warmup --methods lamb,onebit_lamb
+                                              # the lr still rising for a quarter of the run after the freeze
     python -m bench.suite --methods lars,lars_hook --lars-options '{"exclude_over": 4096}'
                                               # Lars with the tensors of > 4096 elements off the trust ratio
     python -m bench.suite --report bench/results/suite_fine_published_adam_seed0.json bench/results/suite_default_fine.json
@@ -144,10 +149,11 @@ def one_run(rank, world, task, method, lr, a):
     model = task.make_model()
     net, opt = build(method, model, lr, task, world, a)
     init = T.evaluate(task, model)
-    steps, warm, freeze = task.steps, max(1, task.steps // 10), freeze_of(task)
+    steps, freeze = task.steps, freeze_of(task)
+    schedule = getattr(a, "schedule", "cosine")
     diverged, first_ratio, first_pmax = None, None, None
     for step in range(steps):
-        cur = lr * T.lr_factor(step, steps, warm)
+        cur = lr * T.schedule_factor(schedule, step, steps)
         for g in opt.param_groups:
             g["lr"] = cur
         batch = task.batch(step)
@@ -249,6 +255,86 @@ def summarize(results):
     return out
 
 
+def same_lr(results):
+    """{task: {method: {"cells": [[lr, ratio or None, mark], ...], "worst": ratio, "worst_lr": lr}}}
+    for every 1-bit method whose twin ran: the ratio final / twin's final at the same lr, at
+    every lr of the grid. mark "twin-div": the twin diverged at that lr (ratio None, not
+    counted); "div": the 1-bit method diverged where the twin did not (ratio inf, counted)."""
+    results = over_orders(results)
+    by = {(r["task"], r["method"], r["lr"]): r for r in results}
+    out = {}
+    for t in dict.fromkeys(r["task"] for r in results):
+        for m in dict.fromkeys(r["method"] for r in results):
+            base = TWIN.get(m)
+            lrs = [r["lr"] for r in results if r["task"] == t and r["method"] == m]
+            if base is None or not any((t, base, lr) in by for lr in lrs):
+                continue
+            cells = []
+            for lr in lrs:
+                mine, twin = by[(t, m, lr)], by.get((t, base, lr))
+                if twin is None:
+                    continue
+                if is_diverged(twin):
+                    cells.append([lr, None, "twin-div"])
+                elif is_diverged(mine):
+                    cells.append([lr, math.inf, "div"])
+                else:
+                    cells.append([lr, mine["final"] / twin["final"], ""])
+            counted = [c for c in cells if c[1] is not None]
+            worst = max(counted, key=lambda c: c[1]) if counted else None
+            out.setdefault(t, {})[m] = {"cells": cells, "worst": worst[1] if worst else None,
+                                        "worst_lr": worst[0] if worst else None}
+    return out
+
+
+def _ratio_cell(ratio, mark) -> str:
+    if mark == "twin-div":
+        return "t"
+    if mark == "div":
+        return "D"
+    return f"{ratio:.3f}"
+
+
+def report_same_lr(results, a):
+    """The same-lr table: every lr of the grid, then the worst cell per task; returns the
+    cells over target."""
+    s = same_lr(results)
+    tasks_ = list(s)
+    misses = []
+    pairs = [(m, b) for m, b in TWIN.items() if m in a.methods and b in a.methods]
+    if not pairs or not tasks_:
+        return misses
+    print(f"\nsame-lr ratio 1-bit / twin at every lr of the grid (both twins at that lr; schedule "
+          f"{getattr(a, 'schedule', 'cosine')}); t: the twin diverged there (not counted), "
+          "D: the 1-bit method diverged where the twin did not")
+    for m, base in pairs:
+        print(f"  {LABEL[m]} / {LABEL[base]}")
+        for t in tasks_:
+            if m not in s[t]:
+                continue
+            row = s[t][m]
+            cells = " ".join(f"{format(lr, 'g')}:{_ratio_cell(r, mark)}" for lr, r, mark in row["cells"])
+            print(f"    {t:<14}{cells}")
+    print("\nworst same-lr ratio per task (the lr of the worst cell)")
+    print(f"{'pair':<30}" + "".join(f"{t:>22}" for t in tasks_))
+    for m, base in pairs:
+        cells = []
+        for t in tasks_:
+            row = s[t].get(m)
+            if row is None or row["worst"] is None:
+                cells.append("-")
+                continue
+            w = row["worst"]
+            cells.append(("D" if not math.isfinite(w) else f"{w:.3f}") + f" @{format(row['worst_lr'], 'g')}")
+            target = 1.01 if t == "byte_lm" else 1.05
+            if not w <= target:
+                misses.append(f"{LABEL[m]} on {t}: same-lr ratio "
+                              + ("diverged" if not math.isfinite(w) else f"{w:.3f}")
+                              + f" at lr {format(row['worst_lr'], 'g')} (target {target})")
+        print(f"{LABEL[m] + ' / ' + LABEL[base]:<30}" + "".join(f"{c:>22}" for c in cells))
+    return misses
+
+
 def report(results, a):
     s = summarize(results)
     tasks_ = list(s)
@@ -289,6 +375,7 @@ def report(results, a):
             print(f"  {LABEL[m]:<16}" + "".join(f"{c:>16}" for c in cells))
     print("\nbest lr per method: " + "; ".join(
         f"{t}: " + ", ".join(f"{LABEL[m]} {s[t][m][1]}" for m in a.methods) for t in tasks_))
+    failures += report_same_lr(results, a)
     if failures:
         print("\nMISSED TARGETS:\n  " + "\n  ".join(failures))
     else:
@@ -337,6 +424,9 @@ def parse_args(argv=None):
                    help="the lr grids of bench/tasks.py (coarse: 4 lrs, 3.16x apart) or with their "
                    "geometric midpoints (fine: 7 lrs; the default, coarse with --quick): the coarse grid's "
                    "best also measures where between its points each method's best lr falls (README, 'The lr grid')")
+    p.add_argument("--schedule", choices=tuple(T.SCHEDULES), default="cosine",
+                   help="the lr schedule of every run, both twins alike: "
+                   + "; ".join(f"{k}: {v}" for k, v in T.SCHEDULES.items()).replace("%", "%%"))
     p.add_argument("--repeats", type=int, default=1,
                    help="run every (task, method, lr) this many times, each with another order of the same "
                    "batches (same data, initial weights), and rank the lrs by the mean final loss: for tasks "
@@ -390,7 +480,7 @@ def main(argv=None):
     failures = report(results, a)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"args": vars(a), "results": results}, f)
+            json.dump({"args": vars(a), "results": results, "same_lr": same_lr(results)}, f)
     if a.plot:
         plot(results, a, a.plot)
     print(f"\ntotal {time.perf_counter() - t0:.0f} s")

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 
-__all__ = ["Task", "TASKS", "make_task", "lr_factor"]
+__all__ = ["Task", "TASKS", "make_task", "lr_factor", "SCHEDULES", "schedule_factor"]
 
 # lr grids per optimizer family, shared by every task (best of grid is reported)
 GRIDS = {
@@ -59,6 +59,26 @@ def lr_factor(step: int, total: int, warmup: int) -> float:
         return (step + 1) / warmup
     frac = (step - warmup) / max(1, total - warmup)
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac))
+
+
+# lr schedules of bench/suite.py (--schedule), the same for both twins: the factor of the lr at a step
+SCHEDULES = {
+    "cosine": "linear warmup over the first 10 % of the steps, cosine decay to 10 % (the default)",
+    "constant": "the lr of the grid at every step",
+    "long_warmup": "linear warmup over the first half of the steps (the lr doubles after the freeze at 25 %), "
+                   "then cosine decay to 10 %",
+}
+
+
+def schedule_factor(schedule: str, step: int, total: int) -> float:
+    """The lr factor of `schedule` (a key of SCHEDULES) at `step` of `total`."""
+    if schedule == "constant":
+        return 1.0
+    if schedule == "cosine":
+        return lr_factor(step, total, max(1, total // 10))
+    if schedule == "long_warmup":
+        return lr_factor(step, total, max(1, total // 2))
+    raise ValueError(f"unknown schedule {schedule!r}: one of {', '.join(SCHEDULES)}")
 
 
 def _ce(model, b):

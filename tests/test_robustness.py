@@ -160,3 +160,31 @@ def test_suite_ranks_lrs_by_the_mean_over_batch_orders():
     assert suite.in_order(batches, 0) is batches
     x0, x1, x1_again = batches(3)[0], suite.in_order(batches, 1)(3)[0], suite.in_order(batches, 1)(3)[0]
     assert torch.equal(x1, x1_again) and not torch.equal(x0, x1)
+
+
+def test_suite_reports_the_ratio_at_every_lr_of_the_grid():
+    """The same-lr table: 1-bit / twin at each lr; a cell where the twin diverged is marked and
+    not counted, one where only the 1-bit method diverged is the worst; the schedules."""
+    from bench import suite
+    from bench import tasks as T
+
+    def rec(method, lr, final, diverged=None):
+        return {"task": "t", "method": method, "lr": lr, "final": final, "init": 2.0, "diverged": diverged,
+                "first_update_ratio": None}
+
+    runs = [rec("lamb", 0.01, 1.0), rec("onebit_lamb", 0.01, 1.1), rec("lamb", 0.03, 0.5), rec("onebit_lamb", 0.03, 0.4),
+            rec("lamb", 0.1, 3.0), rec("onebit_lamb", 0.1, 1.5)]  # Lamb worse than at init at 0.1: diverged
+    row = suite.same_lr(runs)["t"]["onebit_lamb"]
+    assert [c[0] for c in row["cells"]] == [0.01, 0.03, 0.1] and row["cells"][2] == [0.1, None, "twin-div"]
+    assert abs(row["cells"][0][1] - 1.1) < 1e-12 and abs(row["cells"][1][1] - 0.8) < 1e-12
+    assert row["worst_lr"] == 0.01 and abs(row["worst"] - 1.1) < 1e-12
+    assert suite.summarize(runs)["t"]["onebit_lamb"][:2] == (0.4, 0.03)  # best of grid: 0.4 / 0.5 hides it
+    a = suite.parse_args(["--methods", "lamb,onebit_lamb"])
+    assert suite.report_same_lr(runs, a) == ["OneBitLamb on t: same-lr ratio 1.100 at lr 0.01 (target 1.05)"]
+    runs[1] = rec("onebit_lamb", 0.01, float("nan"), diverged=5)
+    row = suite.same_lr(runs)["t"]["onebit_lamb"]
+    assert row["cells"][0] == [0.01, math.inf, "div"] and row["worst"] == math.inf
+    assert suite.parse_args([]).schedule == "cosine"
+    assert [T.schedule_factor("cosine", s, 100) for s in (0, 9)] == [T.lr_factor(s, 100, 10) for s in (0, 9)]
+    assert T.schedule_factor("constant", 50, 100) == 1.0
+    assert T.schedule_factor("long_warmup", 24, 100) == 0.5 and T.schedule_factor("long_warmup", 49, 100) == 1.0
