@@ -90,6 +90,7 @@ class LiveTrustOneBitLamb(lbcomm.OneBitLamb):
 def make_data(seed, n_train=4096, n_val=1024, d_in=16, hidden=64):
     g = torch.Generator().manual_seed(seed)
     w1, w2 = torch.randn(d_in, hidden, generator=g) / math.sqrt(d_in), torch.randn(hidden, 1, generator=g)
+
     def draw(n):
         x = torch.randn(n, d_in, generator=g)
         return x, torch.tanh(x @ w1) @ w2 / math.sqrt(hidden) + 0.05 * torch.randn(n, 1, generator=g)
@@ -116,7 +117,7 @@ def build(a, name, model, lr, opts):
     if name == "onebit_lamb":
         cls = LiveTrustOneBitLamb if opts.pop("live_trust", False) else lbcomm.OneBitLamb
         return cls(model.parameters(), lr=lr, betas=betas, weight_decay=wd, freeze_step=a.freeze,
-                                 **optimizer_options(opts))
+                   **optimizer_options(opts))
     if name == "onebit_adam":
         return lbcomm.OneBitAdam(model.parameters(), lr=lr, betas=betas, weight_decay=wd, freeze_step=a.freeze,
                                  **optimizer_options(opts))
