@@ -32,6 +32,7 @@ from ..errors import DoubleCompressionError
 from ..optim import Lamb, OneBitAdam, OneBitLamb, ZeroOneAdam
 
 __all__ = ["attach", "find_ddp", "unwrap_optimizer", "check_callback_args", "check_not_communicating",
+           "refuse_norm_clipping",
            "LBCOMM_OPTIMIZERS", "ONEBIT_OPTIMIZERS"]
 
 _log = logging.getLogger(__name__)
@@ -118,6 +119,21 @@ def unwrap_optimizer(optimizer: Any) -> Any:
     """The lbcomm optimizer inside accelerate's ``AcceleratedOptimizer`` or Lightning's
     ``LightningOptimizer`` (or `optimizer` itself)."""
     return next((o for o in _wrapped(optimizer) if isinstance(o, LBCOMM_OPTIMIZERS)), optimizer)
+
+
+def refuse_norm_clipping(framework_clip: str, unset: str, callback_clip: str, optimizer_name: str,
+                         max_grad_norm: Optional[float]) -> None:
+    """Raise for a framework's own clipping by norm (`framework_clip`, e.g.
+    ``TrainingArguments(max_grad_norm=1.0)``) beside a lbcomm optimizer: after the freeze the
+    gradients are local to each rank (always with Lamb), so each rank would clip by its own
+    norm. The message names the fix: `unset` the framework's clipping and clip with
+    `callback_clip` (the callback's one norm for all ranks)."""
+    if max_grad_norm is not None:
+        raise ValueError(f"LbcommCallback(max_grad_norm={max_grad_norm}) clips by one norm for all ranks, and "
+                         f"{framework_clip} would clip each rank by its own norm as well; {unset}")
+    raise ValueError(f"LbcommCallback: {framework_clip} clips every rank's gradient by its own norm, and with "
+                     f"lbcomm.{optimizer_name} the gradients are local to each rank (after the freeze; always with "
+                     f"Lamb). Clip by one norm for all ranks instead: {unset} and {callback_clip}")
 
 
 def check_callback_args(who: str, hook_state: Any, max_grad_norm: Optional[float]) -> None:

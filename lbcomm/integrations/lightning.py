@@ -47,7 +47,8 @@ from lightning.pytorch.callbacks import Callback
 from ..comm import world_info
 from ..compressed import CompressionState
 from ..ddp import OneBitHookState
-from .attach import LBCOMM_OPTIMIZERS, attach, check_callback_args, check_not_communicating, unwrap_optimizer
+from .attach import (LBCOMM_OPTIMIZERS, attach, check_callback_args, check_not_communicating, refuse_norm_clipping,
+                     unwrap_optimizer)
 
 __all__ = ["LbcommCallback"]
 
@@ -156,15 +157,9 @@ class LbcommCallback(Callback):
                              "hook_state was given, so nothing would be compressed. Return lbcomm.OneBitAdam(...) / "
                              "lbcomm.OneBitLamb(...), or pass LbcommCallback(hook_state=lbcomm.OneBitHookState(...))")
         if trainer.gradient_clip_val and trainer.gradient_clip_algorithm in (None, "norm"):
-            if self.max_grad_norm is not None:
-                raise ValueError(f"LbcommCallback(max_grad_norm={self.max_grad_norm}) clips by one norm for all "
-                                 f"ranks, and Trainer(gradient_clip_val={trainer.gradient_clip_val}) would clip each "
-                                 "rank by its own norm as well; leave gradient_clip_val unset")
-            raise ValueError(f"LbcommCallback: Trainer(gradient_clip_val={trainer.gradient_clip_val}) clips every "
-                             f"rank's gradient by its own norm, and with lbcomm.{type(ours[0]).__name__} the "
-                             "gradients are local to each rank (after the freeze; always with Lamb). Clip by one norm "
-                             "for all ranks instead: leave gradient_clip_val unset and pass "
-                             f"LbcommCallback(max_grad_norm={trainer.gradient_clip_val})")
+            clip = trainer.gradient_clip_val
+            refuse_norm_clipping(f"Trainer(gradient_clip_val={clip})", "leave gradient_clip_val unset",
+                                 f"pass LbcommCallback(max_grad_norm={clip})", type(ours[0]).__name__, self.max_grad_norm)
         return ours[0]
 
     def on_fit_start(self, trainer, pl_module) -> None:

@@ -47,7 +47,8 @@ from transformers import Trainer, TrainerCallback
 from ..checkpoint import load_sharded, save_sharded, shard_path
 from ..comm import get_transport
 from ..ddp import OneBitHookState
-from .attach import LBCOMM_OPTIMIZERS, attach, check_callback_args, check_not_communicating, unwrap_optimizer
+from .attach import (LBCOMM_OPTIMIZERS, attach, check_callback_args, check_not_communicating, refuse_norm_clipping,
+                     unwrap_optimizer)
 
 __all__ = ["LbcommCallback"]
 
@@ -133,15 +134,10 @@ class LbcommCallback(TrainerCallback):
                              "LbcommCallback(trainer, hook_state=lbcomm.OneBitHookState(start_iter=...)) for this "
                              "optimizer")
         if args.max_grad_norm and args.max_grad_norm > 0:
-            if self.max_grad_norm is not None:
-                raise ValueError(f"LbcommCallback(max_grad_norm={self.max_grad_norm}) clips by one norm for all "
-                                 f"ranks, and TrainingArguments(max_grad_norm={args.max_grad_norm}) would clip each "
-                                 "rank by its own norm first; set TrainingArguments(max_grad_norm=0)")
-            raise ValueError(f"LbcommCallback: TrainingArguments(max_grad_norm={args.max_grad_norm}) clips every "
-                             f"rank's gradient by its own norm, and with lbcomm.{type(opt).__name__} the gradients "
-                             "are local to each rank (after the freeze; always with Lamb). Clip by one norm for all "
-                             f"ranks instead: TrainingArguments(max_grad_norm=0) and "
-                             f"LbcommCallback(trainer, max_grad_norm={args.max_grad_norm})")
+            clip = args.max_grad_norm
+            refuse_norm_clipping(f"TrainingArguments(max_grad_norm={clip})", "set TrainingArguments(max_grad_norm=0)",
+                                 f"LbcommCallback(trainer, max_grad_norm={clip})", type(opt).__name__,
+                                 self.max_grad_norm)
         return opt
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
