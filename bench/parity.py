@@ -26,18 +26,16 @@ import argparse
 import datetime
 import json
 import math
-import os
-import tempfile
 import warnings
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import lbcomm
 
 from .cli_options import json_options, optimizer_options
 from .convergence import average_grads, zeroone_local_step_scaler
+from .suite import spawn_ranks
 
 # one setting changed at a time (optimizer hyperparameters and CommConfig fields alike)
 VARIANTS = {
@@ -305,12 +303,7 @@ def parse_args(argv=None):
 def main(argv=None):
     a = parse_args(argv)
     if a.suite_tasks:
-        with tempfile.TemporaryDirectory() as d:
-            out = os.path.join(d, "results.json")
-            mp.start_processes(suite_rank_main, args=(a.ranks, a, out, os.path.join(d, "init")), nprocs=a.ranks,
-                               start_method="spawn")
-            with open(out) as f:
-                results = json.load(f)
+        results = spawn_ranks(suite_rank_main, a.ranks, a)
         suite_report(results, a)
         if a.json:
             with open(a.json, "w") as f:
@@ -322,12 +315,7 @@ def main(argv=None):
         runs += [(a.pair, lr, label, opts) for label, opts in a.variant_list]
         if a.lr_scale:
             runs.append((a.pair, lr * a.lr_scale, f"default at {a.lr_scale:g}x lr", {}))
-    with tempfile.TemporaryDirectory() as d:
-        out = os.path.join(d, "results.json")
-        mp.start_processes(rank_main, args=(a.ranks, a, runs, out, os.path.join(d, "init")), nprocs=a.ranks,
-                           start_method="spawn")
-        with open(out) as f:
-            results = json.load(f)
+    results = spawn_ranks(rank_main, a.ranks, a, runs)
     for r in results:  # the scaled-lr run is reported under its twin's lr
         if r["variant"].startswith("default at "):
             r["lr"] = r["lr"] / a.lr_scale

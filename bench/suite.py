@@ -461,6 +461,16 @@ def parse_args(argv=None):
     return a
 
 
+def spawn_ranks(fn, ranks: int, *args):
+    """Run ``fn(rank, ranks, *args, out_path, init_file)`` on `ranks` spawned processes and
+    return what rank 0 wrote to out_path (JSON)."""
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "results.json")
+        mp.start_processes(fn, args=(ranks, *args, out, os.path.join(d, "init")), nprocs=ranks, start_method="spawn")
+        with open(out) as f:
+            return json.load(f)
+
+
 def main(argv=None):
     a = parse_args(argv)
     if a.report:
@@ -471,12 +481,7 @@ def main(argv=None):
             report(saved["results"], argparse.Namespace(**{**vars(a), **saved["args"]}))
         return None, None
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory() as d:
-        out = os.path.join(d, "results.json")
-        mp.start_processes(rank_main, args=(a.ranks, a, out, os.path.join(d, "init")), nprocs=a.ranks,
-                           start_method="spawn")
-        with open(out) as f:
-            results = json.load(f)
+    results = spawn_ranks(rank_main, a.ranks, a)
     failures = report(results, a)
     if a.json:
         with open(a.json, "w") as f:
