@@ -81,18 +81,42 @@ class Reducer(Protocol):
         or None when this kind of state cannot be mapped onto another world (start from zero)."""
 
 
-def resolve_topology(comm: Optional[CommConfig] = None):
-    """The `lbcomm.topology.Topology` that `comm.topology` asks for, or None (flat):
-    "auto" is `Topology.auto()` (several nodes under torchrun, else None), "flat" None, a
-    Topology itself. "auto" creates process groups: every rank of the world calls it, in
-    the same order as its other collectives, and an owner (optimizer, hook state) calls it
-    once and passes the result to every `make_reducer` call."""
-    comm = resolve(comm, "resolve_topology")
-    if isinstance(comm.topology, Topology):
-        return comm.topology
-    if comm.topology == "flat" or comm.process_group is not None:  # a subgroup is reduced flat
+def resolve_topology(comm: Optional[CommConfig] = None, *, world_size: Optional[int] = None,
+                     who: str = "resolve_topology") -> Optional[Topology]:
+    """The multi-node `lbcomm.topology.Topology` that `comm.topology` asks for, or None
+    (the flat reduction): a Topology itself (checked against `world_size`; a one-node one
+    is flat), "flat" None, "auto" `Topology.auto()` (several nodes under torchrun). "auto"
+    is flat on a subgroup (`process_group` or `shard_group` set), on MPI, on one rank and
+    without an initialized torch.distributed.
+
+    "auto" creates process groups: every rank of the world calls it, in the same order as
+    its other collectives, and an owner (optimizer, hook state) calls it once and passes the
+    result to every `make_reducer` call.
+
+    Args:
+        comm (CommConfig, optional): the settings (default: ``CommConfig()``).
+        world_size (int, optional): the ranks the owner reduces over; a Topology of another
+            size is refused.
+        who (str): the owner's name, for the error messages.
+    """
+    comm = resolve(comm, who)
+    spec = comm.topology
+    if isinstance(spec, Topology):
+        if world_size is not None and spec.world_size != world_size:
+            raise ValueError(f"{who}: the topology spans {spec.world_size} ranks ({spec.nodes} nodes x "
+                             f"{spec.local_size}) but the process group has {world_size}; pass a topology of "
+                             "the ranks it averages over")
+        topo = spec
+    elif (spec == "flat" or comm.process_group is not None or comm.shard_group is not None
+          or comm.backend == "mpi" or world_size == 1):
         return None
-    return Topology.auto()
+    else:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        topo = Topology.auto()
+    return None if topo is None or topo.flat else topo
 
 
 def make_reducer(numel: int, comm: Optional[CommConfig] = None, *, device=None, topology=None,

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from ..comm import world_info
 from ..compressed import CompressionState
 from ..config import CommConfig, resolve
+from ..reducer import resolve_topology
 from ..topology import Topology
 from .normalize import GradientStats
 from .resume import ResumeCheck
@@ -256,9 +257,8 @@ class OneBitHookState:
         ranks all make it together, as DDP's first hook call); resolves the topology."""
         if self.worker is None:
             self.worker = BucketWorker(self.process_group)
-            topo = self.comm.topology
-            topo = Topology.auto() if topo == "auto" else None if topo == "flat" else topo
-            if topo is not None and not topo.flat:
+            topo = resolve_topology(self.comm, world_size=self.worker.world_size, who="OneBitHookState")
+            if topo is not None:
                 if self.normalize == "adaptive":
                     raise ValueError("OneBitHookState: topology='auto' found several nodes; normalize='adaptive' runs "
                                      "on the flat compressed allreduce only (use normalize='warmup' with a topology)")

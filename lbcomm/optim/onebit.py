@@ -38,7 +38,7 @@ from torch import Tensor
 
 from ..common import report_exact_share, ring_allreduce_bytes
 from ..compressed import NonFiniteError
-from ..reducer import make_reducer
+from ..reducer import make_reducer, resolve_topology
 from ..topology import Topology
 from . import agree
 from . import functional as F
@@ -170,32 +170,16 @@ class OneBitStage:
 
     # ------------------------------------------------------------------ freeze
     def _resolve_topology(self) -> Optional[Topology]:
-        """The nodes the momentum is reduced over: a multi-node Topology, or None (flat).
-        "auto" makes one under torchrun with more than one node (collective: every rank
-        resolves it at the same step, the freeze or a load); always flat with `flat_only`."""
-        if self._topology_resolved:
-            return self.topology
-        opt, spec = self.opt, self.comm.topology
-        tr = opt.transport
-        topo = None
-        if isinstance(spec, Topology):
-            if spec.world_size != tr.world_size:
-                raise ValueError(f"{type(opt).__name__}: the topology spans {spec.world_size} ranks ({spec.nodes} "
-                                 f"nodes x {spec.local_size}) but the optimizer's process group has {tr.world_size}; "
-                                 "pass a topology of the ranks the optimizer averages over")
-            topo = spec
-        elif (spec == "auto" and not self.flat_only and self.comm.process_group is None
-              and self.comm.shard_group is None and tr.world_size > 1):
-            import torch.distributed as dist
-
-            if self.comm.backend != "mpi" and dist.is_available() and dist.is_initialized():
-                topo = Topology.auto()
-        if topo is not None and topo.flat:
-            topo = None
-        self.topology, self._topology_resolved = topo, True
-        if topo is not None:
-            _log.info("%s: hierarchical momentum reduction on %s", type(opt).__name__, topo)
-        return topo
+        """The nodes the momentum is reduced over (`lbcomm.reducer.resolve_topology`,
+        once: a collective at the freeze or a load); always flat with `flat_only`."""
+        if not self._topology_resolved:
+            opt = self.opt
+            topo = None if self.flat_only else resolve_topology(self.comm, world_size=opt.transport.world_size,
+                                                                who=type(opt).__name__)
+            self.topology, self._topology_resolved = topo, True
+            if topo is not None:
+                _log.info("%s: hierarchical momentum reduction on %s", type(opt).__name__, topo)
+        return self.topology
 
     def _make_reducer(self, L: FlatLayout) -> None:
         opt = self.opt
