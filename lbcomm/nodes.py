@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, List, Optional
+from typing import List, Optional
 
-from .comm import TorchTransport, get_transport
+from .comm import TorchTransport, all_gather_objects, get_transport
 from .comm.shm import ShmTransport
 from .wire import chunk_size
 
@@ -184,8 +184,7 @@ class Topology:
                              f"{world}; hierarchical groups inside a subgroup are not supported here, pass a topology "
                              "of the whole world")
         mine = (dist.get_rank(), self.node, self.local_rank)
-        everyone: List[Any] = [None] * world
-        dist.all_gather_object(everyone, mine)
+        everyone = all_gather_objects(mine)
         nodes = [[r for r, a, _ in sorted(everyone, key=lambda v: v[2]) if a == node] for node in range(self.nodes)]
         cross = [[r for r, _, l in sorted(everyone, key=lambda v: v[1]) if l == local]
                  for local in range(self.local_size)]

@@ -33,9 +33,9 @@ Backends (`get_transport(group, backend=...)`):
 """
 from .base import REDUCE_OPS, Transport
 from .loop import LoopTransport
-from .torch_dist import TorchTransport, world_info
+from .torch_dist import TorchTransport, all_gather_objects, gather_objects, world_info
 
-__all__ = ["Transport", "TorchTransport", "MPITransport", "LoopTransport", "world_info", "get_transport", "BACKENDS",
+__all__ = ["Transport", "TorchTransport", "MPITransport", "LoopTransport", "world_info", "gather_objects", "all_gather_objects", "get_transport", "BACKENDS",
            "REDUCE_OPS"]
 
 BACKENDS = ("auto", "torch", "mpi")

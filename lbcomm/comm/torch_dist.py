@@ -63,6 +63,29 @@ def world_info(group=None) -> Tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
+def gather_objects(obj, dst: int = 0, group=None) -> Optional[list]:
+    """Every rank's picklable `obj`, in rank order, on rank `dst` of `group` (None on the
+    others); ``[obj]`` without torch.distributed. For small metadata (checkpoint shards of
+    the integrations): the transports move tensors only."""
+    world, rank = world_info(group)
+    if world == 1:
+        return [obj]
+    out = [None] * world if rank == dst else None
+    dist.gather_object(obj, out, dst=dist.get_global_rank(group, dst) if group is not None else dst, group=group)
+    return out
+
+
+def all_gather_objects(obj, group=None) -> list:
+    """Every rank's picklable `obj`, in rank order, on every rank of `group` (``[obj]``
+    without torch.distributed)."""
+    world, _ = world_info(group)
+    if world == 1:
+        return [obj]
+    out: list = [None] * world
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
 class TorchTransport(RowsThroughBytes):
     """The byte collectives over a torch.distributed process group."""
 

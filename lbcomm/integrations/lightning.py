@@ -41,10 +41,9 @@ import logging
 from typing import Any, Dict, Optional
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
-from ..comm import world_info
+from ..comm import gather_objects, world_info
 from ..compressed import CompressionState
 from ..ddp import OneBitHookState
 from .attach import (LBCOMM_OPTIMIZERS, attach, check_callback_args, check_not_communicating, refuse_norm_clipping,
@@ -191,12 +190,8 @@ class LbcommCallback(Callback):
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: Dict[str, Any]) -> None:
         local = self._local_state()
-        world, rank = world_info()
-        if world > 1:  # Python objects to rank 0 only (the transports gather no objects)
-            shards = [None] * world if rank == 0 else None
-            dist.gather_object(local, shards, dst=0)
-        else:
-            shards = [local]
+        world, _ = world_info()
+        shards = gather_objects(local, dst=0)  # every rank's shard, on rank 0 only
         if shards is not None:
             checkpoint["lbcomm"] = {"format": _FORMAT, "version": _VERSION, "world_size": world, "ranks": shards}
 
