@@ -26,6 +26,7 @@ import torch.multiprocessing as mp
 
 import lbcomm
 
+from .cli_options import json_options
 from .convergence import ByteLM, evaluate, lm_loss, load_corpus, lr_factor, make_optimizer, sample
 
 
@@ -94,6 +95,8 @@ def main(argv=None):
     p.add_argument("--final-eval-seqs", type=int, default=512)
     p.add_argument("--train-mb", type=float, default=6.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--onebit-options", default="", type=json_options,
+                   help="JSON dict of extra OneBitAdam options, e.g. '{\"max_update\": \"auto\"}'")
     a = p.parse_args(argv)
     if a.quick:
         a.steps, a.batch, a.final_eval_seqs, a.train_mb = 24, 32, 64, 1.0

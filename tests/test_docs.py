@@ -7,7 +7,12 @@
     `python -m torch.distributed.run --standalone --nproc-per-node 2` (gloo, 1 thread);
   - shell blocks (bash, sh, console or no language) may only hold commands of
     `lbcomm-bench` (parsed by its own argument parser), `python -m bench.NAME` and
-    `scripts/gpu-check` (their `--help` must list every option the command uses);
+    `scripts/gpu-check` (their `--help` must list every option the command uses), and
+    every command runs (slow tier; those on an emulated cluster where one can be built),
+    in a temporary directory, and must exit 0;
+  - a shell block that cannot run here (it needs a GPU, or takes longer than a test may)
+    carries `<!-- parse-only: reason -->` instead: its commands are parsed and checked
+    against `--help` but not run;
   - a block whose only content is a snippet include (`--8<-- "path"`) must name an
     existing file;
   - a block that is not meant to run (install lines, output samples, fragments) carries
@@ -32,6 +37,7 @@ DOC_FILES = ["README.md"] + sorted(os.path.relpath(p, REPO) for p in glob.glob(o
 
 FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<info>[^`\n]*)$")
 NOT_RUN = re.compile(r"^\s*<!--\s*not-run:\s*(?P<reason>\S.*?)\s*-->\s*$")
+PARSE_ONLY = re.compile(r"^\s*<!--\s*parse-only:\s*(?P<reason>\S.*?)\s*-->\s*$")
 REGION_OPEN = re.compile(r"^\s*<!--\s*(demo-command|test-command|recipe:\s*[\w-]+)\s*-->\s*$")
 REGION_CLOSE = {"demo-command": "<!-- /demo-command -->", "test-command": "<!-- /test-command -->",
                 "recipe": "<!-- /recipe -->"}
@@ -39,11 +45,13 @@ SNIPPET = re.compile(r'^\s*-{1,}8<-{1,}\s+"(?P<path>[^"]+)"\s*$')
 SHELL_LANGS = {"", "bash", "sh", "shell", "console", "shell-session"}
 PYTHON_LANGS = {"python", "py", "python3"}
 TIMEOUT = 150  # seconds per block; a block should take a few
+SHELL_TIMEOUT = 420  # seconds per shell command (benchmarks on 2 busy cores)
 
 
 class Block:
-    def __init__(self, path, line, lang, code, not_run):
+    def __init__(self, path, line, lang, code, not_run, parse_only=None):
         self.path, self.line, self.lang, self.code, self.not_run = path, line, lang, code, not_run
+        self.parse_only = parse_only
 
     @property
     def id(self):
@@ -97,7 +105,9 @@ def extract_blocks(path):
         while k >= 0 and not lines[k].strip():
             k -= 1
         mark = NOT_RUN.match(lines[k]) if k >= 0 else None
-        blocks.append(Block(path, i + 1, lang, "\n".join(body) + "\n", mark.group("reason") if mark else None))
+        parse = PARSE_ONLY.match(lines[k]) if k >= 0 else None
+        blocks.append(Block(path, i + 1, lang, "\n".join(body) + "\n", mark.group("reason") if mark else None,
+                            parse.group("reason") if parse else None))
         i = j + 1
     assert region is None, f"{path}: a region marker is not closed ({region} missing)"
     return blocks
@@ -296,12 +306,61 @@ def test_script_options_exist(tool, uses):
             assert opt in help_text, f"{where}: {tool} has no option {opt} (its --help does not list it)"
 
 
+def _on_cluster(tool, args):
+    """Whether a command builds an emulated cluster (network namespaces; root)."""
+    if tool in ("bench.hier_stages", "bench.train_profile"):
+        return True
+    if tool != "lbcomm-bench":
+        return False
+    rates = [a.split("=", 1)[1] if "=" in a else args[i + 1] for i, a in enumerate(args)
+             if a.split("=", 1)[0] == "--bandwidth" and ("=" in a or i + 1 < len(args))]
+    measures = args[:1] in (["model"], ["model-nodes"]) and "--from-json" not in args  # calibration runs
+    return "--nodes" in args or any(r != "none" for r in rates) or measures
+
+
+def _command_line(tool, args):
+    if tool == "lbcomm-bench":
+        return [sys.executable, "-m", "lbcomm.cli"] + args
+    if tool == "scripts/gpu-check":
+        return [os.path.join(REPO, "scripts", "gpu-check")] + args
+    return [sys.executable, "-m", tool] + args
+
+
+@pytest.mark.parametrize("block", [b for b in SHELL_BLOCKS if b.parse_only is None], ids=lambda b: b.id)
+def test_shell_block_runs(block, tmp_path):
+    """Each command of the block runs as written (`sudo` dropped: the tests run as root
+    where an emulated cluster can be built), in a temporary directory, and exits 0."""
+    commands = [_classify(argv) for argv, _ in shell_commands(block)]
+    if any(_on_cluster(tool, args) for tool, args in commands):
+        from lbcomm.cli import netns
+
+        ok, why = netns.available()
+        if not ok:
+            pytest.skip(f"emulated cluster unavailable: {why}")
+    for (tool, args), (_, text) in zip(commands, shell_commands(block)):
+        cmd = _command_line(tool, args)
+        try:
+            proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=SHELL_TIMEOUT)
+        except subprocess.TimeoutExpired as exc:
+            pytest.fail(f"{block.id}: `{text}` timed out after {SHELL_TIMEOUT} s; shorten it or mark the block "
+                        f"<!-- parse-only: reason -->\n{exc.stdout or ''}\n{exc.stderr or ''}")
+        assert proc.returncode == 0, (f"{block.id}: `{text}` exited {proc.returncode}\n{proc.stdout[-4000:]}\n"
+                                      f"{proc.stderr[-6000:]}")
+
+
 def test_not_run_markers_have_reasons():
     for path in DOC_FILES:
         with open(os.path.join(REPO, path)) as f:
             for n, line in enumerate(f, 1):
                 if "not-run" in line and "<!--" in line:
                     assert NOT_RUN.match(line), f"{path}:{n}: write the marker as <!-- not-run: reason -->"
+                if "parse-only" in line and "<!--" in line:
+                    assert PARSE_ONLY.match(line), f"{path}:{n}: write the marker as <!-- parse-only: reason -->"
+
+
+def test_parse_only_blocks_are_shell_commands():
+    bad = [b.id for b in ALL_BLOCKS if b.parse_only is not None and b.kind != "shell"]
+    assert not bad, "<!-- parse-only --> marks shell blocks of known commands only: " + ", ".join(bad)
 
 
 def test_no_references_outside_the_repository():
