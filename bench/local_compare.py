@@ -171,15 +171,16 @@ def rank_main(rank, world, a, lighthouse, out_path, init_file):
     results, last = [], {}
     for name in a.tasks:
         task = T.make_task(name, seed=a.seed)
+        last = {}  # (method, lr) -> the final weights of fp32 and torchft
         for method in a.methods:
             for lr in a.lrs or task.grids["adam"]:
                 t0 = time.perf_counter()
                 r, theta = one_run(rank, world, task, method, lr, a, ft)
                 if method in ("fp32", BASE):  # the same algorithm twice: how far apart they end
-                    last[method] = theta
-                    if len(last) == 2:
-                        r["fp32_vs_torchft"] = float((last["fp32"] - last[BASE]).abs().max())
-                        last = {}
+                    last[method, lr] = theta
+                    other = last.get(("fp32" if method == BASE else BASE, lr))
+                    if other is not None:
+                        r["fp32_vs_torchft"] = float((theta - other).abs().max())
                 results.append(r)
                 if rank == 0:
                     print(f"  {name:<14}{method:<13}H {r['H']:<3} lr {lr:<7g} final {r['final']:.4f}  "
