@@ -15,6 +15,7 @@ from .config import CommConfig
 from .ddp import OneBitHookState, WarmupAverage, onebit_hook, warmup_average_hook
 from .fsdp import OneBitHSDPState, onebit_hsdp
 from .integrations import attach
+from .local import OneBitLocalUpdates
 from .optim import Lamb, Lars, OneBitAdam, OneBitLamb, ZeroOneAdam
 from .reducer import Reducer, make_reducer
 from .topology import HierarchicalState, Topology
@@ -27,6 +28,8 @@ __all__ = [
     "ZeroOneAdam",
     "Lamb",
     "Lars",
+    # local updates (DiLoCo-style) with 1-bit outer pseudo-gradients
+    "OneBitLocalUpdates",
     # communication settings
     "CommConfig",
     # hooks

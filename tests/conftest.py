@@ -76,6 +76,11 @@ MULTIPROC = {
     "test_integrations_recipes": {"test_recipe_runs"},
     "test_integrations_transformers": {"test_trainer_compresses_and_resumes_bitwise",
                                        "test_trainer_clips_by_one_norm_with_the_callback"},
+    "test_local_updates": {"test_two_ranks_match_the_reference_bitwise", "test_compression_really_differs_from_fp32",
+                           "test_stats_and_bytes", "test_resume_is_bitwise", "test_ddp_averaging_every_step_is_refused",
+                           "test_nonfinite_pseudo_gradient_is_skipped_or_raised_on_every_rank",
+                           "test_four_ranks_flat_and_hierarchical_match_the_reference_bitwise",
+                           "test_elastic_resume_4_to_2"},
     "test_lars": {"test_lars_averages_by_itself_and_refuses_a_second_average",
                   "test_lars_under_ddp_and_onebit_hook_keeps_replicas_identical"},
     "test_mpi": {"test_mpi_matches_torch_backend_bitwise", "test_mpi_transport_all_reduce_and_barrier",
@@ -177,6 +182,8 @@ SLOW = {
                       "test_degenerate_topology_is_the_flat_call", "test_nonfinite_skips_everywhere_with_errors_untouched[raise]",
                       "test_onebit_hook_with_topology[auto]", "test_onebit_hook_with_topology_resumes_bitwise",
                       "test_bench_emulated_nodes_count_inter_node_bytes", "test_bench_train_nodes_loopback"},
+    "test_local_updates": {"test_four_ranks_flat_and_hierarchical_match_the_reference_bitwise",
+                           "test_elastic_resume_4_to_2"},
     "test_zeroone": {"test_resume_mid_interval_is_bitwise_exact"},
 }
 

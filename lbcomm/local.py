@@ -1,0 +1,387 @@
+"""`OneBitLocalUpdates`: local updates with 1-bit compressed outer pseudo-gradients
+(DiLoCo-style training, docs/local-updates.md).
+
+Every rank trains on its own data with any torch optimizer (the *inner* optimizer) and
+nothing is communicated between synchronizations. Every `sync_every` (H) inner steps the
+outer pseudo-gradient Δ = θ_start − θ_local (the anchor θ_start is where the round began) is
+averaged over the ranks by lbcomm's error-feedback compressed allreduce (a `Reducer` from
+`make_reducer`: flat, or hierarchical on nodes), and an outer optimizer — Nesterov momentum
+SGD, as in DiLoCo — steps θ_start with the mean Δ as its gradient. Every rank then continues
+from the same new θ (bitwise identical replicas). Each reducer keeps its worker and server
+error buffers across rounds, so the error-feedback invariant holds over the whole run: what
+one round's compression loses is added to the next round's Δ.
+
+``compress=False`` averages Δ with a plain fp32 allreduce instead: DiLoCo itself, the same
+code as a baseline. ``fragments=K`` (Streaming DiLoCo) cuts the parameters into K runs of
+whole parameters of about equal size, each with its own anchor, momentum and reducer;
+fragment f is synchronized at the inner steps t with t mod H = ceil((f + 1) H / K) mod H, so
+the communication of a round is spread over it.
+
+Parameters of at most ``comm.exact_numel`` elements (biases, norms) are averaged exactly
+in fp32 beside the compressed call, their error feedback held at zero (`lbcomm.exact`).
+
+Never silent: gradients that are identical on every rank at the first inner steps mean
+that a DistributedDataParallel averages them every step (the mode would then average
+twice and save nothing): `AveragedGradientsError` (``comm.detect_averaged_grads``). A
+non-finite Δ on any rank follows ``comm.nonfinite``: "skip" discards the round on every
+rank (the fragment returns to θ_start, momentum and error feedback untouched, counted in
+``skipped_calls``), "raise" does the same and raises `NonFiniteError` on every rank.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, Iterable, List, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from .comm import get_transport
+from .common import NonFiniteError, compressor_stats, ring_allreduce_bytes
+from .config import CommConfig, resolve
+from .errors import AveragedGradientsError
+from .exact import ExactMean, exact_index
+from .optim.agree import replica_slots, replicas_identical
+from .reducer import make_reducer, redistribute, resolve_topology
+
+__all__ = ["OneBitLocalUpdates", "fragment_bounds"]
+
+_log = logging.getLogger(__name__)
+_FORMAT = "lbcomm-local-updates"
+_VERSION = 1
+
+
+def fragment_bounds(numels: Sequence[int], fragments: int) -> List[int]:
+    """Cut parameters of `numels` elements, in order, into `fragments` non-empty runs of
+    about equal size: fragment f is parameters [b[f], b[f + 1]). A run ends at the first
+    parameter where the running total reaches (f + 1) / fragments of all elements (or where
+    the parameters left are just enough for the runs left)."""
+    n, total = len(numels), sum(numels)
+    if not 1 <= fragments <= n:
+        raise ValueError(f"fragments={fragments}: need 1 <= fragments <= the number of parameters ({n})")
+    bounds, run = [0], 0
+    for i, k in enumerate(numels[:-1]):
+        run += k
+        cuts = len(bounds)  # fragments closed so far + 1
+        if cuts < fragments and (run * fragments >= cuts * total or n - (i + 1) == fragments - cuts):
+            bounds.append(i + 1)
+    bounds.append(n)
+    return bounds
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class _Fragment:
+    """One synchronized unit: parameters [lo, hi) of the list, its anchor θ_start (fp32,
+    flat, the outer optimizer's parameter), its Δ buffer, reducer and exact coordinates."""
+
+    lo: int
+    hi: int
+    phase: int  # synchronized at inner steps t with t % H == phase
+    anchor: Tensor
+    delta: Tensor
+    reducer: Any = None
+    exact: Optional[Tensor] = None
+
+
+class OneBitLocalUpdates:
+    """Local updates (DiLoCo) with 1-bit error-feedback compressed outer pseudo-gradients.
+
+    Call `step` right after ``inner.step()`` at every inner step; it synchronizes every
+    `sync_every` steps and returns True on those steps.
+
+    Args:
+        params (iterable of Tensor): the parameters, the same set as `inner`'s. Create this
+            object after the model's weights are loaded (the first anchor is taken here) and
+            identical on every rank.
+        inner (torch.optim.Optimizer): the per-rank optimizer of the inner steps (its state
+            stays local, as in DiLoCo).
+        sync_every (int): H, inner steps per round.
+        outer_lr (float): the outer SGD's learning rate (default: 0.7, DiLoCo's).
+        outer_momentum (float): its momentum (default: 0.9).
+        nesterov (bool): Nesterov momentum (default: True).
+        compress (bool): True: Δ through the compressed allreduce; False: a plain fp32
+            allreduce (DiLoCo itself) (default: True).
+        fragments (int): synchronize the model in this many staggered fragments
+            (Streaming DiLoCo); 1 <= fragments <= sync_every (default: 1).
+        comm (CommConfig, optional): process group, backend, topology, block size,
+            exact_numel, non-finite policy, detect_averaged_grads (default: ``CommConfig()``).
+
+    Example::
+
+        >>> # xdoctest: +SKIP
+        >>> inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        >>> local = lbcomm.OneBitLocalUpdates(model.parameters(), inner, sync_every=32)
+        >>> for x, y in loader:
+        ...     inner.zero_grad(); loss_fn(model(x), y).backward(); inner.step()
+        ...     local.step()
+    """
+
+    def __init__(self, params: Iterable[Tensor], inner: torch.optim.Optimizer, sync_every: int, *,
+                 outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True, compress: bool = True,
+                 fragments: int = 1, comm: Optional[CommConfig] = None):
+        name = type(self).__name__
+        self.comm = resolve(comm, name)
+        self.params: List[Tensor] = list(params)
+        _check_args(name, self.params, inner, sync_every, outer_lr, outer_momentum, nesterov, compress, fragments)
+        self.inner, self.sync_every, self.compress = inner, sync_every, compress
+        self.transport = get_transport(self.comm.process_group, backend=self.comm.backend)
+        self.world_size, self.rank = self.transport.world_size, self.transport.rank
+        topo = resolve_topology(self.comm) if compress and self.world_size > 1 else None
+        if topo is not None and topo.world_size != self.world_size:
+            raise ValueError(f"{name}: the topology spans {topo.world_size} ranks but the process group has "
+                             f"{self.world_size}")
+        self.topology = None if topo is None or topo.flat else topo
+        device = self.params[0].device
+        numels = [p.numel() for p in self.params]
+        bounds = fragment_bounds(numels, fragments)
+        self.fragments: List[_Fragment] = []
+        for f in range(fragments):
+            lo, hi = bounds[f], bounds[f + 1]
+            anchor = torch.cat([p.detach().reshape(-1).float() for p in self.params[lo:hi]]).to(device)
+            frag = _Fragment(lo, hi, _ceil((f + 1) * sync_every, fragments) % sync_every, anchor,
+                             torch.empty_like(anchor))
+            if compress:
+                frag.reducer = make_reducer(anchor.numel(), self.comm, device=device, topology=self.topology)
+                frag.exact = exact_index(numels[lo:hi], self.comm.exact_numel, device=device)
+            self.fragments.append(frag)
+        self.outer = torch.optim.SGD([f.anchor for f in self.fragments], lr=outer_lr, momentum=outer_momentum,
+                                     nesterov=nesterov)
+        self._exact_mean = ExactMean(topology=self.topology) if self.topology is not None else None
+        self.inner_steps = 0
+        self.syncs = 0  # fragment synchronizations done, skipped ones included
+        self.skipped = 0
+        self.bytes_sent = 0
+        self._probe = self.comm.detect_averaged_grads and self.world_size > 1
+        if self.world_size == 1:
+            _log.info("%s: one rank, nothing is communicated (the outer optimizer still steps every %s inner "
+                      "steps)", name, sync_every)
+
+    # ------------------------------------------------------------------ the step
+    @torch.no_grad()
+    def step(self) -> bool:
+        """Count one inner step (call it right after ``inner.step()``); synchronize the
+        fragments due at this step. Returns True when a synchronization happened."""
+        self.inner_steps += 1
+        if self._probe:
+            self._probe_averaged_grads()
+        due = [f for f in self.fragments if self.inner_steps % self.sync_every == f.phase]
+        for frag in due:
+            self._sync(frag)
+        return bool(due)
+
+    def _probe_averaged_grads(self) -> None:
+        """Gradients identical on every rank: a DDP averaged them (one tiny allreduce per
+        inner step until decided, at most the first round)."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        slots = replica_slots(grads, self.rank, self.world_size, self.fragments[0].anchor.device)
+        self.transport.all_reduce(slots, "sum")
+        verdict = replicas_identical(slots)
+        if verdict:
+            raise AveragedGradientsError(
+                f"{type(self).__name__}: at inner step {self.inner_steps} the gradients are identical on all "
+                f"{self.world_size} ranks: something averages them every step (a DistributedDataParallel wrapper, "
+                "or a communication hook), so the local updates would be averaged twice and nothing is saved. Train "
+                "the plain module (not the DDP wrapper), or call backward inside ddp_model.no_sync(). If every rank "
+                "really sees the same data, pass comm=lbcomm.CommConfig(detect_averaged_grads=False).")
+        if verdict is not None or self.inner_steps >= self.sync_every:
+            self._probe = False
+
+    def _sync(self, frag: _Fragment) -> None:
+        """Δ of `frag`, its mean over the ranks, the outer step and the new θ on every rank."""
+        params = self.params[frag.lo:frag.hi]
+        o = 0
+        for p in params:
+            n = p.numel()
+            frag.delta[o:o + n].copy_(p.detach().reshape(-1))
+            o += n
+        torch.sub(frag.anchor, frag.delta, out=frag.delta)
+        self.syncs += 1
+        try:
+            ok = self._mean_(frag)
+        except NonFiniteError:
+            self.skipped += 1
+            self._write(frag)
+            raise
+        if not ok:
+            self.skipped += 1
+            self._write(frag)  # the round is discarded on every rank alike
+            if self.comm.nonfinite == "raise":
+                raise NonFiniteError(f"{type(self).__name__}: the outer pseudo-gradient holds NaN/Inf on some rank "
+                                     f"at inner step {self.inner_steps}; every rank returned to the round's start")
+            _log.warning("%s: the outer pseudo-gradient holds NaN/Inf on some rank at inner step %s; the round is "
+                         "skipped on every rank (parameters back to its start, momentum and error feedback "
+                         "untouched)", type(self).__name__, self.inner_steps)
+            return
+        for f in self.fragments:
+            f.anchor.grad = frag.delta if f is frag else None
+        self.outer.step()
+        frag.anchor.grad = None
+        self._write(frag)
+
+    def _mean_(self, frag: _Fragment) -> bool:
+        """Δ's mean over the ranks in place; False (on every rank alike) when not finite."""
+        delta = frag.delta
+        if not self.compress:
+            self.transport.all_reduce(delta, "mean")
+            self.bytes_sent += int(ring_allreduce_bytes(4 * delta.numel(), self.world_size))
+            return bool(torch.isfinite(delta).all())
+        exact = None
+        if frag.exact is not None and self.world_size > 1:
+            exact = self._exact_part_mean(delta.index_select(0, frag.exact))
+        ok = frag.reducer.reduce_(delta, delta)
+        if ok:
+            self.bytes_sent += self._frag_bytes(frag)
+            if exact is not None:
+                delta.index_copy_(0, frag.exact, exact)
+                frag.reducer.zero_errors_at(frag.exact)
+        return bool(ok)
+
+    def _exact_part_mean(self, values: Tensor) -> Tensor:
+        """The exact fp32 mean of the exact coordinates' Δ: on nodes `hierarchical_mean_`
+        (1/G of the bytes between nodes); flat, every rank's values gathered and summed in
+        rank order, so that the result does not depend on the backend's summation order."""
+        if self.topology is not None:
+            return self._exact_mean.start(values)()
+        p, k = self.world_size, values.numel()
+        gathered = torch.empty(p * k * 4, dtype=torch.uint8, device=values.device)
+        self.transport.all_gather(gathered, values.view(torch.uint8))
+        return gathered.view(torch.float32).view(p, k).sum(0) / p
+
+    def _write(self, frag: _Fragment) -> None:
+        o = 0
+        for p in self.params[frag.lo:frag.hi]:
+            n = p.numel()
+            p.detach().copy_(frag.anchor[o:o + n].view_as(p))
+            o += n
+
+    # ------------------------------------------------------------------ figures
+    def _frag_bytes(self, frag: _Fragment) -> int:
+        n = frag.anchor.numel()
+        if not self.compress:
+            return int(ring_allreduce_bytes(4 * n, self.world_size))
+        exact = 0
+        if frag.exact is not None and self.world_size > 1:
+            k = frag.exact.numel()
+            exact = self._exact_mean.bytes(k) if self.topology is not None else 4 * k * (self.world_size - 1)
+        return frag.reducer.bytes_per_call() + exact
+
+    def bytes_per_sync(self) -> int:
+        """Bytes this rank sends per round of `sync_every` inner steps (every fragment once;
+        between nodes for a hierarchical reduction)."""
+        return sum(self._frag_bytes(f) for f in self.fragments)
+
+    def bytes_per_inner_step(self) -> float:
+        """`bytes_per_sync` / sync_every: compare with a fp32 ring allreduce of the
+        gradients per step (`fp32_bytes_per_step`)."""
+        return self.bytes_per_sync() / self.sync_every
+
+    def fp32_bytes_per_step(self) -> int:
+        """What data-parallel training's fp32 ring allreduce of every gradient sends per step."""
+        return int(ring_allreduce_bytes(4 * sum(f.anchor.numel() for f in self.fragments), self.world_size))
+
+    def compression_stats(self) -> Dict[str, Any]:
+        """The keys every lbcomm compressor reports (`lbcomm.common.STATS_KEYS`): compressed
+        synchronizations, skipped ones (non-finite Δ), bytes this rank sent (the exact part
+        included) and the norm of its error feedback; plus inner steps, synchronizations and
+        the bytes per sync and per inner step."""
+        errs = [compressor_stats(f.reducer)["error_norm"] for f in self.fragments]
+        done = self.syncs - self.skipped
+        return {"compressed_calls": done if self.compress else 0, "skipped_calls": self.skipped,
+                "bytes_sent": self.bytes_sent, "error_norm": math.sqrt(sum(e * e for e in errs)),
+                "inner_steps": self.inner_steps, "syncs": self.syncs, "bytes_per_sync": self.bytes_per_sync(),
+                "bytes_per_inner_step": self.bytes_per_inner_step(),
+                "fp32_bytes_per_step": self.fp32_bytes_per_step()}
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> Dict[str, Any]:
+        """This rank's state: the anchors θ_start, the outer optimizer (momentum), each
+        fragment's reducer error feedback (rank-local: save every rank's, e.g. with
+        ``lbcomm.save_sharded(dir, inner, model, hook_state=local)``) and the counters."""
+        return {"format": _FORMAT, "version": _VERSION, "world_size": self.world_size, "rank": self.rank,
+                "sync_every": self.sync_every, "compress": self.compress,
+                "numels": [f.anchor.numel() for f in self.fragments],
+                "anchors": [f.anchor.detach().clone() for f in self.fragments],
+                "outer": copy.deepcopy(self.outer.state_dict()),  # a snapshot, like the anchors
+                "reducers": [None if f.reducer is None else f.reducer.state_dict() for f in self.fragments],
+                "inner_steps": self.inner_steps, "syncs": self.syncs, "skipped": self.skipped,
+                "bytes_sent": self.bytes_sent, "probe": self._probe}
+
+    def load_state_dict(self, state_dict: Dict[str, Any], *,
+                        all_ranks: Optional[Sequence[Dict[str, Any]]] = None) -> None:
+        """Restore a `state_dict`: bitwise the run that never stopped with the same world.
+
+        Saved with another world size (elastic resume), pass ``all_ranks``: every saved
+        rank's state_dict in rank order (`lbcomm.load_sharded` with ``hook_state=`` does);
+        each fragment's error feedback is then redistributed onto this world
+        (`lbcomm.reducer.redistribute`, total carried error preserved; hierarchical ones
+        start from zero, warned). Without it the error feedback is reset, warned."""
+        name = type(self).__name__
+        sd = state_dict
+        if not isinstance(sd, dict) or sd.get("format") != _FORMAT or sd.get("version") != _VERSION:
+            raise ValueError(f"{name}.load_state_dict: not a {name} state_dict of version {_VERSION}")
+        mine = (self.sync_every, self.compress, [f.anchor.numel() for f in self.fragments])
+        if (sd["sync_every"], sd["compress"], sd["numels"]) != mine:
+            raise ValueError(f"{name}.load_state_dict: saved for (sync_every, compress, fragment sizes)="
+                             f"{(sd['sync_every'], sd['compress'], sd['numels'])} but this object has {mine}")
+        reducers = sd["reducers"]
+        if sd["world_size"] != self.world_size and self.compress:
+            if all_ranks is None:
+                _log.warning("%s: the state was saved with world size %s and this run has %s; the compression error "
+                             "feedback is reset to zero (pass all_ranks=, or use lbcomm.load_sharded(dir, "
+                             "hook_state=...), to redistribute it)", name, sd["world_size"], self.world_size)
+                reducers = [None] * len(self.fragments)
+            else:
+                if len(all_ranks) != sd["world_size"] or any(s.get("inner_steps") != sd["inner_steps"]
+                                                              for s in all_ranks):
+                    raise ValueError(f"{name}.load_state_dict: all_ranks must hold the state_dicts of all "
+                                     f"{sd['world_size']} saved ranks of one checkpoint, in rank order")
+                reducers = [redistribute([s["reducers"][k] for s in all_ranks], self.world_size, self.rank,
+                                         where=f"{name} fragment {k}") for k in range(len(self.fragments))]
+        for frag, anchor, red in zip(self.fragments, sd["anchors"], reducers):
+            frag.anchor.copy_(anchor)
+            if frag.reducer is not None:
+                frag.reducer.reset()
+                if red is not None:
+                    frag.reducer.load_state_dict(red)
+        self.outer.load_state_dict(sd["outer"])
+        self.inner_steps, self.syncs, self.skipped = sd["inner_steps"], sd["syncs"], sd["skipped"]
+        self.bytes_sent = sd["bytes_sent"]
+        self._probe = bool(sd["probe"]) and self.comm.detect_averaged_grads and self.world_size > 1
+
+
+def _check_args(name, params, inner, sync_every, outer_lr, outer_momentum, nesterov, compress, fragments) -> None:
+    if not isinstance(inner, torch.optim.Optimizer):
+        raise TypeError(f"{name}: inner must be a torch.optim.Optimizer over the same parameters, got "
+                        f"{type(inner).__name__}")
+    if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+        raise ValueError(f"{name}: invalid sync_every {sync_every!r} (an int >= 1: inner steps per synchronization)")
+    if not params:
+        raise ValueError(f"{name}: got no parameters")
+    ids = [id(p) for p in params]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"{name}: a parameter appears twice in params")
+    inner_ids = {id(p) for g in inner.param_groups for p in g["params"]}
+    if inner_ids != set(ids):
+        raise ValueError(f"{name}: params must be exactly the inner optimizer's parameters ({len(set(ids) - inner_ids)} "
+                         f"given here are not in it, {len(inner_ids - set(ids))} of it are missing here)")
+    bad = [tuple(p.shape) for p in params if not p.is_floating_point()]
+    if bad:
+        raise TypeError(f"{name}: parameters must be floating point, got non-float ones of shapes {bad}")
+    if len({p.device for p in params}) != 1:
+        raise ValueError(f"{name}: all parameters must be on one device")
+    if not (isinstance(outer_lr, (int, float)) and math.isfinite(outer_lr) and outer_lr > 0):
+        raise ValueError(f"{name}: invalid outer_lr {outer_lr!r} (a number > 0)")
+    if not (isinstance(outer_momentum, (int, float)) and 0 <= outer_momentum < 1):
+        raise ValueError(f"{name}: invalid outer_momentum {outer_momentum!r} (need 0 <= outer_momentum < 1)")
+    if nesterov and outer_momentum == 0:
+        raise ValueError(f"{name}: nesterov=True needs outer_momentum > 0")
+    if not isinstance(compress, bool):
+        raise TypeError(f"{name}: compress must be a bool (False: plain fp32 allreduce, DiLoCo itself)")
+    if isinstance(fragments, bool) or not isinstance(fragments, int) or not 1 <= fragments <= sync_every:
+        raise ValueError(f"{name}: invalid fragments {fragments!r} (an int, 1 <= fragments <= sync_every)")
