@@ -134,7 +134,7 @@ def plot_race(runs: Sequence[Dict], path: str, title: str) -> None:
         ax.axhline(run["target_loss"], color="k", lw=0.8, ls=":", label="target")
         if run.get("ddp_time_s"):
             ax.axvline(run["ddp_time_s"], color="gray", lw=0.8, ls=":")
-        ax.set_xscale("log")
+        ax.set_xlim(left=0)
         ax.set_xlabel("clocked seconds (training only, slowest rank)")
         ax.set_ylabel("validation loss")
         losses = [c["val_loss"] for r in run["rows"] for c in r["curve"][1:]]
@@ -142,7 +142,7 @@ def plot_race(runs: Sequence[Dict], path: str, title: str) -> None:
             ax.set_ylim(min(losses) - 0.05, run["target_loss"] + 3 * (run["target_loss"] - min(losses)) + 0.3)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7, ncol=2)
-        ax.set_title(f"{run['bandwidth'] or 'loopback'} links", fontsize=9)
+        ax.set_title(f"{run['bandwidth']} links" if run["bandwidth"] else "loopback", fontsize=9)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path)

@@ -72,6 +72,7 @@ class Method:
                  sync_every: Optional[int], transport, device: torch.device):
         self.family, self.module, self.sync_every = family, model, sync_every
         self._outer: Optional[Callable[[], object]] = None
+        self._just_synced = False
         self._close: Callable[[], None] = lambda: None
         why = unavailable(family)
         if why:
@@ -110,11 +111,13 @@ class Method:
         loss.backward()
         self.opt.step()  # diloco: its post-step hook syncs every H steps
         if self._outer is not None:
-            self._outer()
+            self._just_synced = bool(self._outer())  # OneBitLocalUpdates.step(): True on syncs
         return float(loss.detach())
 
     def synced(self, step: int) -> bool:
-        return self.family not in LOCAL_FAMILIES or step % self.sync_every == 0
+        if self.family == "onebit_local":
+            return self._just_synced
+        return self.family != "diloco" or step % self.sync_every == 0
 
     def close(self) -> None:
         self._close()
