@@ -22,6 +22,7 @@ cluster of network namespaces with shaped links (as root):
   train       training-step throughput of a small transformer LM with each method
   model       the latency-bandwidth cost model, checked against measured runs
   advise      will 1-bit help my run? predicted step times for a model and a cluster
+  race        wall-clock time to a target validation loss, lbcomm against its peers
 
 examples:
   lbcomm-bench allreduce --world-size 4 --sizes 1M,8M --methods fp32,fp16,onebit
@@ -31,6 +32,7 @@ examples:
   sudo lbcomm-bench train --bandwidth 1gbit,10gbit --plot train.png
   sudo lbcomm-bench model --bandwidth 1gbit --world-sizes 2,4
   lbcomm-bench advise --params 350M --nodes 8 --bandwidth 10gbit --step-time 400ms
+  sudo lbcomm-bench race --bandwidth 1gbit,100mbit --plot race.png
 
 Sizes count fp32 ELEMENTS: 4K = 4096 elements, 8M = 8 Mi elements (32 MiB); a B suffix
 gives bytes instead: 32MB (= 32MiB) is 8M elements. K, M, G are powers of 1024 either
@@ -91,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="lbcomm-bench", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", metavar="{allreduce,train,model,advise}")
+    sub = parser.add_subparsers(dest="command", metavar="{allreduce,train,model,model-nodes,advise,race}")
     sub.required = True
 
     ar = _sub(sub, "allreduce", "time fp32 / fp16 / 1-bit allreduce, nccl-tests style",
@@ -279,7 +281,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="where to time the local compute of each method (default: cpu)")
     ad.add_argument("--json", metavar="FILE", help="write the prediction as JSON (fields listed below)")
     ad.set_defaults(command="advise")
-    for p in (ar, tr, md, mn, ad):  # placeholders in words (WORLD-SIZE), not Python names (WORLD_SIZE)
+    from .racecli import add_parser as add_race
+
+    add_race(sub, _sub)
+    for p in sub.choices.values():  # placeholders in words (WORLD-SIZE), not Python names (WORLD_SIZE)
         for action in p._actions:
             if action.option_strings and action.metavar is None and action.nargs != 0 and not action.choices:
                 action.metavar = action.dest.upper().replace("_", "-")

@@ -85,6 +85,11 @@ def validate(args, info) -> None:
         if args.device == "cuda":
             _check_backend("nccl", None)
         return
+    if args.command == "race":
+        from .racecli import check
+
+        check(args, info)
+        return
     if args.command == "model-nodes":
         if info is not None:
             raise UsageError(f"model-nodes starts its own emulated nodes; run it directly, not under {info.launcher}")

@@ -74,6 +74,10 @@ def run_task(task: str, params: Dict, info: launch.RankInfo) -> Dict:
             from . import train
 
             return train.run_rank(params, transport, device, _progress_factory(show, "train "))
+        if task == "race":
+            from . import race
+
+            return race.run_rank(params, transport, device)
         raise ValueError(f"unknown task {task!r}")
     finally:
         launch.leave(params["backend"])
@@ -355,8 +359,14 @@ def cmd_advise(args, info) -> int:
 # ---------------------------------------------------------------------------- main
 
 
+def cmd_race(args, info) -> int:
+    from .racecli import cmd_race as race
+
+    return race(args, info)
+
+
 _COMMANDS = {"allreduce": cmd_allreduce, "train": cmd_train, "model": cmd_model, "model-nodes": cmd_model_nodes,
-             "advise": cmd_advise}
+             "advise": cmd_advise, "race": cmd_race}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -119,3 +119,31 @@ def plot_model(grid: List[Dict], checks: List[Dict], path: str, title: str) -> N
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def plot_race(runs: Sequence[Dict], path: str, title: str) -> None:
+    """Validation loss against clocked seconds, one line per method and one panel per
+    bandwidth, with the target as a horizontal line."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(runs), figsize=(6.5 * len(runs), 4.2), dpi=100, squeeze=False)
+    for ax, run in zip(axes[0], runs):
+        for r in run["rows"]:
+            style = "--" if r["family"] in ("diloco", "ddp", "bf16", "powersgd") else "-"
+            ax.plot([c["time_s"] for c in r["curve"]], [c["val_loss"] for c in r["curve"]], style, marker=".",
+                    markersize=3, label=r["method"] + (f" {r['speedup_vs_ddp']:.1f}x" if r["speedup_vs_ddp"] else ""))
+        ax.axhline(run["target_loss"], color="k", lw=0.8, ls=":", label="target")
+        if run.get("ddp_time_s"):
+            ax.axvline(run["ddp_time_s"], color="gray", lw=0.8, ls=":")
+        ax.set_xlim(left=0)
+        ax.set_xlabel("clocked seconds (training only, slowest rank)")
+        ax.set_ylabel("validation loss")
+        losses = [c["val_loss"] for r in run["rows"] for c in r["curve"][1:]]
+        if losses:
+            ax.set_ylim(min(losses) - 0.05, run["target_loss"] + 3 * (run["target_loss"] - min(losses)) + 0.3)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7, ncol=2)
+        ax.set_title(f"{run['bandwidth']} links" if run["bandwidth"] else "loopback", fontsize=9)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
