@@ -344,8 +344,8 @@ def test_shell_block_runs(block, tmp_path):
         except subprocess.TimeoutExpired as exc:
             pytest.fail(f"{block.id}: `{text}` timed out after {SHELL_TIMEOUT} s; shorten it or mark the block "
                         f"<!-- parse-only: reason -->\n{exc.stdout or ''}\n{exc.stderr or ''}")
-        assert proc.returncode == 0, (f"{block.id}: `{text}` exited {proc.returncode}\n{proc.stdout[-4000:]}\n"
-                                      f"{proc.stderr[-6000:]}")
+        assert proc.returncode == 0, (f"{block.id}: `{text}` exited {proc.returncode}\n{proc.stdout[-12000:]}\n"
+                                      f"{proc.stderr[-12000:]}")
 
 
 def test_not_run_markers_have_reasons():
