@@ -12,7 +12,7 @@ from . import ddp, fsdp, optim, schedules, stats, topology
 from .checkpoint import load_sharded, save_sharded
 from .compressed import CompressionState, NonFiniteError, compressed_allreduce, compressed_allreduce_
 from .config import CommConfig
-from .ddp import OneBitHookState, WarmupAverage, onebit_hook, warmup_average_hook
+from .ddp import DCTHookState, OneBitHookState, WarmupAverage, dct_hook, onebit_hook, warmup_average_hook
 from .fsdp import OneBitHSDPState, onebit_hsdp
 from .integrations import attach
 from .optim import Lamb, Lars, OneBitAdam, OneBitLamb, ZeroOneAdam
@@ -34,6 +34,8 @@ __all__ = [
     "onebit_hook",
     "WarmupAverage",
     "warmup_average_hook",
+    "DCTHookState",
+    "dct_hook",
     "OneBitHSDPState",
     "onebit_hsdp",
     # reducers and the compressed allreduce

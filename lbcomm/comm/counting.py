@@ -14,12 +14,12 @@ from typing import Optional
 from torch import Tensor
 
 from ..common import ring_allreduce_bytes
-from .base import RowsThroughBytes, StagedRows, buckets
+from .base import GatherVThroughBytes, RowsThroughBytes, StagedRows, buckets
 
 __all__ = ["CountingTransport"]
 
 
-class CountingTransport(RowsThroughBytes):
+class CountingTransport(RowsThroughBytes, GatherVThroughBytes):
     """Wraps `inner` (a transport of `lbcomm.comm`); every attribute other than the three
     collectives is the inner transport's.
 

@@ -30,7 +30,7 @@ from typing import List, Optional
 import torch
 from torch import Tensor
 
-from .base import completed_future
+from .base import GatherVThroughBytes, completed_future
 from .torch_dist import TorchTransport
 
 __all__ = ["ShmTransport", "SHM_DIR"]
@@ -49,7 +49,7 @@ def _host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-class ShmTransport:
+class ShmTransport(GatherVThroughBytes):
     """The byte collectives through shared memory among the ranks of `group`, which must
     all run on this host (a torch.distributed group; its transport synchronizes)."""
 

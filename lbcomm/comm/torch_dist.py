@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .base import RowsThroughBytes, StagedRows, buckets, check_all_reduce, completed_future, finish_all_reduce
+from .base import GatherVThroughBytes, RowsThroughBytes, StagedRows, buckets, check_all_reduce, completed_future, finish_all_reduce
 
 _OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -63,7 +63,7 @@ def world_info(group=None) -> Tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-class TorchTransport(RowsThroughBytes):
+class TorchTransport(RowsThroughBytes, GatherVThroughBytes):
     """The byte collectives over a torch.distributed process group."""
 
     def __init__(self, group=None):
