@@ -286,3 +286,71 @@ def test_high_density_is_warned(caplog):
     with caplog.at_level(logging.WARNING):
         lbcomm.DCTHookState(10, density=0.8)
     assert "more bytes than a full-precision allreduce" in caplog.text
+
+
+# ---------------------------------------------------------------------- model parallelism: two ranks
+def _mp_steps(rank, tr, link, steps=4):
+    """Embedding on rank 0, MLP on rank 1, SGD on each side; rank 1's losses."""
+    torch.manual_seed(0)
+    emb, mlp = nn.Embedding(300, 8), nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 5))
+    part = emb if rank == 0 else mlp
+    opt = torch.optim.SGD(part.parameters(), lr=0.5)
+    losses = []
+    for step in range(steps):
+        tok, y = _batch(step, 0)
+        opt.zero_grad(set_to_none=True)
+        if rank == 0:
+            x = emb(tok).mean(1)
+            link.send(x)
+            x.backward(link.recv_grad())
+        else:
+            x = link.recv((tok.shape[0], 8))
+            loss = F.cross_entropy(mlp(x), y)
+            loss.backward()
+            link.send_grad(x.grad)
+            losses.append(loss.detach())
+        opt.step()
+    return losses, [q.detach().clone() for q in part.parameters()]
+
+
+def _mp_run(rank, p):
+    from lbcomm.dct_mp import DCTBoundary
+
+    out = {}
+    for name, kw in (("dense", {"density": None}), ("zero", {"threshold": 0.0}),
+                     ("sparse", {"density": 0.25, "refresh_every": 2})):
+        tr = CountingTransport(get_transport(backend="torch"))
+        link = DCTBoundary(tr, **kw)
+        losses, params = _mp_steps(rank, tr, link)
+        out[name] = {"losses": losses, "params": params, "bytes": link.bytes_sent, "counted": tr.bytes_sent,
+                     "act": link.activation_bytes, "grad": link.gradient_bytes, "sent": link.sent_entries,
+                     "offered": link.offered_entries, "sd": link.state_dict()}
+    return out
+
+
+def test_dct_mp_sparse_exchange_equals_dense_at_threshold_0():
+    res = run_ranks(_mp_run, 2, timeout=300)
+    for r in range(2):
+        dense, zero, sparse = (res[r][k] for k in ("dense", "zero", "sparse"))
+        assert same(dense["params"], zero["params"]) and same(dense["losses"], zero["losses"])
+        for run in (dense, zero, sparse):
+            assert run["bytes"] == run["counted"] > 0  # the boundary counts what the transport sent
+    n = 4 * 16 * 8  # steps x batch x dim
+    d, z, s = (res[0][k] for k in ("dense", "zero", "sparse"))
+    assert d["act"] == 4 * 8 + 4 * n and res[1]["dense"]["grad"] == 4 * 8 + 4 * n
+    # sparse: length + header + (int32 index, fp32 value) per pair forward, a value per pair back
+    assert z["act"] == 4 * 16 + 8 * z["sent"] and res[1]["zero"]["grad"] == 4 * 8 + 4 * z["sent"]
+    assert s["act"] == 4 * 16 + 8 * s["sent"] and 0.2 * n < s["sent"] < 0.5 * n
+    assert s["sd"]["sparsifier"]["residual"].abs().sum() > 0
+    # a quarter of the activations: the losses move away from the dense run's but stay close
+    torch.testing.assert_close(torch.stack(res[1]["sparse"]["losses"]), torch.stack(res[1]["dense"]["losses"]),
+                               rtol=0.2, atol=0.2)
+
+
+def test_dct_mp_errors():
+    from lbcomm.dct_mp import DCTBoundary
+
+    with pytest.raises(ValueError, match="two ranks"):
+        DCTBoundary(LoopTransport(3))
+    with pytest.raises(TypeError, match="send_v"):
+        DCTBoundary(LoopTransport(2))

@@ -71,6 +71,16 @@ class CountingTransport(RowsThroughBytes, GatherVThroughBytes):
         self._count(inp.numel() * inp.element_size() * (self.inner.world_size - 1))
         return self.inner.all_gather(out, inp, async_op=async_op)
 
+    def send_v(self, inp: Tensor, dst: int) -> None:
+        """The inner transport's point-to-point send, counted: its length (8 bytes) and bytes."""
+        self.inner.send_v(inp, dst)
+        if self.inner.world_size > 1:  # one message, the length riding along
+            self.bytes_sent += 8 + inp.numel() * inp.element_size()
+            self.rounds += 1
+
+    def recv_v(self, src: int, device=None) -> Tensor:
+        return self.inner.recv_v(src, device)
+
     def all_reduce(self, tensor: Tensor, op: str = "sum", async_op: bool = False,
                    bucket_bytes: Optional[int] = None):
         parts = buckets(tensor.reshape(-1), bucket_bytes)

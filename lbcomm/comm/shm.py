@@ -201,3 +201,10 @@ class ShmTransport(GatherVThroughBytes):
 
     def barrier(self) -> None:
         self.sync.barrier()
+
+    def send_v(self, inp: Tensor, dst: int) -> None:
+        """Point-to-point through the group's torch.distributed transport (`TorchTransport.send_v`)."""
+        self.sync.send_v(inp, dst)
+
+    def recv_v(self, src: int, device=None) -> Tensor:
+        return self.sync.recv_v(src, device)
