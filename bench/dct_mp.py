@@ -10,7 +10,7 @@ at the same lr. Printed: the final validation loss (evaluated with a dense excha
 its ratio to the dense run's, the bytes per step both ways and the dense run's over them,
 and the share of activations sent.
 
-    python -m bench.dct_mp                                # densities 0.1, 0.05, 0.02, with and without residual
+    python -m bench.dct_mp                                # densities 0.5, 0.1, 0.02, without and with residual
     python -m bench.dct_mp --densities 0.05 --steps 100
 """
 from __future__ import annotations
@@ -74,8 +74,8 @@ def rank_main(rank, world, a, out_path, init_file):
         task.steps = a.steps
     configs = [("dense", {"density": None})]
     for d in a.densities:
-        configs += [(f"dct {d}", {"density": d, "refresh_every": a.refresh_every}),
-                    (f"dct {d} no residual", {"density": d, "refresh_every": a.refresh_every, "residual": False})]
+        configs += [(f"dct {d}", {"density": d, "refresh_every": a.refresh_every, "residual": False}),
+                    (f"dct {d} residual", {"density": d, "refresh_every": a.refresh_every, "residual": True})]
     results = []
     for name, kw in configs:
         t0 = time.perf_counter()
@@ -98,7 +98,7 @@ def rank_main(rank, world, a, out_path, init_file):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m bench.dct_mp", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--densities", default="0.1,0.05,0.02", help="comma list of DCT densities")
+    p.add_argument("--densities", default="0.5,0.1,0.02", help="comma list of DCT densities")
     p.add_argument("--refresh-every", type=int, default=50, help="steps between threshold refreshes")
     p.add_argument("--lr", type=float, default=0.3, help="SGD lr of both parts")
     p.add_argument("--steps", type=int, default=0, help="steps per run (default: the task's)")

@@ -318,7 +318,7 @@ def _mp_run(rank, p):
 
     out = {}
     for name, kw in (("dense", {"density": None}), ("zero", {"threshold": 0.0}),
-                     ("sparse", {"density": 0.25, "refresh_every": 2})):
+                     ("sparse", {"density": 0.25, "refresh_every": 2, "residual": True})):
         tr = CountingTransport(get_transport(backend="torch"))
         link = DCTBoundary(tr, **kw)
         losses, params = _mp_steps(rank, tr, link)

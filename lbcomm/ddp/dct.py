@@ -77,8 +77,6 @@ class DCTHookState:
         >>> ddp_model.register_comm_hook(state, lbcomm.dct_hook)
     """
 
-    _SETTINGS = ("start_iter", "density", "refresh_every", "compression_stats_logging_frequency")
-
     def __init__(self, start_iter: int = 100, *, density: float = 0.01, refresh_every: int = 1000,
                  compression_stats_logging_frequency: int = 10_000, comm: Optional[CommConfig] = None):
         comm = resolve(comm, "DCTHookState")
