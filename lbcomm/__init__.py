@@ -12,7 +12,8 @@ from . import ddp, fsdp, optim, schedules, stats, topology
 from .checkpoint import load_sharded, save_sharded
 from .compressed import CompressionState, NonFiniteError, compressed_allreduce, compressed_allreduce_
 from .config import CommConfig
-from .ddp import OneBitHookState, WarmupAverage, onebit_hook, warmup_average_hook
+from .dct_mp import DCTBoundary
+from .ddp import DCTHookState, OneBitHookState, WarmupAverage, dct_hook, onebit_hook, warmup_average_hook
 from .fsdp import OneBitHSDPState, onebit_hsdp
 from .integrations import attach
 from .local import OneBitLocalUpdates
@@ -37,6 +38,9 @@ __all__ = [
     "onebit_hook",
     "WarmupAverage",
     "warmup_average_hook",
+    "DCTHookState",
+    "dct_hook",
+    "DCTBoundary",
     "OneBitHSDPState",
     "onebit_hsdp",
     # reducers and the compressed allreduce

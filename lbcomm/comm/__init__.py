@@ -10,6 +10,11 @@ Every transport conforms to the `Transport` protocol (`lbcomm.comm.base`): `worl
   "max", "min"; with bucket_bytes the flat tensor is cut into buckets that are all in
   flight at once (the optimizers' warmup averaging, the hooks' full-precision start);
 * `barrier()`: blocks until every rank has called it (checkpoints);
+* `all_gather_v(inp)`: every rank's 1-D uint8 `inp` of any length, a list of p tensors
+  (blocking; lengths first, then a zero-padded all-gather: the sparse exchanges of DCT);
+* `send_v(inp, dst)` / `recv_v(src)`: point-to-point of a 1-D uint8 tensor of any length
+  (blocking; transports that connect processes: torch.distributed, shared memory through
+  its group, counted by `CountingTransport`; the model-parallel boundary of DCT);
 * `rows_out(rows, row_bytes, device)`, then `all_to_all_rows()` / `all_gather_rows()`: the
   row collectives of the hierarchical call, into buffers the transport owns (shared memory
   read in place by `ShmTransport`, the byte collectives above elsewhere).

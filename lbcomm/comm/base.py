@@ -10,7 +10,7 @@ from torch import Tensor
 
 from ..common import completed_future
 
-__all__ = ["Transport", "StagedRows", "RowsThroughBytes",
+__all__ = ["Transport", "StagedRows", "RowsThroughBytes", "GatherVThroughBytes",
            "REDUCE_OPS", "check_all_reduce", "buckets", "finish_all_reduce",
            "completed_future"]
 
@@ -65,6 +65,37 @@ class Transport(Protocol):
 
     def all_gather_rows(self, async_op: bool = False):
         """The staged [1, row_bytes] row of every rank: a list of p rows, row j from rank j."""
+
+    def all_gather_v(self, inp: Tensor) -> List[Tensor]:
+        """Every rank's 1-D uint8 `inp`, of any length (ranks may differ): a list of p uint8
+        tensors, entry j from rank j (blocking; the sparse exchanges of DCT)."""
+
+
+class GatherVThroughBytes:
+    """`Transport.all_gather_v` through a transport's own `all_gather`: the lengths first
+    (one int64 per rank), then every contribution zero-padded to the longest one. A rank
+    thus sends (p-1) (8 + longest) bytes; the entries returned are views of one buffer,
+    valid until the next call."""
+
+    def all_gather_v(self, inp: Tensor) -> List[Tensor]:
+        if not isinstance(inp, Tensor) or inp.dtype != torch.uint8 or inp.dim() != 1:
+            raise TypeError(f"all_gather_v: expected a 1-D uint8 tensor, got "
+                            f"{getattr(inp, 'dtype', type(inp).__name__)} of shape {tuple(getattr(inp, 'shape', ()))}")
+        p = self.world_size
+        if p == 1:
+            return [inp.clone()]
+        n = torch.tensor([inp.numel()], dtype=torch.int64, device=inp.device)
+        counts = torch.empty(p, dtype=torch.int64, device=inp.device)
+        self.all_gather(counts.view(torch.uint8), n.view(torch.uint8))
+        sizes = counts.tolist()
+        top = max(sizes)
+        if top == 0:
+            return [inp.new_empty(0) for _ in range(p)]
+        send = torch.zeros(top, dtype=torch.uint8, device=inp.device)
+        send[:inp.numel()].copy_(inp)
+        recv = torch.empty(p * top, dtype=torch.uint8, device=inp.device)
+        self.all_gather(recv, send)
+        return [recv[j * top:j * top + sizes[j]] for j in range(p)]
 
 
 class RowsThroughBytes:

@@ -14,12 +14,12 @@ from typing import Optional
 from torch import Tensor
 
 from ..common import ring_allreduce_bytes
-from .base import RowsThroughBytes, StagedRows, buckets
+from .base import GatherVThroughBytes, RowsThroughBytes, StagedRows, buckets
 
 __all__ = ["CountingTransport"]
 
 
-class CountingTransport(RowsThroughBytes):
+class CountingTransport(RowsThroughBytes, GatherVThroughBytes):
     """Wraps `inner` (a transport of `lbcomm.comm`); every attribute other than the three
     collectives is the inner transport's.
 
@@ -70,6 +70,16 @@ class CountingTransport(RowsThroughBytes):
     def all_gather(self, out: Tensor, inp: Tensor, async_op: bool = False):
         self._count(inp.numel() * inp.element_size() * (self.inner.world_size - 1))
         return self.inner.all_gather(out, inp, async_op=async_op)
+
+    def send_v(self, inp: Tensor, dst: int) -> None:
+        """The inner transport's point-to-point send, counted: its length (8 bytes) and bytes."""
+        self.inner.send_v(inp, dst)
+        if self.inner.world_size > 1:  # one message, the length riding along
+            self.bytes_sent += 8 + inp.numel() * inp.element_size()
+            self.rounds += 1
+
+    def recv_v(self, src: int, device=None) -> Tensor:
+        return self.inner.recv_v(src, device)
 
     def all_reduce(self, tensor: Tensor, op: str = "sum", async_op: bool = False,
                    bucket_bytes: Optional[int] = None):

@@ -5,12 +5,12 @@ from typing import Optional
 
 from torch import Tensor
 
-from .base import RowsThroughBytes, StagedRows, check_all_reduce, completed_future
+from .base import GatherVThroughBytes, RowsThroughBytes, StagedRows, check_all_reduce, completed_future
 
 __all__ = ["LoopTransport"]
 
 
-class LoopTransport(RowsThroughBytes):
+class LoopTransport(RowsThroughBytes, GatherVThroughBytes):
     """A transport for one process that acts as rank 0 of `world_size` ranks which all
     sent the same data: no network, the same buffers and kernels as a real call, so the
     cost model can time the compute of a compressed allreduce alone."""

@@ -33,7 +33,7 @@ from typing import List, Optional
 import torch
 from torch import Tensor
 
-from .base import RowsThroughBytes, StagedRows, buckets, check_all_reduce, completed_future, finish_all_reduce
+from .base import GatherVThroughBytes, RowsThroughBytes, StagedRows, buckets, check_all_reduce, completed_future, finish_all_reduce
 from .mpi_progress import ENGINE, _Op
 
 __all__ = ["MPITransport", "mpi_available", "launched_by_mpirun", "cuda_aware_mpi"]
@@ -117,7 +117,7 @@ def cuda_aware_mpi() -> bool:
 
 
 
-class MPITransport(RowsThroughBytes):
+class MPITransport(RowsThroughBytes, GatherVThroughBytes):
     """The byte collectives over an MPI communicator (mpi4py).
 
     Args:

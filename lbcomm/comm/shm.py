@@ -30,7 +30,7 @@ from typing import List, Optional
 import torch
 from torch import Tensor
 
-from .base import completed_future
+from .base import GatherVThroughBytes, completed_future
 from .torch_dist import TorchTransport
 
 __all__ = ["ShmTransport", "SHM_DIR"]
@@ -49,7 +49,7 @@ def _host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-class ShmTransport:
+class ShmTransport(GatherVThroughBytes):
     """The byte collectives through shared memory among the ranks of `group`, which must
     all run on this host (a torch.distributed group; its transport synchronizes)."""
 
@@ -201,3 +201,10 @@ class ShmTransport:
 
     def barrier(self) -> None:
         self.sync.barrier()
+
+    def send_v(self, inp: Tensor, dst: int) -> None:
+        """Point-to-point through the group's torch.distributed transport (`TorchTransport.send_v`)."""
+        self.sync.send_v(inp, dst)
+
+    def recv_v(self, src: int, device=None) -> Tensor:
+        return self.sync.recv_v(src, device)

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .base import RowsThroughBytes, StagedRows, buckets, check_all_reduce, completed_future, finish_all_reduce
+from .base import GatherVThroughBytes, RowsThroughBytes, StagedRows, buckets, check_all_reduce, completed_future, finish_all_reduce
 
 _OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -86,7 +86,7 @@ def all_gather_objects(obj, group=None) -> list:
     return out
 
 
-class TorchTransport(RowsThroughBytes):
+class TorchTransport(RowsThroughBytes, GatherVThroughBytes):
     """The byte collectives over a torch.distributed process group."""
 
     def __init__(self, group=None):
@@ -129,4 +129,29 @@ class TorchTransport(RowsThroughBytes):
     def barrier(self) -> None:
         if self.world_size > 1:
             _issue(dist.barrier, group=self.group, async_op=False)
+
+    # point-to-point of variable length (the model-parallel boundary of lbcomm.dct_mp)
+    def send_v(self, inp: Tensor, dst: int) -> None:
+        """Send the 1-D uint8 `inp` to rank `dst` of the group (blocking): its length, then
+        its bytes; `recv_v(src=this rank)` on `dst` receives it."""
+        if not isinstance(inp, Tensor) or inp.dtype != torch.uint8 or inp.dim() != 1:
+            raise TypeError("send_v: expected a 1-D uint8 tensor")
+        n = torch.tensor([inp.numel()], dtype=torch.int64, device=inp.device)
+        for t in (n, inp)[:2 if inp.numel() else 1]:
+            work = dist.isend(t, group=self.group, group_dst=dst)
+            _RECENT.append((work, (t,)))
+            work.wait()
+
+    def recv_v(self, src: int, device=None) -> Tensor:
+        """The 1-D uint8 tensor rank `src` of the group sends with `send_v` (blocking)."""
+        n = torch.empty(1, dtype=torch.int64, device=device)
+        work = dist.irecv(n, group=self.group, group_src=src)
+        _RECENT.append((work, (n,)))
+        work.wait()
+        out = torch.empty(int(n), dtype=torch.uint8, device=device)
+        if out.numel():
+            work = dist.irecv(out, group=self.group, group_src=src)
+            _RECENT.append((work, (out,)))
+            work.wait()
+        return out
 

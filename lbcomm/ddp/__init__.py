@@ -8,6 +8,8 @@
 * `onebit_hook` with a `OneBitHookState` (`onebit.py`, `state.py`): 1-bit error-feedback
   compressed allreduce of every bucket, for any optimizer; which error feedback reduces
   which bucket is in `units.py`, the thread that runs the compressed calls in `worker.py`.
+* `dct_hook` with a `DCTHookState` (`dct.py`): DCT, the thresholded sparse exchange of
+  every bucket with residuals (docs/dct.md), on the same units and thread.
 
 `onebit_hook` together with a 1-bit optimizer would compress the same gradients twice:
 the optimizer's averaged-gradients probe raises `lbcomm.errors.AveragedGradientsError`
@@ -23,9 +25,11 @@ Example::
     >>> state = lbcomm.OneBitHookState(start_iter=100)
     >>> model.register_comm_hook(state, lbcomm.onebit_hook)
 """
+from .dct import DCTHookState, dct_hook
 from .onebit import onebit_hook
 from .resume import MissingHookStateWarning
 from .state import OneBitHookState
 from .warmup import WarmupAverage, warmup_average_hook
 
-__all__ = ["WarmupAverage", "warmup_average_hook", "OneBitHookState", "onebit_hook", "MissingHookStateWarning"]
+__all__ = ["WarmupAverage", "warmup_average_hook", "OneBitHookState", "onebit_hook", "MissingHookStateWarning", "DCTHookState",
+           "dct_hook"]
