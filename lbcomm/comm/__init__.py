@@ -10,6 +10,8 @@ Every transport conforms to the `Transport` protocol (`lbcomm.comm.base`): `worl
   "max", "min"; with bucket_bytes the flat tensor is cut into buckets that are all in
   flight at once (the optimizers' warmup averaging, the hooks' full-precision start);
 * `barrier()`: blocks until every rank has called it (checkpoints);
+* `sendrecv(sends, recvs)`: point-to-point messages with a few peers, all in flight at
+  once ((peer, tensor) pairs; the neighbour exchange of `lbcomm.DecentLaM`);
 * `rows_out(rows, row_bytes, device)`, then `all_to_all_rows()` / `all_gather_rows()`: the
   row collectives of the hierarchical call, into buffers the transport owns (shared memory
   read in place by `ShmTransport`, the byte collectives above elsewhere).

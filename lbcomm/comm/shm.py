@@ -201,3 +201,8 @@ class ShmTransport:
 
     def barrier(self) -> None:
         self.sync.barrier()
+
+    def sendrecv(self, sends, recvs, async_op: bool = False):
+        """Point-to-point messages through the group's torch transport (a few peers, not
+        worth a shared buffer)."""
+        return self.sync.sendrecv(sends, recvs, async_op=async_op)
