@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import threading
 import time
 from typing import Optional, Tuple
 
@@ -58,6 +59,24 @@ def _issue(collective, *tensors: Tensor, group, async_op: bool, **kwargs):
         return work.get_future()
     work.wait()
     return None
+
+
+def _waited(works, value) -> torch.futures.Future:
+    """A Future of `value` completed by a helper thread once every work has finished (or
+    failed with the first work's error)."""
+    fut = torch.futures.Future()
+
+    def wait() -> None:
+        try:
+            for w in works:
+                w.wait()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's future
+            fut.set_exception(exc)
+            return
+        fut.set_result(value)
+
+    threading.Thread(target=wait, name="lbcomm-sendrecv", daemon=True).start()
+    return fut
 
 
 def world_info(group=None) -> Tuple[int, int]:
@@ -132,6 +151,9 @@ class TorchTransport(RowsThroughBytes):
             for w in works:
                 w.wait()
             return None
-        futures = [w.get_future() for w in works]
+        try:
+            futures = [w.get_future() for w in works]
+        except RuntimeError:  # gloo's point-to-point works have no future: a thread waits for them
+            return _waited(works, out)
         return torch.futures.collect_all(futures).then(lambda f: ([x.value() for x in f.value()], out)[1])
 
