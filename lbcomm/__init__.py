@@ -15,7 +15,7 @@ from .config import CommConfig
 from .ddp import OneBitHookState, WarmupAverage, onebit_hook, warmup_average_hook
 from .fsdp import OneBitHSDPState, onebit_hsdp
 from .integrations import attach
-from .optim import Lamb, Lars, OneBitAdam, OneBitLamb, ZeroOneAdam
+from .optim import DecentLaM, DmSGD, Lamb, Lars, OneBitAdam, OneBitLamb, ZeroOneAdam
 from .reducer import Reducer, make_reducer
 from .topology import HierarchicalState, Topology
 
@@ -27,6 +27,8 @@ __all__ = [
     "ZeroOneAdam",
     "Lamb",
     "Lars",
+    "DecentLaM",
+    "DmSGD",
     # communication settings
     "CommConfig",
     # hooks

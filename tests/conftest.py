@@ -59,6 +59,8 @@ MULTIPROC = {
                  "test_warmup_average_hook_trains_and_keeps_replicas_identical",
                  "test_warmup_average_hook_averages_in_warmup_only"},
     "test_ddp_checkpoint": ALL,
+    "test_decentlam": {"test_ranks_match_the_simulation_bitwise", "test_resume_nonfinite_ddp_refusal_and_transport_on_4_ranks",
+                       "test_mpi_ranks_match_the_simulation_bitwise"},
     "test_elastic": {"test_load_sharded_redistributes_the_error_feedback", "test_hook_and_dcp_elastic_resume_4_to_2_to_4"},
     "test_exit": ALL,
     "test_fsdp": ALL,
@@ -125,6 +127,7 @@ MPI = {
     "test_optim_mpi": ALL,
     "test_exit": {"test_mpirun_job_exits_zero"},
     "test_bench_cli": {"test_mpi_backend"},
+    "test_decentlam": {"test_mpi_ranks_match_the_simulation_bitwise"},
     "test_gpu_check": {"test_allreduce_check_over_mpirun_on_cpu_ranks"},
 }
 
@@ -148,6 +151,7 @@ SLOW = {
                        "test_emulated_cluster_torn_down_on_ctrl_c"},
     "test_checkpoint": {"test_resume_with_another_world_size_without_elastic_warns_resets_and_keeps_learning"},
     "test_cli": {"test_python_m_lbcomm_bench_still_runs_with_a_warning"},
+    "test_decentlam": {"test_ranks_match_the_simulation_bitwise[4]", "test_mpi_ranks_match_the_simulation_bitwise"},
     "test_elastic": {"test_load_sharded_redistributes_the_error_feedback[2-4]",
                      "test_hook_and_dcp_elastic_resume_4_to_2_to_4"},
     "test_exit": ALL,
