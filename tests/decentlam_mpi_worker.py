@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import lbcomm  # noqa: E402
 
-CONFIGS = [("decentlam", "ring", False), ("dmsgd", "exponential", False), ("decentlam", "ring", True)]
+CONFIGS = [("decentlam", "ring", False), ("dmsgd", "exponential", False), ("dmsgd", "ring", True)]
 STEPS = 4
 
 

@@ -98,6 +98,20 @@ def _gossip_only(n, c, steps=120):
     return ys, mean
 
 
+def test_compressed_exchange_converges_with_dmsgd_and_diverges_with_decentlam():
+    """Why DecentLaM refuses compress=True: on a ring of 4 heterogeneous quadratics the
+    compressed DmSGD (CHOCO-style) converges, the compressed DecentLaM blows up."""
+    g = torch.Generator().manual_seed(0)
+    A = [torch.randn(40, 32, generator=g) for _ in range(4)]
+    b = [torch.randn(40, generator=g) + i for i in range(4)]
+    xstar = torch.linalg.solve(sum(a.T @ a for a in A), sum(a.T @ bb for a, bb in zip(A, b)))
+    end = {alg: REF.simulate(alg, "ring", [torch.zeros(32)] * 4, lambda i, k, x: A[i].T @ (A[i] @ x - b[i]) / 40,
+                             0.01, 0.9, steps=250, compress=True, block_size=32)[-1]
+           for alg in ("dmsgd", "decentlam")}
+    assert float((sum(end["dmsgd"]) / 4 - xstar).norm()) < 0.5 * float(xstar.norm())
+    assert not all(bool(torch.isfinite(x).all()) and float(x.norm()) < 1e3 for x in end["decentlam"])
+
+
 def test_compressed_gossip_keeps_the_average_and_converges():
     """Compressed mixing (consensus step 0.5) keeps the mean over the ranks to rounding and
     reaches consensus; with consensus step 1 the estimates' errors blow up."""
@@ -126,6 +140,8 @@ def test_clear_errors_without_ranks():
         lbcomm.DmSGD(p, lr=0.1, momentum=1.0)
     with pytest.raises(ValueError, match="compress must be a bool"):
         lbcomm.DecentLaM(p, lr=0.1, compress="yes")
+    with pytest.raises(ValueError, match="diverges with DecentLaM"):
+        lbcomm.DecentLaM(p, lr=0.1, compress=True)
     with pytest.raises(ValueError, match="consensus_step"):
         gossip.Gossip("ring", LoopTransport(4), True, 32, "DecentLaM", consensus_step=1.5)
 
@@ -181,7 +197,7 @@ def _train(model, opt, rank, start, steps, grads=None):
 
 def _configs(p):
     cfgs = [("decentlam", "ring", False), ("dmsgd", "ring", False), ("dmsgd", "exponential", False),
-            ("decentlam", "ring", True), ("dmsgd", "exponential", True)]
+            ("dmsgd", "ring", True), ("dmsgd", "exponential", True)]
     if p == 2:
         cfgs.append(("decentlam", "exponential", False))  # n = 2: W is constant and symmetric
     return cfgs
@@ -229,13 +245,13 @@ def test_ranks_match_the_simulation_bitwise(p):
 
 def _worker_resume_errors_transport(rank, p):
     out = {}
-    # --- resume bitwise: 3 steps, state_dict, 3 more on a fresh optimizer == 6 straight
-    for cfg in [("decentlam", "ring", True), ("dmsgd", "exponential", False)]:
+    # --- resume bitwise: 2 steps, state_dict, 3 more on a fresh optimizer == 5 straight
+    for cfg in [("dmsgd", "ring", True), ("decentlam", "ring", False), ("dmsgd", "exponential", False)]:
         model = _model()
         opt = _make(lbcomm.DecentLaM, model, cfg)
-        _train(model, opt, rank, 0, 3)
+        _train(model, opt, rank, 0, 2)
         sd, params = opt.state_dict(), [q.detach().clone() for q in model.parameters()]
-        _train(model, opt, rank, 3, 3)
+        _train(model, opt, rank, 2, 3)
         straight = (_flat(model), opt.state_dict())
         model2 = _model()
         with torch.no_grad():
@@ -243,9 +259,9 @@ def _worker_resume_errors_transport(rank, p):
                 q.copy_(v)
         opt2 = _make(lbcomm.DecentLaM, model2, cfg)
         opt2.load_state_dict(sd)
-        _train(model2, opt2, rank, 3, 3)
+        _train(model2, opt2, rank, 2, 3)
         out[cfg] = torch.equal(straight[0], _flat(model2)) and same(straight[1]["state"], opt2.state_dict()["state"])
-        other = _make(lbcomm.DecentLaM, _model(), ("dmsgd", "ring", cfg[2]))
+        other = _make(lbcomm.DecentLaM, _model(), ("dmsgd", "exponential" if cfg[1] == "ring" else "ring", cfg[2]))
         try:
             other.load_state_dict(sd)
             out[cfg, "mismatch"] = None
@@ -304,9 +320,9 @@ def _worker_resume_errors_transport(rank, p):
 
 def test_resume_nonfinite_ddp_refusal_and_transport_on_4_ranks():
     p = 4
-    res = run_ranks(_worker_resume_errors_transport, p, timeout=600)
+    res = run_ranks(_worker_resume_errors_transport, p, timeout=1200)
     for r, o in enumerate(res):
-        for cfg in [("decentlam", "ring", True), ("dmsgd", "exponential", False)]:
+        for cfg in [("dmsgd", "ring", True), ("decentlam", "ring", False), ("dmsgd", "exponential", False)]:
             assert o[cfg] is True, (r, cfg)
             assert o[cfg, "mismatch"] is not None and "another setup" in o[cfg, "mismatch"]
         assert o["skipped"] == (True, True, True, 2)

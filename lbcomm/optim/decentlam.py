@@ -64,6 +64,11 @@ class DecentLaM(BaseOptimizer):
             raise ValueError(f"{name}: unknown topology {topology!r} (use one of {TOPOLOGIES})")
         if not isinstance(compress, bool):
             raise ValueError(f"{name}: compress must be a bool, got {compress!r}")
+        if compress and algorithm == "decentlam":
+            raise ValueError(f"{name}: compress=True diverges with DecentLaM (its momentum takes (x - W y) / lr, so the "
+                             "compression error of the mixing is divided by lr and amplified by the momentum: the "
+                             "ranks' models drift apart, measured in tests/test_decentlam.py and bench/decentralized.py"
+                             "). Use lbcomm.DmSGD(..., compress=True), or DecentLaM uncompressed")
         self.algorithm, self.topology, self.compress = algorithm, topology, compress
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay)
         super().__init__(params, defaults, comm)
@@ -270,7 +275,8 @@ DecentLaM.__doc__ = r"""Implements DecentLaM (decentralized large-batch momentum
     averaged them, which raises `lbcomm.errors.AveragedGradientsError` (do not wrap the model
     in DistributedDataParallel).
 
-    ``compress=True`` (experimental): the exchanged vectors are sent as 1-bit signs with one
+    ``compress=True`` (experimental, DmSGD only: with DecentLaM it diverges, refused): the
+    exchanged vectors are sent as 1-bit signs with one
     RMS scale per ``comm.block_size`` elements, error feedback through an estimate per link
     that both ends keep, mixed in with the step ``consensus_step`` (CHOCO-SGD's scheme, see
     `lbcomm.optim.gossip`; one model-sized buffer per channel: 3 for the ring, 2 log2(n) for
@@ -287,7 +293,8 @@ DecentLaM.__doc__ = r"""Implements DecentLaM (decentralized large-batch momentum
         weight_decay (float, optional): L2 penalty added to the gradient (default: 0)
         topology (str, optional): ``"ring"`` or ``"exponential"`` (default: "ring")
         algorithm (str, optional): ``"decentlam"`` or ``"dmsgd"`` (default: "decentlam")
-        compress (bool, optional): 1-bit compression of the exchanged vectors (default: False)
+        compress (bool, optional): 1-bit compression of the exchanged vectors, DmSGD only
+            (default: False)
         consensus_step (float, optional): with compress, the share c in (0, 1] of the
             neighbours' compressed estimates mixed in per step; 1 diverges (default: 0.5)
         comm (lbcomm.CommConfig, optional): ``process_group`` / ``backend`` (the ranks that
