@@ -3,6 +3,7 @@ algorithms' fixed-point bias on a heterogeneous quadratic (decentlam_reference, 
 clear errors, the transports' sendrecv, and on 2 and 4 gloo ranks: bitwise against the
 n-rank simulation (ring and exponential, with and without compression), bitwise resume,
 NaN/Inf agreement and the refusal of DDP-averaged gradients."""
+import copy
 import math
 
 import pytest
@@ -250,7 +251,7 @@ def _worker_resume_errors_transport(rank, p):
         model = _model()
         opt = _make(lbcomm.DecentLaM, model, cfg)
         _train(model, opt, rank, 0, 2)
-        sd, params = opt.state_dict(), [q.detach().clone() for q in model.parameters()]
+        sd, params = copy.deepcopy(opt.state_dict()), [q.detach().clone() for q in model.parameters()]
         _train(model, opt, rank, 2, 3)
         straight = (_flat(model), opt.state_dict())
         model2 = _model()
@@ -271,7 +272,7 @@ def _worker_resume_errors_transport(rank, p):
     model = _model()
     opt = _make(lbcomm.DecentLaM, model, ("decentlam", "ring", False))
     _train(model, opt, rank, 0, 2)
-    before, m = _flat(model), opt.state_dict()
+    before, m = _flat(model), copy.deepcopy(opt.state_dict())
     opt.zero_grad()
     _loss(model, rank, 2).backward()
     if rank == 1:
