@@ -17,7 +17,7 @@ from .ddp import DCTHookState, OneBitHookState, WarmupAverage, dct_hook, onebit_
 from .fsdp import OneBitHSDPState, onebit_hsdp
 from .integrations import attach
 from .local import OneBitLocalUpdates
-from .optim import Lamb, Lars, OneBitAdam, OneBitLamb, ZeroOneAdam
+from .optim import DecentLaM, DmSGD, Lamb, Lars, OneBitAdam, OneBitLamb, ZeroOneAdam
 from .reducer import Reducer, make_reducer
 from .topology import HierarchicalState, Topology
 
@@ -29,6 +29,8 @@ __all__ = [
     "ZeroOneAdam",
     "Lamb",
     "Lars",
+    "DecentLaM",
+    "DmSGD",
     # local updates (DiLoCo-style) with 1-bit outer pseudo-gradients
     "OneBitLocalUpdates",
     # communication settings

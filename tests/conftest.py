@@ -63,6 +63,8 @@ MULTIPROC = {
     "test_dct": {"test_dct_hook_matches_the_reference_bitwise", "test_dct_hook_keeps_replicas_identical_and_reports",
                  "test_all_gather_v_of_lengths_that_differ", "test_dct_hook_resumes_bitwise_and_skips_nonfinite",
                  "test_dct_hook_elastic_resume_4_to_2", "test_dct_mp_sparse_exchange_equals_dense_at_threshold_0"},
+    "test_decentlam": {"test_ranks_match_the_simulation_bitwise", "test_resume_nonfinite_ddp_refusal_and_transport_on_4_ranks",
+                       "test_mpi_ranks_match_the_simulation_bitwise"},
     "test_elastic": {"test_load_sharded_redistributes_the_error_feedback", "test_hook_and_dcp_elastic_resume_4_to_2_to_4"},
     "test_exit": ALL,
     "test_fsdp": ALL,
@@ -136,6 +138,7 @@ MPI = {
     "test_optim_mpi": ALL,
     "test_exit": {"test_mpirun_job_exits_zero"},
     "test_bench_cli": {"test_mpi_backend"},
+    "test_decentlam": {"test_mpi_ranks_match_the_simulation_bitwise"},
     "test_gpu_check": {"test_allreduce_check_over_mpirun_on_cpu_ranks"},
 }
 
@@ -161,6 +164,10 @@ SLOW = {
     "test_cli": {"test_python_m_lbcomm_bench_still_runs_with_a_warning"},
     "test_docs": {"test_shell_block_runs"},
     "test_dct": {"test_dct_hook_elastic_resume_4_to_2"},
+    "test_decentlam": {"test_ranks_match_the_simulation_bitwise[4]", "test_mpi_ranks_match_the_simulation_bitwise",
+                       "test_decentlam_removes_the_momentum_bias_of_dmsgd",
+                       "test_decentlam_on_the_exponential_graph_diverges_hence_refused",
+                       "test_compressed_exchange_converges_with_dmsgd_and_diverges_with_decentlam"},
     "test_elastic": {"test_load_sharded_redistributes_the_error_feedback[2-4]",
                      "test_hook_and_dcp_elastic_resume_4_to_2_to_4"},
     "test_exit": ALL,

@@ -15,6 +15,8 @@ Every transport conforms to the `Transport` protocol (`lbcomm.comm.base`): `worl
 * `send_v(inp, dst)` / `recv_v(src)`: point-to-point of a 1-D uint8 tensor of any length
   (blocking; transports that connect processes: torch.distributed, shared memory through
   its group, counted by `CountingTransport`; the model-parallel boundary of DCT);
+* `sendrecv(sends, recvs)`: point-to-point messages with a few peers, all in flight at
+  once ((peer, tensor) pairs; the neighbour exchange of `lbcomm.DecentLaM`);
 * `rows_out(rows, row_bytes, device)`, then `all_to_all_rows()` / `all_gather_rows()`: the
   row collectives of the hierarchical call, into buffers the transport owns (shared memory
   read in place by `ShmTransport`, the byte collectives above elsewhere).

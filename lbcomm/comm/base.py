@@ -3,7 +3,7 @@ checks, bucketing, the mean of an allreduce and the row collectives built on the
 collectives (`StagedRows`)."""
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Protocol, Tuple, runtime_checkable
+from typing import Dict, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -11,7 +11,7 @@ from torch import Tensor
 from ..common import completed_future
 
 __all__ = ["Transport", "StagedRows", "RowsThroughBytes", "GatherVThroughBytes",
-           "REDUCE_OPS", "check_all_reduce", "buckets", "finish_all_reduce",
+           "REDUCE_OPS", "check_all_reduce", "check_sendrecv", "buckets", "finish_all_reduce",
            "completed_future"]
 
 REDUCE_OPS = ("sum", "mean", "max", "min")
@@ -56,6 +56,15 @@ class Transport(Protocol):
 
     def barrier(self) -> None:
         """Block until every rank has called it."""
+
+    def sendrecv(self, sends: Sequence[Tuple[int, Tensor]], recvs: Sequence[Tuple[int, Tensor]],
+                 async_op: bool = False):
+        """Point-to-point exchange with a few peers (the neighbours of a decentralized
+        optimizer), every message in flight at once: each (peer, tensor) of `sends` goes to
+        that peer, each (peer, tensor) of `recvs` is filled from it. The k-th send from a to
+        b fills the k-th recv on b from a (same numel and dtype). Only the ranks named take
+        part; peers are ranks of the group other than this one. The future holds `recvs`'
+        tensors."""
 
     def rows_out(self, rows: int, row_bytes: int, device: torch.device) -> Tensor:
         """This rank's [rows, row_bytes] uint8 contribution to the next row collective."""
@@ -173,6 +182,20 @@ def check_all_reduce(tensor: Tensor, op: str, bucket_bytes: Optional[int]) -> No
     if bucket_bytes is not None and (isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int)
                                      or bucket_bytes <= 0):
         raise ValueError(f"all_reduce: invalid bucket_bytes {bucket_bytes!r} (use None or a positive int)")
+
+
+def check_sendrecv(sends, recvs, world_size: int, rank: int, who: str) -> None:
+    """Raise a clear error for a malformed `Transport.sendrecv` call."""
+    for what, pairs in (("sends", sends), ("recvs", recvs)):
+        for item in pairs:
+            if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[1], Tensor)):
+                raise TypeError(f"{who}.sendrecv: {what} must be (peer, tensor) pairs, got {item!r:.80}")
+            peer, t = item
+            if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < world_size or peer == rank:
+                raise ValueError(f"{who}.sendrecv: invalid peer {peer!r} in {what} (another rank of the group: 0 .. "
+                                 f"{world_size - 1}, not this rank {rank})")
+            if not t.is_contiguous():
+                raise ValueError(f"{who}.sendrecv: the tensors must be contiguous")
 
 
 def buckets(flat: Tensor, bucket_bytes: Optional[int]) -> List[Tensor]:

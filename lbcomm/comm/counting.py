@@ -3,7 +3,7 @@ it starts counted (what `lbcomm.ZeroOneAdam.comm_stats` and bench/convergence.py
 
 Bytes are those of the algorithms the transports run: a ring all-reduce of B bytes sends
 2 (p-1)/p B per rank and bucket, an all-gather of a B-byte contribution (p-1) B, an
-all-to-all of a [p, L] buffer (p-1) L (its own row stays). Each collective call is one
+all-to-all of a [p, L] buffer (p-1) L (its own row stays), a sendrecv the bytes of its sends. Each collective call is one
 communication round (an all-reduce cut into buckets: one round per bucket, all in flight
 at once).
 """
@@ -20,8 +20,8 @@ __all__ = ["CountingTransport"]
 
 
 class CountingTransport(RowsThroughBytes, GatherVThroughBytes):
-    """Wraps `inner` (a transport of `lbcomm.comm`); every attribute other than the three
-    collectives is the inner transport's.
+    """Wraps `inner` (a transport of `lbcomm.comm`); every attribute other than the counted
+    calls is the inner transport's.
 
     Attributes:
         bytes_sent (int): bytes this rank sent so far.
@@ -80,6 +80,11 @@ class CountingTransport(RowsThroughBytes, GatherVThroughBytes):
 
     def recv_v(self, src: int, device=None) -> Tensor:
         return self.inner.recv_v(src, device)
+
+    def sendrecv(self, sends, recvs, async_op: bool = False):
+        """Counted: the bytes of every send, one round for the whole exchange."""
+        self._count(sum(t.numel() * t.element_size() for _, t in sends))
+        return self.inner.sendrecv(sends, recvs, async_op=async_op)
 
     def all_reduce(self, tensor: Tensor, op: str = "sum", async_op: bool = False,
                    bucket_bytes: Optional[int] = None):

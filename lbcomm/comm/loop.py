@@ -49,3 +49,13 @@ class LoopTransport(RowsThroughBytes, GatherVThroughBytes):
     def barrier(self) -> None:
         pass
 
+    def sendrecv(self, sends, recvs, async_op: bool = False):
+        """Every peer sent what this rank sends: the k-th recv is filled with the k-th send
+        (the counts must match)."""
+        if len(sends) != len(recvs):
+            raise ValueError(f"LoopTransport.sendrecv: {len(sends)} sends and {len(recvs)} recvs; the loop transport "
+                             "plays ranks that all send what this one sends, so the counts must match")
+        for (_, s), (_, r) in zip(sends, recvs):
+            r.copy_(s)
+        return self._done(async_op, [t for _, t in recvs])
+

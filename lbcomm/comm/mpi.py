@@ -33,7 +33,8 @@ from typing import List, Optional
 import torch
 from torch import Tensor
 
-from .base import GatherVThroughBytes, RowsThroughBytes, StagedRows, buckets, check_all_reduce, completed_future, finish_all_reduce
+from .base import (GatherVThroughBytes, RowsThroughBytes, StagedRows, buckets, check_all_reduce, check_sendrecv,
+                   completed_future, finish_all_reduce)
 from .mpi_progress import ENGINE, _Op
 
 __all__ = ["MPITransport", "mpi_available", "launched_by_mpirun", "cuda_aware_mpi"]
@@ -203,9 +204,9 @@ class MPITransport(RowsThroughBytes, GatherVThroughBytes):
 
     # -------------------------------------------------------------- collectives
     def _run(self, kind: str, out: Optional[Tensor], inp: Optional[Tensor], async_op: bool,
-             reduce_op: Optional[str] = None, result=None):
+             reduce_op: Optional[str] = None, result=None, p2p=None):
         self._raise_if_broken()
-        op = _Op(self, kind, out, inp, reduce_op, result)
+        op = _Op(self, kind, out, inp, reduce_op, result, p2p)
         if self.threaded:
             if ENGINE.in_progress_thread() and not async_op:
                 raise RuntimeError("lbcomm MPI transport: a blocking collective was called from a future callback "
@@ -262,6 +263,36 @@ class MPITransport(RowsThroughBytes, GatherVThroughBytes):
     def barrier(self) -> None:
         """Blocks until every rank has called it (queued behind this transport's collectives)."""
         self._run("barrier", None, None, async_op=False)
+
+    def sendrecv(self, sends, recvs, async_op: bool = False):
+        """Point-to-point messages with a few peers, all in flight at once (Isend / Irecv,
+        started in call order on the progress thread); see
+        `lbcomm.comm.base.Transport.sendrecv`. CUDA tensors on an MPI that is not CUDA-aware
+        are staged through host memory (a blocking copy of the sends here)."""
+        check_sendrecv(sends, recvs, self.world_size, self.rank, "MPITransport")
+        out = [t for _, t in recvs]
+        for _, t in list(sends) + list(recvs):
+            if t.device.type not in ("cpu", "cuda"):
+                raise ValueError(f"MPITransport.sendrecv: a tensor is on {t.device}; the MPI transport moves CPU and "
+                                 "CUDA tensors")
+        staged = any(t.device.type == "cuda" for _, t in list(sends) + list(recvs)) and not self.cuda_aware
+        if any(t.device.type == "cuda" for _, t in list(sends) + list(recvs)) and not staged:
+            torch.cuda.current_stream().synchronize()  # MPI reads the sends' memory from its own thread
+        host_recvs = [(r, t.cpu() if staged else t) for r, t in recvs]
+        host_sends = [(r, t.cpu() if staged else t) for r, t in sends]
+
+        def copy_back(_=None):
+            if staged:
+                for (_, t), (_, h) in zip(recvs, host_recvs):
+                    t.copy_(h)
+            return out
+
+        fut = self._run("sendrecv", None, None, True, result=out, p2p=(host_sends, host_recvs))
+        if async_op:
+            return fut.then(lambda f: (f.value(), copy_back())[1])
+        fut.wait()
+        copy_back()
+        return None
 
 
 

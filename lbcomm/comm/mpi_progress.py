@@ -27,14 +27,17 @@ class _Op:
     """One collective: waits for its input, runs on MPI, completes its future."""
 
     __slots__ = ("transport", "kind", "out", "inp", "future", "ready_event", "request", "host_out", "stream",
-                 "op", "result")
+                 "op", "result", "p2p")
 
     def __init__(self, transport, kind: str, out: Tensor, inp: Optional[Tensor],
-                 op: Optional[str] = None, result=None):
-        # kind: "all_to_all", "all_gather", "all_reduce" (in place in `out`, inp is None) or
-        # "barrier" (no buffers). `result` is what the future completes with (default [out]).
+                 op: Optional[str] = None, result=None, p2p=None):
+        # kind: "all_to_all", "all_gather", "all_reduce" (in place in `out`, inp is None),
+        # "barrier" (no buffers) or "sendrecv" (p2p: the (peer, send) and (peer, recv) pairs
+        # of host or device-accessible buffers; out and inp are None). `result` is what the
+        # future completes with (default [out]).
         self.transport, self.kind, self.out, self.inp, self.op = transport, kind, out, inp, op
         self.result = result
+        self.p2p = p2p
         self.request = None
         self.host_out: Optional[Tensor] = None
         self.ready_event = None
@@ -55,6 +58,12 @@ class _Op:
         tr, MPI = self.transport, self.transport._MPI
         if self.kind == "barrier":
             self.request = tr.comm.Ibarrier()
+            return
+        if self.kind == "sendrecv":  # one tag: MPI keeps the order of a pair's messages
+            sends, recvs = self.p2p
+            reqs = [tr.comm.Isend([_buffer(t), MPI.BYTE], dest=r, tag=0) for r, t in sends]
+            reqs += [tr.comm.Irecv([_buffer(t), MPI.BYTE], source=r, tag=0) for r, t in recvs]
+            self.request = _Requests(MPI, reqs)
             return
         inp = self.out if self.inp is None else self.inp  # all_reduce works in place
         if self.out.device.type == "cpu":
@@ -90,7 +99,7 @@ class _Op:
     def complete(self) -> None:
         out, host_out = self.out, self.host_out
         result = [out] if self.result is None else self.result
-        self.inp = self.host_out = self.request = None  # the buffers may be reused from here on
+        self.inp = self.host_out = self.request = self.p2p = None  # the buffers may be reused from here on
         if out is None or out.device.type == "cpu":
             self.future.set_result(result)
             return
@@ -106,6 +115,28 @@ class _Op:
     def fail(self, exc: BaseException) -> None:
         if not self.future.done():
             self.future.set_exception(exc)
+
+
+def _buffer(t: Tensor):
+    """A contiguous tensor as MPI sees it: a NumPy byte view on the CPU, the tensor itself
+    (CUDA array interface) on a CUDA-aware MPI."""
+    flat = t.reshape(-1).view(torch.uint8)
+    return flat.numpy() if flat.device.type == "cpu" else flat
+
+
+class _Requests:
+    """Several MPI requests tested and waited on as one."""
+
+    __slots__ = ("MPI", "reqs")
+
+    def __init__(self, MPI, reqs):
+        self.MPI, self.reqs = MPI, reqs
+
+    def Test(self) -> bool:
+        return bool(self.MPI.Request.Testall(self.reqs))
+
+    def Wait(self) -> None:
+        self.MPI.Request.Waitall(self.reqs)
 
 
 class _ProgressEngine:

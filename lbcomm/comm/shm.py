@@ -208,3 +208,8 @@ class ShmTransport(GatherVThroughBytes):
 
     def recv_v(self, src: int, device=None) -> Tensor:
         return self.sync.recv_v(src, device)
+
+    def sendrecv(self, sends, recvs, async_op: bool = False):
+        """Point-to-point messages through the group's torch transport (a few peers, not
+        worth a shared buffer)."""
+        return self.sync.sendrecv(sends, recvs, async_op=async_op)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import threading
 import time
 from typing import Optional, Tuple
 
@@ -10,7 +11,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .base import GatherVThroughBytes, RowsThroughBytes, StagedRows, buckets, check_all_reduce, completed_future, finish_all_reduce
+from .base import (GatherVThroughBytes, RowsThroughBytes, StagedRows, buckets, check_all_reduce, check_sendrecv,
+                   completed_future, finish_all_reduce)
 
 _OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -39,19 +41,42 @@ def _drain_at_exit() -> None:
     time.sleep(_EXIT_GRACE_S)
 
 
-def _issue(collective, *tensors: Tensor, group, async_op: bool, **kwargs):
-    """Run `collective(*tensors, group=group, async_op=True, **kwargs)`, keep its work and
-    tensors in `_RECENT`, and return its future (async_op) or wait for it (None)."""
+def _keep(work, tensors) -> None:
+    """Hold `work` and its tensors in `_RECENT` (see above)."""
     global _drain_registered
-    work = collective(*tensors, group=group, async_op=True, **kwargs)
     _RECENT.append((work, tensors))
     if not _drain_registered:
         _drain_registered = True
         atexit.register(_drain_at_exit)
+
+
+def _issue(collective, *tensors: Tensor, group, async_op: bool, **kwargs):
+    """Run `collective(*tensors, group=group, async_op=True, **kwargs)`, keep its work and
+    tensors in `_RECENT`, and return its future (async_op) or wait for it (None)."""
+    work = collective(*tensors, group=group, async_op=True, **kwargs)
+    _keep(work, tensors)
     if async_op:
         return work.get_future()
     work.wait()
     return None
+
+
+def _waited(works, value) -> torch.futures.Future:
+    """A Future of `value` completed by a helper thread once every work has finished (or
+    failed with the first work's error)."""
+    fut = torch.futures.Future()
+
+    def wait() -> None:
+        try:
+            for w in works:
+                w.wait()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's future
+            fut.set_exception(exc)
+            return
+        fut.set_result(value)
+
+    threading.Thread(target=wait, name="lbcomm-sendrecv", daemon=True).start()
+    return fut
 
 
 def world_info(group=None) -> Tuple[int, int]:
@@ -154,4 +179,29 @@ class TorchTransport(RowsThroughBytes, GatherVThroughBytes):
             _RECENT.append((work, (out,)))
             work.wait()
         return out
+
+    def sendrecv(self, sends, recvs, async_op: bool = False):
+        """Point-to-point messages with a few peers, all in flight at once (one
+        ``batch_isend_irecv``); see `lbcomm.comm.base.Transport.sendrecv`."""
+        check_sendrecv(sends, recvs, self.world_size, self.rank, "TorchTransport")
+        out = [t for _, t in recvs]
+        if not sends and not recvs:
+            return completed_future(out) if async_op else None
+
+        def peer(r: int) -> int:  # P2POp takes global ranks
+            return r if self.group is None else dist.get_global_rank(self.group, r)
+
+        ops = [dist.P2POp(dist.isend, t, peer(r), self.group) for r, t in sends]
+        ops += [dist.P2POp(dist.irecv, t, peer(r), self.group) for r, t in recvs]
+        works = dist.batch_isend_irecv(ops)
+        _keep(works, tuple(t for _, t in list(sends) + list(recvs)))
+        if not async_op:
+            for w in works:
+                w.wait()
+            return None
+        try:
+            futures = [w.get_future() for w in works]
+        except RuntimeError:  # gloo's point-to-point works have no future: a thread waits for them
+            return _waited(works, out)
+        return torch.futures.collect_all(futures).then(lambda f: ([x.value() for x in f.value()], out)[1])
 

@@ -14,14 +14,17 @@ One module per idea:
 * `onebit`: `OneBitStage`, the 1-bit component (freeze, mask, bound, compressed momentum),
   with `exact` (exactly averaged small parameters);
 * `adam` (with `rescale`), `lamb`, `onebit_lamb`, `lars`, `zeroone` (with `local_steps`):
-  the optimizers; `reference`: the plain-torch simulation (test oracle).
+  the optimizers; `decentlam` (with `gossip`, the neighbour averaging): `DecentLaM` and
+  `DmSGD`, decentralized momentum SGD; `reference`: the plain-torch simulation (test oracle).
 """
 from .adam import OneBitAdam
 from .base import BaseOptimizer
+from .decentlam import DecentLaM, DmSGD
 from .lamb import Lamb
 from .lars import Lars
 from .onebit import OneBitStage
 from .onebit_lamb import OneBitLamb
 from .zeroone import ZeroOneAdam
 
-__all__ = ["OneBitAdam", "OneBitLamb", "Lamb", "Lars", "ZeroOneAdam", "BaseOptimizer", "OneBitStage"]
+__all__ = ["OneBitAdam", "OneBitLamb", "Lamb", "Lars", "ZeroOneAdam", "BaseOptimizer", "OneBitStage",
+           "DecentLaM", "DmSGD"]
