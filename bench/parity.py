@@ -58,8 +58,9 @@ VARIANTS = {
         "compressed": {"exact_numel": 0},
         "compressed_max_update_off": {"exact_numel": 0, "max_update": None},
     },
-    "zeroone": {  # ZeroOneAdam compresses every tensor (exact_numel does not apply)
+    "zeroone": {  # the MLP's tensors are all <= exact_numel: averaged exactly at the default
         "default": {},
+        "compressed": {"exact_numel": 0},  # every tensor compressed (ZeroOneAdam's previous behaviour)
         "max_update_off": {"max_update": None},
         "no_local_steps": {"local_step_clipper": 1},
         "var_decay_update": {"var_decay": "update"},
