@@ -23,6 +23,12 @@ from .onebit import OneBitStage
 __all__ = ["OneBitLamb"]
 
 
+def _mode(group) -> str:
+    """The group's trust_ratio; a checkpoint saved before the option existed continues with
+    the rule it was trained with, "frozen"."""
+    return group.get("trust_ratio", "frozen")
+
+
 class OneBitLamb(BaseOptimizer):
     _GLOBAL_OPTIONS = ("freeze_step",)
     TRUST_RATIOS = ("live", "frozen", "max")
@@ -176,7 +182,7 @@ class OneBitLamb(BaseOptimizer):
         segs = self._segments(L, self._onebit.participating(L), vstep="variance_step")
         if not self._sharded():  # every rank holds the whole reduced momentum and parameters
             for seg in segs:
-                mode = self.param_groups[seg.group]["trust_ratio"]
+                mode = _mode(self.param_groups[seg.group])
                 for i in seg.idx:
                     u, ratio_max, u0n, un = self._direction(L, seg, i, bounds[i], stats=mode != "live")
                     live = None if mode == "frozen" else torch.cat([F.norms([L.tensor(i)]), F.norms([u])])
@@ -187,7 +193,7 @@ class OneBitLamb(BaseOptimizer):
         # allreduce for the max and one for the norms, then the step
         stats = torch.zeros(len(L.params), 5, dtype=torch.float32, device=self._device(L))
         for seg in segs:
-            mode = self.param_groups[seg.group]["trust_ratio"]
+            mode = _mode(self.param_groups[seg.group])
             for i in seg.idx:
                 u, ratio_max, u0n, un = self._direction(L, seg, i, bounds[i], stats=mode != "live")
                 if ratio_max is not None:
@@ -196,12 +202,12 @@ class OneBitLamb(BaseOptimizer):
                     stats[i, 1:3] = torch.cat([u0n, un]).square()
                 if mode != "frozen":
                     stats[i, 3:] = torch.cat([F.norms([L.tensor(i)]), F.norms([u])]).square()
-        modes = {self.param_groups[seg.group]["trust_ratio"] for seg in segs}
+        modes = {_mode(self.param_groups[seg.group]) for seg in segs}
         ratio = self._per_tensor(L, stats[:, :1], op="max")[:, 0] if modes - {"live"} else None
         norms = self._per_tensor(L, stats[:, 1:]).sqrt_()
         for seg in segs:
             group = self.param_groups[seg.group]
-            mode, wd = group["trust_ratio"], group["weight_decay"] != 0
+            mode, wd = _mode(group), group["weight_decay"] != 0
             for i in seg.idx:
                 u = self._direction(L, seg, i, bounds[i], stats=False)[0]
                 self._lamb_step(L, seg, i, u, None if ratio is None else ratio[i:i + 1],
@@ -248,7 +254,7 @@ class OneBitLamb(BaseOptimizer):
         tensors; "frozen" c_frz f with the variance factor f of parameter i; "max" the larger
         of the two."""
         group, vecs = self.param_groups[seg.group], self._vectors
-        mode = group["trust_ratio"]
+        mode = _mode(group)
         c = None
         if mode != "live":
             last = vecs["last_factor"][i:i + 1]
