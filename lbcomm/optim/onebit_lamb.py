@@ -54,8 +54,9 @@ class OneBitLamb(BaseOptimizer):
         comm: Optional[CommConfig] = None,
     ) -> None:
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, freeze_step=freeze_step,
-                        coeff_range=tuple(coeff_range), trust_ratio=trust_ratio, coeff_beta=coeff_beta, factor_range=tuple(factor_range),
-                        factor_threshold=factor_threshold, bias_correction=bias_correction)
+                        coeff_range=tuple(coeff_range), trust_ratio=trust_ratio, coeff_beta=coeff_beta,
+                        factor_range=tuple(factor_range), factor_threshold=factor_threshold,
+                        bias_correction=bias_correction)
         self._scratch_u: Optional[Tensor] = None
         super().__init__(params, defaults, comm)
         self._onebit = OneBitStage(self, exact_numel=self.comm.exact_numel)
