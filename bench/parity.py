@@ -8,22 +8,22 @@ VARIANTS, or its own JSON) and is run at the twin's lr; printed: the final valid
 its ratio to the twin's, and per parameter tensor the step size relative to the weights,
 ||theta_t - theta_{t-1}|| / (lr ||theta_{t-1}||), averaged over the compression stage, for the
 twin and the 1-bit run (LAMB's live trust ratio makes it exactly 1 when unclamped; OneBitLamb's
-frozen coefficient c_frz f sets it), and for OneBitLamb c_frz and the mean factor f.
---suite-tasks runs Lamb, OneBitLamb and the live trust ratio (LiveTrustOneBitLamb, an
-experiment, not an lbcomm option) on tasks of bench/tasks.py instead. Findings:
-bench/studies.md.
+with trust_ratio="frozen" its coefficient c_frz f sets it), and for OneBitLamb c_frz and the mean factor f.
+--suite-tasks runs Lamb, OneBitLamb (its default, the live trust ratio) and OneBitLamb with
+trust_ratio="frozen" on tasks of bench/tasks.py instead. Findings: bench/studies.md.
 
     python -m bench.parity                                   # OneBitLamb vs Lamb, every variant, 2 ranks
     python -m bench.parity --lrs 0.003,0.01,0.03 --variants default,max_update_off
     python -m bench.parity --pair zeroone --lrs 0.001,0.003  # ZeroOneAdam vs AdamW (onebit_adam: OneBitAdam)
     python -m bench.parity --variant-json '{"factor_range": [1.0, 1.0]}'
     python -m bench.parity --trajectory 10                   # also every 10th step's loss and step sizes
-    python -m bench.parity --suite-tasks rare_features,zipf_embed   # the live trust ratio on suite tasks
+    python -m bench.parity --suite-tasks rare_features,zipf_embed   # live vs frozen trust ratio on suite tasks
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import math
 import warnings
@@ -42,26 +42,25 @@ VARIANTS = {
     "onebit_lamb": {
         "default": {},  # the MLP's tensors are all <= exact_numel=4096: averaged exactly, nothing compressed
         "max_update_off": {"max_update": None},
-        "factor_one": {"factor_range": [1.0, 1.0]},  # f = 1: the step is lr c_frz u
-        "factor_free": {"factor_range": [1e-6, 1e6], "factor_threshold": 1e6},  # f unclamped
-        "coeff_last": {"coeff_beta": 0.0},  # c_frz = the last warmup step's trust ratio, no average
-        "coeff_last_max_update_off": {"coeff_beta": 0.0, "max_update": None},
+        # trust_ratio="frozen" (the published coefficient c_frz f) and its settings
+        "frozen": {"trust_ratio": "frozen"},
+        "frozen_factor_one": {"trust_ratio": "frozen", "factor_range": [1.0, 1.0]},  # f = 1: lr c_frz u
+        "frozen_factor_free": {"trust_ratio": "frozen", "factor_range": [1e-6, 1e6], "factor_threshold": 1e6},
+        "frozen_coeff_last": {"trust_ratio": "frozen", "coeff_beta": 0.0},  # c_frz: the last warmup ratio
+        "frozen_max_update_off": {"trust_ratio": "frozen", "max_update": None},
         "compressed": {"exact_numel": 0},  # every tensor through the 1-bit allreduce
         "compressed_block_none": {"exact_numel": 0, "block_size": None},
         "compressed_max_update_off": {"exact_numel": 0, "max_update": None},
-        "compressed_coeff_last": {"exact_numel": 0, "coeff_beta": 0.0},
-        # experiment only (LiveTrustOneBitLamb, not an lbcomm option): Lamb's live trust ratio
-        # ||theta|| / ||u|| on the compressed-momentum direction in place of c_frz f
-        "live_trust": {"live_trust": True},
-        "compressed_live_trust": {"exact_numel": 0, "live_trust": True},
+        "compressed_frozen": {"exact_numel": 0, "trust_ratio": "frozen"},
     },
     "onebit_adam": {  # the reference: OneBitAdam on the same case
         "default": {},
         "compressed": {"exact_numel": 0},
         "compressed_max_update_off": {"exact_numel": 0, "max_update": None},
     },
-    "zeroone": {  # ZeroOneAdam compresses every tensor (exact_numel does not apply)
+    "zeroone": {  # the MLP's tensors are all <= exact_numel: averaged exactly at the default
         "default": {},
+        "compressed": {"exact_numel": 0},  # every tensor compressed (ZeroOneAdam's previous behaviour)
         "max_update_off": {"max_update": None},
         "no_local_steps": {"local_step_clipper": 1},
         "var_decay_update": {"var_decay": "update"},
@@ -69,20 +68,6 @@ VARIANTS = {
     },
 }
 TWIN = {"onebit_lamb": "lamb", "onebit_adam": "adamw", "zeroone": "adamw"}
-
-
-class LiveTrustOneBitLamb(lbcomm.OneBitLamb):
-    """The candidate fix, for measurement: the compression stage's step is lr c u with LAMB's
-    live c = clamp(||theta|| / ||u||, coeff_range) of this step's direction u, as Lamb's
-    (unsharded only: every rank holds the whole reduced momentum and parameters, so the
-    norms need no communication)."""
-
-    def _frozen_lamb_step(self, L, seg, i, u, ratio_max, u0n, un):
-        from lbcomm.optim import functional as OF
-        from lbcomm.optim.lamb import lamb_step_
-        group, p = self.param_groups[seg.group], L.tensor(i)
-        c = OF.trust_ratio(OF.norms([p]), OF.norms([u]), *group["coeff_range"])
-        lamb_step_(p, u, c, group["lr"])
 
 
 def make_data(seed, n_train=4096, n_val=1024, d_in=16, hidden=64):
@@ -113,8 +98,7 @@ def build(a, name, model, lr, opts):
     if name == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=wd)
     if name == "onebit_lamb":
-        cls = LiveTrustOneBitLamb if opts.pop("live_trust", False) else lbcomm.OneBitLamb
-        return cls(model.parameters(), lr=lr, betas=betas, weight_decay=wd, freeze_step=a.freeze,
+        return lbcomm.OneBitLamb(model.parameters(), lr=lr, betas=betas, weight_decay=wd, freeze_step=a.freeze,
                    **optimizer_options(opts))
     if name == "onebit_adam":
         return lbcomm.OneBitAdam(model.parameters(), lr=lr, betas=betas, weight_decay=wd, freeze_step=a.freeze,
@@ -180,8 +164,9 @@ def rank_main(rank, world, a, runs, out_path, init_file):
 
 
 def suite_rank_main(rank, world, a, out_path, init_file):
-    """--suite-tasks: Lamb, OneBitLamb and LiveTrustOneBitLamb through bench.suite.one_run on
-    the suite's tasks (short runs, coarse lamb grid, the suite's defaults otherwise)."""
+    """--suite-tasks: Lamb, OneBitLamb and OneBitLamb(trust_ratio="frozen") through
+    bench.suite.one_run on the suite's tasks (short runs, coarse lamb grid, the suite's
+    defaults otherwise)."""
     from types import SimpleNamespace
 
     from . import suite
@@ -192,18 +177,15 @@ def suite_rank_main(rank, world, a, out_path, init_file):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))
     ns = SimpleNamespace(onebit_options=a.suite_options, hook_options={}, zeroone_options={}, schedule=a.schedule_suite)
-    original, results = lbcomm.OneBitLamb, []
-    try:
-        for name in a.suite_tasks:
-            task = T.make_task(name, quick=True, seed=a.seed)
-            for method, live in (("lamb", False), ("onebit_lamb", False), ("onebit_lamb", True)):
-                lbcomm.OneBitLamb = LiveTrustOneBitLamb if live else original  # suite.build reads it per run
-                for lr in task.grids["lamb"]:
-                    r = suite.one_run(rank, world, task, method, lr, ns)
-                    results.append({**r, "method": method + ("_live" if live else ""),
-                                    "diverged": r["diverged"] or suite.is_diverged(r)})
-    finally:
-        lbcomm.OneBitLamb = original
+    frozen = {"onebit_lamb": functools.partial(lbcomm.OneBitLamb, trust_ratio="frozen")}
+    results = []
+    for name in a.suite_tasks:
+        task = T.make_task(name, quick=True, seed=a.seed)
+        for method, label, classes in (("lamb", "lamb", None), ("onebit_lamb", "onebit_lamb", None),
+                                       ("onebit_lamb", "onebit_lamb_frozen", frozen)):
+            for lr in task.grids["lamb"]:
+                r = suite.one_run(rank, world, task, method, lr, ns, classes)
+                results.append({**r, "method": label, "diverged": r["diverged"] or suite.is_diverged(r)})
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f)
@@ -213,16 +195,17 @@ def suite_rank_main(rank, world, a, out_path, init_file):
 
 def suite_report(results, a):
     print(f"\nOneBitLamb / Lamb at the same lr on the suite's tasks (quick runs, {a.ranks} gloo ranks, schedule "
-          f"{a.schedule_suite}, seed {a.seed}, options {a.suite_options or 'default'}); live: LiveTrustOneBitLamb; t: Lamb diverged, D: this one did")
+          f"{a.schedule_suite}, seed {a.seed}, options {a.suite_options or 'default'}); default: the live trust ratio, "
+          "frozen: trust_ratio='frozen'; t: Lamb diverged, D: this one did")
     for t in dict.fromkeys(r["task"] for r in results):
         base = {r["lr"]: r for r in results if r["task"] == t and r["method"] == "lamb"}
-        for m in ("onebit_lamb", "onebit_lamb_live"):
+        for m in ("onebit_lamb", "onebit_lamb_frozen"):
             cells = []
             for r in (r for r in results if r["task"] == t and r["method"] == m):
                 b = base[r["lr"]]
                 cell = "t" if b["diverged"] else "D" if r["diverged"] else f"{r['final'] / b['final']:.3f}"
                 cells.append(f"{r['lr']:g}:{cell}")
-            print(f"  {t:<14}{'live' if m.endswith('live') else 'default':<9}" + " ".join(cells))
+            print(f"  {t:<14}{'frozen' if m.endswith('frozen') else 'default':<9}" + " ".join(cells))
 
 
 def fmt(xs):
@@ -274,7 +257,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--trajectory", type=int, default=0, metavar="K", help="print every K-th step's val loss")
     p.add_argument("--suite-tasks", default="", help="instead of the MLP: these tasks of bench/tasks.py (short "
-                   "runs, the coarse lamb grid, 4 ranks by default) with Lamb, OneBitLamb and the live trust ratio")
+                   "runs, the coarse lamb grid, 4 ranks by default) with Lamb, OneBitLamb and its frozen trust ratio")
     p.add_argument("--schedule-suite", default="cosine", help="--suite-tasks: the schedule (bench.tasks.SCHEDULES)")
     p.add_argument("--suite-options", default="", type=json_options,
                    help="--suite-tasks: JSON options of both OneBitLamb runs, as bench.suite's --onebit-options")

@@ -95,28 +95,34 @@ def freeze_of(task) -> int:
     return max(2, round(0.25 * task.steps))
 
 
-def build(method, model, lr, task, world, a):
-    """(model to call, optimizer, ddp state) for one run."""
+# the optimizer class (or factory: called as the class) of each lbcomm method; build() and
+# one_run() take a mapping that overrides some of them (bench.parity passes variants)
+CLASSES = {"onebit_adam": lbcomm.OneBitAdam, "onebit_lamb": lbcomm.OneBitLamb, "zeroone": lbcomm.ZeroOneAdam}
+
+
+def build(method, model, lr, task, world, a, classes=None):
+    """(model to call, optimizer) for one run; `classes` overrides entries of CLASSES."""
     betas, wd = (0.9, task.beta2), task.weight_decay
     # non-finite steps raise (NonFiniteError marks the run diverged, below)
     extra = optimizer_options(a.onebit_options, nonfinite="raise")
-    adam_cls, lamb_cls = lbcomm.OneBitAdam, lbcomm.OneBitLamb
+    cls = {**CLASSES, **(classes or {})}
+    adam_cls, lamb_cls = cls["onebit_adam"], cls["onebit_lamb"]
     if method == "adamw":
         return model, torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=wd)
     if method == "onebit_adam":
         return model, adam_cls(model.parameters(), lr=lr, betas=betas, weight_decay=wd,
-                                        freeze_step=freeze_of(task), **extra)
+                               freeze_step=freeze_of(task), **extra)
     if method == "zeroone":  # var_freeze_step at 25 % as the others' freeze; alpha scaled to the run
         opts = optimizer_options({"local_step_scaler": zeroone_local_step_scaler(task.steps),
                                   **a.zeroone_options}, nonfinite="raise")
-        return model, lbcomm.ZeroOneAdam(model.parameters(), lr=lr, betas=betas, weight_decay=wd,
+        return model, cls["zeroone"](model.parameters(), lr=lr, betas=betas, weight_decay=wd,
                                          var_freeze_step=freeze_of(task), **opts)
     if method == "lamb":
         return model, lbcomm.Lamb(model.parameters(), lr=lr, betas=betas, weight_decay=wd,
                                   comm=lbcomm.CommConfig(nonfinite="raise"))
     if method == "onebit_lamb":
         return model, lamb_cls(model.parameters(), lr=lr, betas=betas, weight_decay=wd,
-                                        freeze_step=freeze_of(task), **extra)
+                               freeze_step=freeze_of(task), **extra)
     def lars(grads_averaged=False):
         return lbcomm.Lars(model.parameters(), lr=lr, weight_decay=wd, trust_coefficient=LARS_TRUST,
                            grads_averaged=grads_averaged, **optimizer_options(lars_options(a), nonfinite="raise"))
@@ -145,9 +151,9 @@ def in_order(batches, k):
     return batches if k == 0 else functools.partial(lambda step, k: batches(step + k * ORDER_STRIDE), k=k)
 
 
-def one_run(rank, world, task, method, lr, a):
+def one_run(rank, world, task, method, lr, a, classes=None):
     model = task.make_model()
-    net, opt = build(method, model, lr, task, world, a)
+    net, opt = build(method, model, lr, task, world, a, classes)
     init = T.evaluate(task, model)
     steps, freeze = task.steps, freeze_of(task)
     schedule = getattr(a, "schedule", "cosine")

@@ -130,7 +130,8 @@ MULTIPROC = {
     "test_transport": {"test_torch_transport_all_reduce_and_barrier"},
     "test_zeroone": {"test_four_ranks_match_the_simulation_bitwise", "test_comm_stats_count_what_each_kind_of_step_sends",
                      "test_first_steps_are_adamw_on_the_averaged_gradients", "test_resume_mid_interval_is_bitwise_exact",
-                     "test_nonfinite_steps_are_skipped_on_every_rank"},
+                     "test_nonfinite_steps_are_skipped_on_every_rank", "test_exact_numel_matches_the_simulation"},
+    "test_same_lr": ALL,
 }
 
 MPI = {
@@ -190,6 +191,7 @@ SLOW = {
                          "test_dead_peer_raises_within_timeout_and_leaves_no_orphans",
                          "test_short_soak_identical_and_bounded"},
     "test_robustness": MULTIPROC["test_robustness"],
+    "test_same_lr": ALL,
     "test_topology": {"test_hierarchical_equals_reference_and_invariant[1000-None-dtype1-explicit]",
                       "test_hierarchical_equals_reference_and_invariant[777-64-dtype2-env]",
                       "test_hierarchical_equals_reference_and_invariant[4099-256-dtype3-mesh]",

@@ -217,6 +217,8 @@ def _all(rank, p, ckpt):
     out["adam"] = _fsdp_run(rank, OneBitAdam, ALL, ckpt=ckpt)
     out["resumed"] = _fsdp_run(rank, OneBitAdam, ALL, resume=ckpt)
     out["lamb"] = _fsdp_run(rank, OneBitLamb, {"weight_decay": 0.01, **ALL}, nan=False)
+    for mode in ("frozen", "live"):
+        out["lamb_" + mode] = _fsdp_run(rank, OneBitLamb, {"weight_decay": 0.01, "trust_ratio": mode, **ALL}, nan=False)
     out["dp_adam"] = _dp_run(rank, p, OneBitAdam, ALL)
     out["dp_lamb"] = _dp_run(rank, p, OneBitLamb, {"weight_decay": 0.01, **ALL})
     out["adam_exact"] = _fsdp_run(rank, OneBitAdam, {"exact_numel": EXACT}, ckpt=ckpt + "_exact", nan=False)
@@ -286,7 +288,8 @@ def test_fsdp_onebit_adam(results):
                 assert torch.equal(a, b)
 
 
-def test_fsdp_onebit_lamb(results):
+@pytest.mark.parametrize("run", ["lamb", "lamb_frozen", "lamb_live"])
+def test_fsdp_onebit_lamb(results, run):
     from lbcomm import Lamb
     from lbcomm.optim.reference import simulate_onebit_lamb
 
@@ -296,22 +299,22 @@ def test_fsdp_onebit_lamb(results):
     lamb = Lamb(ref, lr=LR, weight_decay=0.01)  # one process: no communication
     for t in range(FREEZE):
         for i, q in enumerate(ref):
-            q.grad = _mean_grad(res, "lamb", t, i)
+            q.grad = _mean_grad(res, run, t, i)
         lamb.step()
         for i, q in enumerate(ref):
-            torch.testing.assert_close(_full(res, "lamb", t, i), q.detach(), rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(_full(res, run, t, i), q.detach(), rtol=1e-6, atol=1e-7)
     for t in range(STEPS):
         for l in range(G):
             for i in range(len(p0)):
-                assert torch.equal(res[l]["lamb"]["params"][t][i], res[G + l]["lamb"]["params"][t][i])
-    assert all(r["lamb"]["frozen"] for r in res)
+                assert torch.equal(res[l][run]["params"][t][i], res[G + l][run]["params"][t][i])
+    assert all(r[run]["frozen"] for r in res)
     # the whole run == 1-bit LAMB simulated with each shard compressed across the nodes and
     # the norms, bounds and momentum scales of whole parameters
-    hist = simulate_onebit_lamb(p0, _node_grads(res, "lamb"), lr=LR, weight_decay=0.01, freeze_step=FREEZE,
-                                block_size=BLOCK, shards=G, **ALL)
+    hist = simulate_onebit_lamb(p0, _node_grads(res, run), lr=LR, weight_decay=0.01, freeze_step=FREEZE,
+                                block_size=BLOCK, shards=G, trust_ratio=run[5:] or "max", **ALL)
     for t in range(STEPS):
         for i in range(len(p0)):
-            torch.testing.assert_close(_full(res, "lamb", t, i), hist[t][i], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(_full(res, run, t, i), hist[t][i], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("kind", ["adam", "lamb"])

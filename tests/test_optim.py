@@ -173,7 +173,14 @@ SIM_RUNS = {
                         kw=dict(rescale_variance=False, exact_numel=0, lr=1e-2, weight_decay=0.01, block_size=64,
                                 max_update="warmup")),
     "lamb_published": dict(name="lamb", steps=16, freeze=4,
-                           kw=dict(exact_numel=0, lr=1e-2, weight_decay=0.01, block_size=64, max_update=None)),
+                           kw=dict(exact_numel=0, lr=1e-2, weight_decay=0.01, block_size=64, max_update=None,
+                                   trust_ratio="frozen")),
+    # trust_ratio="frozen": the warmup's average coefficient and the variance factor f
+    "lamb_frozen": dict(name="lamb", steps=24, freeze=6,
+                        kw=dict(exact_numel=0, lr=1e-2, eps=1e-6, weight_decay=0.01, block_size=64,
+                                trust_ratio="frozen")),
+    "lamb_max": dict(name="lamb", steps=16, freeze=4,
+                     kw=dict(exact_numel=0, lr=1e-2, weight_decay=0.01, block_size=64, trust_ratio="max")),
     "lamb_tight": dict(name="lamb", steps=16, freeze=4,
                        kw=dict(exact_numel=0, lr=1e-2, weight_decay=0.01, block_size=64, max_update=0.05)),
     "lamb_warmup": dict(name="lamb", steps=16, freeze=4,
@@ -703,15 +710,32 @@ def test_every_hyperparameter_round_trips_through_the_state_dict():
     opt = lbcomm.OneBitLamb(_mlp().parameters(), freeze_step=7, coeff_range=(0.1, 5.0), factor_range=(0.25, 2.0),
                             comm=lbcomm.CommConfig(block_size=None, nonfinite="raise"))
     group = opt.state_dict()["param_groups"][0]
-    for key in ("lr", "betas", "eps", "weight_decay", "freeze_step", "coeff_range", "coeff_beta", "factor_range",
-                "factor_threshold", "bias_correction"):
+    for key in ("lr", "betas", "eps", "weight_decay", "freeze_step", "coeff_range", "trust_ratio", "coeff_beta",
+                "factor_range", "factor_threshold", "bias_correction"):
         assert key in group, key
     assert group["coeff_range"] == (0.1, 5.0) and group["factor_range"] == (0.25, 2.0)
     assert not COMM_FIELDS & set(group)
     assert opt.comm.block_size is None and opt.comm.nonfinite == "raise"
-    for cls, n in ((lbcomm.OneBitAdam, 9), (lbcomm.OneBitLamb, 12), (lbcomm.ZeroOneAdam, 12), (lbcomm.Lamb, 8),
-                   (lbcomm.Lars, 9)):  # at most 12, params and comm included
+    for cls, n in ((lbcomm.OneBitAdam, 9), (lbcomm.OneBitLamb, 13), (lbcomm.ZeroOneAdam, 12), (lbcomm.Lamb, 8),
+                   (lbcomm.Lars, 9)):  # params and comm included
         assert len(inspect.signature(cls).parameters) == n, cls
+
+
+def test_onebit_lamb_trust_ratio_is_validated_and_old_checkpoints_keep_the_frozen_rule():
+    with pytest.raises(ValueError, match="trust_ratio"):
+        lbcomm.OneBitLamb(_mlp().parameters(), trust_ratio="average")
+    model, twin = _mlp(), _mlp()
+    opt = lbcomm.OneBitLamb(model.parameters(), lr=1e-2, weight_decay=0.01, freeze_step=3, trust_ratio="frozen")
+    _train(model, opt, 5)
+    sd = copy.deepcopy(opt.state_dict())
+    for group in sd["param_groups"]:  # saved before the option existed
+        del group["trust_ratio"]
+    twin.load_state_dict(model.state_dict())
+    twin_opt = lbcomm.OneBitLamb(twin.parameters(), lr=1e-2, weight_decay=0.01, freeze_step=3)
+    twin_opt.load_state_dict(sd)
+    _train(model, opt, 4, start=5)
+    _train(twin, twin_opt, 4, start=5)
+    assert _max_diff(model, twin) == 0.0
 
 
 def test_set_momentum_mask_validates_its_input():

@@ -63,15 +63,23 @@ def _snapshot(model, opt):
 # step 9: syncs at 9 10 12 14 18 22 26 30, local steps in between
 SCHED = dict(var_freeze_step=8, var_update_scaler=2, local_step_scaler=2, local_step_clipper=4)
 SYNCS = [9, 10, 12, 14, 18, 22, 26, 30]
+# exact_numel=0 (every parameter compressed; the default, 4096, averages this whole model
+# exactly) except in "exact"
 RUNS = {
     "default": dict(steps=28, groups=False, sched=False,
-                    kw=dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, block_size=64)),
+                    kw=dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, block_size=64, exact_numel=0)),
     # the published formulas, an lr schedule and two param groups with their own lr and wd
     "published_groups_scheduler": dict(steps=24, groups=True, sched=True,
                                        kw=dict(lr=1e-2, weight_decay=0.0, block_size=None, bias_correction=False,
-                                               max_update=None, var_decay="update")),
+                                               max_update=None, var_decay="update", exact_numel=0)),
     "auto_bound_masked": dict(steps=16, groups=False, sched=False, dead_inputs=True,
-                       kw=dict(lr=2e-2, weight_decay=0.05, block_size=64, max_update="auto")),
+                       kw=dict(lr=2e-2, weight_decay=0.05, block_size=64, max_update="auto", exact_numel=0)),
+    # the biases, the LayerNorm and the 24 x 5 head (<= 200 elements) averaged exactly, the
+    # 24 x 12 and 24 x 24 matrices compressed. A sync averages the exact coordinates' inputs
+    # with an allreduce whose four-rank sum runs in gloo's order, not the simulation's: this
+    # run is compared to fp32 rounding (test_exact_numel_matches_the_simulation)
+    "exact": dict(steps=28, groups=False, sched=False,
+                  kw=dict(lr=1e-2, weight_decay=0.01, block_size=64, exact_numel=200)),
 }
 
 
@@ -205,7 +213,7 @@ def four_ranks():
     return run_ranks(_suite, 4, timeout=240)
 
 
-@pytest.mark.parametrize("run", list(RUNS))
+@pytest.mark.parametrize("run", [k for k in RUNS if k != "exact"])
 def test_four_ranks_match_the_simulation_bitwise(four_ranks, run):
     cfg = RUNS[run]
     recs = [r["sim"][run] for r in four_ranks]
@@ -232,6 +240,31 @@ def test_four_ranks_match_the_simulation_bitwise(four_ranks, run):
         assert recs[0]["masked"] == 24 * 2
     # the local stage really moved the parameters
     assert max((a - b).abs().max().item() for a, b in zip(recs[0]["params"][-1], recs[0]["params"][7])) > 1e-3
+
+
+def test_exact_numel_matches_the_simulation(four_ranks):
+    """exact_numel: the small parameters' momentum is the exact mean (the 1-bit steps' from
+    the mean gradient, bitwise as the simulation's; a sync's from the mean of the ranks'
+    inputs, to fp32 rounding), and the run ends away from the all-compressed one."""
+    cfg = RUNS["exact"]
+    recs = [r["sim"]["exact"] for r in four_ranks]
+    steps = cfg["steps"]
+    grads = [[recs[r]["grads"][t] for r in range(4)] for t in range(steps)]
+    history = simulate_zero_one_adam(recs[0]["params0"], grads, **SCHED, **cfg["kw"])
+    first_sync = SYNCS[0]
+    for t in range(steps):
+        for r in range(4):
+            if t + 1 < first_sync:
+                worst = max((a - b).abs().max().item() for a, b in zip(history[t][r], recs[r]["params"][t]))
+                assert worst == 0.0, f"rank {r}, step {t + 1}: max |optimizer - sim| = {worst}"
+            for a, b in zip(history[t][r], recs[r]["params"][t]):
+                torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    kinds = recs[0]["kinds"]
+    for t in range(steps):  # replicas identical after every step but local ones
+        same = all(_same(recs[r]["params"][t], recs[0]["params"][t]) for r in range(1, 4))
+        assert same == (kinds[t] != "local"), f"step {t + 1} ({kinds[t]}): replicas identical = {same}"
+    compressed = simulate_zero_one_adam(recs[0]["params0"], grads, **SCHED, **dict(cfg["kw"], exact_numel=0))
+    assert max((a - b).abs().max().item() for a, b in zip(compressed[-1][0], recs[0]["params"][-1])) > 1e-6
 
 
 def test_comm_stats_count_what_each_kind_of_step_sends(four_ranks):

@@ -71,6 +71,8 @@ class ExactPart:
         if part is None:
             return None
         index, places = part
+        if getattr(source, "momentum", None) is None:
+            return self._mean_of_source(L, source, index, places)
         m, weights, scale = source.momentum
         dev, n = index.device, index.numel()
         opt = self.stage.opt
@@ -90,6 +92,18 @@ class ExactPart:
         if scale is not None:
             counts = torch.tensor([L.numels[i] for i in ids], device=scale.device)
             g.mul_(scale[torch.tensor(ids, device=scale.device)].repeat_interleave(counts, output_size=n))
+        return index, places, g
+
+    def _mean_of_source(self, L: FlatLayout, source, index: Tensor, places):
+        """`mean` for a source that is not b1 m + (1-b1) g of a momentum equal on every rank
+        (ZeroOneAdam's synchronization, whose input follows each rank's own local steps):
+        its values at the exact coordinates, averaged with one allreduce of their own."""
+        values = torch.empty(index.numel(), dtype=torch.float32, device=index.device)
+        for i, o in places:
+            source(L.offsets[i], L.offsets[i] + L.numels[i], values[o:o + L.numels[i]])
+        g = self.exact_mean().start(values)()
+        if not bool(torch.isfinite(g).all()):
+            return False
         return index, places, g
 
     def exact_mean(self) -> ExactMean:

@@ -1,6 +1,8 @@
 """1-bit LAMB: LAMB in the warmup (`lamb.lamb_warmup_`), then a frozen variance, one 1-bit
 compressed allreduce of the (rescaled) momentum per step through the `OneBitStage` it
-holds, and a LAMB coefficient frozen at the warmup's average (docs/optimizers.md)."""
+holds, and a layer coefficient per step: LAMB's trust ratio of that step's direction, the
+coefficient frozen at the warmup's average, or the larger of the two (`trust_ratio`,
+docs/optimizers.md)."""
 from __future__ import annotations
 
 import math
@@ -21,8 +23,15 @@ from .onebit import OneBitStage
 __all__ = ["OneBitLamb"]
 
 
+def _mode(group) -> str:
+    """The group's trust_ratio; a checkpoint saved before the option existed continues with
+    the rule it was trained with, "frozen"."""
+    return group.get("trust_ratio", "frozen")
+
+
 class OneBitLamb(BaseOptimizer):
     _GLOBAL_OPTIONS = ("freeze_step",)
+    TRUST_RATIOS = ("live", "frozen", "max")
     _param_vectors: Dict[str, float] = {**OneBitStage.VECTORS, "lamb_coeff_freeze": 0.0, "momentum_scale": 1.0,
                                         "last_factor": 1.0}
     _frozen_buffers = ("exp_avg_sq_fresh",)
@@ -37,6 +46,7 @@ class OneBitLamb(BaseOptimizer):
         freeze_step: int = 100000,
         *,
         coeff_range: Tuple[float, float] = (0.01, 10.0),
+        trust_ratio: str = "max",
         coeff_beta: float = 0.9,
         factor_range: Tuple[float, float] = (0.5, 4.0),
         factor_threshold: float = 0.1,
@@ -44,8 +54,9 @@ class OneBitLamb(BaseOptimizer):
         comm: Optional[CommConfig] = None,
     ) -> None:
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, freeze_step=freeze_step,
-                        coeff_range=tuple(coeff_range), coeff_beta=coeff_beta, factor_range=tuple(factor_range),
-                        factor_threshold=factor_threshold, bias_correction=bias_correction)
+                        coeff_range=tuple(coeff_range), trust_ratio=trust_ratio, coeff_beta=coeff_beta,
+                        factor_range=tuple(factor_range), factor_threshold=factor_threshold,
+                        bias_correction=bias_correction)
         self._scratch_u: Optional[Tensor] = None
         super().__init__(params, defaults, comm)
         self._onebit = OneBitStage(self, exact_numel=self.comm.exact_numel)
@@ -55,6 +66,8 @@ class OneBitLamb(BaseOptimizer):
         check_freeze_step("freeze_step", group["freeze_step"])
         F.resolve_max_update(self.comm.max_update, group["betas"])
         check_range("coeff_range", group["coeff_range"], 0.0)
+        if group["trust_ratio"] not in self.TRUST_RATIOS:
+            raise ValueError(f"Invalid trust_ratio: {group['trust_ratio']!r} (must be 'live', 'frozen' or 'max')")
         if not 0.0 <= group["coeff_beta"] < 1.0:
             raise ValueError(f"Invalid coeff_beta: {group['coeff_beta']} (need 0 <= coeff_beta < 1)")
         check_range("factor_range", group["factor_range"], 0.0, strict=True)
@@ -168,26 +181,39 @@ class OneBitLamb(BaseOptimizer):
             return False
         bounds = st.update_bounds(L)
         segs = self._segments(L, self._onebit.participating(L), vstep="variance_step")
-        sharded = self._sharded()
-        stats = torch.zeros(len(L.params), 3, dtype=torch.float32, device=self._device(L)) if sharded else None
-        for seg in segs:
-            for i in seg.idx:
-                u, ratio_max, u0n, un = self._direction(L, seg, i, bounds[i])
-                if sharded:  # the shards' max and squared norms first, the step below
-                    stats[i, 0] = ratio_max.reshape(())
-                    if u0n is not None:
-                        stats[i, 1:] = torch.cat([u0n, un]).square()
-                else:
-                    self._frozen_lamb_step(L, seg, i, u, ratio_max, u0n, un)
-        if sharded:  # one allreduce for the max ratio (of d / d~ >= 0) and one for the norms
-            ratio = self._per_tensor(L, stats[:, :1], op="max")[:, 0]
-            norms = self._per_tensor(L, stats[:, 1:]).sqrt_()
+        if not self._sharded():  # every rank holds the whole reduced momentum and parameters
             for seg in segs:
-                wd = self.param_groups[seg.group]["weight_decay"] != 0
+                mode = _mode(self.param_groups[seg.group])
                 for i in seg.idx:
-                    u = self._direction(L, seg, i, bounds[i], stats=False)[0]
-                    self._frozen_lamb_step(L, seg, i, u, ratio[i:i + 1], norms[i, :1] if wd else None,
-                                           norms[i, 1:] if wd else None)
+                    u, ratio_max, u0n, un = self._direction(L, seg, i, bounds[i], stats=mode != "live")
+                    live = None if mode == "frozen" else torch.cat([F.norms([L.tensor(i)]), F.norms([u])])
+                    self._lamb_step(L, seg, i, u, ratio_max, u0n, un, live)
+            return True
+        # sharded: this rank's max of d / d~ and squared norms first (columns: max ratio,
+        # ||u0||^2, ||u||^2 under weight decay; ||theta||^2, ||u||^2 for the live ratio), one
+        # allreduce for the max and one for the norms, then the step
+        stats = torch.zeros(len(L.params), 5, dtype=torch.float32, device=self._device(L))
+        for seg in segs:
+            mode = _mode(self.param_groups[seg.group])
+            for i in seg.idx:
+                u, ratio_max, u0n, un = self._direction(L, seg, i, bounds[i], stats=mode != "live")
+                if ratio_max is not None:
+                    stats[i, 0] = ratio_max.reshape(())
+                if u0n is not None:
+                    stats[i, 1:3] = torch.cat([u0n, un]).square()
+                if mode != "frozen":
+                    stats[i, 3:] = torch.cat([F.norms([L.tensor(i)]), F.norms([u])]).square()
+        modes = {_mode(self.param_groups[seg.group]) for seg in segs}
+        ratio = self._per_tensor(L, stats[:, :1], op="max")[:, 0] if modes - {"live"} else None
+        norms = self._per_tensor(L, stats[:, 1:]).sqrt_()
+        for seg in segs:
+            group = self.param_groups[seg.group]
+            mode, wd = _mode(group), group["weight_decay"] != 0
+            for i in seg.idx:
+                u = self._direction(L, seg, i, bounds[i], stats=False)[0]
+                self._lamb_step(L, seg, i, u, None if ratio is None else ratio[i:i + 1],
+                                norms[i, :1] if wd else None, norms[i, 1:2] if wd else None,
+                                None if mode == "frozen" else norms[i, 2:])
         return True
 
     def _direction(self, L: FlatLayout, seg: Segment, i: int, bound: Optional[float], stats: bool = True):
@@ -222,14 +248,24 @@ class OneBitLamb(BaseOptimizer):
             un = F.norms([u]) if stats else None
         return u, ratio_max, u0n, un
 
-    def _frozen_lamb_step(self, L: FlatLayout, seg: Segment, i: int, u: Tensor, ratio_max: Tensor,
-                          u0n: Optional[Tensor], un: Optional[Tensor]) -> None:
-        """p <- p - lr c_frz f u with the variance factor f of parameter i."""
+    def _lamb_step(self, L: FlatLayout, seg: Segment, i: int, u: Tensor, ratio_max: Optional[Tensor],
+                   u0n: Optional[Tensor], un: Optional[Tensor], live: Optional[Tensor]) -> None:
+        """p <- p - lr c u with the coefficient c of the group's trust_ratio: "live"
+        clamp(||theta|| / ||u||, coeff_range) from `live` = (||theta||, ||u||) of whole
+        tensors; "frozen" c_frz f with the variance factor f of parameter i; "max" the larger
+        of the two."""
         group, vecs = self.param_groups[seg.group], self._vectors
-        last = vecs["last_factor"][i:i + 1]
-        f = F.onebit_lamb_factor(ratio_max, u0n, un, last, *group["factor_range"], group["factor_threshold"])
-        vecs["last_factor"][i:i + 1] = f
-        lamb_step_(L.tensor(i), u, vecs["lamb_coeff_freeze"][i:i + 1] * f, group["lr"])
+        mode = _mode(group)
+        c = None
+        if mode != "live":
+            last = vecs["last_factor"][i:i + 1]
+            f = F.onebit_lamb_factor(ratio_max, u0n, un, last, *group["factor_range"], group["factor_threshold"])
+            vecs["last_factor"][i:i + 1] = f
+            c = vecs["lamb_coeff_freeze"][i:i + 1] * f
+        if mode != "frozen":
+            c_live = F.trust_ratio(live[:1], live[1:], *group["coeff_range"])
+            c = c_live if c is None else torch.maximum(c, c_live)
+        lamb_step_(L.tensor(i), u, c, group["lr"])
 
     def _update_buffer(self, L: FlatLayout) -> Tensor:
         """One parameter's update direction (the largest parameter's size): its norms need
@@ -240,8 +276,10 @@ class OneBitLamb(BaseOptimizer):
 
 
 OneBitLamb.__doc__ = r"""Implements 1-bit LAMB: LAMB in the warmup, then a frozen variance, one
-    1-bit compressed allreduce of the (rescaled) momentum per step and a LAMB coefficient
-    frozen at the warmup's average, adapted by the variance the compressed momentum implies.
+    1-bit compressed allreduce of the (rescaled) momentum per step, and a layer-wise
+    coefficient per step (``trust_ratio``): LAMB's own trust ratio of the step's direction,
+    the published coefficient frozen at the warmup's average and adapted by the variance
+    the compressed momentum implies, or the larger of the two.
 
     .. math::
        \begin{aligned}
@@ -265,12 +303,27 @@ OneBitLamb.__doc__ = r"""Implements 1-bit LAMB: LAMB in the warmup, then a froze
             &\hspace{5mm} f \leftarrow \mathrm{clamp}(f, f_{min}, f_{max}), \:
                 f \leftarrow \mathrm{clamp}\big(f, f_{last}(1-\tau), f_{last}(1+\tau)\big), \:
                 f_{last} \leftarrow f                                                            \\
-            &\hspace{5mm} \theta \leftarrow \theta - \gamma \, c_{frz} f \, u                      \\
+            &\hspace{5mm} c_{live} \leftarrow \mathrm{clamp}\big(\|\theta\| / \|u\|, c_{min}, c_{max}\big), \:
+                c \leftarrow c_{live} \text{ (live)}, \: c_{frz} f \text{ (frozen)}, \:
+                \max(c_{live}, c_{frz} f) \text{ (max)}                                         \\
+            &\hspace{5mm} \theta \leftarrow \theta - \gamma \, c \, u                           \\
             &\rule{110mm}{0.4pt}                                                          \\[-1.ex]
        \end{aligned}
 
     :math:`\hat{m} = m / (1-\beta_1^t)`; :math:`\hat{v}` and :math:`\hat{\tilde{v}}` are divided
-    by :math:`1-\beta_2^{T_w}` (the correction frozen with the variance). The mask, the
+    by :math:`1-\beta_2^{T_w}` (the correction frozen with the variance). "live" computes no
+    :math:`f` (:math:`\tilde{v}` is kept in every mode).
+
+    Why the coefficient matters for a drop-in: the direction :math:`u` divides a momentum
+    that shrinks with the gradients by a variance frozen at the warmup's, so its norm keeps
+    falling, and a coefficient frozen at the warmup's average turns that into an lr decay
+    that Lamb does not have: at Lamb's lr the published rule under-steps. LAMB's own
+    ratio :math:`\|\theta\|/\|u\|`, computed each step from the replicated parameters
+    and the reduced momentum (the same on every rank: no communication unsharded; under
+    FSDP2 the squared norms are summed over ``shard_group``), keeps Lamb's step size. The
+    1-bit error of a compressed tensor, however, adds to :math:`\|u\|` (most on coordinates
+    of a tiny frozen variance, such as nearly dead units) and shrinks the live ratio there;
+    "max" takes the live ratio but never less than the frozen coefficient. The mask, the
     flat fp32 state, the checkpoints and the non-finite handling are those of
     :class:`OneBitAdam`. :math:`U_p` (max_update) bounds each coordinate of :math:`u_0`
     (no clamp when None); the default 1.0 is OneBitAdam's: no coordinate's direction beyond
@@ -281,8 +334,8 @@ OneBitLamb.__doc__ = r"""Implements 1-bit LAMB: LAMB in the warmup, then a froze
     Args:
         params (iterable): iterable of parameters or named parameters to optimize
             or iterable of dicts defining parameter groups.
-        lr (float, optional): learning rate; the best value can be larger than Lamb's on
-            the same task, so tune it rather than copying Lamb's (default: 1e-3)
+        lr (float, optional): learning rate, meant to be Lamb's for the same model and
+            schedule (default: 1e-3)
         betas (Tuple[float, float], optional): coefficients of the running averages of the
             gradient and its square (default: (0.9, 0.999))
         eps (float, optional): term added to the denominator (default: 1e-8)
@@ -291,9 +344,12 @@ OneBitLamb.__doc__ = r"""Implements 1-bit LAMB: LAMB in the warmup, then a froze
             momentum compressed (default: 100000)
         coeff_range (Tuple[float, float], optional): (min_coeff, max_coeff), the bounds of
             the LAMB coefficient (default: (0.01, 10.0))
+        trust_ratio (str, optional): the compression stage's layer coefficient: "live"
+            (LAMB's trust ratio of each step's direction), "frozen" (the published
+            :math:`c_{frz} f`) or "max" (the larger of the two) (default: "max")
         coeff_beta (float, optional): averaging factor of the frozen coefficient (default: 0.9)
         factor_range (Tuple[float, float], optional): (f_min, f_max), the bounds of the
-            variance factor f (default: (0.5, 4.0))
+            variance factor f of the frozen coefficient (default: (0.5, 4.0))
         factor_threshold (float, optional): largest relative change of f per step (default: 0.1)
         bias_correction (bool, optional): as in :class:`OneBitAdam` (default: True)
         comm (lbcomm.CommConfig, optional): the communication settings, as in

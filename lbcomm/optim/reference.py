@@ -267,20 +267,24 @@ def simulate_onebit_lamb(params0, grads, *, lr: float, betas=(0.9, 0.999), eps: 
                          max_coeff: float = 10.0, min_coeff: float = 0.01, coeff_beta: float = 0.9,
                          factor_max: float = 4.0, factor_min: float = 0.5, factor_threshold: float = 0.1,
                          bias_correction: bool = True, mask_threshold: float = 1e-10, max_update=1.0,
-                         nodes: Optional[int] = None, shards: Optional[int] = None, exact_numel: int = 4096):
+                         nodes: Optional[int] = None, shards: Optional[int] = None, exact_numel: int = 4096,
+                         trust_ratio: str = "max"):
     """1-bit LAMB. Returns the parameters after every step (nodes, shards, exact_numel: as
     simulate_onebit_adam; LAMB's norms are those of whole parameters). In the compression stage each
-    coordinate of u0 = m^ / (sqrt(v^) + eps) is clamped to [-U, U] (max_update; None: unbounded)."""
+    coordinate of u0 = m^ / (sqrt(v^) + eps) is clamped to [-U, U] (max_update; None: unbounded);
+    trust_ratio "live": the step is lr clamp(||theta|| / ||u||) u, LAMB's rule on this step's u;
+    "frozen": lr c_frz f u (the warmup's average coefficient and the variance factor); "max":
+    the larger of the two coefficients."""
     return _lamb(params0, grads, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_coeff=max_coeff,
                  min_coeff=min_coeff, bias_correction=bias_correction, freeze_step=freeze_step,
                  block_size=block_size, coeff_beta=coeff_beta, factor_max=factor_max, factor_min=factor_min,
                  factor_threshold=factor_threshold, mask_threshold=mask_threshold, max_update=max_update,
-                 nodes=nodes, shards=shards, exact_numel=exact_numel)
+                 nodes=nodes, shards=shards, exact_numel=exact_numel, trust_ratio=trust_ratio)
 
 
 def _lamb(params0, grads, *, lr, betas, eps, weight_decay, max_coeff, min_coeff, bias_correction, freeze_step,
           block_size=None, coeff_beta=0.9, factor_max=4.0, factor_min=0.5, factor_threshold=0.1, mask_threshold=0.0,
-          max_update=None, nodes=None, shards=None, exact_numel=0):
+          max_update=None, nodes=None, shards=None, exact_numel=0, trust_ratio="frozen"):
     b1, b2 = betas
     p = len(grads[0])
     n_params = len(params0)
@@ -340,6 +344,10 @@ def _lamb(params0, grads, *, lr, betas, eps, weight_decay, max_coeff, min_coeff,
             u = u0.clone()
             if weight_decay != 0:
                 u.add_(theta[i], alpha=weight_decay)
+            if trust_ratio == "live":
+                theta[i].add_(u * _lamb_coeff(theta[i], u, min_coeff, max_coeff), alpha=-lr)
+                continue
+            if weight_decay != 0:
                 u0n, un = torch.linalg.vector_norm(u0), torch.linalg.vector_norm(u)
                 r = (u0n / un).clamp(max=1.0) if un > 0 else torch.ones(())
                 f = f * r + (1 - r)
@@ -347,7 +355,10 @@ def _lamb(params0, grads, *, lr, betas, eps, weight_decay, max_coeff, min_coeff,
             last = frozen["f_last"][i]
             f = torch.clamp(f, min=last * (1 - factor_threshold), max=last * (1 + factor_threshold))
             frozen["f_last"][i] = f
-            theta[i].add_(u * (frozen["c"][i] * f), alpha=-lr)
+            c = frozen["c"][i] * f
+            if trust_ratio == "max":
+                c = torch.maximum(c, _lamb_coeff(theta[i], u, min_coeff, max_coeff))
+            theta[i].add_(u * c, alpha=-lr)
         history.append([t.clone() for t in theta])
     return history
 

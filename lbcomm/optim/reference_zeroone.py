@@ -8,7 +8,7 @@ from typing import List, Optional, Sequence
 import torch
 from torch import Tensor
 
-from .reference import _bounds, _cat, _Compressor, _denom, _keep, _mean, _split
+from .reference import _bounds, _cat, _Compressor, _denom, _exact_mask, _keep, _mean, _split
 
 __all__ = ["simulate_zero_one_adam"]
 
@@ -17,12 +17,16 @@ def simulate_zero_one_adam(params0: Sequence[Tensor], grads: Sequence[Sequence[S
                            betas=(0.9, 0.999), eps: float = 1e-8, weight_decay=0.0, var_freeze_step: int,
                            var_update_scaler: int = 16, local_step_scaler: int = 32678, local_step_clipper: int = 16,
                            block_size: Optional[int], bias_correction: bool = True, mask_threshold: float = 1e-10,
-                           max_update=1.0, var_decay: str = "time") -> List[List[List[Tensor]]]:
+                           max_update=1.0, var_decay: str = "time",
+                           exact_numel: int = 4096) -> List[List[List[Tensor]]]:
     """0/1 Adam (the equations of lbcomm.ZeroOneAdam's docstring). grads[t][r][i]: gradient
     of parameter i on rank r at step t + 1; lr: a float, or lr(step, i) for a schedule or
     param groups; weight_decay: a float or one per parameter. Returns, after every step,
     every rank's parameters ([t][r][i]): identical on all ranks except between
-    synchronizations of the local-step stage."""
+    synchronizations of the local-step stage. exact_numel: the parameters of at most that
+    many elements take the exact mean of the compressed call's inputs (a 1-bit step: the
+    new momentum from the mean gradient; a sync: the mean of the ranks' inputs), their
+    compression errors held at zero."""
     b1, b2 = betas
     p, n_params = len(grads[0]), len(params0)
     lr_of = lr if callable(lr) else (lambda step, i: lr)
@@ -30,7 +34,7 @@ def simulate_zero_one_adam(params0: Sequence[Tensor], grads: Sequence[Sequence[S
     theta = [[t.detach().float().clone() for t in params0] for _ in range(p)]  # per rank
     m = [[torch.zeros_like(t) for t in theta[0]] for _ in range(p)]  # per rank (equal until local steps)
     v = [torch.zeros_like(t) for t in theta[0]]
-    comp = _Compressor(sum(t.numel() for t in theta[0]), p, block_size)
+    comp = _Compressor(sum(t.numel() for t in theta[0]), p, block_size, _exact_mask(theta[0], exact_numel))
     if max_update == "warmup":
         raise ValueError("simulate_zero_one_adam: max_update='warmup' is not part of 0/1 Adam")
     bounds = _bounds(max_update, betas, [None] * n_params, None, 1.0, 1.0, eps)  # a number, "auto" or None
@@ -74,7 +78,9 @@ def simulate_zero_one_adam(params0: Sequence[Tensor], grads: Sequence[Sequence[S
             bc2 = 1 - b2 ** n_v if bias_correction else 1.0
             local_m = [_cat([torch.lerp(m[0][i], g_step[r][i].float(), 1 - b1) for i in range(n_params)])
                        for r in range(p)]
-            new = [torch.where(k, mi, 0.0) for mi, k in zip(_split(comp(local_m), theta[0]), keep)]
+            exact = _cat([torch.lerp(m[0][i], _mean([g_step[r][i].float() for r in range(p)]), 1 - b1)
+                          for i in range(n_params)]) if exact_numel else None
+            new = [torch.where(k, mi, 0.0) for mi, k in zip(_split(comp(local_m, exact), theta[0]), keep)]
             for i in range(n_params):
                 b = None if bounds[i] is None else lrs[i] * bounds[i]
                 adam_step(theta[0][i], new[i], v[i], bc2, lrs[i] * wds[i], lrs[i] / bc1, b)
@@ -100,7 +106,8 @@ def simulate_zero_one_adam(params0: Sequence[Tensor], grads: Sequence[Sequence[S
                         x = torch.add(acc[r][i], x, alpha=lrs[i] / bc1)
                         parts.append(x.mul_(bc1 / float(new_sum[i])))
                     inputs.append(_cat(parts))
-                new = [torch.where(k, mi, 0.0) for mi, k in zip(_split(comp(inputs), theta[0]), keep)]
+                exact = _mean(inputs) if exact_numel else None
+                new = [torch.where(k, mi, 0.0) for mi, k in zip(_split(comp(inputs, exact), theta[0]), keep)]
                 for i in range(n_params):
                     total = float(new_sum[i])
                     b = None if bounds[i] is None else total * bounds[i]

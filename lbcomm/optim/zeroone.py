@@ -68,8 +68,8 @@ class ZeroOneAdam(BaseOptimizer):
         self._last_kind: Optional[str] = None
         self._counts = {k: 0 for k in _KINDS}
         super().__init__(params, defaults, comm)
-        # every parameter compressed (exact_numel does not apply), on the flat reduction only
-        self._onebit = OneBitStage(self, exact_numel=0, flat_only=True)
+        # the parameters of at most comm.exact_numel elements averaged exactly, the flat reduction only
+        self._onebit = OneBitStage(self, exact_numel=self.comm.exact_numel, flat_only=True)
 
     @staticmethod
     def _initial_schedule() -> Dict[str, Any]:
@@ -337,7 +337,9 @@ ZeroOneAdam.__doc__ = r"""Implements 0/1 Adam (Lu et al., 2022, "Maximizing Comm
     Communication per step (4 ranks, n parameters, block scales aside): a variance step
     sends 2 (p-1)/p 4n bytes in one round per bucket; a 1-bit step or a sync about
     2 (p-1)/p n/8 bytes in 3 rounds (the finiteness agreement, an all-to-all, an
-    all-gather); a local step 6 bytes in 1 round. `comm_stats` counts what was sent.
+    all-gather), plus the fp32 mean of the ``exact_numel`` parameters (riding in the
+    agreement at a 1-bit step, one more round at a sync); a local step 6 bytes in 1
+    round. `comm_stats` counts what was sent.
 
     The paper's defaults: var_update_scaler :math:`\kappa` = 16, local_step_scaler
     :math:`\alpha` = 32678 (DeepSpeed's default, meant to be derived from the learning-rate
@@ -378,11 +380,14 @@ ZeroOneAdam.__doc__ = r"""Implements 0/1 Adam (Lu et al., 2022, "Maximizing Comm
         bias_correction (bool, optional): divide m by 1-b1^t and v by 1-b2^(n_v);
             False gives the published formulas (default: True)
         comm (lbcomm.CommConfig, optional): the communication settings, as in
-            :class:`OneBitAdam`, with two differences: ``topology`` "auto" resolves to the
+            :class:`OneBitAdam`, with these differences: ``topology`` "auto" resolves to the
             flat reduction (the local steps and syncs are built on it; a `Topology` of
-            several nodes raises ValueError), and ``exact_numel`` does not apply (every
-            parameter is compressed); ``max_update`` "warmup" is not supported, and
-            ``nonfinite`` applies to every rank's gradients (default: CommConfig())
+            several nodes raises ValueError); ``exact_numel``'s parameters take the exact
+            mean in place of the compressed one at every 1-bit step (from the mean gradient,
+            as OneBitAdam's) and every sync (the mean of the ranks' inputs, one fp32
+            allreduce of those coordinates), and local steps between syncs as the others;
+            ``max_update`` "warmup" is not supported, and ``nonfinite`` applies to every
+            rank's gradients (default: CommConfig())
 
     Example::
 

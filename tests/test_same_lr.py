@@ -1,0 +1,67 @@
+"""Regression guard for the same-lr parity of the 1-bit optimizers (docs/optimizers.md,
+"Same hyperparameters as the twin").
+
+A user who swaps Lamb for OneBitLamb, or AdamW for ZeroOneAdam, keeps the lr they tuned.
+Short runs of the suite's quick tasks (bench/tasks.py, 80 steps, 4 real gloo ranks, the
+suite's cosine schedule, seed 0) at one lr per task: the final validation loss
+of the 1-bit optimizer at its defaults over its twin's at the same lr must stay under
+LIMITS. The runs are deterministic (the same data, weights and reduction order), so each
+limit is the ratio bench.suite measured for that cell plus a margin of 0.02 (rounded up
+to the next 0.01) — what a regression in the defaults would cross, and what different
+CPUs' float rounding does not (bench/studies.md, "Same-lr parity").
+"""
+import pytest
+
+from dist_util import run_ranks
+
+# the lr of each quick task where the same-lr ratio was worst over the coarse grid
+# (bench.suite --quick, seed 0: bench/results/suite_quick_lamb_max_seed0.json and
+# suite_quick_zeroone_exact_seed0.json)
+LAMB_LRS = {"rare_features": 0.03, "dead_relu": 0.1, "zipf_embed": 0.03}
+ADAM_LRS = {"rare_features": 0.003, "dead_relu": 0.003, "zipf_embed": 0.03}
+PAIRS = {"onebit_lamb": "lamb", "zeroone": "adamw"}
+# (task, method): the largest same-lr ratio 1-bit / twin accepted (measured + 0.02, rounded up):
+# OneBitLamb 1.052 / 1.061 / 1.044, ZeroOneAdam 1.048 / 1.047 / 1.120
+LIMITS = {
+    ("rare_features", "onebit_lamb"): 1.08, ("dead_relu", "onebit_lamb"): 1.09, ("zipf_embed", "onebit_lamb"): 1.07,
+    ("rare_features", "zeroone"): 1.07, ("dead_relu", "zeroone"): 1.07, ("zipf_embed", "zeroone"): 1.14,
+}
+
+
+def _cases():
+    out = []
+    for task, lr in LAMB_LRS.items():
+        out += [(task, "lamb", lr), (task, "onebit_lamb", lr)]
+    for task, lr in ADAM_LRS.items():
+        out += [(task, "adamw", lr), (task, "zeroone", lr)]
+    return out
+
+
+def _runs(rank, world, cases):
+    from types import SimpleNamespace
+
+    from bench import suite
+    from bench import tasks as T
+
+    a = SimpleNamespace(onebit_options={}, hook_options={}, zeroone_options={}, schedule="cosine")
+    return [suite.one_run(rank, world, T.make_task(task, quick=True), method, lr, a) for task, method, lr in cases]
+
+
+@pytest.fixture(scope="module")
+def finals():
+    cases = _cases()
+    res = run_ranks(_runs, 4, cases, timeout=900)[0]
+    return {(task, method): r for (task, method, _), r in zip(cases, res)}
+
+
+@pytest.mark.parametrize("task,method", list(LIMITS))
+def test_same_lr_ratio_stays_within_its_limit(finals, task, method):
+    from bench import suite
+
+    twin, mine = finals[(task, PAIRS[method])], finals[(task, method)]
+    assert not suite.is_diverged(twin), f"{PAIRS[method]} itself diverged on {task}: {twin}"
+    assert not suite.is_diverged(mine), f"{method} diverged on {task} where {PAIRS[method]} converged: {mine}"
+    ratio = mine["final"] / twin["final"]
+    assert ratio <= LIMITS[(task, method)], (
+        f"{method} / {PAIRS[method]} on {task} at lr {mine['lr']}: same-lr ratio {ratio:.3f} "
+        f"(limit {LIMITS[(task, method)]})")
