@@ -98,8 +98,11 @@ def build(a, name, model, lr, opts):
     if name == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=wd)
     if name == "onebit_lamb":
-        return lbcomm.OneBitLamb(model.parameters(), lr=lr, betas=betas, weight_decay=wd, freeze_step=a.freeze,
-                   **optimizer_options(opts))
+        kw = optimizer_options(opts)
+        group = {"params": list(model.parameters())}
+        if "factor_threshold" in kw:  # a param-group option of OneBitLamb
+            group["factor_threshold"] = kw.pop("factor_threshold")
+        return lbcomm.OneBitLamb([group], lr=lr, betas=betas, weight_decay=wd, freeze_step=a.freeze, **kw)
     if name == "onebit_adam":
         return lbcomm.OneBitAdam(model.parameters(), lr=lr, betas=betas, weight_decay=wd, freeze_step=a.freeze,
                                  **optimizer_options(opts))

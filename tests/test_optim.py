@@ -704,6 +704,18 @@ def test_invalid_options_are_refused(kwargs, match):
                            {"params": model[3].parameters()}], freeze_step=5)
 
 
+def test_factor_threshold_is_a_param_group_option():
+    """OneBitLamb's rarely tuned factor_threshold is set per param group, not in the constructor."""
+    model = _mlp()
+    opt = lbcomm.OneBitLamb([{"params": model.parameters(), "factor_threshold": 0.25}], freeze_step=7)
+    assert opt.param_groups[0]["factor_threshold"] == 0.25
+    assert lbcomm.OneBitLamb(_mlp().parameters()).param_groups[0]["factor_threshold"] == 0.1
+    with pytest.raises(ValueError, match="factor_threshold"):
+        lbcomm.OneBitLamb([{"params": _mlp().parameters(), "factor_threshold": -1.0}])
+    with pytest.raises(TypeError):
+        lbcomm.OneBitLamb(_mlp().parameters(), factor_threshold=0.2)
+
+
 def test_every_hyperparameter_round_trips_through_the_state_dict():
     """Hyperparameters live in the param groups (as in torch); communication settings in
     the optimizer's CommConfig, not in the state dict."""
@@ -716,7 +728,7 @@ def test_every_hyperparameter_round_trips_through_the_state_dict():
     assert group["coeff_range"] == (0.1, 5.0) and group["factor_range"] == (0.25, 2.0)
     assert not COMM_FIELDS & set(group)
     assert opt.comm.block_size is None and opt.comm.nonfinite == "raise"
-    for cls, n in ((lbcomm.OneBitAdam, 9), (lbcomm.OneBitLamb, 13), (lbcomm.ZeroOneAdam, 12), (lbcomm.Lamb, 8),
+    for cls, n in ((lbcomm.OneBitAdam, 9), (lbcomm.OneBitLamb, 12), (lbcomm.ZeroOneAdam, 12), (lbcomm.Lamb, 8),
                    (lbcomm.Lars, 9)):  # params and comm included
         assert len(inspect.signature(cls).parameters) == n, cls
 

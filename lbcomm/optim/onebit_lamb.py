@@ -49,13 +49,12 @@ class OneBitLamb(BaseOptimizer):
         trust_ratio: str = "max",
         coeff_beta: float = 0.9,
         factor_range: Tuple[float, float] = (0.5, 4.0),
-        factor_threshold: float = 0.1,
         bias_correction: bool = True,
         comm: Optional[CommConfig] = None,
     ) -> None:
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, freeze_step=freeze_step,
                         coeff_range=tuple(coeff_range), trust_ratio=trust_ratio, coeff_beta=coeff_beta,
-                        factor_range=tuple(factor_range), factor_threshold=factor_threshold,
+                        factor_range=tuple(factor_range), factor_threshold=0.1,
                         bias_correction=bias_correction)
         self._scratch_u: Optional[Tensor] = None
         super().__init__(params, defaults, comm)
@@ -350,13 +349,17 @@ OneBitLamb.__doc__ = r"""Implements 1-bit LAMB: LAMB in the warmup, then a froze
         coeff_beta (float, optional): averaging factor of the frozen coefficient (default: 0.9)
         factor_range (Tuple[float, float], optional): (f_min, f_max), the bounds of the
             variance factor f of the frozen coefficient (default: (0.5, 4.0))
-        factor_threshold (float, optional): largest relative change of f per step (default: 0.1)
         bias_correction (bool, optional): as in :class:`OneBitAdam` (default: True)
         comm (lbcomm.CommConfig, optional): the communication settings, as in
             :class:`OneBitAdam`; ``max_update`` bounds each coordinate of u0 = m^ / (sqrt(v^) +
             eps), before weight decay and the LAMB coefficient ("warmup": per parameter
             tensor its largest |u0| after the last warmup step); under FSDP2 LAMB's norms
             are reduced over ``shard_group`` (default: CommConfig())
+
+    A parameter group may also set ``factor_threshold``, the largest relative change of f
+    from one step to the next (default: 0.1), e.g.
+    ``OneBitLamb([{"params": model.parameters(), "factor_threshold": 0.2}])``: a detail of
+    the published rule that is rarely tuned, kept out of the constructor.
 
     Example::
 
