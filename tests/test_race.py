@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-import lbcomm
 from lbcomm.cli import netem
 from lbcomm.cli.args import build_parser
 from lbcomm.cli.argtypes import UsageError
@@ -87,26 +86,25 @@ def _args(*argv):
     return build_parser().parse_args(["race", *argv])
 
 
-def test_methods_and_grid(monkeypatch):
-    monkeypatch.delattr(lbcomm, "OneBitLocalUpdates", raising=False)
-    args = _args("--bandwidth", "none", "--diloco-h", "8,32")
-    check(args, None)  # every method by default: the missing ones are left out with a note
+def test_methods_and_grid():
+    args = _args("--bandwidth", "none", "--diloco-h", "8,32", "--local-h", "4,16")
+    check(args, None)  # every method by default; diloco is left out with a note without torchft
     labels = [r["label"] for r in args.runs]
     assert labels[0] == "ddp" and "onebit_adam" in labels and "zeroone_adam" in labels
-    assert not any(label.startswith("onebit_local") for label in labels)
-    assert any(s["method"] == "onebit_local" and "OneBitLocalUpdates" in s["why"] for s in args.skipped)
+    assert [x for x in labels if x.startswith("onebit_local")] == ["onebit_local_h4", "onebit_local_h16"]
+    assert [r["sync_every"] for r in args.runs if r["label"].startswith("onebit_local")] == [4, 16]
     if HAS_TORCHFT:
         assert [x for x in labels if x.startswith("diloco")] == ["diloco_h8", "diloco_h32"]
-    with pytest.raises(UsageError, match="not available in this lbcomm"):
-        check(_args("--bandwidth", "none", "--methods", "ddp,onebit_local"), None)
+    else:
+        assert any(s["method"] == "diloco" and "torchft" in s["why"] for s in args.skipped)
+        with pytest.raises(UsageError, match="torchft"):
+            check(_args("--bandwidth", "none", "--methods", "ddp,diloco"), None)
 
 
-def test_onebit_local_grid_when_available(monkeypatch):
-    monkeypatch.setattr(lbcomm, "OneBitLocalUpdates", object, raising=False)
-    args = _args("--bandwidth", "none", "--methods", "onebit_local,ddp", "--local-h", "4,16")
+def test_methods_run_ddp_first():
+    args = _args("--bandwidth", "none", "--methods", "onebit_local,ddp", "--local-h", "4")
     check(args, None)
-    assert [r["label"] for r in args.runs] == ["ddp", "onebit_local_h4", "onebit_local_h16"]  # ddp first
-    assert [r["sync_every"] for r in args.runs] == [None, 4, 16]
+    assert [r["label"] for r in args.runs] == ["ddp", "onebit_local_h4"]
 
 
 def test_target_needs_ddp_or_a_loss():

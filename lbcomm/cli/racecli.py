@@ -69,8 +69,8 @@ def add_parser(sub, make) -> None:
     p.add_argument("--latency", default="50ms", help="with --bandwidth: tbf queue latency (default: 50ms)")
     p.add_argument("--burst", default="256kb", help="with --bandwidth: tbf burst (default: 256kb)")
     p.add_argument("--methods", type=_methods, default=None,
-                   help=f"comma-separated subset of {','.join(FAMILIES)} (default: all; diloco and onebit_local "
-                        "are left out with a note when torchft or lbcomm.OneBitLocalUpdates is missing)")
+                   help=f"comma-separated subset of {','.join(FAMILIES)} (default: all; diloco is left out "
+                        "with a note when torchft is not installed)")
     p.add_argument("--diloco-h", type=_comma(_positive), default=[16, 64],
                    help="diloco: inner steps per sync, one race each (default: 16,64)")
     p.add_argument("--local-h", type=_comma(_positive), default=[4, 8, 16],

@@ -46,11 +46,6 @@ def unavailable(family: str) -> Optional[str]:
     """Why `family` cannot run with the packages installed here, or None."""
     if family == "diloco" and importlib.util.find_spec("torchft") is None:
         return "diloco needs torchft (an optional dependency): `pip install torchft` (0.2.0)"
-    if family == "onebit_local":
-        import lbcomm
-
-        if not hasattr(lbcomm, "OneBitLocalUpdates"):
-            return "onebit_local is not available in this lbcomm (it has no lbcomm.OneBitLocalUpdates)"
     return None
 
 
