@@ -4,12 +4,15 @@
 Every rank trains on its own data with any torch optimizer (the *inner* optimizer) and
 nothing is communicated between synchronizations. Every `sync_every` (H) inner steps the
 outer pseudo-gradient Δ = θ_start − θ_local (the anchor θ_start is where the round began) is
-averaged over the ranks by lbcomm's error-feedback compressed allreduce (a `Reducer` from
-`make_reducer`: flat, or hierarchical on nodes), and an outer optimizer — Nesterov momentum
-SGD, as in DiLoCo — steps θ_start with the mean Δ as its gradient. Every rank then continues
+averaged over the ranks, and an outer optimizer — Nesterov momentum SGD, as in DiLoCo — steps
+θ_start with the mean Δ as its gradient. Compressed, each rank sends the outer momentum it
+would take, u = β b + Δ (b: the momentum buffer, identical on every rank), through lbcomm's
+error-feedback compressed allreduce (a `Reducer` from `make_reducer`: flat, or hierarchical
+on nodes), and the mean Δ is mean(u) − β b: like 1-bit Adam's momentum, u changes slowly
+from round to round, so its 1-bit form loses less than Δ's would. Every rank then continues
 from the same new θ (bitwise identical replicas). Each reducer keeps its worker and server
 error buffers across rounds, so the error-feedback invariant holds over the whole run: what
-one round's compression loses is added to the next round's Δ.
+one round's compression loses is added to the next round's u.
 
 ``compress=False`` averages Δ with a plain fp32 allreduce instead: DiLoCo itself, the same
 code as a baseline. ``fragments=K`` (Streaming DiLoCo) cuts the parameters into K runs of
@@ -231,6 +234,14 @@ class OneBitLocalUpdates:
             self.transport.all_reduce(delta, "mean")
             self.bytes_sent += int(ring_allreduce_bytes(4 * delta.numel(), self.world_size))
             return bool(torch.isfinite(delta).all())
+        # What is compressed is the outer momentum this rank would take, u = β b + Δ (b: the
+        # momentum buffer, identical on every rank), not Δ itself: u changes little from round
+        # to round, so its signs and block scales carry more of it than Δ's; the mean Δ that
+        # the outer SGD takes as its gradient is then mean(u) − β b.
+        beta = self.outer.param_groups[0]["momentum"]
+        buf = self.outer.state.get(frag.anchor, {}).get("momentum_buffer") if beta else None
+        if buf is not None:
+            delta.add_(buf, alpha=beta)
         exact = None
         if frag.exact is not None and self.world_size > 1:
             exact = self._exact_part_mean(delta.index_select(0, frag.exact))
@@ -240,6 +251,8 @@ class OneBitLocalUpdates:
             if exact is not None:
                 delta.index_copy_(0, frag.exact, exact)
                 frag.reducer.zero_errors_at(frag.exact)
+            if buf is not None:
+                delta.sub_(buf, alpha=beta)
         return bool(ok)
 
     def _exact_part_mean(self, values: Tensor) -> Tensor:

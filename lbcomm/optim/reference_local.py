@@ -4,10 +4,11 @@ the tests compare the distributed implementation against, bit for bit.
 
 Written from the algorithm (docs/local-updates.md), not from the implementation: the ranks'
 inner steps are the caller's `local_step`; every H inner steps (each fragment at its own
-phase) the per-rank pseudo-gradients Δ_r = θ_start − θ_r are averaged by the reference
+phase) the per-rank pseudo-gradients Δ_r = θ_start − θ_r are averaged exactly in fp32, or,
+compressed, each rank's outer momentum u_r = β buf + Δ_r goes through the reference
 compressed allreduce (`lbcomm.reference`, flat or hierarchical, error feedback per rank kept
-across rounds) or exactly in fp32, and Nesterov SGD steps θ_start with the mean, spelled
-out as torch.optim.SGD computes it; every rank then holds the new θ_start.
+across rounds) and mean(u) − β buf is the mean Δ; Nesterov SGD steps θ_start with it,
+spelled out as torch.optim.SGD computes it; every rank then holds the new θ_start.
 """
 from __future__ import annotations
 
@@ -64,13 +65,19 @@ def simulate_local_updates(params0: Sequence[Tensor], local_step: Callable[[int,
                 continue
             lo, hi, anchor = fr["lo"], fr["hi"], fr["anchor"]
             deltas = [anchor - torch.cat([x.reshape(-1) for x in theta[r][lo:hi]]) for r in range(p)]
-            exact_mean = _mean(deltas) if nodes in (None, 1, p) or not compress else _node_mean(deltas, nodes)
             if not compress:
-                g = exact_mean
-            elif p == 1:
-                g = deltas[0].clone()
+                g = _mean(deltas)
             else:
-                g = fr["comp"](deltas, exact_mean if exact_numel else None)
+                # compressed: each rank's outer momentum u_r = β buf + Δ_r; g = mean(u) − β buf
+                buf = fr["buf"] if outer_momentum else None
+                us = deltas if buf is None else [d.add(buf, alpha=outer_momentum) for d in deltas]
+                if p == 1:
+                    g = us[0].clone()
+                else:
+                    exact_mean = _mean(us) if nodes in (None, 1, p) else _node_mean(us, nodes)
+                    g = fr["comp"](us, exact_mean if exact_numel else None)
+                if buf is not None:
+                    g = g.sub(buf, alpha=outer_momentum)
             if outer_momentum:
                 fr["buf"] = g.clone() if fr["buf"] is None else fr["buf"].mul(outer_momentum).add(g)
                 g = g.add(fr["buf"], alpha=outer_momentum) if nesterov else fr["buf"]
