@@ -159,7 +159,7 @@ SLOW = {
                        "test_pieces_are_bitwise_the_whole[4-10000-256-2-lengths1]",
                        "test_weights_fused_match_reference_and_divide_multiply[3-4099]"},
     "test_bench_cli": {"test_allreduce_loopback_table", "test_allreduce_json_schema", "test_allreduce_plot",
-                       "test_train_loopback_tiny", "test_under_torchrun", "test_mpi_backend",
+                       "test_check_allreduce_doc_rejects", "test_train_loopback_tiny", "test_under_torchrun", "test_mpi_backend",
                        "test_allreduce_emulated_cluster", "test_emulated_cluster_torn_down_on_failure",
                        "test_emulated_cluster_torn_down_on_ctrl_c"},
     "test_checkpoint": {"test_resume_with_another_world_size_without_elastic_warns_resets_and_keeps_learning"},
