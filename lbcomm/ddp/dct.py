@@ -7,7 +7,6 @@ background thread are those of `onebit_hook` (`lbcomm.ddp.units`, `lbcomm.ddp.wo
 """
 import functools
 import logging
-import math
 from typing import Any, Dict, Optional, Sequence
 
 import torch
@@ -22,7 +21,7 @@ from ..exact import ExactMean
 from ..topology import Topology
 from .resume import ResumeCheck
 from .units import BucketPlanner, Plan, redistribute_units
-from .worker import BucketWorker
+from .worker import BucketWorker, ensure_idle, reduce_planned, units_error_norm
 
 __all__ = ["DCTHookState", "dct_hook"]
 
@@ -132,16 +131,12 @@ class DCTHookState:
         return self.worker
 
     def _ensure_idle(self, what: str) -> None:
-        busy = self.worker.busy() if self.worker is not None else 0
-        if busy:
-            raise RuntimeError(f"DCTHookState.{what}: {busy} bucket(s) are still being reduced; call it after the "
-                               "backward pass")
+        ensure_idle(self.worker, f"DCTHookState.{what}")
 
     # ------------------------------------------------------------------ statistics
     def error_norm(self) -> float:
         """L2 norm of this rank's residuals (every unit)."""
-        return math.sqrt(sum(float(u.compression.worker_error.double().square().sum())
-                             for u in self.planner.units()))
+        return units_error_norm(self.planner.units(), server=False)
 
     def compression_stats(self) -> Dict[str, Any]:
         """Totals since the start (carried over by checkpoints), plain numbers: ``bytes_sent``
@@ -215,20 +210,14 @@ def _new_reducer(state: DCTHookState, numel: int, device: torch.device) -> DCTRe
 
 def _reduce_bucket(state: DCTHookState, plan: Plan, report: bool, buf: torch.Tensor) -> None:
     """The sparse exchange of one bucket, in place, on the worker thread."""
-    skipped = False
-    world = state.worker.world_size
-    for unit, slices in plan:
-        unit.reduce(buf, slices)
-        skipped = skipped or unit.last_skipped
-        state.compressed_calls += not unit.fully_exact()
-        state.total_bytes_sent += unit.bytes_per_call()
-        dense = int(ring_allreduce_bytes(unit.compression.numel * buf.element_size(), world))
-        state.total_bytes_uncompressed += dense
-        if unit.bytes_per_call() > dense and not state._dense_warned:
+    def warn_dense(unit, sent: int, dense: int) -> None:
+        if sent > dense and not state._dense_warned:
             state._dense_warned = True
             _log.warning("dct_hook: a bucket's sparse exchange sent %s bytes where a full-precision allreduce sends "
-                         "%s (too many entries pass the threshold for %s ranks: lower density)", unit.bytes_per_call(),
-                         dense, world)
+                         "%s (too many entries pass the threshold for %s ranks: lower density)", sent, dense,
+                         state.worker.world_size)
+
+    skipped = reduce_planned(state, plan, buf, warn_dense)
     if skipped:
         state.skipped_calls += 1
         buf.fill_(float("nan"))

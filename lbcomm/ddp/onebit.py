@@ -18,6 +18,7 @@ from ..reducer import make_reducer
 from .normalize import Transform
 from .state import OneBitHookState
 from .units import Plan, Unit
+from .worker import reduce_planned
 
 __all__ = ["onebit_hook"]
 
@@ -69,15 +70,7 @@ def _configure(state: OneBitHookState, unit: Unit, device: torch.device) -> None
 def _reduce_bucket(state: OneBitHookState, plan: Plan, report_iter: Optional[int], buf: Tensor) -> None:
     """The compressed allreduce of one bucket, in place, on the worker thread; counts it in
     the statistics and logs them when `report_iter` is given."""
-    skipped = False
-    world = state.worker.world_size
-    for unit, slices in plan:
-        unit.reduce(buf, slices)
-        skipped = skipped or unit.last_skipped
-        state.compressed_calls += not unit.fully_exact()
-        state.total_bytes_sent += unit.bytes_per_call()
-        state.total_bytes_uncompressed += int(ring_allreduce_bytes(unit.compression.numel * buf.element_size(),
-                                                                   world))
+    skipped = reduce_planned(state, plan, buf)
     if skipped:
         state.skipped_calls += 1
         buf.fill_(float("nan"))  # what a plain allreduce of NaN/Inf gives, on every rank

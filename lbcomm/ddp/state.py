@@ -14,7 +14,7 @@ from ..topology import Topology
 from .normalize import GradientStats
 from .resume import ResumeCheck
 from .units import BucketPlanner, redistribute_units
-from .worker import BucketWorker
+from .worker import BucketWorker, ensure_idle, units_error_norm
 
 __all__ = ["OneBitHookState"]
 
@@ -275,20 +275,13 @@ class OneBitHookState:
         return self.iter
 
     def _ensure_idle(self, what: str) -> None:
-        busy = self.worker.busy() if self.worker is not None else 0
-        if busy:
-            raise RuntimeError(f"OneBitHookState.{what}: {busy} bucket(s) are still being reduced; call it after "
-                               "the backward pass (DDP waits for every bucket before backward returns)")
+        ensure_idle(self.worker, f"OneBitHookState.{what}")
 
     # ------------------------------------------------------------------ statistics
     def error_norm(self) -> float:
         """L2 norm of this rank's error feedback (worker and server errors of every unit).
         Reads device memory: call it outside the backward pass."""
-        total = 0.0
-        for unit in self.planner.units():
-            st = unit.compression
-            total += float(st.worker_error.double().square().sum()) + float(st.server_error.double().square().sum())
-        return math.sqrt(total)
+        return units_error_norm(self.planner.units())
 
     def compression_stats(self) -> Dict[str, Any]:
         """Totals since the start (or since the checkpoint was taken, carried over), plain

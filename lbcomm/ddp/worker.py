@@ -1,19 +1,23 @@
-"""The thread that runs `onebit_hook`'s compressed bucket reductions in bucket order
-(`BucketWorker`), on a private duplicate of the DDP process group and its transport."""
+"""The thread that runs the compressing hooks' bucket reductions in bucket order
+(`BucketWorker`), on a private duplicate of the DDP process group and its transport, and
+what `onebit_hook` and `dct_hook` share around it: the reduction of a planned bucket with
+its byte counts (`reduce_planned`), the idle check before a checkpoint (`ensure_idle`) and
+the norm of the units' error feedback (`units_error_norm`)."""
 import logging
+import math
 import queue
 import threading
 import weakref
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Iterable, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from ..comm import get_transport, world_info
-from ..common import new_future
+from ..common import new_future, ring_allreduce_bytes
 
-__all__ = ["BucketWorker"]
+__all__ = ["BucketWorker", "reduce_planned", "ensure_idle", "units_error_norm"]
 
 _log = logging.getLogger(__name__)
 
@@ -130,3 +134,45 @@ def _serve(ref, jobs: queue.SimpleQueue, threads: int) -> None:
         # Hold nothing between jobs: a finished job keeps the units, their process group
         # and the bucket alive, and an idle daemon thread must not outlive them at exit.
         del job, fut, buf, run, event, error, stream
+
+
+def reduce_planned(state, plan, buf: Tensor, on_unit: Optional[Callable[[Any, int, int], None]] = None) -> bool:
+    """Reduce `buf` in place by each unit of `plan` ((unit, slices) pairs) and add to the
+    hook state's totals: ``compressed_calls`` (units not wholly exact), ``total_bytes_sent``
+    (the unit's bytes per call) and ``total_bytes_uncompressed`` (a ring allreduce of the
+    same elements). ``on_unit(unit, sent, dense)`` sees each unit's two byte counts. Returns
+    whether a unit skipped its call (non-finite input on some rank)."""
+    skipped = False
+    world = state.worker.world_size
+    for unit, slices in plan:
+        unit.reduce(buf, slices)
+        skipped = skipped or unit.last_skipped
+        sent = unit.bytes_per_call()
+        dense = int(ring_allreduce_bytes(unit.compression.numel * buf.element_size(), world))
+        state.compressed_calls += not unit.fully_exact()
+        state.total_bytes_sent += sent
+        state.total_bytes_uncompressed += dense
+        if on_unit is not None:
+            on_unit(unit, sent, dense)
+    return skipped
+
+
+def ensure_idle(worker: Optional[BucketWorker], who: str) -> None:
+    """Refuse `who` (e.g. "OneBitHookState.state_dict") while buckets are in flight: the
+    error feedback they update would be saved or replaced half-way."""
+    busy = worker.busy() if worker is not None else 0
+    if busy:
+        raise RuntimeError(f"{who}: {busy} bucket(s) are still being reduced; call it after the backward pass (DDP "
+                           "waits for every bucket before backward returns)")
+
+
+def units_error_norm(units: Iterable[Any], server: bool = True) -> float:
+    """L2 norm of the units' worker error feedback (and server errors, if `server`), in
+    float64. Reads device memory: call it outside the backward pass."""
+    total = 0.0
+    for unit in units:
+        st = unit.compression
+        total += float(st.worker_error.double().square().sum())
+        if server:
+            total += float(st.server_error.double().square().sum())
+    return math.sqrt(total)
