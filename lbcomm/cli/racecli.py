@@ -56,8 +56,8 @@ def add_parser(sub, make) -> None:
              "time and is paused while the validation loss is measured (every --eval-every steps;\n"
              "local-update methods at their next sync). Methods: ddp, bf16 (torch's bf16_compress_hook),\n"
              "powersgd (torch's PowerSGD hook, rank 4), onebit_hook, onebit_adam, zeroone_adam (lbcomm),\n"
-             "diloco (torchft's DiLoCo, outer Nesterov SGD lr 0.7 momentum 0.9; needs torchft) and\n"
-             "onebit_local (lbcomm.OneBitLocalUpdates, the same outer step on 1-bit pseudo-gradients).",
+             "diloco (torchft's DiLoCo, outer Nesterov SGD, --outer-lr, momentum 0.9; needs torchft) and\n"
+             "onebit_local (lbcomm.OneBitLocalUpdates, the same outer step on the 1-bit compressed outer momentum).",
              "JSON: schema lbcomm-bench/race with config, params, skipped (methods not run, and why) and runs\n"
              "(one per bandwidth: bandwidth, target_loss, ddp_time_s, compute_step_s, rows); one row per\n"
              "method:\n" + describe_fields(RACE_ROW_FIELDS))
@@ -75,6 +75,9 @@ def add_parser(sub, make) -> None:
                    help="diloco: inner steps per sync, one race each (default: 16,64)")
     p.add_argument("--local-h", type=_comma(_positive), default=[4, 8, 16],
                    help="onebit_local: inner steps per sync, one race each (default: 4,8,16)")
+    p.add_argument("--outer-lr", type=_float_over(0, "learning rate"), default=0.7,
+                   help="diloco and onebit_local: the outer Nesterov SGD's learning rate, momentum 0.9 (default: "
+                        "0.7, DiLoCo's)")
     p.add_argument("--steps", type=_positive, default=100, help="ddp's step budget, which sets the target "
                                                                "(default: 100)")
     p.add_argument("--target-loss", type=_float_over(0, "loss"), default=None,
@@ -151,7 +154,7 @@ def _params(args, bandwidth: Optional[str]) -> Dict:
     model = dict(MODEL, d_model=args.d_model, layers=args.layers, heads=args.heads, seq_len=args.seq_len,
                  batch=args.batch)
     return dict(model=model, runs=args.runs, steps=args.steps, eval_every=args.eval_every, lr=args.lr,
-                warmup=args.warmup, freeze_step=args.freeze_step or max(2, args.steps // 10),
+                outer_lr=args.outer_lr, warmup=args.warmup, freeze_step=args.freeze_step or max(2, args.steps // 10),
                 time_cap_s=args.time_cap, cap_factor=args.cap, max_steps=args.max_steps_factor * args.steps,
                 target_loss=args.target_loss, val_seqs=args.val_seqs, seed=args.seed, threads=args.threads,
                 backend="gloo", progress=not args.no_progress, netem=bool(bandwidth), floor_steps=6)
@@ -217,8 +220,8 @@ def cmd_race(args, info) -> int:
                          compute_step_s=result["compute_step_s"], rows=_rows(result)))
     m = params["model"]
     config = dict(world_size=args.world_size, backend="gloo", threads_per_rank=args.threads, model=m,
-                  steps=args.steps, eval_every=args.eval_every, lr=args.lr, warmup=args.warmup,
-                  freeze_step=params["freeze_step"], cap=args.cap, time_cap_s=None if math.isinf(args.time_cap)
+                  steps=args.steps, eval_every=args.eval_every, lr=args.lr, outer_lr=args.outer_lr,
+                  warmup=args.warmup, freeze_step=params["freeze_step"], cap=args.cap, time_cap_s=None if math.isinf(args.time_cap)
                   else args.time_cap, target_loss=args.target_loss, latency=args.latency, burst=args.burst,
                   val_seqs=args.val_seqs, seed=args.seed, train_tokens=result["train_tokens"],
                   clock="training steps only, slowest rank; paused for evaluations")
