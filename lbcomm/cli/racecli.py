@@ -221,8 +221,9 @@ def cmd_race(args, info) -> int:
     m = params["model"]
     config = dict(world_size=args.world_size, backend="gloo", threads_per_rank=args.threads, model=m,
                   steps=args.steps, eval_every=args.eval_every, lr=args.lr, outer_lr=args.outer_lr,
-                  warmup=args.warmup, freeze_step=params["freeze_step"], cap=args.cap, time_cap_s=None if math.isinf(args.time_cap)
-                  else args.time_cap, target_loss=args.target_loss, latency=args.latency, burst=args.burst,
+                  warmup=args.warmup, freeze_step=params["freeze_step"], cap=args.cap,
+                  time_cap_s=None if math.isinf(args.time_cap) else args.time_cap, target_loss=args.target_loss,
+                  latency=args.latency, burst=args.burst,
                   val_seqs=args.val_seqs, seed=args.seed, train_tokens=result["train_tokens"],
                   clock="training steps only, slowest rank; paused for evaluations")
     doc = document("race", config=config, params=result["params"], skipped=args.skipped, runs=runs)

@@ -64,7 +64,7 @@ class Method:
     evaluate, `synced(step)` says whether the ranks hold one model after `step` steps."""
 
     def __init__(self, family: str, model: torch.nn.Module, *, lr: float, warmup: int, freeze_step: int,
-                 sync_every: Optional[int], transport, device: torch.device, outer_lr: float = 0.7):
+                 sync_every: Optional[int], transport, device: torch.device, outer_lr: float):
         self.family, self.module, self.sync_every = family, model, sync_every
         self._outer: Optional[Callable[[], object]] = None
         self._just_synced = False

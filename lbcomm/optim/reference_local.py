@@ -74,8 +74,10 @@ def simulate_local_updates(params0: Sequence[Tensor], local_step: Callable[[int,
                 if p == 1:
                     g = us[0].clone()
                 else:
-                    exact_mean = _mean(us) if nodes in (None, 1, p) else _node_mean(us, nodes)
-                    g = fr["comp"](us, exact_mean if exact_numel else None)
+                    exact_mean = None  # what the exact coordinates get, in the reduction's order
+                    if exact_numel:
+                        exact_mean = _mean(us) if nodes in (None, 1, p) else _node_mean(us, nodes)
+                    g = fr["comp"](us, exact_mean)
                 if buf is not None:
                     g = g.sub(buf, alpha=outer_momentum)
             if outer_momentum:
