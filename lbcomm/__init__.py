@@ -13,7 +13,8 @@ from .checkpoint import load_sharded, save_sharded
 from .compressed import CompressionState, NonFiniteError, compressed_allreduce, compressed_allreduce_
 from .config import CommConfig
 from .dct_mp import DCTBoundary
-from .ddp import DCTHookState, OneBitHookState, WarmupAverage, dct_hook, onebit_hook, warmup_average_hook
+from .ddp import (DCTHookState, OneBitHookState, WarmupAverage, dct_hook, local_gradients_hook, onebit_hook,
+                  warmup_average_hook)
 from .fsdp import OneBitHSDPState, onebit_hsdp
 from .integrations import attach
 from .local import OneBitLocalUpdates
@@ -33,6 +34,7 @@ __all__ = [
     "DmSGD",
     # local updates (DiLoCo-style) with 1-bit outer pseudo-gradients
     "OneBitLocalUpdates",
+    "local_gradients_hook",
     # communication settings
     "CommConfig",
     # hooks

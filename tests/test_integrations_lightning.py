@@ -106,3 +106,94 @@ def test_callback_refuses_rank_local_clipping_and_double_compression():
     assert LbcommCallback(hook_state=lbcomm.OneBitHookState())._lbcomm_optimizer(trainer(0.5, optimizer=sgd)) is None
     with pytest.raises(ValueError, match="nothing would be compressed"):
         LbcommCallback()._lbcomm_optimizer(trainer(optimizer=sgd))
+
+
+def test_lightning_local_updates_sync_and_resume_bitwise(tmp_path):
+    """LbcommCallback(local_updates=lambda module, opt: OneBitLocalUpdates(..., sync_every=4))
+    with SGD, accumulate_grad_batches=2 and Lightning's own (local) clipping: DDP sends
+    nothing, local.step() follows each of the 9 optimizer steps (not the 18 batches), the
+    replicas are bitwise identical after the synchronizations of steps 4 and 8 only, and
+    the run resumed from the mid-round step-6 checkpoint ends bitwise where the
+    uninterrupted one ends (every rank's weights, SGD state and local-updates state)."""
+    from integrations_checks import ring_bytes
+
+    torchrun(os.path.join(WORKERS, "lightning_worker.py"), tmp_path, "sgd_local")
+    r = results(tmp_path)
+    ring = ring_bytes(r[0]["numel"], 2)
+    for rank in range(2):
+        res = r[rank]
+        assert res["checkpoints"] == ["epoch=0-step=3.ckpt", "epoch=1-step=6.ckpt", "epoch=2-step=9.ckpt"]
+        assert (res["saved_world"], res["saved_ranks"]) == (2, 2)
+        assert res["resumed_batches"] == res["batches"][12:]
+        stats = res["stats"]
+        assert (stats["inner_steps"], stats["syncs"], stats["compressed_calls"]) == (9, 2, 2)
+        sent = res["local_sent"]
+        assert [s for s in range(2, 10) if sent[s] != sent[s - 1]] == [4, 8]
+        assert stats["bytes_per_sync"] * 10 < ring
+        # The probe reads the counters before each optimizer step: these steps' windows hold no
+        # synchronization (after steps 4 and 8) and no checkpoint (after steps 3 and 6).
+        for step in (2, 3, 6, 8):
+            assert res["bytes"][step] * 10 < ring, (step, res["bytes"][step], ring)
+        assert res["logged"] == {}
+        check_resume(res["full"], res["resumed"], ["params", "optimizer", "hook"])
+        assert torch.equal(res["resumed_params"][8], res["params"][8])
+    for step in range(1, 10):
+        assert not torch.equal(r[0]["grads"][step], r[1]["grads"][step]), step  # local gradients
+        assert torch.equal(r[0]["params"][step], r[1]["params"][step]) == (step in (4, 8)), step
+
+
+def test_lightning_with_dct_hook_state_resumes_bitwise(tmp_path):
+    """LbcommCallback(hook_state=DCTHookState(4, density=0.05)) with SGD: dct_hook averages the
+    first 4 steps in fp32, then sends a few percent of the entries; the gradients are the
+    same on both ranks; the resume from the step-6 checkpoint restores every rank's
+    residuals from rank 0's file and ends bitwise."""
+    from integrations_checks import ring_bytes
+
+    torchrun(os.path.join(WORKERS, "lightning_worker.py"), tmp_path, "sgd_dct")
+    r = results(tmp_path)
+    ring = ring_bytes(r[0]["numel"], 2)
+    for rank in range(2):
+        res = r[rank]
+        assert (res["saved_world"], res["saved_ranks"]) == (2, 2)
+        stats = res["stats"]
+        assert stats["iter"] == 9 and stats["compressed_calls"] >= 9 - FREEZE and stats["skipped_calls"] == 0
+        sent = res["hook_sent"]
+        for step in range(2, FREEZE + 1):
+            assert sent[step] - sent[step - 1] == ring, step
+        for step in range(FREEZE + 1, 10):
+            assert 0 < (sent[step] - sent[step - 1]) * 4 < ring, step
+        check_resume(res["full"], res["resumed"], ["params", "optimizer", "hook"])
+    for step in range(1, 10):
+        assert torch.equal(r[0]["grads"][step], r[1]["grads"][step]), step
+
+
+def test_callback_checks_local_updates_and_dct_hook_state():
+    """Checked at fit start: local updates whose inner optimizer is not what
+    configure_optimizers returned, a factory that returns something else, a DCTHookState
+    with a 1-bit optimizer; at construction: local updates with max_grad_norm or hook_state."""
+    from types import SimpleNamespace
+
+    import lbcomm
+    from lbcomm.errors import DoubleCompressionError
+    from lbcomm.integrations.lightning import LbcommCallback
+
+    model = torch.nn.Linear(4, 4)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    local = lbcomm.OneBitLocalUpdates(model.parameters(), sgd, 2)
+
+    def trainer(optimizer, clip=None):
+        return SimpleNamespace(optimizers=[optimizer], gradient_clip_val=clip, gradient_clip_algorithm=None)
+
+    assert LbcommCallback(local_updates=local)._lbcomm_optimizer(trainer(sgd, clip=0.5)) is None  # local clipping
+    with pytest.raises(ValueError, match="not the OneBitLocalUpdates' inner optimizer"):
+        LbcommCallback(local_updates=local)._lbcomm_optimizer(trainer(torch.optim.SGD(model.parameters(), lr=0.1)))
+    with pytest.raises(ValueError, match="clips it by its own norm"):
+        LbcommCallback(local_updates=local, max_grad_norm=1.0)
+    with pytest.raises(ValueError, match="pass one of them"):
+        LbcommCallback(hook_state=lbcomm.DCTHookState(2), local_updates=local)
+    with pytest.raises(TypeError, match="must return a lbcomm.OneBitLocalUpdates"):
+        LbcommCallback(local_updates=lambda module, opt: opt).on_fit_start(trainer(sgd), model)
+    onebit = lbcomm.OneBitLamb(model.parameters(), lr=1e-3, freeze_step=2)
+    with pytest.raises(DoubleCompressionError, match="DCTHookState's dct_hook"):
+        LbcommCallback(hook_state=lbcomm.DCTHookState(2))._lbcomm_optimizer(trainer(onebit))
+    assert LbcommCallback(hook_state=lbcomm.DCTHookState(2))._lbcomm_optimizer(trainer(sgd, clip=0.5)) is None

@@ -149,3 +149,102 @@ def test_callback_logs_its_norm_and_refuses_bad_settings(tmp_path):
     with pytest.raises(ValueError, match="nothing would be compressed"):
         _begin(LbcommCallback(trainer), trainer, opt)
     _begin(LbcommCallback(trainer, hook_state=lbcomm.OneBitHookState()), trainer, opt)  # the hook: Trainer clips
+
+
+def test_callback_takes_local_updates_and_a_dct_hook_state(tmp_path):
+    """One process, no DDP: local updates given as the object or as a function of the
+    Trainer's model and optimizer, local.step() after every optimizer step; the refusals
+    (another optimizer than the inner one, max_grad_norm or hook_state beside them, a
+    DCTHookState with a 1-bit optimizer)."""
+    import lbcomm
+    from lbcomm.errors import DoubleCompressionError
+    from lbcomm.integrations.transformers import LbcommCallback
+
+    trainer, opt = _trainer(tmp_path, lambda m: torch.optim.AdamW(m.parameters()), 1.0)
+    local = lbcomm.OneBitLocalUpdates(trainer.model.parameters(), opt, 2)
+    cb = LbcommCallback(trainer, local_updates=local)
+    _begin(cb, trainer, opt)  # the Trainer's own clipping stays: it clips each rank's gradient
+    cb.on_optimizer_step(trainer.args, None, None)
+    assert local.inner_steps == 1
+    built = []
+    cb = LbcommCallback(trainer, local_updates=lambda model, inner: built.append(
+        lbcomm.OneBitLocalUpdates(model.parameters(), inner, 2)) or built[-1])
+    _begin(cb, trainer, opt)
+    assert cb.local_updates is built[0] and built[0].inner is opt and built[0].params[0] is trainer.model.weight
+    other = lbcomm.OneBitLocalUpdates(trainer.model.parameters(), torch.optim.SGD(trainer.model.parameters()), 2)
+    with pytest.raises(ValueError, match="not the OneBitLocalUpdates' inner optimizer"):
+        _begin(LbcommCallback(trainer, local_updates=other), trainer, opt)
+    with pytest.raises(ValueError, match="clips it by its own norm"):
+        LbcommCallback(trainer, local_updates=local, max_grad_norm=1.0)
+    with pytest.raises(ValueError, match="pass one of them"):
+        LbcommCallback(trainer, hook_state=lbcomm.DCTHookState(2), local_updates=local)
+    with pytest.raises(TypeError, match="must be a lbcomm.OneBitLocalUpdates"):
+        LbcommCallback(trainer, local_updates=3)
+    _begin(LbcommCallback(trainer, hook_state=lbcomm.DCTHookState(2)), trainer, opt)
+
+    def onebit(m):
+        return lbcomm.OneBitAdam(m.parameters(), lr=1e-3, freeze_step=2)
+
+    trainer, opt = _trainer(tmp_path, onebit, 0)
+    with pytest.raises(DoubleCompressionError, match="DCTHookState's dct_hook"):
+        _begin(LbcommCallback(trainer, hook_state=lbcomm.DCTHookState(2)), trainer, opt)
+
+
+def test_trainer_local_updates_sync_and_resume_bitwise(tmp_path):
+    """LbcommCallback(trainer, local_updates=OneBitLocalUpdates(..., sync_every=4)) with
+    AdamW inside, gradient accumulation 2 and the Trainer's own (local) clipping: DDP sends
+    nothing (every rank's gradient stays its own), local.step() follows each of the 9
+    optimizer steps, the replicas are bitwise identical after the synchronizations of steps
+    4 and 8 only, and the run resumed from the mid-round checkpoint-6 ends bitwise where
+    the uninterrupted one ends (every rank's weights, AdamW state and local-updates state)."""
+    from integrations_checks import ring_bytes
+
+    torchrun(os.path.join(WORKERS, "trainer_worker.py"), tmp_path, "adamw_local")
+    r = results(tmp_path)
+    ring = ring_bytes(r[0]["numel"], 2)
+    for rank in range(2):
+        res = r[rank]
+        assert res["checkpoints"] == ["checkpoint-6", "checkpoint-9"]
+        assert {"shard-00000-of-00002.pt", "shard-00001-of-00002.pt"} <= set(res["shards"])
+        stats = res["hook_stats"]
+        assert (stats["inner_steps"], stats["syncs"], stats["compressed_calls"]) == (9, 2, 2)
+        sent = res["hook_sent"]
+        assert [s for s in range(2, 10) if sent[s] != sent[s - 1]] == [4, 8]
+        assert sent[4] - sent[3] == stats["bytes_per_sync"] and stats["bytes_per_sync"] * 10 < ring
+        for step in (2, 5, 6):  # no synchronization, no checkpoint: DDP's allreduce is off
+            assert res["bytes"][step] * 10 < ring, (step, res["bytes"][step], ring)
+        check_resume(res["full"], res["resumed"], ["params", "optimizer", "hook"])
+        assert torch.equal(res["resumed_params"][8], res["params"][8])
+    for step in range(1, 10):
+        assert not torch.equal(r[0]["grads"][step], r[1]["grads"][step]), step  # local gradients
+        assert torch.equal(r[0]["params"][step], r[1]["params"][step]) == (step in (4, 8)), step
+
+
+def test_trainer_with_dct_hook_state_resumes_bitwise(tmp_path):
+    """LbcommCallback(trainer, hook_state=DCTHookState(4, density=0.05)) with AdamW: dct_hook
+    averages the first 4 steps in fp32, then sends a few percent of the entries (the TCP
+    bytes and the state's own count say so); the gradients are the same on both ranks; the
+    resume from checkpoint-6 restores the residuals and ends bitwise."""
+    from integrations_checks import ring_bytes
+
+    torchrun(os.path.join(WORKERS, "trainer_worker.py"), tmp_path, "adamw_dct")
+    r = results(tmp_path)
+    ring = ring_bytes(r[0]["numel"], 2)
+    for rank in range(2):
+        res = r[rank]
+        assert res["checkpoints"] == ["checkpoint-6", "checkpoint-9"]
+        stats = res["hook_stats"]
+        assert stats["iter"] == STEPS and stats["compressed_calls"] >= STEPS - FREEZE and stats["skipped_calls"] == 0
+        sent = res["hook_sent"]
+        for step in range(2, FREEZE + 1):
+            assert sent[step] - sent[step - 1] == ring, step
+        for step in range(FREEZE + 1, 10):
+            assert 0 < (sent[step] - sent[step - 1]) * 4 < ring, step
+        for step in (8, 9):  # on the wire too: DDP's allreduce is replaced
+            assert res["bytes"][step] * 4 < ring, (step, res["bytes"][step], ring)
+        check_resume(res["full"], res["resumed"], ["params", "optimizer", "hook"])
+    for step in range(1, 10):
+        assert torch.equal(r[0]["grads"][step], r[1]["grads"][step]), step
+
+
+STEPS = 9  # trainer_worker.py's STEPS

@@ -10,6 +10,8 @@
   which bucket is in `units.py`, the thread that runs the compressed calls in `worker.py`.
 * `dct_hook` with a `DCTHookState` (`dct.py`): DCT, the thresholded sparse exchange of
   every bucket with residuals (docs/dct.md), on the same units and thread.
+* `local_gradients_hook` (`local_gradients.py`): no communication at all, every rank keeps
+  its own gradient; for local updates (`lbcomm.OneBitLocalUpdates`) under a DDP wrapper.
 
 `onebit_hook` together with a 1-bit optimizer would compress the same gradients twice:
 the optimizer's averaged-gradients probe raises `lbcomm.errors.AveragedGradientsError`
@@ -26,10 +28,11 @@ Example::
     >>> model.register_comm_hook(state, lbcomm.onebit_hook)
 """
 from .dct import DCTHookState, dct_hook
+from .local_gradients import local_gradients_hook
 from .onebit import onebit_hook
 from .resume import MissingHookStateWarning
 from .state import OneBitHookState
 from .warmup import WarmupAverage, warmup_average_hook
 
 __all__ = ["WarmupAverage", "warmup_average_hook", "OneBitHookState", "onebit_hook", "MissingHookStateWarning", "DCTHookState",
-           "dct_hook"]
+           "dct_hook", "local_gradients_hook"]

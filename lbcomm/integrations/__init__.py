@@ -1,8 +1,9 @@
 """Wiring lbcomm into training frameworks.
 
 * `attach(model, optimizer_or_hook_state)`: registers the right DDP communication hook
-  on the DistributedDataParallel inside accelerate's, Lightning's, transformers' or
-  torch.compile's wrappers (no framework needed).
+  (for a lbcomm optimizer, a `OneBitHookState` or `DCTHookState`, or a
+  `OneBitLocalUpdates`) on the DistributedDataParallel inside accelerate's, Lightning's,
+  transformers' or torch.compile's wrappers (no framework needed).
 * `lbcomm.integrations.transformers.LbcommCallback` (needs ``transformers``),
   `lbcomm.integrations.lightning.LbcommCallback` (needs ``lightning``): attach at the
   start of training, keep every rank's lbcomm state in the framework's checkpoints and

@@ -11,14 +11,27 @@ DDP that wraps it) and added with the Trainer's public ``add_callback``.
 * Train begin: registers the right DDP communication hook on ``trainer.model_wrapped``
   (`lbcomm.attach`): with a lbcomm optimizer passed as ``Trainer(optimizers=(opt, sched))``
   DDP stops its full-precision allreduce after the freeze; with
-  ``LbcommCallback(trainer, hook_state=lbcomm.OneBitHookState(...))`` every gradient
-  bucket of any optimizer goes through the 1-bit allreduce (a 1-bit optimizer there
-  raises `lbcomm.errors.DoubleCompressionError`).
+  ``LbcommCallback(trainer, hook_state=lbcomm.OneBitHookState(...))`` (or a
+  `lbcomm.DCTHookState`) every gradient bucket of any optimizer goes through the 1-bit
+  allreduce (or the thresholded sparse exchange; a 1-bit optimizer there raises
+  `lbcomm.errors.DoubleCompressionError`).
+* Local updates: with ``LbcommCallback(trainer, local_updates=local)`` (a
+  `lbcomm.OneBitLocalUpdates` whose inner optimizer is the Trainer's,
+  ``Trainer(optimizers=(local.inner, scheduler))``) DDP communicates nothing
+  (`lbcomm.ddp.local_gradients_hook`): every rank steps on its own gradient, and the
+  callback calls ``local.step()`` after every optimizer step (``on_optimizer_step``: once
+  per ``gradient_accumulation_steps`` micro-batches, gradients still in place, before the
+  scheduler steps), which synchronizes the ranks every ``sync_every`` steps. It also
+  follows a step that the fp16 grad scaler skipped, so that every rank synchronizes at the
+  same step. The Trainer's ``max_grad_norm`` clips each rank's gradient by its own norm,
+  as DiLoCo's inner steps do (its logged ``grad_norm`` is that rank's own norm).
 * Every checkpoint: each rank writes its shard into ``checkpoint-N/``
   (``shard-<rank>-of-<world>.pt``, `lbcomm.save_sharded`): the full optimizer state of
   that rank (including its compression error feedback, which differs between ranks and
-  which the Trainer's rank-0 ``optimizer.pt`` cannot hold) and the hook state.
-  ``save_total_limit`` removes the shards together with their checkpoint directory.
+  which the Trainer's rank-0 ``optimizer.pt`` cannot hold) and the hook state. With local
+  updates: the local updates' state, the inner optimizer's state and the model's weights
+  of that rank (between synchronizations every rank has its own). ``save_total_limit``
+  removes the shards together with their checkpoint directory.
 * Resume (``trainer.train(resume_from_checkpoint=...)``): after the Trainer has loaded
   its own files, every rank loads its shard, so the continuation is bitwise identical to
   a run that never stopped (same world size).
@@ -40,15 +53,16 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Optional
+from typing import Callable, Optional, Union
 
 from transformers import Trainer, TrainerCallback
 
 from ..checkpoint import load_sharded, save_sharded, shard_path
 from ..comm import get_transport
-from ..ddp import OneBitHookState
-from .attach import (LBCOMM_OPTIMIZERS, attach, check_callback_args, check_not_communicating, refuse_norm_clipping,
-                     unwrap_optimizer)
+from ..ddp import DCTHookState, OneBitHookState
+from ..local import OneBitLocalUpdates
+from .attach import (LBCOMM_OPTIMIZERS, attach, check_callback_args, check_local_updates, check_not_communicating,
+                     make_local_updates, refuse_norm_clipping, unwrap_optimizer)
 
 __all__ = ["LbcommCallback"]
 
@@ -62,10 +76,18 @@ class LbcommCallback(TrainerCallback):
         trainer (Trainer): the Trainer this callback serves; add the callback to it with
             ``trainer.add_callback(LbcommCallback(trainer, ...))``. Its DDP is read from
             ``trainer.model_wrapped`` when training begins.
-        hook_state (OneBitHookState, optional): compress the gradients of an optimizer
-            that does not communicate by itself with `lbcomm.onebit_hook`; leave it None
-            when the Trainer's optimizer is a lbcomm optimizer
-            (``optimizers=(lbcomm.OneBitAdam(...), scheduler)``) (default: None).
+        hook_state (OneBitHookState or DCTHookState, optional): compress the gradients of
+            an optimizer that does not communicate by itself with `lbcomm.onebit_hook` (or
+            `lbcomm.dct_hook`); leave it None when the Trainer's optimizer is a lbcomm
+            optimizer (``optimizers=(lbcomm.OneBitAdam(...), scheduler)``) (default: None).
+        local_updates (OneBitLocalUpdates or callable, optional): train with local
+            updates: DDP communicates nothing, ``local.step()`` follows every optimizer
+            step. Its inner optimizer must be the Trainer's
+            (``optimizers=(local.inner, scheduler)``); build it after the
+            ``TrainingArguments`` (they initialize torch.distributed, which it needs). Or a
+            function ``(model, optimizer) -> OneBitLocalUpdates``, called when training
+            begins with the Trainer's model and optimizer (also one the Trainer created).
+            Not with ``hook_state=`` or ``max_grad_norm=`` (default: None).
         warmup_fp16 (bool, optional): average the warmup gradients of a lbcomm optimizer
             in fp16 (default: False).
         resume_from_checkpoint (str, optional): where the shards of a resumed run are;
@@ -83,7 +105,8 @@ class LbcommCallback(TrainerCallback):
     Raises (when training begins):
         ValueError: a lbcomm optimizer with ``TrainingArguments(max_grad_norm > 0)`` (the
             Trainer would clip every rank by its own norm: set it to 0 and pass
-            ``max_grad_norm=`` here); neither a lbcomm optimizer nor a hook state; the
+            ``max_grad_norm=`` here); neither a lbcomm optimizer nor a hook state nor local
+            updates; local updates whose inner optimizer is not the Trainer's; the
             callback was added to another Trainer than its own.
         lbcomm.errors.DoubleCompressionError: a hook state with a 1-bit optimizer.
 
@@ -95,17 +118,26 @@ class LbcommCallback(TrainerCallback):
         >>> trainer = Trainer(model=model, args=args, train_dataset=ds, optimizers=(opt, None))
         >>> trainer.add_callback(LbcommCallback(trainer, max_grad_norm=1.0))
         >>> trainer.train()                                  # or resume_from_checkpoint=True
+        >>> # local updates: any torch optimizer inside, the ranks meet every 32 steps
+        >>> inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        >>> local = lbcomm.OneBitLocalUpdates(model.parameters(), inner, sync_every=32)
+        >>> trainer = Trainer(model=model, args=args, train_dataset=ds, optimizers=(inner, None))
+        >>> trainer.add_callback(LbcommCallback(trainer, local_updates=local))
     """
 
-    def __init__(self, trainer: Trainer, hook_state: Optional[OneBitHookState] = None, *, warmup_fp16: bool = False,
+    def __init__(self, trainer: Trainer, hook_state: Optional[Union[OneBitHookState, DCTHookState]] = None, *,
+                 local_updates: Optional[Union[OneBitLocalUpdates, Callable[..., OneBitLocalUpdates]]] = None, warmup_fp16: bool = False,
                  resume_from_checkpoint: Optional[str] = None, strict: bool = True,
                  max_grad_norm: Optional[float] = None):
         if not isinstance(trainer, Trainer):
             raise TypeError(f"LbcommCallback: the first argument is the transformers Trainer the callback serves, got "
                             f"{type(trainer).__name__}: trainer.add_callback(LbcommCallback(trainer, hook_state=...))")
-        check_callback_args("LbcommCallback", hook_state, max_grad_norm)
+        check_callback_args("LbcommCallback", hook_state, max_grad_norm, local_updates)
         self.trainer = trainer
         self.hook_state = hook_state
+        # the local updates, or the function that builds them when training begins
+        self.local_updates = local_updates if isinstance(local_updates, OneBitLocalUpdates) else None
+        self._make_local = None if local_updates is None or self.local_updates is not None else local_updates
         self.warmup_fp16 = warmup_fp16
         self.resume_from_checkpoint = resume_from_checkpoint
         self.strict = strict
@@ -117,10 +149,14 @@ class LbcommCallback(TrainerCallback):
 
     # ------------------------------------------------------------------ attach
     def _lbcomm_optimizer(self, args, optimizer):
-        """The lbcomm optimizer to attach (None with a hook state), after every check of
-        the settings, so that a refused setup registers nothing."""
+        """The lbcomm optimizer to attach (None with a hook state or local updates), after
+        every check of the settings, so that a refused setup registers nothing."""
+        if self.local_updates is not None:  # the Trainer's optimizer must be the inner one
+            check_local_updates("LbcommCallback", self.local_updates, [optimizer])
+            return None
         if self.hook_state is not None:
-            check_not_communicating("LbcommCallback", optimizer)  # a 1-bit optimizer: DoubleCompressionError
+            # a 1-bit optimizer: DoubleCompressionError
+            check_not_communicating("LbcommCallback", optimizer, self.hook_state)
             if self.max_grad_norm is not None:
                 raise ValueError("LbcommCallback: max_grad_norm clips with a lbcomm optimizer's clip_grad_norm_; with "
                                  "hook_state= the gradients are averaged by the hook, so use the Trainer's "
@@ -129,10 +165,10 @@ class LbcommCallback(TrainerCallback):
         opt = unwrap_optimizer(optimizer)
         if not isinstance(opt, LBCOMM_OPTIMIZERS):
             raise ValueError(f"LbcommCallback: the Trainer's optimizer is {type(opt).__name__}, not a lbcomm "
-                             "optimizer, and no hook_state was given, so nothing would be compressed. Pass "
-                             "optimizers=(lbcomm.OneBitAdam(model.parameters(), ...), scheduler) to the Trainer, or "
-                             "LbcommCallback(trainer, hook_state=lbcomm.OneBitHookState(start_iter=...)) for this "
-                             "optimizer")
+                             "optimizer, and neither hook_state nor local_updates was given, so nothing would be "
+                             "compressed. Pass optimizers=(lbcomm.OneBitAdam(model.parameters(), ...), scheduler) to "
+                             "the Trainer, or LbcommCallback(trainer, hook_state=lbcomm.OneBitHookState(start_iter="
+                             "...)) for this optimizer")
         if args.max_grad_norm and args.max_grad_norm > 0:
             clip = args.max_grad_norm
             refuse_norm_clipping(f"TrainingArguments(max_grad_norm={clip})", "set TrainingArguments(max_grad_norm=0)",
@@ -144,16 +180,31 @@ class LbcommCallback(TrainerCallback):
         if model is not None and model is not self.trainer.model:
             raise ValueError("LbcommCallback: this callback was built for another Trainer; add "
                              "LbcommCallback(trainer) to the Trainer it was built with")
+        if self._make_local is not None:
+            self.local_updates = make_local_updates("LbcommCallback", self._make_local, self.trainer.model, [optimizer])
         self._optimizer = self._lbcomm_optimizer(args, optimizer)
         if self._transport is None:
             self._transport = get_transport(None, backend="torch")
         if self._optimizer is not None:
             self.ddp = attach(self.trainer.model_wrapped, self._optimizer, warmup_fp16=self.warmup_fp16)
         else:
-            self.ddp = attach(self.trainer.model_wrapped, self.hook_state, optimizer=optimizer,
+            self.ddp = attach(self.trainer.model_wrapped, self._rank_local(), optimizer=optimizer,
                               warmup_fp16=self.warmup_fp16)
         if state.global_step > 0:
             self._restore(args, state)
+
+    def _rank_local(self):
+        """The hook state or local updates (None with a lbcomm optimizer): attached with the
+        Trainer's optimizer, and saved in every rank's shard as its ``hook_state``."""
+        return self.hook_state if self.hook_state is not None else self.local_updates
+
+    def _shard_contents(self):
+        """(optimizer, model) of this rank's shard: a lbcomm optimizer's full state (its
+        error feedback differs between ranks); with local updates the inner optimizer's
+        state and the model's weights, both this rank's own between synchronizations."""
+        if self.local_updates is not None:
+            return self.local_updates.inner, self.trainer.model
+        return self._optimizer, None
 
     # ------------------------------------------------------------------ checkpoints
     def _checkpoint_dirs(self, args, state):
@@ -173,15 +224,21 @@ class LbcommCallback(TrainerCallback):
             found = next((d for d in dirs if os.path.isdir(d) and any(
                 f.startswith("shard-") for f in os.listdir(d))), None)
         if found is None:
-            msg = (f"LbcommCallback: resuming at step {state.global_step} but no lbcomm shard "
-                   f"({os.path.basename(shard_path('.', rank, world))}) in {dirs}; the Trainer's optimizer.pt holds "
-                   "rank 0's error feedback only. Pass LbcommCallback(trainer, resume_from_checkpoint=<checkpoint "
-                   "dir>), or strict=False to continue with the other ranks' error feedback reset")
+            where = (f"LbcommCallback: resuming at step {state.global_step} but no lbcomm shard "
+                     f"({os.path.basename(shard_path('.', rank, world))}) in {dirs}")
+            if self.local_updates is not None:  # its anchors would be the weights it was built with: wrong steps
+                raise FileNotFoundError(f"{where}; the local updates' state (the round's start, the outer momentum) "
+                                        "and every rank's own weights are only there. Pass LbcommCallback(trainer, "
+                                        "local_updates=..., resume_from_checkpoint=<checkpoint dir>)")
+            msg = (f"{where}; the Trainer's optimizer.pt holds rank 0's error feedback only. Pass "
+                   "LbcommCallback(trainer, resume_from_checkpoint=<checkpoint dir>), or strict=False to continue "
+                   "with the other ranks' error feedback reset")
             if self.strict:
                 raise FileNotFoundError(msg)
             _log.warning("%s", msg)
             return
-        info = load_sharded(found, self._optimizer, hook_state=self.hook_state)  # any world size (elastic)
+        optimizer, model = self._shard_contents()
+        info = load_sharded(found, optimizer, model, hook_state=self._rank_local())  # any world size (elastic)
         extra = info["extra"] or {}
         if extra.get("global_step") != state.global_step:
             raise ValueError(f"LbcommCallback: the lbcomm shard in {found!r} was saved at step "
@@ -196,13 +253,23 @@ class LbcommCallback(TrainerCallback):
         if self.max_grad_norm is not None:
             self.grad_norm = self._optimizer.clip_grad_norm_(self.max_grad_norm)
 
+    # ------------------------------------------------------------------ local updates
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        # Right after the Trainer's optimizer.step() (the gradients are still there for the
+        # local updates' averaged-gradients probe), once per optimizer step whatever the
+        # gradient accumulation; every rank counts the same steps.
+        if self.local_updates is not None:
+            self.local_updates.step()
+
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self.max_grad_norm is not None and self.grad_norm is not None and logs is not None:
             logs["lbcomm_grad_norm"] = float(self.grad_norm)
 
     def on_save(self, args, state, control, **kwargs):
         directory = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-        save_sharded(directory, self._optimizer, extra={"global_step": state.global_step}, hook_state=self.hook_state)
+        optimizer, model = self._shard_contents()
+        save_sharded(directory, optimizer, model, extra={"global_step": state.global_step},
+                     hook_state=self._rank_local())
 
     def on_train_end(self, args, state, control, **kwargs):
         # The Trainer's last collective (store_flos's all_gather) is not lbcomm's: it leaves a

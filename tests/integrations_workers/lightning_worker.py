@@ -1,12 +1,15 @@
 """Lightning (strategy "ddp", CPU, gloo) + lbcomm's LbcommCallback on 2 ranks (run by torchrun).
 
-argv: out_dir optimizer(onebit_lamb|sgd_hook|onebit_lamb_clip)
+argv: out_dir optimizer(onebit_lamb|sgd_hook|onebit_lamb_clip|sgd_dct|sgd_local)
 Run 1 trains 3 epochs of 3 optimizer steps (freeze / compression start after step 4,
 accumulate_grad_batches=2, clipping (the callback's shared norm for a lbcomm optimizer,
-gradient_clip_val under the hook), a LambdaLR schedule), checkpointing every
-epoch; it records per step the gradients the optimizer sees and the TCP bytes this rank
-sent. Run 2 resumes from the epoch-2 checkpoint (step 6, mid-compression) in a fresh
-Trainer. Both runs' final parameters and lbcomm state are saved for the test.
+gradient_clip_val under a hook or with local updates), a LambdaLR schedule), checkpointing every
+epoch; it records per step the gradients the optimizer sees, the weights after the step
+and the TCP bytes this rank sent. Run 2 resumes from the epoch-2 checkpoint (step 6,
+mid-compression) in a fresh Trainer. Both runs' final parameters and lbcomm state are
+saved for the test. sgd_dct: SGD under a DCTHookState; sgd_local: SGD inside
+OneBitLocalUpdates(sync_every=SYNC), built by the callback at fit start (synchronized
+after steps 4 and 8; the step-6 checkpoint is mid-round).
 """
 import os
 import sys
@@ -24,6 +27,7 @@ out, kind = sys.argv[1], sys.argv[2]
 FREEZE, STEPS = 4, 9
 CLIP = 0.02  # onebit_lamb_clip: LbcommCallback(max_grad_norm=CLIP), Lightning's clipping off
 SOME_CLIP = 0.5  # onebit_lamb: LbcommCallback(max_grad_norm=); sgd_hook: Trainer(gradient_clip_val=)
+SYNC = 4  # sgd_local: inner steps per synchronization
 
 
 class Net(pl.LightningModule):
@@ -53,9 +57,11 @@ class Net(pl.LightningModule):
 
 
 class Probe(Callback):
-    def __init__(self, hook_state):
+    def __init__(self, hook_state, lbcomm_callback):
         self.hook_state = hook_state
+        self.lbcomm_callback = lbcomm_callback  # its local_updates, built at fit start
         self.grads, self.bytes, self.per_call, self.frozen, self.hook_sent = {}, {}, {}, {}, {}
+        self.params, self.local_sent = {}, {}  # step -> the weights after it, the local updates' bytes
         self.logged = {}  # step -> the lbcomm_grad_norm logged on this rank
         self._last = None
         self.batches = []
@@ -77,28 +83,48 @@ class Probe(Callback):
             self.hook_sent[step] = self.hook_state.compression_stats()["bytes_sent"]
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        step = trainer.global_step  # after LbcommCallback's local.step() of this step
+        self.params[step] = torch.cat([p.detach().reshape(-1).clone() for p in pl_module.parameters()])
+        local = self.lbcomm_callback.local_updates
+        if local is not None:
+            self.local_sent[step] = local.compression_stats()["bytes_sent"]
         if "lbcomm_grad_norm" in trainer.callback_metrics:  # logged by LbcommCallback, which runs before
             self.logged[trainer.global_step] = float(trainer.callback_metrics["lbcomm_grad_norm"])
 
 
+def make_local(module, opt):
+    """sgd_local: the local updates, built by LbcommCallback at fit start around the
+    optimizer configure_optimizers returned."""
+    return lbcomm.OneBitLocalUpdates(module.parameters(), opt, SYNC, comm=lbcomm.CommConfig(exact_numel=0))
+
+
 def run(ckpt_path=None):
-    hook_state = None if kind in ("onebit_lamb", "onebit_lamb_clip") else lbcomm.OneBitHookState(FREEZE, comm=lbcomm.CommConfig(exact_numel=0))
+    hook_state = None
+    if kind == "sgd_hook":
+        hook_state = lbcomm.OneBitHookState(FREEZE, comm=lbcomm.CommConfig(exact_numel=0))
+    elif kind == "sgd_dct":  # the threshold refreshed every call: about 5 % of the entries pass
+        hook_state = lbcomm.DCTHookState(FREEZE, density=0.05, refresh_every=1, comm=lbcomm.CommConfig(exact_numel=0))
+    local = make_local if kind == "sgd_local" else None
     # A lbcomm optimizer clips by the shared norm in the callback (Lightning's clipping off);
-    # the hook averages the gradients, so Lightning clips them itself.
+    # a hook averages the gradients, so Lightning clips them itself; with local updates
+    # Lightning clips every rank's own gradient.
     clip = {"onebit_lamb_clip": CLIP, "onebit_lamb": SOME_CLIP}.get(kind)
     module = Net(hook_state)
-    probe = Probe(hook_state)
+    callback = LbcommCallback(hook_state=hook_state, local_updates=local, max_grad_norm=clip)
+    probe = Probe(hook_state, callback)
     ckpt = ModelCheckpoint(dirpath=os.path.join(out, "ckpt"), filename="{epoch}-{step}", save_top_k=-1,
                            every_n_train_steps=3)
     trainer = pl.Trainer(accelerator="cpu", strategy="ddp", devices=2, max_steps=STEPS, accumulate_grad_batches=2,
                          gradient_clip_val=None if clip else SOME_CLIP,
-                         callbacks=[LbcommCallback(hook_state=hook_state, max_grad_norm=clip), probe, ckpt],
+                         callbacks=[callback, probe, ckpt],
                          logger=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0)
     trainer.fit(module, ckpt_path=ckpt_path)
     opt = trainer.optimizers[0]
+    rank_local = hook_state if callback.local_updates is None else callback.local_updates
     final = {"params": tensors_of(module.state_dict()), "optimizer": tensors_of(opt.state_dict()),
-             "hook": None if hook_state is None else tensors_of(hook_state.state_dict())}
+             "hook": None if rank_local is None else tensors_of(rank_local.state_dict())}
+    probe.stats = None if rank_local is None else rank_local.compression_stats()
     return module, probe, final
 
 
@@ -111,5 +137,7 @@ saved = torch.load(os.path.join(out, "ckpt", "epoch=1-step=6.ckpt"), weights_onl
 save_result(out, {"numel": sum(p.numel() for p in module.parameters()), "full": full, "resumed": resumed,
                   "grads": probe.grads, "bytes": probe.bytes, "per_call": probe.per_call, "frozen": probe.frozen,
                   "hook_sent": probe.hook_sent, "checkpoints": ckpts, "resumed_bytes": probe2.bytes, "resumed_grads": probe2.grads, "batches": probe.batches, "resumed_batches": probe2.batches, "resumed_frozen": probe2.frozen,
-                  "saved_world": saved["world_size"], "saved_ranks": len(saved["ranks"]), "logged": probe.logged})
+                  "saved_world": saved["world_size"], "saved_ranks": len(saved["ranks"]), "logged": probe.logged,
+                  "params": probe.params, "resumed_params": probe2.params, "local_sent": probe.local_sent,
+                  "stats": probe.stats})
 dist.barrier()
