@@ -35,7 +35,9 @@ def race(*args, timeout=240):
 def loopback(tmp_path_factory):
     path = tmp_path_factory.mktemp("race") / "race.json"
     methods = "ddp,onebit_adam" + (",diloco" if HAS_TORCHFT else "")
-    proc = race("--bandwidth", "none", "--methods", methods, "--diloco-h", "3", "--json", str(path), *TINY)
+    # outer momentum 0: DiLoCo's outer step is then plain SGD (torch refuses Nesterov without momentum)
+    proc = race("--bandwidth", "none", "--methods", methods, "--diloco-h", "3", "--outer-momentum", "0",
+                "--json", str(path), *TINY)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc, json.loads(path.read_text())
 
@@ -43,6 +45,7 @@ def loopback(tmp_path_factory):
 def test_race_loopback_schema_and_table(loopback):
     proc, doc = loopback
     check_race_doc(doc)
+    assert doc["config"]["outer_momentum"] == 0.0
     (run,) = doc["runs"]
     assert run["bandwidth"] is None
     methods = [r["method"] for r in run["rows"]]
@@ -105,6 +108,13 @@ def test_methods_run_ddp_first():
     args = _args("--bandwidth", "none", "--methods", "onebit_local,ddp", "--local-h", "4")
     check(args, None)
     assert [r["label"] for r in args.runs] == ["ddp", "onebit_local_h4"]
+
+
+def test_outer_momentum_is_a_momentum():
+    assert _args("--bandwidth", "none").outer_momentum == 0.9  # DiLoCo's
+    for bad in ("1", "-0.1", "x"):
+        with pytest.raises(SystemExit):
+            _args("--bandwidth", "none", "--outer-momentum", bad)
 
 
 def test_target_needs_ddp_or_a_loss():

@@ -57,6 +57,17 @@ def _float_over(low: float, what: str):
     return convert
 
 
+def _momentum(text: str) -> float:
+    """A momentum coefficient: a number with 0 <= value < 1."""
+    try:
+        v = float(text)
+    except ValueError:
+        v = float("nan")
+    if not 0 <= v < 1:
+        raise argparse.ArgumentTypeError(f"must be a momentum, 0 <= value < 1, got {text!r}")
+    return v
+
+
 def _comma(convert: Callable):
     def convert_all(text: str) -> list:
         items = [s.strip() for s in text.split(",") if s.strip()]

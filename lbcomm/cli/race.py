@@ -113,7 +113,8 @@ def race_one(run: Dict, params: Dict, data: Data, transport, device, ddp_time: O
     (step, clocked seconds, validation loss, bytes per rank)."""
     cfg = params["model"]
     model = _model(cfg).to(device)
-    method = Method(run["family"], model, lr=params["lr"], outer_lr=params["outer_lr"], warmup=params["warmup"],
+    method = Method(run["family"], model, lr=params["lr"], outer_lr=params["outer_lr"],
+                    outer_momentum=params["outer_momentum"], warmup=params["warmup"],
                     freeze_step=params["freeze_step"], sync_every=run.get("sync_every"), transport=transport,
                     device=device)
     every, budget = params["eval_every"], params["steps"]

@@ -7,7 +7,8 @@ import math
 import sys
 from typing import Dict, List, Optional
 
-from .argtypes import UsageError, _choices, _comma, _float_over, _int_at_least, _positive, _rate_or_none, _seconds
+from .argtypes import (UsageError, _choices, _comma, _float_over, _int_at_least, _momentum, _positive, _rate_or_none,
+                       _seconds)
 from .racemethods import FAMILIES, LOCAL_FAMILIES, unavailable
 from .schema import HOST_FIELDS, SCHEMA_VERSION, _check_fields, describe_fields, document
 
@@ -56,7 +57,7 @@ def add_parser(sub, make) -> None:
              "time and is paused while the validation loss is measured (every --eval-every steps;\n"
              "local-update methods at their next sync). Methods: ddp, bf16 (torch's bf16_compress_hook),\n"
              "powersgd (torch's PowerSGD hook, rank 4), onebit_hook, onebit_adam, zeroone_adam (lbcomm),\n"
-             "diloco (torchft's DiLoCo, outer Nesterov SGD, --outer-lr, momentum 0.9; needs torchft) and\n"
+             "diloco (torchft's DiLoCo, outer Nesterov SGD, --outer-lr, --outer-momentum; needs torchft) and\n"
              "onebit_local (lbcomm.OneBitLocalUpdates, the same outer step on the 1-bit compressed outer momentum).",
              "JSON: schema lbcomm-bench/race with config, params, skipped (methods not run, and why) and runs\n"
              "(one per bandwidth: bandwidth, target_loss, ddp_time_s, compute_step_s, rows); one row per\n"
@@ -76,8 +77,10 @@ def add_parser(sub, make) -> None:
     p.add_argument("--local-h", type=_comma(_positive), default=[4, 8, 16],
                    help="onebit_local: inner steps per sync, one race each (default: 4,8,16)")
     p.add_argument("--outer-lr", type=_float_over(0, "learning rate"), default=0.7,
-                   help="diloco and onebit_local: the outer Nesterov SGD's learning rate, momentum 0.9 (default: "
-                        "0.7, DiLoCo's)")
+                   help="diloco and onebit_local: the outer Nesterov SGD's learning rate (default: 0.7, DiLoCo's)")
+    p.add_argument("--outer-momentum", type=_momentum, default=0.9,
+                   help="diloco and onebit_local: the outer SGD's momentum, Nesterov when > 0; 0 with --outer-lr 1 "
+                        "is plain averaging of the replicas (local SGD) (default: 0.9, DiLoCo's)")
     p.add_argument("--steps", type=_positive, default=100, help="ddp's step budget, which sets the target "
                                                                "(default: 100)")
     p.add_argument("--target-loss", type=_float_over(0, "loss"), default=None,
@@ -154,7 +157,8 @@ def _params(args, bandwidth: Optional[str]) -> Dict:
     model = dict(MODEL, d_model=args.d_model, layers=args.layers, heads=args.heads, seq_len=args.seq_len,
                  batch=args.batch)
     return dict(model=model, runs=args.runs, steps=args.steps, eval_every=args.eval_every, lr=args.lr,
-                outer_lr=args.outer_lr, warmup=args.warmup, freeze_step=args.freeze_step or max(2, args.steps // 10),
+                outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, warmup=args.warmup,
+                freeze_step=args.freeze_step or max(2, args.steps // 10),
                 time_cap_s=args.time_cap, cap_factor=args.cap, max_steps=args.max_steps_factor * args.steps,
                 target_loss=args.target_loss, val_seqs=args.val_seqs, seed=args.seed, threads=args.threads,
                 backend="gloo", progress=not args.no_progress, netem=bool(bandwidth), floor_steps=6)
@@ -221,7 +225,8 @@ def cmd_race(args, info) -> int:
     m = params["model"]
     config = dict(world_size=args.world_size, backend="gloo", threads_per_rank=args.threads, model=m,
                   steps=args.steps, eval_every=args.eval_every, lr=args.lr, outer_lr=args.outer_lr,
-                  warmup=args.warmup, freeze_step=params["freeze_step"], cap=args.cap,
+                  outer_momentum=args.outer_momentum, warmup=args.warmup, freeze_step=params["freeze_step"],
+                  cap=args.cap,
                   time_cap_s=None if math.isinf(args.time_cap) else args.time_cap, target_loss=args.target_loss,
                   latency=args.latency, burst=args.burst,
                   val_seqs=args.val_seqs, seed=args.seed, train_tokens=result["train_tokens"],

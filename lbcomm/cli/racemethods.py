@@ -15,9 +15,10 @@ batch; what differs is what crosses the network and when:
                   ``freeze_step``, then one 1-bit allreduce of the momentum per step)
 ``zeroone_adam``  ``lbcomm.ZeroOneAdam`` (0/1 Adam, ``var_freeze_step`` = ``freeze_step``)
 ``diloco``        torchft's ``DiLoCo``: AdamW inner steps, every H steps the fp32
-                  pseudo-gradient averaged and applied by Nesterov SGD (lr ``--outer-lr``,
-                  0.7 by default, momentum 0.9); a torchft ``Manager`` per rank (one
-                  replica group per process) and a ``LighthouseServer`` in rank 0's process
+                  pseudo-gradient averaged and applied by Nesterov SGD (lr
+                  ``--outer-lr``, 0.7 by default; momentum ``--outer-momentum``, 0.9);
+                  a torchft ``Manager`` per rank (one replica group per process) and
+                  a ``LighthouseServer`` in rank 0's process
 ``onebit_local``  ``lbcomm.OneBitLocalUpdates``: AdamW inner steps, every H steps the 1-bit
                   compressed outer momentum, the same outer Nesterov SGD
 ================  ======================================================================
@@ -39,7 +40,6 @@ __all__ = ["FAMILIES", "LOCAL_FAMILIES", "Method", "unavailable"]
 
 FAMILIES = ("ddp", "bf16", "powersgd", "onebit_hook", "onebit_adam", "zeroone_adam", "diloco", "onebit_local")
 LOCAL_FAMILIES = ("diloco", "onebit_local")  # local updates with an outer step every H inner steps
-OUTER_MOMENTUM = 0.9
 
 
 def unavailable(family: str) -> Optional[str]:
@@ -64,7 +64,8 @@ class Method:
     evaluate, `synced(step)` says whether the ranks hold one model after `step` steps."""
 
     def __init__(self, family: str, model: torch.nn.Module, *, lr: float, warmup: int, freeze_step: int,
-                 sync_every: Optional[int], transport, device: torch.device, outer_lr: float):
+                 sync_every: Optional[int], transport, device: torch.device, outer_lr: float,
+                 outer_momentum: float):
         self.family, self.module, self.sync_every = family, model, sync_every
         self._outer: Optional[Callable[[], object]] = None
         self._just_synced = False
@@ -88,11 +89,11 @@ class Method:
 
             self.model, self.opt = model, torch.optim.AdamW(model.parameters(), lr=lr, **fused)
             self._local = lbcomm.OneBitLocalUpdates(model.parameters(), self.opt, sync_every, outer_lr=outer_lr,
-                                                    outer_momentum=OUTER_MOMENTUM, nesterov=True)
+                                                    outer_momentum=outer_momentum, nesterov=outer_momentum > 0)
             self._outer = self._local.step
         elif family == "diloco":
             self.model, self.opt = model, torch.optim.AdamW(model.parameters(), lr=lr, **fused)
-            self._close = _diloco(self, transport, sync_every, outer_lr)
+            self._close = _diloco(self, transport, sync_every, outer_lr, outer_momentum)
         elif family in ("ddp", "bf16", "powersgd", "onebit_hook"):
             self.model, self.opt = _ddp(family, model, lr, warmup, device, fused)
         else:
@@ -148,7 +149,8 @@ def _bf16_hook(state, bucket):
     return default_hooks.bf16_compress_hook(state, bucket)
 
 
-def _diloco(method: Method, transport, sync_every: int, outer_lr: float) -> Callable[[], None]:
+def _diloco(method: Method, transport, sync_every: int, outer_lr: float,
+            outer_momentum: float) -> Callable[[], None]:
     """torchft's DiLoCo on `method`'s model and inner optimizer: a LighthouseServer in rank
     0's process, on every rank a TCPStore and a Manager (one replica group of one process).
     Returns the function that shuts it all down."""
@@ -178,7 +180,8 @@ def _diloco(method: Method, transport, sync_every: int, outer_lr: float) -> Call
                       replica_id=f"race{rank}", store_addr=me, store_port=store.port, rank=0, world_size=1,
                       lighthouse_addr=f"http://{master}:{int(port[0])}", hostname=me, port=0,
                       timeout=timeout, quorum_timeout=timeout, init_sync=False)  # same seed: same weights
-    outer = torch.optim.SGD(model.parameters(), lr=outer_lr, momentum=OUTER_MOMENTUM, nesterov=True)
+    outer = torch.optim.SGD(model.parameters(), lr=outer_lr, momentum=outer_momentum,
+                            nesterov=outer_momentum > 0)
     diloco = DiLoCo(manager, [model], method.opt, outer, sync_every=sync_every, backup_device=torch.device("cpu"),
                     pin_memory=False, use_bucketization=True)
     diloco.__enter__()
