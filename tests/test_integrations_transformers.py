@@ -190,6 +190,17 @@ def test_callback_takes_local_updates_and_a_dct_hook_state(tmp_path):
         _begin(LbcommCallback(trainer, hook_state=lbcomm.DCTHookState(2)), trainer, opt)
 
 
+def _two_ranks_with_checkpoints(tmp_path, case):
+    """Run the worker's `case` on 2 ranks; every rank saved checkpoint-6 and -9. Returns
+    the ranks' results and the bytes of one fp32 ring allreduce of the model."""
+    from integrations_checks import ring_bytes
+
+    torchrun(os.path.join(WORKERS, "trainer_worker.py"), tmp_path, case)
+    r = results(tmp_path)
+    assert all(res["checkpoints"] == ["checkpoint-6", "checkpoint-9"] for res in r)
+    return r, ring_bytes(r[0]["numel"], 2)
+
+
 def test_trainer_local_updates_sync_and_resume_bitwise(tmp_path):
     """LbcommCallback(trainer, local_updates=OneBitLocalUpdates(..., sync_every=4)) with
     AdamW inside, gradient accumulation 2 and the Trainer's own (local) clipping: DDP sends
@@ -197,14 +208,9 @@ def test_trainer_local_updates_sync_and_resume_bitwise(tmp_path):
     optimizer steps, the replicas are bitwise identical after the synchronizations of steps
     4 and 8 only, and the run resumed from the mid-round checkpoint-6 ends bitwise where
     the uninterrupted one ends (every rank's weights, AdamW state and local-updates state)."""
-    from integrations_checks import ring_bytes
-
-    torchrun(os.path.join(WORKERS, "trainer_worker.py"), tmp_path, "adamw_local")
-    r = results(tmp_path)
-    ring = ring_bytes(r[0]["numel"], 2)
+    r, ring = _two_ranks_with_checkpoints(tmp_path, "adamw_local")
     for rank in range(2):
         res = r[rank]
-        assert res["checkpoints"] == ["checkpoint-6", "checkpoint-9"]
         assert {"shard-00000-of-00002.pt", "shard-00001-of-00002.pt"} <= set(res["shards"])
         stats = res["hook_stats"]
         assert (stats["inner_steps"], stats["syncs"], stats["compressed_calls"]) == (9, 2, 2)
@@ -225,14 +231,9 @@ def test_trainer_with_dct_hook_state_resumes_bitwise(tmp_path):
     averages the first 4 steps in fp32, then sends a few percent of the entries (the TCP
     bytes and the state's own count say so); the gradients are the same on both ranks; the
     resume from checkpoint-6 restores the residuals and ends bitwise."""
-    from integrations_checks import ring_bytes
-
-    torchrun(os.path.join(WORKERS, "trainer_worker.py"), tmp_path, "adamw_dct")
-    r = results(tmp_path)
-    ring = ring_bytes(r[0]["numel"], 2)
+    r, ring = _two_ranks_with_checkpoints(tmp_path, "adamw_dct")
     for rank in range(2):
         res = r[rank]
-        assert res["checkpoints"] == ["checkpoint-6", "checkpoint-9"]
         stats = res["hook_stats"]
         assert stats["iter"] == STEPS and stats["compressed_calls"] >= STEPS - FREEZE and stats["skipped_calls"] == 0
         sent = res["hook_sent"]
