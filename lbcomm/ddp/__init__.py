@@ -34,5 +34,5 @@ from .resume import MissingHookStateWarning
 from .state import OneBitHookState
 from .warmup import WarmupAverage, warmup_average_hook
 
-__all__ = ["WarmupAverage", "warmup_average_hook", "OneBitHookState", "onebit_hook", "MissingHookStateWarning", "DCTHookState",
-           "dct_hook", "local_gradients_hook"]
+__all__ = ["WarmupAverage", "warmup_average_hook", "OneBitHookState", "onebit_hook", "MissingHookStateWarning",
+           "DCTHookState", "dct_hook", "local_gradients_hook"]

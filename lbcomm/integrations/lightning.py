@@ -155,7 +155,8 @@ class LbcommCallback(Callback):
     """
 
     def __init__(self, hook_state: Optional[Union[OneBitHookState, DCTHookState]] = None, *,
-                 local_updates: Optional[Union[OneBitLocalUpdates, Callable[..., OneBitLocalUpdates]]] = None, warmup_fp16: bool = False,
+                 local_updates: Optional[Union[OneBitLocalUpdates, Callable[..., OneBitLocalUpdates]]] = None,
+                 warmup_fp16: bool = False,
                  strict: bool = True, max_grad_norm: Optional[float] = None):
         check_callback_args("LbcommCallback", hook_state, max_grad_norm, local_updates)
         self.hook_state = hook_state
@@ -199,7 +200,8 @@ class LbcommCallback(Callback):
         if trainer.gradient_clip_val and trainer.gradient_clip_algorithm in (None, "norm"):
             clip = trainer.gradient_clip_val
             refuse_norm_clipping(f"Trainer(gradient_clip_val={clip})", "leave gradient_clip_val unset",
-                                 f"pass LbcommCallback(max_grad_norm={clip})", type(ours[0]).__name__, self.max_grad_norm)
+                                 f"pass LbcommCallback(max_grad_norm={clip})", type(ours[0]).__name__,
+                                 self.max_grad_norm)
         return ours[0]
 
     def on_fit_start(self, trainer, pl_module) -> None:

@@ -126,7 +126,8 @@ class LbcommCallback(TrainerCallback):
     """
 
     def __init__(self, trainer: Trainer, hook_state: Optional[Union[OneBitHookState, DCTHookState]] = None, *,
-                 local_updates: Optional[Union[OneBitLocalUpdates, Callable[..., OneBitLocalUpdates]]] = None, warmup_fp16: bool = False,
+                 local_updates: Optional[Union[OneBitLocalUpdates, Callable[..., OneBitLocalUpdates]]] = None,
+                 warmup_fp16: bool = False,
                  resume_from_checkpoint: Optional[str] = None, strict: bool = True,
                  max_grad_norm: Optional[float] = None):
         if not isinstance(trainer, Trainer):
