@@ -6,6 +6,7 @@ import logging
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -15,6 +16,7 @@ from lbcomm.comm import LoopTransport, get_transport
 from lbcomm.comm.counting import CountingTransport
 from lbcomm.common import STATS_KEYS
 from lbcomm.dct import DCTReducer, Sparsifier, pack, unpack
+from lbcomm.integrations.dcp import LoadPlanner, RankLocal
 
 from dct_reference import DCTReference
 from dist_util import run_ranks, same
@@ -186,27 +188,34 @@ def test_dct_hook_resumes_bitwise_and_skips_nonfinite():
 
 
 # ---------------------------------------------------------------------- elastic 4 -> 2
-def _save_run(rank, p):
+def _save_run(rank, p, ckpt):
     model, ddp, state, opt = _build()
     _steps(ddp, opt, rank, 0, 6)
+    dcp.save({"hook": RankLocal(state)}, checkpoint_id=ckpt)
     return {"model": model.state_dict(), "opt": opt.state_dict(), "sd": state.state_dict()}
 
 
-def _elastic_run(rank, p, saved):
+def _elastic_run(rank, p, saved, ckpt):
     model, ddp, state, opt = _build()
     model.load_state_dict(saved[0]["model"])
     opt.load_state_dict(copy.deepcopy(saved[0]["opt"]))  # the spawned ranks share the arguments' memory
     sds = [s["sd"] for s in saved]
     state.load_state_dict(sds[rank], all_ranks=sds)
     loaded = state.state_dict()["units"]
+    # the same redistribution through torch.distributed.checkpoint
+    by_dcp = lbcomm.DCTHookState(START, density=DENSITY, refresh_every=REFRESH,
+                                 comm=lbcomm.CommConfig(exact_numel=EXACT))
+    dcp.load({"hook": RankLocal(by_dcp)}, checkpoint_id=ckpt, planner=LoadPlanner())
+    assert same(by_dcp.state_dict(), state.state_dict())
     _steps(ddp, opt, rank, 6, 9)
     return {"loaded": loaded, "params": [q.detach().clone() for q in model.parameters()],
             "stats": state.compression_stats()}
 
 
-def test_dct_hook_elastic_resume_4_to_2():
-    saved = run_ranks(_save_run, 4, timeout=400)
-    res = run_ranks(_elastic_run, 2, saved, timeout=300)
+def test_dct_hook_elastic_resume_4_to_2(tmp_path):
+    ckpt = str(tmp_path / "dcp")
+    saved = run_ranks(_save_run, 4, ckpt, timeout=400)
+    res = run_ranks(_elastic_run, 2, saved, ckpt, timeout=300)
     assert same(res[0]["params"], res[1]["params"])
     old = {tuple(u["params"]): [s["sd"]["units"][i]["compression"]["residual"] for s in saved]
            for i, u in enumerate(saved[0]["sd"]["units"])}

@@ -10,6 +10,7 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -17,6 +18,7 @@ import lbcomm
 from dist_util import run_ranks, same
 from lbcomm.common import STATS_KEYS, NonFiniteError
 from lbcomm.errors import AveragedGradientsError
+from lbcomm.integrations.dcp import LoadPlanner, RankLocal
 from lbcomm.local import fragment_bounds
 from lbcomm.optim.reference_local import simulate_local_updates
 from lbcomm.topology import Topology
@@ -234,6 +236,7 @@ def _four(rank, p, ckpt):
     model, inner, local = _make({})
     out["flat"], _ = _train(model, inner, local, rank, 1, 2 * H)
     lbcomm.save_sharded(ckpt, inner, model, hook_state=local)  # at a sync: replicas identical
+    dcp.save({"local": RankLocal(local)}, checkpoint_id=ckpt + "-dcp")
     out["saved"] = local.state_dict()
     topo = _explicit_topology(rank, p)
     model, inner, local = _make({}, topology=topo)
@@ -246,8 +249,10 @@ def _elastic(rank, p, ckpt):
     model, inner, local = _make({})
     info = lbcomm.load_sharded(ckpt, inner, model, hook_state=local)
     loaded = local.state_dict()
+    _, _, by_dcp = _make({})  # the same redistribution through torch.distributed.checkpoint
+    dcp.load({"local": RankLocal(by_dcp)}, checkpoint_id=ckpt + "-dcp", planner=LoadPlanner())
     hist, _ = _train(model, inner, local, rank, 2 * H + 1, 4 * H)
-    return {"info": info, "loaded": loaded, "hist": hist}
+    return {"info": info, "loaded": loaded, "dcp": by_dcp.state_dict(), "hist": hist}
 
 
 @pytest.fixture(scope="module")
@@ -280,6 +285,7 @@ def test_elastic_resume_4_to_2(four_ranks):
         assert info["saved_world_size"] == 4 and not info["exact"]
         assert loaded["world_size"] == 2 and loaded["inner_steps"] == 2 * H
         assert same(loaded["anchors"], saved[0]["anchors"]) and same(loaded["outer"], saved[0]["outer"])
+        assert same(two[r]["dcp"], loaded)  # RankLocal + LoadPlanner redistribute as load_sharded does
     # the total carried error (mean worker error + server errors) is preserved
     n = saved[0]["numels"][0]
     old = (torch.stack([s["reducers"][0]["worker_error"].reshape(-1)[:n].double() for s in saved]).mean(0)

@@ -26,10 +26,11 @@ feedback not, so the run silently continues from zero error feedback and ends el
 raises `MissingRankLocalError` naming the key, the class and what to pass. A `RankLocal`
 loaded without the planner warns that nothing was checked.
 
-Another world size (elastic resume) for a lbcomm optimizer and a `OneBitHookState`: the
-same planner asks DCP for the items of every saved rank (their names are in the
-checkpoint's metadata), and every rank redistributes the saved error feedback onto the new
-world as `lbcomm.load_sharded` does (the total carried error, mean worker error + server
+Another world size (elastic resume) for a lbcomm optimizer, a hook state
+(`OneBitHookState`, `DCTHookState`, `OneBitHSDPState`) and `OneBitLocalUpdates`: the same
+planner asks DCP for the items of every saved rank (their names are in the checkpoint's
+metadata), and every rank redistributes the saved error feedback onto the new world as
+`lbcomm.load_sharded` does (the total carried error, mean worker error + server
 error, is preserved; `lbcomm.CompressionState.redistribute`). Every rank then reads every
 saved rank's item (the optimizer's moments included, so old-world-size x the optimizer
 state, briefly). Without the planner a missing item makes ``dcp.load`` raise (DCP reports
@@ -37,6 +38,7 @@ the missing key ``<name>.rank<r>-of-<world>``).
 """
 from __future__ import annotations
 
+import inspect
 import io
 import logging
 import re
@@ -48,7 +50,6 @@ from torch.distributed.checkpoint import DefaultLoadPlanner
 
 from ..checkpoint import redistribute_optimizer_state
 from ..comm import world_info
-from ..ddp import OneBitHookState
 from .attach import LBCOMM_OPTIMIZERS, unwrap_optimizer
 
 __all__ = ["RankLocal", "LoadPlanner", "MissingRankLocalError"]
@@ -78,7 +79,7 @@ class RankLocal:
 
     Args:
         obj: anything with ``state_dict()`` and ``load_state_dict(sd)``: a lbcomm optimizer
-            (also inside accelerate's wrapper), a `OneBitHookState`.
+            (also inside accelerate's wrapper), a hook state, `OneBitLocalUpdates`.
         group (ProcessGroup, optional): the group whose rank names the item (default: the world).
 
     ``state_dict()`` returns ``{"rank<r>-of-<world>": <bytes of obj.state_dict()>}``;
@@ -123,19 +124,31 @@ class RankLocal:
                            "to resume lbcomm state at another world size pass "
                            "planner=lbcomm.integrations.dcp.LoadPlanner() to dcp.load")
         target = unwrap_optimizer(self.obj)
-        if not isinstance(target, (OneBitHookState, *LBCOMM_OPTIMIZERS)):
+        optimizer = isinstance(target, LBCOMM_OPTIMIZERS)
+        if not (optimizer or _takes_all_ranks(target)):
             raise KeyError(f"RankLocal: the checkpoint was saved by {saved[0][1]} ranks and has no entry {key!r}; "
-                           f"only lbcomm optimizers and OneBitHookState can be redistributed onto another world size, "
-                           f"not {type(target).__name__}")
+                           "only lbcomm optimizers and objects whose load_state_dict takes all_ranks= (the hook "
+                           "states, OneBitLocalUpdates) can be redistributed onto another world size, not "
+                           f"{type(target).__name__}")
         m = _KEY.fullmatch(key)
         rank, world = int(m.group(1)), int(m.group(2))
         states: List[Dict[str, Any]] = [_decode(state_dict[k]) for _, _, k in saved]
         mine = states[rank % len(states)]
-        if isinstance(target, OneBitHookState):
+        if not optimizer:
             target.load_state_dict(mine, all_ranks=states)
         else:
             redistribute_optimizer_state(mine, states, world, rank, where="the DCP checkpoint")
             self.obj.load_state_dict(mine)
+
+
+def _takes_all_ranks(obj: Any) -> bool:
+    """Whether ``obj.load_state_dict`` redistributes rank-local state itself, given every
+    saved rank's state_dict as ``all_ranks=`` (`OneBitHookState`, `DCTHookState`,
+    `OneBitHSDPState`, `OneBitLocalUpdates`)."""
+    try:
+        return "all_ranks" in inspect.signature(obj.load_state_dict).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _decode(blob: Any) -> Dict[str, Any]:
