@@ -8,7 +8,8 @@ number of steps that is a multiple of H so that every run ends on a synchronizat
     ddp          data-parallel AdamW, an fp32 allreduce of the gradients every step (context)
     torchft      torchft.local_sgd.DiLoCo at H (Manager with a synchronous quorum, an
                  in-process LighthouseServer, one replica group per process, gloo),
-                 outer Nesterov SGD lr 0.7 momentum 0.9
+                 outer Nesterov SGD, lr --outer-lr (0.7) and momentum --outer-momentum (0.9);
+                 --outer-lr 1 --outer-momentum 0 is plain averaging (local SGD), for every method
     fp32         OneBitLocalUpdates(compress=False) at H: the same algorithm as torchft's,
                  the same code as the 1-bit mode (a check that the outer loops agree)
     onebit       OneBitLocalUpdates at H: 1-bit outer pseudo-gradients, same H
@@ -56,6 +57,10 @@ def parse_args(argv=None):
     p.add_argument("--lrs", default=None, help="comma-separated inner lrs (default: the tasks' Adam grid)")
     p.add_argument("--ranks", type=int, default=4, help="gloo ranks (default: 4)")
     p.add_argument("--seed", type=int, default=0, help="task seed (default: 0)")
+    p.add_argument("--outer-lr", type=float, default=0.7, help="outer SGD lr of every local-update method "
+                   "(default: 0.7, DiLoCo's)")
+    p.add_argument("--outer-momentum", type=float, default=0.9, help="outer SGD momentum, Nesterov when > 0 "
+                   "(default: 0.9, DiLoCo's)")
     p.add_argument("--json", default=None, help="write the results to this file")
     a = p.parse_args(argv)
     a.tasks = a.tasks.split(",")
@@ -96,13 +101,14 @@ class _TorchFT:
                                store_port=self.store.port, rank=0, world_size=1, lighthouse_addr=lighthouse,
                                init_sync=False, timeout=datetime.timedelta(seconds=300))
 
-    def diloco(self, model, inner, H):
+    def diloco(self, model, inner, H, a):
         from torchft.local_sgd import DiLoCo
 
         # a fresh DiLoCo registers its fragment's state under the same key: drop the last run's
         for d in (self.manager._load_state_dict_fns, self.manager._user_state_dicts):
             d.pop("StreamingDiLoCoFragment_0", None)
-        outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+        outer = torch.optim.SGD(model.parameters(), lr=a.outer_lr, momentum=a.outer_momentum,
+                                nesterov=a.outer_momentum > 0)
         return DiLoCo(self.manager, [model], inner, outer, sync_every=H)
 
 
@@ -114,9 +120,10 @@ def one_run(rank, world, task, method, lr, a, ft):
     local, ctx = None, None
     if method in ("fp32", "onebit", "onebit_bytes"):
         local = lbcomm.OneBitLocalUpdates(model.parameters(), inner, H, compress=method != "fp32",
-                                          comm=lbcomm.CommConfig(nonfinite="raise"))
+                                          outer_lr=a.outer_lr, outer_momentum=a.outer_momentum,
+                                          nesterov=a.outer_momentum > 0, comm=lbcomm.CommConfig(nonfinite="raise"))
     elif method == "torchft":
-        ctx = ft.diloco(model, inner, H)
+        ctx = ft.diloco(model, inner, H, a)
         ctx.__enter__()
     curve, diverged = [], None
     try:

@@ -38,8 +38,16 @@ def test_rank_local_refuses_other_world_size(tmp_path):
     with pytest.raises(KeyError, match="rank0-of-1.*LoadPlanner"):
         RankLocal(Obj()).load_state_dict({"rank0-of-2": b""})
     blob = RankLocal(Obj()).state_dict()["rank0-of-1"]
-    with pytest.raises(KeyError, match="only lbcomm optimizers and OneBitHookState"):  # all ranks there, not lbcomm
-        RankLocal(Obj()).load_state_dict({"rank0-of-2": blob, "rank1-of-2": blob})
+    with pytest.raises(KeyError, match="only lbcomm optimizers and objects whose load_state_dict takes all_ranks="):
+        RankLocal(Obj()).load_state_dict({"rank0-of-2": blob, "rank1-of-2": blob})  # all ranks there, no all_ranks=
+
+    class Elastic(Obj):  # what the hook states and OneBitLocalUpdates offer: it gets every saved rank's state
+        def load_state_dict(self, sd, *, all_ranks=None):
+            self.got = (sd, all_ranks)
+
+    e = Elastic()
+    RankLocal(e).load_state_dict({"rank0-of-2": blob, "rank1-of-2": blob})
+    assert e.got == ({}, [{}, {}])
     with pytest.raises(TypeError, match="state_dict"):
         RankLocal(object())
 
