@@ -105,9 +105,13 @@ class OneBitLocalUpdates:
         inner (torch.optim.Optimizer): the per-rank optimizer of the inner steps (its state
             stays local, as in DiLoCo).
         sync_every (int): H, inner steps per round.
-        outer_lr (float): the outer SGD's learning rate (default: 0.7, DiLoCo's).
+        outer_lr (float): the outer SGD's learning rate (default: 0.7, DiLoCo's, made for
+            rounds of hundreds of steps; for short rounds plain averaging,
+            ``outer_lr=1.0, outer_momentum=0.0``, did better: docs/local-updates.md).
         outer_momentum (float): its momentum (default: 0.9).
-        nesterov (bool): Nesterov momentum (default: True).
+        nesterov (bool, optional): Nesterov momentum (default: None, Nesterov when
+            ``outer_momentum > 0``; ``outer_lr=1.0, outer_momentum=0.0`` is then plain
+            averaging of the replicas, local SGD).
         compress (bool): True: Δ through the compressed allreduce; False: a plain fp32
             allreduce (DiLoCo itself) (default: True).
         fragments (int): synchronize the model in this many staggered fragments
@@ -126,11 +130,13 @@ class OneBitLocalUpdates:
     """
 
     def __init__(self, params: Iterable[Tensor], inner: torch.optim.Optimizer, sync_every: int, *,
-                 outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True, compress: bool = True,
+                 outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: Optional[bool] = None,
+                 compress: bool = True,
                  fragments: int = 1, comm: Optional[CommConfig] = None):
         name = type(self).__name__
         self.comm = resolve(comm, name)
         self.params: List[Tensor] = list(params)
+        nesterov = outer_momentum > 0 if nesterov is None else nesterov
         _check_args(name, self.params, inner, sync_every, outer_lr, outer_momentum, nesterov, compress, fragments)
         self.inner, self.sync_every, self.compress = inner, sync_every, compress
         self.transport = get_transport(self.comm.process_group, backend=self.comm.backend)
@@ -393,7 +399,7 @@ def _check_args(name, params, inner, sync_every, outer_lr, outer_momentum, neste
     if not (isinstance(outer_momentum, (int, float)) and 0 <= outer_momentum < 1):
         raise ValueError(f"{name}: invalid outer_momentum {outer_momentum!r} (need 0 <= outer_momentum < 1)")
     if nesterov and outer_momentum == 0:
-        raise ValueError(f"{name}: nesterov=True needs outer_momentum > 0")
+        raise ValueError(f"{name}: nesterov=True needs outer_momentum > 0 (leave nesterov out for plain averaging)")
     if not isinstance(compress, bool):
         raise TypeError(f"{name}: compress must be a bool (False: plain fp32 allreduce, DiLoCo itself)")
     if isinstance(fragments, bool) or not isinstance(fragments, int) or not 1 <= fragments <= sync_every:

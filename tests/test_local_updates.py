@@ -324,7 +324,9 @@ def test_bad_input_is_refused_clearly():
     with pytest.raises(ValueError, match="fragments"):
         make(model.parameters(), inner, 8, fragments=5)  # more fragments than parameters
     with pytest.raises(ValueError, match="nesterov"):
-        make(model.parameters(), inner, 4, outer_momentum=0.0)
+        make(model.parameters(), inner, 4, outer_momentum=0.0, nesterov=True)
+    plain = make(model.parameters(), inner, 4, outer_lr=1.0, outer_momentum=0.0)  # plain averaging: no Nesterov
+    assert plain.outer.param_groups[0]["nesterov"] is False and plain.outer.param_groups[0]["momentum"] == 0.0
     with pytest.raises(ValueError, match="outer_lr"):
         make(model.parameters(), inner, 4, outer_lr=-1.0)
     with pytest.raises(TypeError, match="compress"):

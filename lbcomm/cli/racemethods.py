@@ -89,7 +89,7 @@ class Method:
 
             self.model, self.opt = model, torch.optim.AdamW(model.parameters(), lr=lr, **fused)
             self._local = lbcomm.OneBitLocalUpdates(model.parameters(), self.opt, sync_every, outer_lr=outer_lr,
-                                                    outer_momentum=outer_momentum, nesterov=outer_momentum > 0)
+                                                    outer_momentum=outer_momentum)
             self._outer = self._local.step
         elif family == "diloco":
             self.model, self.opt = model, torch.optim.AdamW(model.parameters(), lr=lr, **fused)
