@@ -121,7 +121,7 @@ def one_run(rank, world, task, method, lr, a, ft):
     if method in ("fp32", "onebit", "onebit_bytes"):
         local = lbcomm.OneBitLocalUpdates(model.parameters(), inner, H, compress=method != "fp32",
                                           outer_lr=a.outer_lr, outer_momentum=a.outer_momentum,
-                                          nesterov=a.outer_momentum > 0, comm=lbcomm.CommConfig(nonfinite="raise"))
+                                          comm=lbcomm.CommConfig(nonfinite="raise"))
     elif method == "torchft":
         ctx = ft.diloco(model, inner, H, a)
         ctx.__enter__()
