@@ -18,7 +18,10 @@ one round's compression loses is added to the next round's u.
 code as a baseline. ``fragments=K`` (Streaming DiLoCo) cuts the parameters into K runs of
 whole parameters of about equal size, each with its own anchor, momentum and reducer;
 fragment f is synchronized at the inner steps t with t mod H = ceil((f + 1) H / K) mod H, so
-the communication of a round is spread over it.
+the communication of a round is spread over it. ``overlap=k`` (k >= 1) runs each
+synchronization on a background thread while the next k inner steps train, and applies it
+after them, keeping their local progress: θ <- θ + (θ_start_new − θ_sent), where θ_sent is
+what the synchronization started from.
 
 Parameters of at most ``comm.exact_numel`` elements (biases, norms) are averaged exactly
 in fp32 beside the compressed call, their error feedback held at zero (`lbcomm.exact`).
@@ -32,11 +35,12 @@ rank (the fragment returns to θ_start, momentum and error feedback untouched, c
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -44,6 +48,7 @@ from torch import Tensor
 from .comm import get_transport
 from .common import NonFiniteError, compressor_stats, ring_allreduce_bytes
 from .config import CommConfig, resolve
+from .ddp.worker import BucketWorker
 from .errors import AveragedGradientsError
 from .exact import ExactMean, exact_index
 from .optim.agree import replica_slots, replicas_identical
@@ -90,6 +95,12 @@ class _Fragment:
     delta: Tensor
     reducer: Any = None
     exact: Optional[Tensor] = None
+    # a synchronization in flight (overlap >= 1): applied after inner step `due`
+    due: Optional[int] = None
+    sent: Optional[Tensor] = None  # θ when it started, flat
+    momentum: Optional[Tensor] = None  # the outer momentum buffer that u holds (compressed)
+    future: Any = None
+    result: Any = None  # True / False (finite or not), or the NonFiniteError raised
 
 
 class OneBitLocalUpdates:
@@ -116,6 +127,11 @@ class OneBitLocalUpdates:
             allreduce (DiLoCo itself) (default: True).
         fragments (int): synchronize the model in this many staggered fragments
             (Streaming DiLoCo); 1 <= fragments <= sync_every (default: 1).
+        overlap (int): 0: a synchronization finishes inside the `step` that starts it.
+            k >= 1 (< sync_every): it runs on a background thread, on a private duplicate
+            of the process group, while the next k inner steps train, and is applied after
+            the k-th of them, keeping their local progress (θ <- θ + θ_start_new − θ_sent);
+            one more fragment-sized buffer (default: 0).
         comm (CommConfig, optional): process group, backend, topology, block size,
             exact_numel, non-finite policy, detect_averaged_grads (default: ``CommConfig()``).
 
@@ -131,16 +147,22 @@ class OneBitLocalUpdates:
 
     def __init__(self, params: Iterable[Tensor], inner: torch.optim.Optimizer, sync_every: int, *,
                  outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: Optional[bool] = None,
-                 compress: bool = True,
-                 fragments: int = 1, comm: Optional[CommConfig] = None):
+                 compress: bool = True, fragments: int = 1, overlap: int = 0,
+                 comm: Optional[CommConfig] = None):
         name = type(self).__name__
         self.comm = resolve(comm, name)
         self.params: List[Tensor] = list(params)
         nesterov = outer_momentum > 0 if nesterov is None else nesterov
         _check_args(name, self.params, inner, sync_every, outer_lr, outer_momentum, nesterov, compress, fragments)
-        self.inner, self.sync_every, self.compress = inner, sync_every, compress
+        if isinstance(overlap, bool) or not isinstance(overlap, int) or not 0 <= overlap < sync_every:
+            raise ValueError(f"{name}: invalid overlap {overlap!r} (an int, 0 <= overlap < sync_every={sync_every}: "
+                             "inner steps a synchronization runs behind the training)")
+        self.inner, self.sync_every, self.compress, self.overlap = inner, sync_every, compress, overlap
         self.transport = get_transport(self.comm.process_group, backend=self.comm.backend)
         self.world_size, self.rank = self.transport.world_size, self.transport.rank
+        # overlap: the synchronizations' collectives run on a worker thread, on their own group
+        self._worker = BucketWorker(self.comm.process_group) if overlap and self.world_size > 1 else None
+        self._xport = self._worker.transport if self._worker is not None else self.transport
         topo = resolve_topology(self.comm) if compress and self.world_size > 1 else None
         if topo is not None and topo.world_size != self.world_size:
             raise ValueError(f"{name}: the topology spans {topo.world_size} ranks but the process group has "
@@ -156,7 +178,8 @@ class OneBitLocalUpdates:
             frag = _Fragment(lo, hi, _ceil((f + 1) * sync_every, fragments) % sync_every, anchor,
                              torch.empty_like(anchor))
             if compress:
-                frag.reducer = make_reducer(anchor.numel(), self.comm, device=device, topology=self.topology)
+                frag.reducer = make_reducer(anchor.numel(), self.comm, device=device, topology=self.topology,
+                                            transport=self._worker.transport if self._worker is not None else None)
                 frag.exact = exact_index(numels[lo:hi], self.comm.exact_numel, device=device)
             self.fragments.append(frag)
         self.outer = torch.optim.SGD([f.anchor for f in self.fragments], lr=outer_lr, momentum=outer_momentum,
@@ -179,10 +202,38 @@ class OneBitLocalUpdates:
         self.inner_steps += 1
         if self._probe:
             self._probe_averaged_grads()
-        due = [f for f in self.fragments if self.inner_steps % self.sync_every == f.phase]
-        for frag in due:
-            self._sync(frag)
-        return bool(due)
+        done = False
+        for frag in self.fragments:  # those started `overlap` steps ago
+            if frag.due == self.inner_steps:
+                self._finish(frag)
+                done = True
+        for frag in self.fragments:
+            if self.inner_steps % self.sync_every == frag.phase:
+                self._start(frag)
+                if not self.overlap:
+                    self._finish(frag)
+                    done = True
+        return done
+
+    @contextlib.contextmanager
+    def at_anchor(self) -> Iterator[None]:
+        """Inside the block the parameters hold θ_start, the model of the last applied
+        synchronization: the same on every rank, where the trained weights differ (between
+        synchronizations, and with overlap always). Evaluate it there; the weights are
+        restored on exit."""
+        kept = [p.detach().clone() for p in self.params]
+        try:
+            with torch.no_grad():
+                for frag in self.fragments:
+                    o = 0
+                    for p in self.params[frag.lo:frag.hi]:
+                        p.copy_(frag.anchor[o:o + p.numel()].view_as(p))
+                        o += p.numel()
+            yield
+        finally:
+            with torch.no_grad():
+                for p, k in zip(self.params, kept):
+                    p.copy_(k)
 
     def _probe_averaged_grads(self) -> None:
         """Gradients identical on every rank: a DDP averaged them (one tiny allreduce per
@@ -201,32 +252,67 @@ class OneBitLocalUpdates:
         if verdict is not None or self.inner_steps >= self.sync_every:
             self._probe = False
 
-    def _sync(self, frag: _Fragment) -> None:
-        """Δ of `frag`, its mean over the ranks, the outer step and the new θ on every rank."""
+    def _start(self, frag: _Fragment) -> None:
+        """Δ of `frag` (compressed: the outer momentum u = β b + Δ it would take) and its
+        mean over the ranks: now, or on the worker thread with overlap."""
         params = self.params[frag.lo:frag.hi]
         o = 0
         for p in params:
             n = p.numel()
             frag.delta[o:o + n].copy_(p.detach().reshape(-1))
             o += n
+        if self.overlap:
+            if frag.sent is None:
+                frag.sent = torch.empty_like(frag.delta)
+            frag.sent.copy_(frag.delta)
         torch.sub(frag.anchor, frag.delta, out=frag.delta)
         self.syncs += 1
-        try:
-            ok = self._mean_(frag)
-        except NonFiniteError:
+        frag.due = self.inner_steps + self.overlap
+        # What is compressed is the outer momentum this rank would take, u = β b + Δ (b: the
+        # momentum buffer, identical on every rank), not Δ itself: u changes little from round
+        # to round, so its signs and block scales carry more of it than Δ's; the mean Δ that
+        # the outer SGD takes as its gradient is then mean(u) − β b (in `_finish`).
+        beta = self.outer.param_groups[0]["momentum"]
+        frag.momentum = self.outer.state.get(frag.anchor, {}).get("momentum_buffer") if beta and self.compress \
+            else None
+        if frag.momentum is not None:
+            frag.delta.add_(frag.momentum, alpha=beta)
+
+        def run(_buf: Tensor) -> None:
+            try:
+                frag.result = self._mean_(frag)
+            except NonFiniteError as exc:  # raised on every rank alike: handed to `_finish`
+                frag.result = exc
+
+        if self._worker is None:
+            run(frag.delta)
+        else:
+            frag.future = self._worker.submit(frag.delta, run)
+
+    def _finish(self, frag: _Fragment) -> None:
+        """The outer step with the mean Δ of `frag`, and the new θ on every rank (with
+        overlap: plus each rank's local progress since the synchronization started)."""
+        if frag.future is not None:
+            frag.future.wait()
+        result, frag.result, frag.future, frag.due = frag.result, None, None, None
+        if isinstance(result, NonFiniteError):
             self.skipped += 1
             self._write(frag)
-            raise
-        if not ok:
+            raise result
+        if not result:
             self.skipped += 1
             self._write(frag)  # the round is discarded on every rank alike
             if self.comm.nonfinite == "raise":
                 raise NonFiniteError(f"{type(self).__name__}: the outer pseudo-gradient holds NaN/Inf on some rank "
-                                     f"at inner step {self.inner_steps}; every rank returned to the round's start")
+                                     f"at inner step {self.inner_steps - self.overlap}; every rank returned to the "
+                                     "round's start")
             _log.warning("%s: the outer pseudo-gradient holds NaN/Inf on some rank at inner step %s; the round is "
                          "skipped on every rank (parameters back to its start, momentum and error feedback "
-                         "untouched)", type(self).__name__, self.inner_steps)
+                         "untouched)", type(self).__name__, self.inner_steps - self.overlap)
             return
+        if frag.momentum is not None:
+            frag.delta.sub_(frag.momentum, alpha=self.outer.param_groups[0]["momentum"])
+        frag.momentum = None
         for f in self.fragments:
             f.anchor.grad = frag.delta if f is frag else None
         self.outer.step()
@@ -234,20 +320,13 @@ class OneBitLocalUpdates:
         self._write(frag)
 
     def _mean_(self, frag: _Fragment) -> bool:
-        """Δ's mean over the ranks in place; False (on every rank alike) when not finite."""
+        """Δ's (or u's) mean over the ranks in place; False (on every rank alike) when not
+        finite. Runs on the worker thread with overlap: collectives on `_xport` only."""
         delta = frag.delta
         if not self.compress:
-            self.transport.all_reduce(delta, "mean")
+            self._xport.all_reduce(delta, "mean")
             self.bytes_sent += int(ring_allreduce_bytes(4 * delta.numel(), self.world_size))
             return bool(torch.isfinite(delta).all())
-        # What is compressed is the outer momentum this rank would take, u = β b + Δ (b: the
-        # momentum buffer, identical on every rank), not Δ itself: u changes little from round
-        # to round, so its signs and block scales carry more of it than Δ's; the mean Δ that
-        # the outer SGD takes as its gradient is then mean(u) − β b.
-        beta = self.outer.param_groups[0]["momentum"]
-        buf = self.outer.state.get(frag.anchor, {}).get("momentum_buffer") if beta else None
-        if buf is not None:
-            delta.add_(buf, alpha=beta)
         exact = None
         if frag.exact is not None and self.world_size > 1:
             exact = self._exact_part_mean(delta.index_select(0, frag.exact))
@@ -257,8 +336,6 @@ class OneBitLocalUpdates:
             if exact is not None:
                 delta.index_copy_(0, frag.exact, exact)
                 frag.reducer.zero_errors_at(frag.exact)
-            if buf is not None:
-                delta.sub_(buf, alpha=beta)
         return bool(ok)
 
     def _exact_part_mean(self, values: Tensor) -> Tensor:
@@ -269,14 +346,21 @@ class OneBitLocalUpdates:
             return self._exact_mean.start(values)()
         p, k = self.world_size, values.numel()
         gathered = torch.empty(p * k * 4, dtype=torch.uint8, device=values.device)
-        self.transport.all_gather(gathered, values.view(torch.uint8))
+        self._xport.all_gather(gathered, values.view(torch.uint8))
         return gathered.view(torch.float32).view(p, k).sum(0) / p
 
     def _write(self, frag: _Fragment) -> None:
+        """θ of `frag` <- θ_start; with overlap θ <- θ + (θ_start − θ_sent): the local
+        steps since the synchronization started are kept."""
+        if self.overlap:
+            torch.sub(frag.anchor, frag.sent, out=frag.sent)
         o = 0
         for p in self.params[frag.lo:frag.hi]:
             n = p.numel()
-            p.detach().copy_(frag.anchor[o:o + n].view_as(p))
+            if self.overlap:
+                p.detach().add_(frag.sent[o:o + n].view_as(p))
+            else:
+                p.detach().copy_(frag.anchor[o:o + n].view_as(p))
             o += n
 
     # ------------------------------------------------------------------ figures
@@ -321,7 +405,9 @@ class OneBitLocalUpdates:
     def state_dict(self) -> Dict[str, Any]:
         """This rank's state: the anchors θ_start, the outer optimizer (momentum), each
         fragment's reducer error feedback (rank-local: save every rank's, e.g. with
-        ``lbcomm.save_sharded(dir, inner, model, hook_state=local)``) and the counters."""
+        ``lbcomm.save_sharded(dir, inner, model, hook_state=local)``), the counters and, with
+        overlap, the synchronizations in flight (waited for first)."""
+        in_flight = [self._in_flight_state(f) for f in self.fragments]  # first: then no reducer is busy
         return {"format": _FORMAT, "version": _VERSION, "world_size": self.world_size, "rank": self.rank,
                 "sync_every": self.sync_every, "compress": self.compress,
                 "numels": [f.anchor.numel() for f in self.fragments],
@@ -329,7 +415,22 @@ class OneBitLocalUpdates:
                 "outer": copy.deepcopy(self.outer.state_dict()),  # a snapshot, like the anchors
                 "reducers": [None if f.reducer is None else f.reducer.state_dict() for f in self.fragments],
                 "inner_steps": self.inner_steps, "syncs": self.syncs, "skipped": self.skipped,
-                "bytes_sent": self.bytes_sent, "probe": self._probe}
+                "bytes_sent": self.bytes_sent, "probe": self._probe, "overlap": self.overlap,
+                "in_flight": in_flight}
+
+    def _in_flight_state(self, frag: _Fragment) -> Optional[Dict[str, Any]]:
+        """A synchronization started and not yet applied (overlap): waited for, and saved
+        with its mean and θ_sent, so that the resumed run applies it at the same step."""
+        if frag.due is None:
+            return None
+        if frag.future is not None:
+            frag.future.wait()
+            frag.future = None
+        res = frag.result
+        return {"due": frag.due, "sent": frag.sent.detach().clone(), "mean": frag.delta.detach().clone(),
+                "momentum": frag.momentum is not None,
+                "result": str(res) if isinstance(res, NonFiniteError) else bool(res),
+                "raised": isinstance(res, NonFiniteError)}
 
     def load_state_dict(self, state_dict: Dict[str, Any], *,
                         all_ranks: Optional[Sequence[Dict[str, Any]]] = None) -> None:
@@ -344,10 +445,13 @@ class OneBitLocalUpdates:
         sd = state_dict
         if not isinstance(sd, dict) or sd.get("format") != _FORMAT or sd.get("version") != _VERSION:
             raise ValueError(f"{name}.load_state_dict: not a {name} state_dict of version {_VERSION}")
-        mine = (self.sync_every, self.compress, [f.anchor.numel() for f in self.fragments])
-        if (sd["sync_every"], sd["compress"], sd["numels"]) != mine:
-            raise ValueError(f"{name}.load_state_dict: saved for (sync_every, compress, fragment sizes)="
-                             f"{(sd['sync_every'], sd['compress'], sd['numels'])} but this object has {mine}")
+        mine = (self.sync_every, self.compress, [f.anchor.numel() for f in self.fragments], self.overlap)
+        saved = (sd["sync_every"], sd["compress"], sd["numels"], sd.get("overlap", 0))
+        if saved != mine:
+            raise ValueError(f"{name}.load_state_dict: saved for (sync_every, compress, fragment sizes, overlap)="
+                             f"{saved} but this object has {mine}")
+        if any(f.due is not None for f in self.fragments):
+            raise RuntimeError(f"{name}.load_state_dict: a synchronization is in flight; load before training")
         reducers = sd["reducers"]
         if sd["world_size"] != self.world_size and self.compress:
             if all_ranks is None:
@@ -369,6 +473,16 @@ class OneBitLocalUpdates:
                 if red is not None:
                     frag.reducer.load_state_dict(red)
         self.outer.load_state_dict(sd["outer"])
+        for frag, fl in zip(self.fragments, sd.get("in_flight") or [None] * len(self.fragments)):
+            if fl is None:
+                continue
+            if frag.sent is None:
+                frag.sent = torch.empty_like(frag.delta)
+            frag.sent.copy_(fl["sent"])
+            frag.delta.copy_(fl["mean"])
+            frag.due = int(fl["due"])
+            frag.momentum = self.outer.state[frag.anchor]["momentum_buffer"] if fl["momentum"] else None
+            frag.result = NonFiniteError(fl["result"]) if fl["raised"] else bool(fl["result"])
         self.inner_steps, self.syncs, self.skipped = sd["inner_steps"], sd["syncs"], sd["skipped"]
         self.bytes_sent = sd["bytes_sent"]
         self._probe = bool(sd["probe"]) and self.comm.detect_averaged_grads and self.world_size > 1

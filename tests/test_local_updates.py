@@ -30,6 +30,8 @@ RUNS = {  # name -> OneBitLocalUpdates keywords
     "onebit": {},
     "fp32": {"compress": False},
     "frag": {"fragments": 2},
+    "overlap": {"overlap": 1},  # each sync applied one inner step after it starts
+    "frag_overlap": {"fragments": 2, "overlap": 1},
     "plain_sgd": {"outer_lr": 1.0, "outer_momentum": 0.0, "nesterov": False, "block_size": None},
 }
 
@@ -115,6 +117,7 @@ def _two(rank, p):
         model, inner, local = _make(kw)
         hist, synced = _train(model, inner, local, rank, 1, STEPS)
         out["runs"][name] = {"hist": hist, "synced": synced, "stats": local.compression_stats(),
+                             "anchors": local.state_dict()["anchors"],
                              "bytes": local.bytes_per_sync(), "fp32": local.fp32_bytes_per_step()}
     # exact resume mid-round: 5 steps, state_dicts, fresh objects, 5 more (and through save_sharded)
     model, inner, local = _make({})
@@ -126,6 +129,16 @@ def _two(rank, p):
     local2.load_state_dict(saved["local"])
     out["resumed"] = _train(model2, inner2, local2, rank, 6, STEPS)[0]
     out["resumed_state"] = local2.state_dict()
+    # the same with a synchronization in flight at the checkpoint (overlap: started at step H)
+    model, inner, local = _make(RUNS["overlap"])
+    _train(model, inner, local, rank, 1, H)
+    saved = {"model": model.state_dict(), "inner": inner.state_dict(), "local": local.state_dict()}
+    model2, inner2, local2 = _make(RUNS["overlap"])
+    model2.load_state_dict(saved["model"])
+    inner2.load_state_dict(saved["inner"])
+    local2.load_state_dict(saved["local"])
+    out["in_flight"] = saved["local"]["in_flight"]
+    out["resumed_overlap"] = _train(model2, inner2, local2, rank, H + 1, STEPS)[0]
     model3, inner3, local3 = _make({})
     _train(model3, inner3, local3, rank, 1, STEPS)
     out["straight_state"] = local3.state_dict()
@@ -176,8 +189,13 @@ def test_two_ranks_match_the_reference_bitwise(two_ranks, run):
             worst = max((a - b).abs().max().item() for a, b in zip(got, ref[t][r]))
             assert worst == 0.0, f"{run}: rank {r} step {t}: max |implementation - reference| = {worst}"
     synced = two_ranks[0]["runs"][run]["synced"]
-    assert synced == ([2, 3, 5, 6, 8, 9] if run == "frag" else [3, 6, 9])
-    if run != "frag":  # replicas identical after every sync, different in between
+    late = 1 if "overlap" in run else 0  # applied one step after the start
+    assert synced == [t + late for t in ([2, 3, 5, 6, 8, 9] if "frag" in run else [3, 6, 9])]
+    # every rank holds the same θ_start after every sync
+    assert same(two_ranks[0]["runs"][run]["anchors"], two_ranks[1]["runs"][run]["anchors"])
+    if "overlap" in run:  # the replicas keep their own step since the start: not identical
+        assert not same(two_ranks[0]["runs"][run]["hist"][synced[0]], two_ranks[1]["runs"][run]["hist"][synced[0]])
+    elif run != "frag":  # replicas identical after every sync, different in between
         for t in synced:
             assert same(two_ranks[0]["runs"][run]["hist"][t], two_ranks[1]["runs"][run]["hist"][t])
         assert not same(two_ranks[0]["runs"][run]["hist"][STEPS], two_ranks[1]["runs"][run]["hist"][STEPS])
@@ -198,7 +216,7 @@ def test_stats_and_bytes(two_ranks):
         st = res["stats"]
         assert set(STATS_KEYS) <= set(st) and st["inner_steps"] == STEPS
         assert st["syncs"] == len(res["synced"]) * (1 if run != "frag" else 1)
-        assert st["bytes_sent"] == st["bytes_per_sync"] * 3 or run == "frag"
+        assert st["bytes_sent"] == st["bytes_per_sync"] * 3 or "frag" in run
         assert st["skipped_calls"] == 0
         if run == "fp32":
             assert st["compressed_calls"] == 0 and st["error_norm"] == 0.0
@@ -212,6 +230,14 @@ def test_resume_is_bitwise(two_ranks):
     for r in range(2):
         assert same(two_ranks[r]["resumed"][STEPS], two_ranks[r]["runs"]["onebit"]["hist"][STEPS])
         assert same(two_ranks[r]["resumed_state"], two_ranks[r]["straight_state"])
+
+
+def test_resume_with_a_synchronization_in_flight_is_bitwise(two_ranks):
+    for r in range(2):
+        fl = two_ranks[r]["in_flight"]
+        assert fl[0] is not None and fl[0]["due"] == H + 1 and fl[0]["result"] is True
+        for t in range(H + 1, STEPS + 1):
+            assert same(two_ranks[r]["resumed_overlap"][t], two_ranks[r]["runs"]["overlap"]["hist"][t]), t
 
 
 def test_ddp_averaging_every_step_is_refused(two_ranks):
@@ -242,6 +268,8 @@ def _four(rank, p, ckpt):
     model, inner, local = _make({}, topology=topo)
     out["hier"], _ = _train(model, inner, local, rank, 1, STEPS)
     out["hier_kind"] = type(local.fragments[0].reducer).__name__
+    model, inner, local = _make(RUNS["overlap"], topology=topo)  # on the worker thread, on the node groups
+    out["hier_overlap"], _ = _train(model, inner, local, rank, 1, STEPS)
     return out
 
 
@@ -267,14 +295,15 @@ def four_ranks():
 def test_four_ranks_flat_and_hierarchical_match_the_reference_bitwise(four_ranks):
     four, _ = four_ranks
     assert four[0]["hier_kind"] == "HierarchicalState"
-    for key, nodes, steps in (("flat", None, 2 * H), ("hier", 2, STEPS)):
-        ref = _reference(4, steps, {}, nodes=nodes)
+    for key, nodes, steps in (("flat", None, 2 * H), ("hier", 2, STEPS), ("hier_overlap", 2, STEPS)):
+        ref = _reference(4, steps, RUNS["overlap"] if key == "hier_overlap" else {}, nodes=nodes)
         for t in range(1, steps + 1):
             for r in range(4):
                 worst = max((a - b).abs().max().item() for a, b in zip(four[r][key][t], ref[t][r]))
                 assert worst == 0.0, f"{key}: rank {r} step {t}: max |implementation - reference| = {worst}"
         for t in (H, 2 * H):
-            assert all(same(four[r][key][t], four[0][key][t]) for r in range(4))
+            if key != "hier_overlap":  # with overlap the replicas keep their own last step
+                assert all(same(four[r][key][t], four[0][key][t]) for r in range(4))
 
 
 def test_elastic_resume_4_to_2(four_ranks):
@@ -329,6 +358,11 @@ def test_bad_input_is_refused_clearly():
     assert plain.outer.param_groups[0]["nesterov"] is False and plain.outer.param_groups[0]["momentum"] == 0.0
     with pytest.raises(ValueError, match="outer_lr"):
         make(model.parameters(), inner, 4, outer_lr=-1.0)
+    for bad in (4, -1, 1.0, True):
+        with pytest.raises(ValueError, match="overlap"):
+            make(model.parameters(), inner, 4, overlap=bad)
+    with pytest.raises(ValueError, match="overlap"):  # a checkpoint of another overlap
+        make(model.parameters(), inner, 4, overlap=1).load_state_dict(make(model.parameters(), inner, 4).state_dict())
     with pytest.raises(TypeError, match="compress"):
         make(model.parameters(), inner, 4, compress=1)
     local = make(model.parameters(), inner, 4)
@@ -346,3 +380,14 @@ def test_fragment_bounds():
     with contextlib.suppress(ValueError):
         fragment_bounds([1], 2)
         raise AssertionError("more fragments than parameters must raise")
+
+
+def test_at_anchor_holds_theta_start_and_restores_the_weights():
+    model, inner, local = _make({})
+    start = [p.detach().clone() for p in model.parameters()]
+    _train(model, inner, local, 0, 1, H - 1)  # mid-round: the weights moved, θ_start did not
+    trained = [p.detach().clone() for p in model.parameters()]
+    assert not same(trained, start)
+    with local.at_anchor():
+        assert same([p.detach().clone() for p in model.parameters()], start)
+    assert same([p.detach().clone() for p in model.parameters()], trained)

@@ -34,10 +34,10 @@ def race(*args, timeout=240):
 @pytest.fixture(scope="module")
 def loopback(tmp_path_factory):
     path = tmp_path_factory.mktemp("race") / "race.json"
-    methods = "ddp,onebit_adam" + (",diloco" if HAS_TORCHFT else "")
+    methods = "ddp,onebit_adam" + (",diloco" if HAS_TORCHFT else "") + ",onebit_local"
     # outer momentum 0: DiLoCo's outer step is then plain SGD (torch refuses Nesterov without momentum)
     proc = race("--bandwidth", "none", "--methods", methods, "--diloco-h", "3", "--outer-momentum", "0",
-                "--json", str(path), *TINY)
+                "--local-h", "3", "--local-overlap", "1", "--json", str(path), *TINY)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc, json.loads(path.read_text())
 
@@ -45,11 +45,11 @@ def loopback(tmp_path_factory):
 def test_race_loopback_schema_and_table(loopback):
     proc, doc = loopback
     check_race_doc(doc)
-    assert doc["config"]["outer_momentum"] == 0.0
+    assert doc["config"]["outer_momentum"] == 0.0 and doc["config"]["local_overlap"] == 1
     (run,) = doc["runs"]
     assert run["bandwidth"] is None
     methods = [r["method"] for r in run["rows"]]
-    assert methods == ["ddp", "onebit_adam"] + (["diloco_h3"] if HAS_TORCHFT else [])
+    assert methods == ["ddp", "onebit_adam"] + (["diloco_h3"] if HAS_TORCHFT else []) + ["onebit_local_h3"]
     ddp = run["rows"][0]
     assert ddp["reached"] and ddp["speedup_vs_ddp"] == 1.0 and ddp["steps_to_target"] == 6
     assert run["target_loss"] == ddp["final_val_loss"] == ddp["curve"][-1]["val_loss"]
@@ -108,6 +108,14 @@ def test_methods_run_ddp_first():
     args = _args("--bandwidth", "none", "--methods", "onebit_local,ddp", "--local-h", "4")
     check(args, None)
     assert [r["label"] for r in args.runs] == ["ddp", "onebit_local_h4"]
+
+
+def test_local_overlap_below_every_h():
+    with pytest.raises(UsageError, match="--local-overlap"):
+        check(_args("--bandwidth", "none", "--methods", "ddp,onebit_local", "--local-h", "2,8", "--local-overlap",
+                    "2"), None)
+    with pytest.raises(SystemExit):
+        _args("--bandwidth", "none", "--local-overlap", "-1")
 
 
 def test_outer_momentum_is_a_momentum():

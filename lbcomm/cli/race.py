@@ -114,7 +114,8 @@ def race_one(run: Dict, params: Dict, data: Data, transport, device, ddp_time: O
     cfg = params["model"]
     model = _model(cfg).to(device)
     method = Method(run["family"], model, lr=params["lr"], outer_lr=params["outer_lr"],
-                    outer_momentum=params["outer_momentum"], warmup=params["warmup"],
+                    outer_momentum=params["outer_momentum"], overlap=params.get("local_overlap", 0),
+                    warmup=params["warmup"],
                     freeze_step=params["freeze_step"], sync_every=run.get("sync_every"), transport=transport,
                     device=device)
     every, budget = params["eval_every"], params["steps"]
@@ -139,7 +140,8 @@ def race_one(run: Dict, params: Dict, data: Data, transport, device, ddp_time: O
             dt, tx1 = time.perf_counter() - t0, _tx_bytes(ifname)
             dt, nb = _slowest(transport, dt, float(tx1 - tx0) if counted else 0.0)
             clock, sent = clock + dt, sent + nb
-            loss = evaluate(method.module, data, transport)
+            with method.evaluated():
+                loss = evaluate(method.module, data, transport)
             curve.append(dict(step=step, time_s=clock, val_loss=loss, bytes_per_rank=sent if counted else None))
             say(f"{run['label']}: step {step}, {clock:.1f} s, val loss {loss:.4f}")
             if not math.isfinite(loss):

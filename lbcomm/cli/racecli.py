@@ -76,6 +76,9 @@ def add_parser(sub, make) -> None:
                    help="diloco: inner steps per sync, one race each (default: 16,64)")
     p.add_argument("--local-h", type=_comma(_positive), default=[4, 8, 16],
                    help="onebit_local: inner steps per sync, one race each (default: 4,8,16)")
+    p.add_argument("--local-overlap", type=_int_at_least(0), default=0,
+                   help="onebit_local: inner steps each sync runs behind the training (OneBitLocalUpdates' overlap, "
+                        "< every --local-h) (default: 0)")
     p.add_argument("--outer-lr", type=_float_over(0, "learning rate"), default=0.7,
                    help="diloco and onebit_local: the outer Nesterov SGD's learning rate (default: 0.7, DiLoCo's)")
     p.add_argument("--outer-momentum", type=_momentum, default=0.9,
@@ -137,6 +140,8 @@ def check(args, info) -> None:
                              "--target-loss")
         families.remove("ddp")
         families.insert(0, "ddp")
+    if "onebit_local" in families and any(args.local_overlap >= h for h in args.local_h):
+        raise UsageError(f"--local-overlap {args.local_overlap} must be below every --local-h {args.local_h}")
     args.runs = []
     for f in families:
         for h in (args.diloco_h if f == "diloco" else args.local_h if f == "onebit_local" else [None]):
@@ -157,8 +162,8 @@ def _params(args, bandwidth: Optional[str]) -> Dict:
     model = dict(MODEL, d_model=args.d_model, layers=args.layers, heads=args.heads, seq_len=args.seq_len,
                  batch=args.batch)
     return dict(model=model, runs=args.runs, steps=args.steps, eval_every=args.eval_every, lr=args.lr,
-                outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, warmup=args.warmup,
-                freeze_step=args.freeze_step or max(2, args.steps // 10),
+                outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, local_overlap=args.local_overlap,
+                warmup=args.warmup, freeze_step=args.freeze_step or max(2, args.steps // 10),
                 time_cap_s=args.time_cap, cap_factor=args.cap, max_steps=args.max_steps_factor * args.steps,
                 target_loss=args.target_loss, val_seqs=args.val_seqs, seed=args.seed, threads=args.threads,
                 backend="gloo", progress=not args.no_progress, netem=bool(bandwidth), floor_steps=6)
@@ -225,7 +230,8 @@ def cmd_race(args, info) -> int:
     m = params["model"]
     config = dict(world_size=args.world_size, backend="gloo", threads_per_rank=args.threads, model=m,
                   steps=args.steps, eval_every=args.eval_every, lr=args.lr, outer_lr=args.outer_lr,
-                  outer_momentum=args.outer_momentum, warmup=args.warmup, freeze_step=params["freeze_step"],
+                  outer_momentum=args.outer_momentum, local_overlap=args.local_overlap, warmup=args.warmup,
+                  freeze_step=params["freeze_step"],
                   cap=args.cap,
                   time_cap_s=None if math.isinf(args.time_cap) else args.time_cap, target_loss=args.target_loss,
                   latency=args.latency, burst=args.burst,

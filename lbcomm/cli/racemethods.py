@@ -20,13 +20,16 @@ batch; what differs is what crosses the network and when:
                   a torchft ``Manager`` per rank (one replica group per process) and
                   a ``LighthouseServer`` in rank 0's process
 ``onebit_local``  ``lbcomm.OneBitLocalUpdates``: AdamW inner steps, every H steps the 1-bit
-                  compressed outer momentum, the same outer Nesterov SGD
+                  compressed outer momentum, the same outer Nesterov SGD (``--local-overlap``:
+                  each sync applied that many steps later, evaluated at θ_start)
 ================  ======================================================================
 
 The local-update methods (``diloco``, ``onebit_local``) hold one model only right after a
 sync; `Method.synced` tells the race loop when it may evaluate.
 """
 from __future__ import annotations
+
+import contextlib
 
 import datetime
 import importlib.util
@@ -65,7 +68,7 @@ class Method:
 
     def __init__(self, family: str, model: torch.nn.Module, *, lr: float, warmup: int, freeze_step: int,
                  sync_every: Optional[int], transport, device: torch.device, outer_lr: float,
-                 outer_momentum: float):
+                 outer_momentum: float, overlap: int = 0):
         self.family, self.module, self.sync_every = family, model, sync_every
         self._outer: Optional[Callable[[], object]] = None
         self._just_synced = False
@@ -89,7 +92,7 @@ class Method:
 
             self.model, self.opt = model, torch.optim.AdamW(model.parameters(), lr=lr, **fused)
             self._local = lbcomm.OneBitLocalUpdates(model.parameters(), self.opt, sync_every, outer_lr=outer_lr,
-                                                    outer_momentum=outer_momentum)
+                                                    outer_momentum=outer_momentum, overlap=overlap)
             self._outer = self._local.step
         elif family == "diloco":
             self.model, self.opt = model, torch.optim.AdamW(model.parameters(), lr=lr, **fused)
@@ -114,6 +117,14 @@ class Method:
         if self.family == "onebit_local":
             return self._just_synced
         return self.family != "diloco" or step % self.sync_every == 0
+
+    def evaluated(self):
+        """Where to measure the validation loss: with overlap the ranks' weights differ
+        even after a sync, so onebit_local is measured at its θ_start (identical on every
+        rank)."""
+        if self.family == "onebit_local" and self._local.overlap:
+            return self._local.at_anchor()
+        return contextlib.nullcontext()
 
     def close(self) -> None:
         self._close()

@@ -38,13 +38,15 @@ def simulate_local_updates(params0: Sequence[Tensor], local_step: Callable[[int,
                            world_size: int, steps: int, sync_every: int, outer_lr: float = 0.7,
                            outer_momentum: float = 0.9, nesterov: bool = True, compress: bool = True,
                            fragments: int = 1, block_size: Optional[int] = 2048, exact_numel: int = 4096,
-                           nodes: Optional[int] = None) -> Dict[int, List[List[Tensor]]]:
+                           nodes: Optional[int] = None, overlap: int = 0) -> Dict[int, List[List[Tensor]]]:
     """Run `steps` inner steps on `world_size` simulated ranks.
 
     local_step(rank, t, params): inner step t (1-based) of `rank`, in place on its list of
     parameters (fp32). nodes: the compressed mean is the hierarchical one on that many
-    nodes (ranks node by node; None: flat). Returns {t: [every rank's parameters after
-    inner step t and its synchronization]}.
+    nodes (ranks node by node; None: flat). overlap: a fragment's new θ_start, computed
+    from the ranks' θ at inner step t, reaches them after inner step t + overlap, each
+    keeping its progress since t (θ_r += θ_start_new − θ_r(t)). Returns {t: [every rank's
+    parameters after inner step t and its synchronization]}.
     """
     p, H = world_size, sync_every
     theta = [[t.detach().float().clone() for t in params0] for _ in range(p)]
@@ -60,11 +62,15 @@ def simulate_local_updates(params0: Sequence[Tensor], local_step: Callable[[int,
     for t in range(1, steps + 1):
         for r in range(p):
             local_step(r, t, theta[r])
+        for fr in frags:  # overlap: the synchronizations started `overlap` steps ago arrive
+            if fr.get("due") == t:
+                _arrive(fr, theta)
         for fr in frags:
             if t % H != fr["phase"]:
                 continue
             lo, hi, anchor = fr["lo"], fr["hi"], fr["anchor"]
-            deltas = [anchor - torch.cat([x.reshape(-1) for x in theta[r][lo:hi]]) for r in range(p)]
+            thetas = [torch.cat([x.reshape(-1) for x in theta[r][lo:hi]]) for r in range(p)]
+            deltas = [anchor - th for th in thetas]
             if not compress:
                 g = _mean(deltas)
             else:
@@ -84,6 +90,9 @@ def simulate_local_updates(params0: Sequence[Tensor], local_step: Callable[[int,
                 fr["buf"] = g.clone() if fr["buf"] is None else fr["buf"].mul(outer_momentum).add(g)
                 g = g.add(fr["buf"], alpha=outer_momentum) if nesterov else fr["buf"]
             anchor.add_(g, alpha=-outer_lr)
+            if overlap:
+                fr["due"], fr["sent"] = t + overlap, thetas
+                continue
             for r in range(p):
                 o = 0
                 for x in theta[r][lo:hi]:
@@ -91,6 +100,17 @@ def simulate_local_updates(params0: Sequence[Tensor], local_step: Callable[[int,
                     o += x.numel()
         history[t] = [[x.clone() for x in theta[r]] for r in range(p)]
     return history
+
+
+def _arrive(fr: Dict, theta: List[List[Tensor]]) -> None:
+    """An overlapped synchronization reaches every rank: θ_r += θ_start_new − θ_r(sent)."""
+    for r, sent in enumerate(fr["sent"]):
+        step = fr["anchor"] - sent
+        o = 0
+        for x in theta[r][fr["lo"]:fr["hi"]]:
+            x.add_(step[o:o + x.numel()].view_as(x))
+            o += x.numel()
+    fr["due"] = fr["sent"] = None
 
 
 
