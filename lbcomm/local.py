@@ -128,10 +128,10 @@ class OneBitLocalUpdates:
         fragments (int): synchronize the model in this many staggered fragments
             (Streaming DiLoCo); 1 <= fragments <= sync_every (default: 1).
         overlap (int): 0: a synchronization finishes inside the `step` that starts it.
-            k >= 1 (< sync_every): it runs on a background thread, on a private duplicate
-            of the process group, while the next k inner steps train, and is applied after
-            the k-th of them, keeping their local progress (θ <- θ + θ_start_new − θ_sent);
-            one more fragment-sized buffer (default: 0).
+            k >= 1 (< sync_every): it runs on a background thread (flat: on a private
+            duplicate of the process group) while the next k inner steps train, and is
+            applied after the k-th of them, keeping their local progress
+            (θ <- θ + θ_start_new − θ_sent); one more fragment-sized buffer (default: 0).
         comm (CommConfig, optional): process group, backend, topology, block size,
             exact_numel, non-finite policy, detect_averaged_grads (default: ``CommConfig()``).
 
