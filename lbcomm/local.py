@@ -215,6 +215,15 @@ class OneBitLocalUpdates:
                     done = True
         return done
 
+    @torch.no_grad()
+    def flush(self) -> bool:
+        """Apply every synchronization still in flight (overlap) now, before its step: at
+        the end of training, so that the last one is not lost. True if one was applied."""
+        pending = [f for f in self.fragments if f.due is not None]
+        for frag in pending:
+            self._finish(frag)
+        return bool(pending)
+
     @contextlib.contextmanager
     def at_anchor(self) -> Iterator[None]:
         """Inside the block the parameters hold θ_start, the model of the last applied

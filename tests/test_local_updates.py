@@ -391,3 +391,11 @@ def test_at_anchor_holds_theta_start_and_restores_the_weights():
     with local.at_anchor():
         assert same([p.detach().clone() for p in model.parameters()], start)
     assert same([p.detach().clone() for p in model.parameters()], trained)
+
+
+def test_flush_applies_a_synchronization_in_flight():
+    model, inner, local = _make({"overlap": 2})  # one rank: the mean is this rank's own
+    _train(model, inner, local, 0, 1, H)  # started at step H, due at H + 2
+    start = local.state_dict()["anchors"]
+    assert local.fragments[0].due == H + 2 and local.flush() and local.fragments[0].due is None
+    assert not same(local.state_dict()["anchors"], start) and not local.flush()

@@ -233,6 +233,10 @@ class LbcommCallback(Callback):
             self._fresh = False
             pl_module.log("lbcomm_grad_norm", float(self.grad_norm), on_step=True, on_epoch=False)
 
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.local_updates is not None:
+            self.local_updates.flush()  # a synchronization still in flight (overlap) is applied
+
     # ------------------------------------------------------------------ checkpoints
     def _local_state(self, pl_module) -> Dict[str, Any]:
         comp = None if self._optimizer is None else self._optimizer.compression_state

@@ -279,4 +279,6 @@ class LbcommCallback(TrainerCallback):
         # exception", plain Trainer too). A barrier holds every earlier work of the group, and
         # lbcomm's transport keeps the barrier's own work until exit, so the main thread frees
         # them all, with the GIL. lbcomm's own collectives need no such step.
+        if self.local_updates is not None:
+            self.local_updates.flush()  # a synchronization still in flight (overlap) is applied
         self._transport.barrier()
