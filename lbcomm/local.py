@@ -98,7 +98,6 @@ class _Fragment:
     # a synchronization in flight (overlap >= 1): applied after inner step `due`
     due: Optional[int] = None
     sent: Optional[Tensor] = None  # θ when it started, flat
-    momentum: Optional[Tensor] = None  # the outer momentum buffer that u holds (compressed)
     future: Any = None
     result: Any = None  # True / False (finite or not), or the NonFiniteError raised
 
@@ -118,7 +117,7 @@ class OneBitLocalUpdates:
         sync_every (int): H, inner steps per round.
         outer_lr (float): the outer SGD's learning rate (default: 0.7, DiLoCo's, made for
             rounds of hundreds of steps; for short rounds plain averaging,
-            ``outer_lr=1.0, outer_momentum=0.0``, did better: docs/local-updates.md).
+            ``outer_lr=1.0, outer_momentum=0.0``, often suits them better: docs/local-updates.md).
         outer_momentum (float): its momentum (default: 0.9).
         nesterov (bool, optional): Nesterov momentum (default: None, Nesterov when
             ``outer_momentum > 0``; ``outer_lr=1.0, outer_momentum=0.0`` is then plain
@@ -234,10 +233,8 @@ class OneBitLocalUpdates:
         try:
             with torch.no_grad():
                 for frag in self.fragments:
-                    o = 0
-                    for p in self.params[frag.lo:frag.hi]:
-                        p.copy_(frag.anchor[o:o + p.numel()].view_as(p))
-                        o += p.numel()
+                    for p, a in self._views(frag, frag.anchor):
+                        p.copy_(a)
             yield
         finally:
             with torch.no_grad():
@@ -264,12 +261,8 @@ class OneBitLocalUpdates:
     def _start(self, frag: _Fragment) -> None:
         """Δ of `frag` (compressed: the outer momentum u = β b + Δ it would take) and its
         mean over the ranks: now, or on the worker thread with overlap."""
-        params = self.params[frag.lo:frag.hi]
-        o = 0
-        for p in params:
-            n = p.numel()
-            frag.delta[o:o + n].copy_(p.detach().reshape(-1))
-            o += n
+        for p, d in self._views(frag, frag.delta):
+            d.copy_(p)
         if self.overlap:
             if frag.sent is None:
                 frag.sent = torch.empty_like(frag.delta)
@@ -281,11 +274,9 @@ class OneBitLocalUpdates:
         # momentum buffer, identical on every rank), not Δ itself: u changes little from round
         # to round, so its signs and block scales carry more of it than Δ's; the mean Δ that
         # the outer SGD takes as its gradient is then mean(u) − β b (in `_finish`).
-        beta = self.outer.param_groups[0]["momentum"]
-        frag.momentum = self.outer.state.get(frag.anchor, {}).get("momentum_buffer") if beta and self.compress \
-            else None
-        if frag.momentum is not None:
-            frag.delta.add_(frag.momentum, alpha=beta)
+        beta, buf = self._momentum(frag)
+        if buf is not None:
+            frag.delta.add_(buf, alpha=beta)
 
         def run(_buf: Tensor) -> None:
             try:
@@ -319,9 +310,9 @@ class OneBitLocalUpdates:
                          "skipped on every rank (parameters back to its start, momentum and error feedback "
                          "untouched)", type(self).__name__, self.inner_steps - self.overlap)
             return
-        if frag.momentum is not None:
-            frag.delta.sub_(frag.momentum, alpha=self.outer.param_groups[0]["momentum"])
-        frag.momentum = None
+        beta, buf = self._momentum(frag)  # unchanged since `_start`: only this fragment's outer step moves it
+        if buf is not None:
+            frag.delta.sub_(buf, alpha=beta)
         for f in self.fragments:
             f.anchor.grad = frag.delta if f is frag else None
         self.outer.step()
@@ -363,14 +354,27 @@ class OneBitLocalUpdates:
         steps since the synchronization started are kept."""
         if self.overlap:
             torch.sub(frag.anchor, frag.sent, out=frag.sent)
+            for p, c in self._views(frag, frag.sent):
+                p.add_(c)
+        else:
+            for p, a in self._views(frag, frag.anchor):
+                p.copy_(a)
+
+    def _views(self, frag: _Fragment, flat: Tensor) -> Iterator[tuple]:
+        """(parameter, its slice of the fragment-sized `flat` shaped like it), in order."""
         o = 0
         for p in self.params[frag.lo:frag.hi]:
             n = p.numel()
-            if self.overlap:
-                p.detach().add_(frag.sent[o:o + n].view_as(p))
-            else:
-                p.detach().copy_(frag.anchor[o:o + n].view_as(p))
+            yield p.detach(), flat[o:o + n].view_as(p)
             o += n
+
+    def _momentum(self, frag: _Fragment) -> tuple:
+        """(β, the outer momentum buffer b of `frag`) when u = β b + Δ is what is compressed;
+        b is None in the first round, without momentum and uncompressed."""
+        beta = self.outer.param_groups[0]["momentum"]
+        if not (beta and self.compress):
+            return beta, None
+        return beta, self.outer.state.get(frag.anchor, {}).get("momentum_buffer")
 
     # ------------------------------------------------------------------ figures
     def _frag_bytes(self, frag: _Fragment) -> int:
@@ -437,9 +441,7 @@ class OneBitLocalUpdates:
             frag.future = None
         res = frag.result
         return {"due": frag.due, "sent": frag.sent.detach().clone(), "mean": frag.delta.detach().clone(),
-                "momentum": frag.momentum is not None,
-                "result": str(res) if isinstance(res, NonFiniteError) else bool(res),
-                "raised": isinstance(res, NonFiniteError)}
+                "result": str(res) if isinstance(res, NonFiniteError) else bool(res)}  # str: the error raised
 
     def load_state_dict(self, state_dict: Dict[str, Any], *,
                         all_ranks: Optional[Sequence[Dict[str, Any]]] = None) -> None:
@@ -490,8 +492,7 @@ class OneBitLocalUpdates:
             frag.sent.copy_(fl["sent"])
             frag.delta.copy_(fl["mean"])
             frag.due = int(fl["due"])
-            frag.momentum = self.outer.state[frag.anchor]["momentum_buffer"] if fl["momentum"] else None
-            frag.result = NonFiniteError(fl["result"]) if fl["raised"] else bool(fl["result"])
+            frag.result = NonFiniteError(fl["result"]) if isinstance(fl["result"], str) else fl["result"]
         self.inner_steps, self.syncs, self.skipped = sd["inner_steps"], sd["syncs"], sd["skipped"]
         self.bytes_sent = sd["bytes_sent"]
         self._probe = bool(sd["probe"]) and self.comm.detect_averaged_grads and self.world_size > 1

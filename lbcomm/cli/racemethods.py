@@ -30,7 +30,6 @@ sync; `Method.synced` tells the race loop when it may evaluate.
 from __future__ import annotations
 
 import contextlib
-
 import datetime
 import importlib.util
 import os
