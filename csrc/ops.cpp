@@ -309,10 +309,10 @@ TORCH_LIBRARY(lbcomm, m) {
 }
 
 TORCH_LIBRARY_IMPL(lbcomm, CPU, m) {
-  m.impl("worker_compress", &worker_compress_cpu);
-  m.impl("server_compress", &server_compress_cpu);
-  m.impl("unpack", &unpack_cpu);
-  m.impl("unpack_into", &unpack_into_cpu);
+  m.impl("worker_compress", kernel<WorkerCompressFn>(&worker_compress_cpu));
+  m.impl("server_compress", kernel<ServerCompressFn>(&server_compress_cpu));
+  m.impl("unpack", kernel<UnpackFn>(&unpack_cpu));
+  m.impl("unpack_into", kernel<UnpackIntoFn>(&unpack_into_cpu));
 }
 
 }  // namespace lbcomm

@@ -10,6 +10,26 @@
 
 namespace lbcomm {
 
+// The C++ signature of each op's kernels. At import the dispatcher refuses a kernel whose
+// signature differs from another backend's for the same op, even by one const; registering
+// through kernel<Fn> makes that a compile error instead (CI compiles the CUDA bindings).
+using WorkerCompressFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor& x, const at::Tensor& error,
+                                                           std::optional<int64_t> block_size,
+                                                           const std::optional<at::Tensor>& error_out,
+                                                           const std::optional<at::Tensor>& weights);
+using ServerCompressFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor& packed, const at::Tensor& scales,
+                                                           const at::Tensor& error, std::optional<int64_t> block_size,
+                                                           std::optional<int64_t> numel,
+                                                           const std::optional<at::Tensor>& error_out);
+using UnpackFn = at::Tensor(const at::Tensor& packed, const at::Tensor& scales, int64_t numel,
+                            std::optional<int64_t> block_size);
+using UnpackIntoFn = void(const at::Tensor& packed, const at::Tensor& scales, std::optional<int64_t> block_size,
+                          const at::Tensor& out, const std::optional<at::Tensor>& weights);
+template <class Fn>
+constexpr Fn* kernel(Fn* f) {
+  return f;
+}
+
 // Everything a worker_compress launch needs; the tensors own the outputs and scratch.
 struct WorkerLaunch {
   WorkerArgs args;

@@ -20,6 +20,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include "ops.h"
 #include "optim.h"
 
 namespace lbcomm {
@@ -90,6 +91,6 @@ TORCH_LIBRARY_FRAGMENT(lbcomm, m) {
         "float keep, float neg_step, float? bound=None) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(lbcomm, CPU, m) { m.impl("frozen_adamw_", &frozen_adamw_cpu); }
+TORCH_LIBRARY_IMPL(lbcomm, CPU, m) { m.impl("frozen_adamw_", kernel<FrozenAdamwFn>(&frozen_adamw_cpu)); }
 
 }  // namespace lbcomm

@@ -209,8 +209,15 @@ def child_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     return env
 
 
+# Lines that name the cause of a crash; a C++ abort prints them before a long backtrace.
+_CAUSE_MARKS = ("what():", "terminate called", "Error:", "error:")
+
+
 def tail(text: str, lines: int = 25) -> str:
-    return "\n".join(text.rstrip().splitlines()[-lines:])
+    """The last `lines` lines of text, after the first few earlier lines that name a cause."""
+    all_lines = text.rstrip().splitlines()
+    causes = [ln for ln in all_lines[:-lines] if any(m in ln for m in _CAUSE_MARKS)][:6]
+    return "\n".join(causes + (["..."] if causes else []) + all_lines[-lines:])
 
 
 # ---------------------------------------------------------------------------- environment, build
@@ -351,7 +358,7 @@ def check_pytest_cuda_rest(params):
     if rc == 5:  # no test selected
         fig.update(summary="no CUDA-eligible cases outside tests/test_cuda.py", tests=0)
         return True, fig
-    if not fig:
+    if "tests" not in fig:
         raise RuntimeError(f"pytest exited {rc} without a report:\n{tail(out)}")
     fig["summary"] = f"{fig['passed']} passed, {fig['failures'] + fig['errors']} failed, {fig['skipped']} skipped"
     if fig["failed"]:

@@ -99,6 +99,20 @@ def test_build_step_records_success_failure_and_timeout():
     assert not slow["ok"] and "did not finish in 2 s" in slow["error"] and time.monotonic() - t0 < 30
 
 
+def test_a_crash_record_names_its_cause_before_the_backtrace(monkeypatch):
+    # A C++ abort at import prints its reason first, then a backtrace longer than the tail.
+    script = ("import sys; print(\"terminate called after throwing an instance of 'c10::Error'\"); "
+              "print('  what():  Mismatch in kernel C++ signatures'); "
+              "[print(f'frame #{i}: python3() [0x549d87]') for i in range(60)]; sys.exit(134)")
+    rec = G.run_build([sys.executable, "-c", script], {}, 60)
+    assert not rec["ok"] and "Mismatch in kernel C++ signatures" in rec["error"] and "frame #59" in rec["error"]
+    assert "frame #5:" not in rec["error"]
+    # pytest that dies before writing its report is an error that says so, not a KeyError
+    monkeypatch.setattr(G, "_pytest", lambda args, timeout: (-6, {"command": "python -m pytest"}, "what(): boom"))
+    with pytest.raises(RuntimeError, match="without a report(.|\n)*boom"):
+        G.check_pytest_cuda_rest({"timeout": 60})
+
+
 def test_json_file_and_table(tmp_path):
     records = [
         G.make_record("kernels", True, {"summary": "min vs copy: worker_compress 0.91x", "ratio": float("nan")}, 12.345),

@@ -28,7 +28,7 @@ void check_launch(int err, const char* op) {
 
 void* current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
 
-std::tuple<at::Tensor, at::Tensor> worker_compress_cuda(const at::Tensor& x, at::Tensor& error,
+std::tuple<at::Tensor, at::Tensor> worker_compress_cuda(const at::Tensor& x, const at::Tensor& error,
                                                         std::optional<int64_t> block_size,
                                                         const std::optional<at::Tensor>& error_out,
                                                         const std::optional<at::Tensor>& weights) {
@@ -39,7 +39,7 @@ std::tuple<at::Tensor, at::Tensor> worker_compress_cuda(const at::Tensor& x, at:
 }
 
 std::tuple<at::Tensor, at::Tensor> server_compress_cuda(const at::Tensor& packed, const at::Tensor& scales,
-                                                        at::Tensor& error, std::optional<int64_t> block_size,
+                                                        const at::Tensor& error, std::optional<int64_t> block_size,
                                                         std::optional<int64_t> numel,
                                                         const std::optional<at::Tensor>& error_out) {
   const auto guard = guard_for(error);
@@ -66,10 +66,10 @@ void unpack_into_cuda(const at::Tensor& packed, const at::Tensor& scales, std::o
 }  // namespace
 
 TORCH_LIBRARY_IMPL(lbcomm, CUDA, m) {
-  m.impl("worker_compress", &worker_compress_cuda);
-  m.impl("server_compress", &server_compress_cuda);
-  m.impl("unpack", &unpack_cuda);
-  m.impl("unpack_into", &unpack_into_cuda);
+  m.impl("worker_compress", kernel<WorkerCompressFn>(&worker_compress_cuda));
+  m.impl("server_compress", kernel<ServerCompressFn>(&server_compress_cuda));
+  m.impl("unpack", kernel<UnpackFn>(&unpack_cuda));
+  m.impl("unpack_into", kernel<UnpackIntoFn>(&unpack_into_cuda));
 }
 
 }  // namespace lbcomm

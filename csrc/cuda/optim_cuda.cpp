@@ -5,6 +5,7 @@
 #include <cuda_runtime_api.h>
 #include <torch/library.h>
 
+#include "ops.h"
 #include "optim.h"
 #include "optim_kernels.h"
 
@@ -26,6 +27,6 @@ void frozen_adamw_cuda(at::Tensor& param, const at::Tensor& exp_avg, const at::T
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(lbcomm, CUDA, m) { m.impl("frozen_adamw_", &frozen_adamw_cuda); }
+TORCH_LIBRARY_IMPL(lbcomm, CUDA, m) { m.impl("frozen_adamw_", kernel<FrozenAdamwFn>(&frozen_adamw_cuda)); }
 
 }  // namespace lbcomm
