@@ -60,8 +60,10 @@ def exact_index(numels: Sequence[int], limit: int, *, offsets: Optional[Sequence
         offsets = [0]
         for n in numels[:-1]:
             offsets.append(offsets[-1] + n)
-    spans = [torch.arange(offsets[k], offsets[k] + numels[k]) for k in exact_members(numels, limit, whole)]
-    return torch.cat(spans).to(device) if spans else None
+    # built where it lives: a copy from host memory would synchronize a CUDA stream
+    spans = [torch.arange(offsets[k], offsets[k] + numels[k], device=device)
+             for k in exact_members(numels, limit, whole)]
+    return torch.cat(spans) if spans else None
 
 
 class ExactMean:

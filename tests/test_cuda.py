@@ -144,11 +144,9 @@ def test_single_scale_is_deterministic():
 @pytest.mark.parametrize("in_place", [True, False])
 @pytest.mark.parametrize("block", BLOCKS)
 @pytest.mark.parametrize("p", [1, 2, 3, 4, 5])
-@pytest.mark.parametrize("n0", SIZES)
+@pytest.mark.parametrize("n0", [n for n in SIZES if n])  # an empty tensor has no server chunks
 def test_server_compress_matches_reference(n0, p, block, in_place):
     m = R.chunk_size(n0, p)
-    if m == 0:
-        pytest.skip("an empty tensor has no server chunks")
     nb = R.num_blocks(m, block)
     for real in sorted({0, 1, min(n0, m), m - 5, m}):
         packed = torch.randint(0, 256, (p, m // 8), dtype=torch.uint8, device=DEV)

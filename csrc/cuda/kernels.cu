@@ -9,7 +9,10 @@
 // Block mode is one fused kernel: values stay in registers between the reduction and the
 // writes; words beyond the register budget are recomputed from their inputs (read twice,
 // the second time mostly from L2). Single-scale mode is three kernels: partial sums per unit,
-// one fixed-shape finishing reduction, then the packing pass with the final scale.
+// one fixed-shape finishing reduction, then the packing pass with the final scale. Each
+// warp loads all its words' inputs before it computes with them (Src::fill), so that the
+// memory latencies overlap: a warp that waits on one load at a time runs far below copy
+// bandwidth.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -77,6 +80,28 @@ struct WorkerSrc {
     const float v = load_in(x, f);
     return __fadd_rn(weights ? __fdiv_rn(v, load_weight(weights, wtype, f)) : v, error[f]);
   }
+
+  // The values of R words (word it * GW + wg of the group at start; 0 for pads and words
+  // past the group's end): every load is issued before the arithmetic, whose division
+  // would otherwise keep the loads of one word waiting for the previous word's.
+  template <int GW, int R>
+  __device__ __forceinline__ void fill(float (&v)[R], int64_t start, int64_t words, int64_t numel, int64_t /*g*/,
+                                       int wg, int lane) const {
+    float xs[R], ws[R], es[R];
+#pragma unroll
+    for (int it = 0; it < R; ++it) {
+      const int64_t w = static_cast<int64_t>(it) * GW + wg, f = start + w * 32 + lane;
+      const bool real = w < words && f < numel;
+      xs[it] = real ? load_in(x, f) : 0.0f;
+      ws[it] = real && weights ? load_weight(weights, wtype, f) : 1.0f;
+      es[it] = real ? error[f] : 0.0f;
+    }
+#pragma unroll
+    for (int it = 0; it < R; ++it) {
+      const int64_t w = static_cast<int64_t>(it) * GW + wg, f = start + w * 32 + lane;
+      v[it] = w < words && f < numel ? __fadd_rn(weights ? __fdiv_rn(xs[it], ws[it]) : xs[it], es[it]) : 0.0f;
+    }
+  }
 };
 
 // Phase 2 value of a real element: z = (sum_j +-a_j) * (1/p) + s, rank order, no FMA.
@@ -101,6 +126,38 @@ struct ServerSrc {
       acc = __fadd_rn(acc, set_sign(sc[j * scales_stride], neg));
     }
     return __fadd_rn(__fmul_rn(acc, inv_p), error[f]);
+  }
+
+  // The values of R words as WorkerSrc::fill, rank by rank: one scale load and R byte loads
+  // in flight per rank, where element by element each rank's loads waited for the last.
+  // The sum runs over the ranks in the same order, so the values are those of operator().
+  template <int GW, int R>
+  __device__ __forceinline__ void fill(float (&v)[R], int64_t start, int64_t words, int64_t numel, int64_t g,
+                                       int wg, int lane) const {
+    float es[R], acc[R];
+#pragma unroll
+    for (int it = 0; it < R; ++it) {
+      const int64_t w = static_cast<int64_t>(it) * GW + wg, f = start + w * 32 + lane;
+      es[it] = w < words && f < numel ? error[f] : 0.0f;
+      acc[it] = 0.0f;
+    }
+    const uint8_t* bytes = packed + ((start + static_cast<int64_t>(wg) * 32 + lane) >> 3);
+    const unsigned shift = static_cast<unsigned>(lane & 7);  // start is a multiple of 32
+    const float* sc = scales + (per_block ? g : 0);
+    for (int64_t j = 0; j < p; ++j) {
+      const float s = sc[j * scales_stride];
+      unsigned b[R];
+#pragma unroll
+      for (int it = 0; it < R; ++it)
+        b[it] = static_cast<int64_t>(it) * GW + wg < words ? bytes[j * packed_stride + it * GW * 4] : 0u;
+#pragma unroll
+      for (int it = 0; it < R; ++it) acc[it] = __fadd_rn(acc[it], set_sign(s, (b[it] >> shift) & 1u));
+    }
+#pragma unroll
+    for (int it = 0; it < R; ++it) {
+      const int64_t w = static_cast<int64_t>(it) * GW + wg, f = start + w * 32 + lane;
+      v[it] = w < words && f < numel ? __fadd_rn(__fmul_rn(acc[it], inv_p), es[it]) : 0.0f;
+    }
   }
 };
 
@@ -141,11 +198,12 @@ __device__ __forceinline__ void emit(const Out& out, int64_t word, int64_t f, bo
   out.error_out[f] = real ? __fsub_rn(v, copysignf(scale, v)) : 0.0f;
 }
 
-// GW warps per group (1 or kWarps); R words per warp kept in registers (fused pass only).
+// GW warps per group (1 or kWarps); R words per warp loaded together by Src::fill and kept
+// in registers; a group of more words recomputes the rest element by element.
 template <class Src, int GW, int R, Pass P>
 __global__ void __launch_bounds__(kThreads) group_kernel(Src src, Groups gs, Out out) {
   static_assert(GW == 1 || GW == kWarps, "a group is one warp or the whole block");
-  static_assert(P == Pass::kFused || R == 0, "only the fused pass keeps values in registers");
+  static_assert(R > 0, "at least one word per warp in registers");
   constexpr int kGroupsPerBlock = kWarps / GW;
   __shared__ double red[kWarps];
   const int warp = static_cast<int>(threadIdx.x >> 5), lane = static_cast<int>(threadIdx.x & 31);
@@ -157,16 +215,13 @@ __global__ void __launch_bounds__(kThreads) group_kernel(Src src, Groups gs, Out
     gs.locate(g, start, len);
     const int64_t words = len >> 5;
     const int64_t iters = (words + GW - 1) / GW;  // words per warp, rounded up
-    float keep[R > 0 ? R : 1];
+    float keep[R];
+    src.template fill<GW, R>(keep, start, words, gs.numel, g, wg, lane);
     float scale;
     if constexpr (P != Pass::kApply) {
       double ss = 0.0;  // pads add +0; fp32 squares are exact in float64
 #pragma unroll
-      for (int it = 0; it < R; ++it) {
-        const int64_t w = static_cast<int64_t>(it) * GW + wg, f = start + w * 32 + lane;
-        keep[it] = (w < words && f < gs.numel) ? src(f, g) : 0.0f;
-        ss += static_cast<double>(keep[it]) * static_cast<double>(keep[it]);
-      }
+      for (int it = 0; it < R; ++it) ss += static_cast<double>(keep[it]) * static_cast<double>(keep[it]);
 #pragma unroll 4
       for (int64_t it = R; it < iters; ++it) {
         const int64_t w = it * GW + wg, f = start + w * 32 + lane;
@@ -285,14 +340,15 @@ int launch_single(const Src& src, const Groups& gs, const Out& out, double* part
                   cudaStream_t stream) {
   Out part = out;
   part.partials = partials;
-  int err = launch_groups<Src, kWarps, 0, Pass::kPartial>(src, gs, part, stream);
+  constexpr int kWordsPerWarp = kPartialBlock / 32 / kWarps;  // a unit's words all in registers
+  int err = launch_groups<Src, kWarps, kWordsPerWarp, Pass::kPartial>(src, gs, part, stream);
   if (err != 0) return err;
   const int64_t total = gs.seg < gs.numel ? gs.seg : gs.numel;
   finish_kernel<<<1, kFinishThreads, 0, stream>>>(partials, gs.count, total, scales, n_scales);
   if ((err = last_error()) != 0) return err;
   Out apply = out;
   apply.scales = scales;
-  return launch_groups<Src, kWarps, 0, Pass::kApply>(src, gs, apply, stream);
+  return launch_groups<Src, kWarps, kWordsPerWarp, Pass::kApply>(src, gs, apply, stream);
 }
 
 bool aligned(const void* ptr, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
