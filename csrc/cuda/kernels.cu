@@ -18,6 +18,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #ifndef LBCOMM_WITH_CUDA
 #define LBCOMM_WITH_CUDA 1  // the launcher declarations in kernels.h are behind this switch
@@ -67,18 +68,31 @@ __device__ __forceinline__ float load_weight(const void* w, InType t, int64_t f)
   return t == InType::BF16 ? load_in(static_cast<const __nv_bfloat16*>(w), f) : load_in(static_cast<const float*>(w), f);
 }
 
-// Phase 0 value of a real element: y = x + e (one fp32 rounding); with weights
-// y = x / w + e (the IEEE quotient, then the sum).
-template <typename T>
+struct NoWeights {};  // the weights type of a worker without per-coordinate weights
+
+// Phase 0 value of a real element: y = x + e (one fp32 rounding); with weights of type W
+// (float or bf16, read as their exact fp32 values) y = x / w + e (the IEEE quotient, then
+// the sum). W is a template argument so that each case compiles to only the loads it makes.
+template <typename T, typename W>
 struct WorkerSrc {
+  static constexpr bool kWeighted = !std::is_same<W, NoWeights>::value;
   const T* x;
   const float* error;
-  const void* weights;  // nullptr or indexed like x
-  InType wtype;
+  const W* weights;  // indexed like x (unused without weights)
+
+  __device__ __forceinline__ float weight(int64_t f) const {
+    if constexpr (kWeighted) {
+      return load_in(weights, f);
+    } else {
+      return 1.0f;
+    }
+  }
+  __device__ __forceinline__ static float value(float x, float w, float e) {
+    return __fadd_rn(kWeighted ? __fdiv_rn(x, w) : x, e);
+  }
 
   __device__ __forceinline__ float operator()(int64_t f, int64_t /*group*/) const {
-    const float v = load_in(x, f);
-    return __fadd_rn(weights ? __fdiv_rn(v, load_weight(weights, wtype, f)) : v, error[f]);
+    return value(load_in(x, f), weight(f), error[f]);
   }
 
   // The values of R words (word it * GW + wg of the group at start; 0 for pads and words
@@ -93,13 +107,13 @@ struct WorkerSrc {
       const int64_t w = static_cast<int64_t>(it) * GW + wg, f = start + w * 32 + lane;
       const bool real = w < words && f < numel;
       xs[it] = real ? load_in(x, f) : 0.0f;
-      ws[it] = real && weights ? load_weight(weights, wtype, f) : 1.0f;
+      ws[it] = real ? weight(f) : 1.0f;
       es[it] = real ? error[f] : 0.0f;
     }
 #pragma unroll
     for (int it = 0; it < R; ++it) {
       const int64_t w = static_cast<int64_t>(it) * GW + wg, f = start + w * 32 + lane;
-      v[it] = w < words && f < numel ? __fadd_rn(weights ? __fdiv_rn(xs[it], ws[it]) : xs[it], es[it]) : 0.0f;
+      v[it] = w < words && f < numel ? value(xs[it], ws[it], es[it]) : 0.0f;
     }
   }
 };
@@ -276,14 +290,18 @@ __global__ void __launch_bounds__(kFinishThreads)
   for (int64_t i = threadIdx.x; i < n_out; i += kFinishThreads) scales[i] = result;
 }
 
-// Decode 8 elements (one packed byte, one scale) per thread; out is flat [numel].
+// Decode 8 elements (one packed byte, one scale) per thread; out is flat [numel]. I: the
+// type of the index arithmetic, 32-bit where p * m fits (its divisions are several times
+// cheaper than 64-bit ones, which otherwise dominate this kernel).
+template <typename I>
 __global__ void __launch_bounds__(kThreads) unpack_kernel(UnpackArgs a, bool vec4) {
+  const I m = static_cast<I>(a.m), block = static_cast<I>(a.block);
   const int64_t octets = (a.numel + 7) >> 3;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
   for (int64_t q = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; q < octets; q += stride) {
-    const int64_t f = q << 3, k = f / a.m, i = f - k * a.m;  // m % 8 == 0: an octet is in one row
-    const unsigned byte = a.packed[k * a.packed_stride + (i >> 3)];
-    const float s = a.scales[k * a.scales_stride + (a.block > 0 ? i / a.block : 0)];
+    const I f = static_cast<I>(q << 3), k = f / m, i = f - k * m;  // m % 8 == 0: an octet is in one row
+    const unsigned byte = a.packed[static_cast<int64_t>(k) * a.packed_stride + (i >> 3)];
+    const float s = a.scales[static_cast<int64_t>(k) * a.scales_stride + (block > 0 ? i / block : 0)];
     float v[8];
 #pragma unroll
     for (int t = 0; t < 8; ++t) v[t] = set_sign(s, (byte >> t) & 1u);
@@ -353,9 +371,9 @@ int launch_single(const Src& src, const Groups& gs, const Out& out, double* part
 
 bool aligned(const void* ptr, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
 
-template <typename T>
-int worker_typed(const WorkerArgs& a, cudaStream_t stream) {
-  const WorkerSrc<T> src{static_cast<const T*>(a.x), a.error, a.weights, a.wtype};
+template <typename T, typename W>
+int worker_launch(const WorkerArgs& a, cudaStream_t stream) {
+  const WorkerSrc<T, W> src{static_cast<const T*>(a.x), a.error, static_cast<const W*>(a.weights)};
   const int64_t n = a.p * a.m;
   const int64_t numel = a.numel < 0 ? 0 : a.numel;
   Out out{a.error_out, reinterpret_cast<uint32_t*>(a.packed), a.scales, nullptr};
@@ -366,6 +384,13 @@ int worker_typed(const WorkerArgs& a, cudaStream_t stream) {
   if (a.partials == nullptr) return static_cast<int>(cudaErrorInvalidValue);
   const int64_t units = ceil_div(n, kPartialBlock);
   return launch_single(src, Groups{n, kPartialBlock, units, units, numel}, out, a.partials, a.scales, a.p, stream);
+}
+
+template <typename T>
+int worker_typed(const WorkerArgs& a, cudaStream_t stream) {
+  if (a.weights == nullptr) return worker_launch<T, NoWeights>(a, stream);
+  if (a.wtype == InType::BF16) return worker_launch<T, __nv_bfloat16>(a, stream);
+  return worker_launch<T, float>(a, stream);
 }
 
 }  // namespace
@@ -414,7 +439,11 @@ int unpack(const UnpackArgs& a, void* stream) {
   if (a.p <= 0 || a.m <= 0 || a.m % 8 != 0 || a.block < 0 || a.numel > a.p * a.m)
     return static_cast<int>(cudaErrorInvalidValue);
   const int64_t grid = grid_for(ceil_div(a.numel, 8), kThreads);
-  unpack_kernel<<<static_cast<unsigned>(grid), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(a, aligned(a.out, 16));
+  const auto st = static_cast<cudaStream_t>(stream);
+  if (a.p * a.m <= INT32_MAX)
+    unpack_kernel<uint32_t><<<static_cast<unsigned>(grid), kThreads, 0, st>>>(a, aligned(a.out, 16));
+  else
+    unpack_kernel<int64_t><<<static_cast<unsigned>(grid), kThreads, 0, st>>>(a, aligned(a.out, 16));
   return last_error();
 }
 
