@@ -158,6 +158,7 @@ def one_run(rank, world, task, method, lr, a, classes=None):
     steps, freeze = task.steps, freeze_of(task)
     schedule = getattr(a, "schedule", "cosine")
     diverged, first_ratio, first_pmax = None, None, None
+    every, trajectory = getattr(a, "trajectory", 0), []  # validation loss every `every` steps
     for step in range(steps):
         cur = lr * T.schedule_factor(schedule, step, steps)
         for g in opt.param_groups:
@@ -183,6 +184,8 @@ def one_run(rank, world, task, method, lr, a, classes=None):
         if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
             diverged = step + 1
             break
+        if every and (step + 1) % every == 0 and step + 1 < steps:
+            trajectory.append([step + 1, T.evaluate(task, model)])
     final = float("nan") if diverged else T.evaluate(task, model)
     hook = getattr(net, "hook_state", None)
     sent = None if hook is None else hook.compression_stats()  # this rank's bytes, start included
@@ -190,7 +193,8 @@ def one_run(rank, world, task, method, lr, a, classes=None):
             "bytes_sent": None if sent is None else sent["bytes_sent"],
             "bytes_uncompressed": None if sent is None else sent["bytes_uncompressed"],
             "first_update_ratio": first_ratio, "param_max_at_first_update": first_pmax,
-            "max_param": None if diverged else max(float(p.detach().abs().max()) for p in model.parameters())}
+            "max_param": None if diverged else max(float(p.detach().abs().max()) for p in model.parameters()),
+            **({"trajectory": trajectory + [[steps, final]]} if every else {})}
 
 
 def rank_main(rank, world, a, out_path, init_file):
@@ -202,7 +206,8 @@ def rank_main(rank, world, a, out_path, init_file):
         task = T.make_task(name, quick=a.quick, seed=a.seed, grid=a.grid)
         batches = task.batch
         for method in a.methods:
-            for lr, rep in itertools.product(task.grids[FAMILY[method]], range(a.repeats)):
+            lrs = [lr for lr in task.grids[FAMILY[method]] if not a.lrs or any(math.isclose(lr, x) for x in a.lrs)]
+            for lr, rep in itertools.product(lrs, range(a.repeats)):
                 task.batch = in_order(batches, rep)
                 t0 = time.perf_counter()
                 r = one_run(rank, world, task, method, lr, a)
@@ -215,7 +220,9 @@ def rank_main(rank, world, a, out_path, init_file):
                           + (f"  DIVERGED at step {r['diverged']}" if r["diverged"] else "")
                           + (f"  first compressed update {r['first_update_ratio']:.3g} lr"
                              if r["first_update_ratio"] is not None else "")
-                          + f"  ({r['seconds']:.1f} s)", flush=True)
+                          + f"  ({r['seconds']:.1f} s)"
+                          + ("\n      val loss by step: " + " ".join(f"{st}:{v:.4f}" for st, v in r["trajectory"])
+                             if "trajectory" in r else ""), flush=True)
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f)
@@ -447,6 +454,9 @@ def parse_args(argv=None):
     p.add_argument("--lars-options", default="", type=json_options,
                    help="JSON dict of extra lbcomm.Lars options (lars, lars_hook); \"exclude_over\": N excludes the "
                    "tensors of more than N elements from the trust ratio")
+    p.add_argument("--lrs", default="", help="comma list: run only these lrs of each grid (default: the whole grid)")
+    p.add_argument("--trajectory", type=int, default=0, metavar="K",
+                   help="also record (and print) the validation loss every K steps of every run")
     p.add_argument("--json", default="", help="write the raw results here")
     p.add_argument("--plot", default="", help="PNG of the ratio table")
     p.add_argument("--report", nargs="+", default=[], metavar="JSON",
@@ -457,6 +467,12 @@ def parse_args(argv=None):
     over = a.lars_options.get("exclude_over", 0)
     if isinstance(over, bool) or not isinstance(over, int) or over < 0:
         p.error(f"--lars-options: exclude_over must be an int >= 0, got {over!r}")
+    if a.trajectory < 0:
+        p.error(f"--trajectory must be >= 0, got {a.trajectory}")
+    try:
+        a.lrs = [float(x) for x in a.lrs.split(",") if x.strip()]
+    except ValueError:
+        p.error(f"--lrs: a comma list of numbers, got {a.lrs!r}")
     if a.grid is None:
         a.grid = "coarse" if a.quick else "fine"
     a.tasks = a.tasks.split(",") if a.tasks else list(QUICK_TASKS if a.quick else T.TASKS)
@@ -464,6 +480,11 @@ def parse_args(argv=None):
     unknown = [m for m in a.methods if m not in METHODS + EXTRA_METHODS] + [t for t in a.tasks if t not in T.TASKS]
     if unknown:
         p.error(f"unknown method or task: {unknown}")
+    if a.lrs:
+        grids = [lr for t in a.tasks for g in T.make_task(t, quick=a.quick, grid=a.grid).grids.values() for lr in g]
+        missing = [x for x in a.lrs if not any(math.isclose(x, lr) for lr in grids)]
+        if missing:
+            p.error(f"--lrs: {missing} not in the {a.grid} grid of {', '.join(a.tasks)}")
     return a
 
 

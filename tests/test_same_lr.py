@@ -65,3 +65,26 @@ def test_same_lr_ratio_stays_within_its_limit(finals, task, method):
     assert ratio <= LIMITS[(task, method)], (
         f"{method} / {PAIRS[method]} on {task} at lr {mine['lr']}: same-lr ratio {ratio:.3f} "
         f"(limit {LIMITS[(task, method)]})")
+
+
+def _trajectory_run(rank, world):
+    from types import SimpleNamespace
+
+    from bench import suite
+    from bench import tasks as T
+
+    a = SimpleNamespace(onebit_options={}, hook_options={}, zeroone_options={}, schedule="cosine", trajectory=40)
+    return suite.one_run(rank, world, T.make_task("dead_relu", quick=True), "onebit_adam", 0.003, a)
+
+
+def test_suite_records_the_trajectory_and_runs_only_the_lrs_asked_for():
+    from bench import suite
+
+    r = run_ranks(_trajectory_run, 2, timeout=300)[0]
+    assert [st for st, _ in r["trajectory"]] == [40, 80]  # every 40th of the quick task's 80 steps
+    assert r["trajectory"][-1][1] == r["final"] and r["trajectory"][0][1] > r["final"]
+    a = suite.parse_args(["--quick", "--lrs", "0.003,0.03", "--trajectory", "20"])
+    assert a.lrs == [0.003, 0.03] and a.trajectory == 20
+    for bad in (["--lrs", "0.005", "--tasks", "dead_relu"], ["--lrs", "x"], ["--trajectory", "-1"]):
+        with pytest.raises(SystemExit):
+            suite.parse_args(bad)
