@@ -886,6 +886,12 @@ class SyncCounter:
 
         return cm()
 
+    def reset(self) -> None:
+        """Forget every count and site so far."""
+        with self._lock:
+            self.counts.clear()
+            self.sites.clear()
+
     def take(self, where: str) -> int:
         with self._lock:
             self.sites.pop(where, None)
@@ -937,8 +943,7 @@ def _train_variant(ctx: RankContext, variant: str, params, counter: Optional[Syn
     else:
         raise ValueError(f"unknown training variant {variant!r}")
     if counter is not None:
-        counter.counts.clear()
-        counter.sites.clear()
+        counter.reset()
     losses, t0 = [], time.perf_counter()
     for step in range(params["steps"]):
         x, y = _batch(step, ctx.rank, dev, teacher)
@@ -967,8 +972,7 @@ def _train_variant(ctx: RankContext, variant: str, params, counter: Optional[Syn
         out["hook_syncs"] = counter.take("hook")
         out["optimizer_step_syncs"] = counter.take("optimizer step")
         out["other_syncs"] = dict(counter.counts)
-        counter.counts.clear()
-        counter.sites.clear()
+        counter.reset()
     del net, opt, hook_state
     return out
 
