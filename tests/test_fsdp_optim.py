@@ -19,7 +19,6 @@ gloo ranks as 2 nodes x 2, one spawn for every check:
   the exact coordinates' errors zero, the compressed ones' not; on FSDP2 a resume from the
   per-rank DCP checkpoint continues bitwise.
 """
-import os
 
 import pytest
 import torch

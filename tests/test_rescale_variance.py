@@ -167,3 +167,37 @@ def test_two_ranks_optimizer_and_hook_paths_agree_with_the_simulation():
     # the statistic rides in the finiteness agreement: one fp32 scalar more per parameter
     n = len(res[0]["p0"])
     assert res[0]["optimizer"]["bytes"]["agreement"] == 4 * (1 + n)  # ring: 2 (p - 1) / p x 4 (1 + n) bytes
+
+
+def _one_tensor_run(cls, rescale, growth):
+    """One rank, one weight matrix (no bias), a regression whose inputs scale by
+    (1 + growth t): its gradient norm grows (growth > 0) or shrinks (< 0) after the freeze."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(12, 5, bias=False)
+    kw = dict(lr=LR, weight_decay=1e-2, comm=lbcomm.CommConfig(exact_numel=0, block_size=64),
+              rescale_variance=rescale)
+    opt = (cls(lin.parameters(), freeze_step=FREEZE, **kw) if cls is lbcomm.OneBitAdam
+           else cls(lin.parameters(), var_freeze_step=FREEZE, var_update_scaler=2, local_step_clipper=2, **kw))
+    g = torch.Generator().manual_seed(7)
+    hist = []
+    for t in range(STEPS):
+        x = torch.randn(16, 12, generator=g) * (1.0 + growth * t)
+        opt.zero_grad()
+        (lin(x) - x[:, :5]).square().mean().backward()
+        opt.step()
+        hist.append(lin.weight.detach().clone())
+    return hist, opt
+
+
+@pytest.mark.parametrize("cls", [lbcomm.OneBitAdam, lbcomm.ZeroOneAdam])
+def test_growing_gradients_leave_the_variance_as_it_is(cls):
+    """The factor is capped at 1: when a tensor's gradients grow after the variance was last
+    updated, the run is the unscaled one bit for bit; when they shrink, it is not."""
+    grown, opt = _one_tensor_run(cls, True, 0.3)
+    q, ref = opt._vectors["grad_sq"].item(), opt._vectors["grad_sq_frozen"].item()
+    assert q / (1 - 0.999 ** STEPS) > 2 * ref  # the uncapped factor would be well above 1
+    plain, _ = _one_tensor_run(cls, False, 0.3)
+    assert all(torch.equal(a, b) for a, b in zip(grown, plain))
+    shrunk, _ = _one_tensor_run(cls, True, -0.05)
+    plain, _ = _one_tensor_run(cls, False, -0.05)
+    assert max((a - b).abs().max().item() for a, b in zip(shrunk, plain)) > 1e-6

@@ -64,22 +64,29 @@ def _snapshot(model, opt):
 SCHED = dict(var_freeze_step=8, var_update_scaler=2, local_step_scaler=2, local_step_clipper=4)
 SYNCS = [9, 10, 12, 14, 18, 22, 26, 30]
 # exact_numel=0 (every parameter compressed; the default, 4096, averages this whole model
-# exactly) except in "exact"
+# exactly) except in "exact". rescale_variance off except in "rescale": the four ranks'
+# squared gradient norms are summed in gloo's order, not the simulation's, so that run is
+# compared to fp32 rounding (two ranks, bitwise: test_two_ranks_rescale_variance_...)
 RUNS = {
     "default": dict(steps=28, groups=False, sched=False,
-                    kw=dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, block_size=64, exact_numel=0)),
+                    kw=dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, block_size=64, exact_numel=0,
+                            rescale_variance=False)),
     # the published formulas, an lr schedule and two param groups with their own lr and wd
     "published_groups_scheduler": dict(steps=24, groups=True, sched=True,
                                        kw=dict(lr=1e-2, weight_decay=0.0, block_size=None, bias_correction=False,
-                                               max_update=None, var_decay="update", exact_numel=0)),
+                                               max_update=None, var_decay="update", exact_numel=0,
+                                               rescale_variance=False)),
     "auto_bound_masked": dict(steps=16, groups=False, sched=False, dead_inputs=True,
-                       kw=dict(lr=2e-2, weight_decay=0.05, block_size=64, max_update="auto", exact_numel=0)),
+                       kw=dict(lr=2e-2, weight_decay=0.05, block_size=64, max_update="auto", exact_numel=0,
+                               rescale_variance=False)),
     # the biases, the LayerNorm and the 24 x 5 head (<= 200 elements) averaged exactly, the
     # 24 x 12 and 24 x 24 matrices compressed. A sync averages the exact coordinates' inputs
     # with an allreduce whose four-rank sum runs in gloo's order, not the simulation's: this
     # run is compared to fp32 rounding (test_exact_numel_matches_the_simulation)
     "exact": dict(steps=28, groups=False, sched=False,
-                  kw=dict(lr=1e-2, weight_decay=0.01, block_size=64, exact_numel=200)),
+                  kw=dict(lr=1e-2, weight_decay=0.01, block_size=64, exact_numel=200, rescale_variance=False)),
+    "rescale": dict(steps=28, groups=False, sched=False,
+                    kw=dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, block_size=64, exact_numel=0)),
 }
 
 
@@ -121,7 +128,7 @@ def _record(rank, p, cfg):
 def _resume(rank, p):
     """Save mid local-step interval, load into a fresh optimizer (through torch.save), and
     run both on; also a round trip of the state dict."""
-    cfg = RUNS["default"]
+    cfg = RUNS["rescale"]  # rescale_variance's statistics are checkpointed too
     model = _mlp(seed=5)
     opt, _ = _make(model, cfg)
     save_at = 15  # after step 15: the interval 14 -> 18 is half done
@@ -213,7 +220,7 @@ def four_ranks():
     return run_ranks(_suite, 4, timeout=240)
 
 
-@pytest.mark.parametrize("run", [k for k in RUNS if k != "exact"])
+@pytest.mark.parametrize("run", [k for k in RUNS if k not in ("exact", "rescale")])
 def test_four_ranks_match_the_simulation_bitwise(four_ranks, run):
     cfg = RUNS[run]
     recs = [r["sim"][run] for r in four_ranks]
@@ -265,6 +272,38 @@ def test_exact_numel_matches_the_simulation(four_ranks):
         assert same == (kinds[t] != "local"), f"step {t + 1} ({kinds[t]}): replicas identical = {same}"
     compressed = simulate_zero_one_adam(recs[0]["params0"], grads, **SCHED, **dict(cfg["kw"], exact_numel=0))
     assert max((a - b).abs().max().item() for a, b in zip(compressed[-1][0], recs[0]["params"][-1])) > 1e-6
+
+
+def test_rescale_variance_matches_the_simulation(four_ranks):
+    """rescale_variance (the default): every step but the variance steps scales v^ by the
+    change of the ranks' mean squared gradient norm since the last variance step; to fp32
+    rounding against the simulation (gloo's order of the four-rank sum), ranks identical."""
+    cfg = RUNS["rescale"]
+    recs = [r["sim"]["rescale"] for r in four_ranks]
+    steps = cfg["steps"]
+    grads = [[recs[r]["grads"][t] for r in range(4)] for t in range(steps)]
+    history = simulate_zero_one_adam(recs[0]["params0"], grads, **SCHED, **cfg["kw"])
+    for t in range(steps):
+        for r in range(4):
+            for a, b in zip(history[t][r], recs[r]["params"][t]):
+                torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+    kinds = recs[0]["kinds"]
+    for t in range(steps):
+        same = all(_same(recs[r]["params"][t], recs[0]["params"][t]) for r in range(1, 4))
+        assert same == (kinds[t] != "local"), f"step {t + 1} ({kinds[t]}): replicas identical = {same}"
+    # the variance steps 1 and 2 are the pinned run's bit for bit; the rescale moves the rest
+    pinned = four_ranks[0]["sim"]["default"]["params"]
+    assert _same(recs[0]["params"][1], pinned[1])
+    assert max((a - b).abs().max().item() for a, b in zip(recs[0]["params"][-1], pinned[-1])) > 1e-5
+    # the statistic rides in every step's one collective: a local step's agreement carries
+    # one fp32 per parameter more (8 parameters), still one round
+    p, n_params = 4, len(recs[0]["params0"])
+    ring = lambda nbytes: int(round(2 * (p - 1) / p * nbytes))  # noqa: E731
+    prev = 0
+    for kind, st in zip(kinds, recs[0]["stats"]):
+        if kind == "local":
+            assert st["bytes_sent"] - prev == ring(4 * (1 + n_params))
+        prev = st["bytes_sent"]
 
 
 def test_comm_stats_count_what_each_kind_of_step_sends(four_ranks):
@@ -401,3 +440,86 @@ def test_low_precision_params_keep_fp32_state_through_the_local_stage(dtype):
     assert opt.local_steps_started and st["anchor"].dtype == torch.float32 and st["exp_avg"].dtype == torch.float32
     assert torch.equal(st["anchor"].to(dtype), model[0].weight.detach())  # after the sync at step 14
     assert all(torch.isfinite(q.float()).all() for q in model.parameters())
+
+
+def _two_ranks_rescale(rank, p):
+    """The run with rescale_variance through the optimizer's own averaging and through
+    lbcomm's warmup hook (which averages the first step, after handing over the local
+    gradients), recording the local gradients."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    kw = dict(RUNS["rescale"]["kw"])
+    out = {}
+    for how in ("optimizer", "hook"):
+        model = _mlp(seed=3)
+        p0 = _params(model)
+        opt = make_opt(lbcomm.ZeroOneAdam, model.parameters(), **SCHED, **kw)
+        net = model
+        if how == "hook":
+            net = DDP(model)
+            net.register_comm_hook(lbcomm.ddp.WarmupAverage(opt), lbcomm.ddp.warmup_average_hook)
+        hist, grads = [], []
+        for t in range(20):
+            opt.zero_grad()
+            _loss(net, rank, t).backward()
+            grads.append([q.grad.clone() for q in model.parameters()])
+            opt.step()
+            hist.append(_params(model))
+        out[how] = dict(hist=hist, grads=grads, p0=p0, ref=opt._vectors["grad_sq_frozen"].clone(),
+                        ema=opt._vectors["grad_sq"].clone())
+    dist.barrier()
+    return out
+
+
+def test_two_ranks_rescale_variance_optimizer_and_hook_paths_match_the_simulation():
+    """Two ranks: a sum of two ranks' norms has one result whatever the order, so both
+    paths are bitwise the simulation's (the hook's first step averaged the gradients: the
+    simulation gets the local ones the optimizer path recorded)."""
+    res = run_ranks(_two_ranks_rescale, 2, timeout=240)
+    steps = len(res[0]["optimizer"]["hist"])
+    grads = [[res[r]["optimizer"]["grads"][t] for r in range(2)] for t in range(steps)]
+    sim = simulate_zero_one_adam(res[0]["optimizer"]["p0"], grads, **SCHED, **RUNS["rescale"]["kw"])
+    for how in ("optimizer", "hook"):
+        assert bool((res[0][how]["ref"] > 0).all()), how  # tracked on both paths
+        for t in range(steps):
+            for r in range(2):
+                assert _same(res[r][how]["hist"][t], sim[t][r]), f"{how}, rank {r}, step {t + 1}"
+    assert torch.equal(res[0]["hook"]["ema"], res[0]["optimizer"]["ema"])
+    plain = simulate_zero_one_adam(res[0]["optimizer"]["p0"], grads, **SCHED,
+                                   **dict(RUNS["rescale"]["kw"], rescale_variance=False))
+    assert max((a - b).abs().max().item() for a, b in zip(plain[-1][0], sim[-1][0])) > 1e-5
+
+
+def test_rescale_variance_option_is_checked():
+    with pytest.raises(ValueError, match="rescale_variance"):
+        lbcomm.ZeroOneAdam(_mlp().parameters(), rescale_variance="yes")
+
+
+@pytest.mark.parametrize("cls", ["ZeroOneAdam", "OneBitAdam"])
+def test_checkpoint_saved_before_rescale_variance_continues_unscaled(cls, caplog):
+    """A state dict saved before the option existed (no rescale_variance in its groups, no
+    statistics in its state) continues as it was trained, with a warning: bitwise the
+    unscaled run."""
+    def train(model, opt, start, stop):
+        for t in range(start, stop):
+            _backward(model, opt, 0, t)
+            opt.step()
+
+    make = (lambda params, **kw: lbcomm.ZeroOneAdam(params, lr=1e-2, **SCHED, **kw)) if cls == "ZeroOneAdam" else (
+        lambda params, **kw: lbcomm.OneBitAdam(params, lr=1e-2, freeze_step=4, **kw))
+    model = _mlp(seed=4)
+    opt = make(model.parameters(), rescale_variance=False)
+    train(model, opt, 0, 12)
+    sd = copy.deepcopy(opt.state_dict())
+    for group in sd["param_groups"]:
+        del group["rescale_variance"]
+    for st in sd["state"].values():
+        del st["grad_sq"], st["grad_sq_frozen"]
+    clone = copy.deepcopy(model)
+    opt2 = make(clone.parameters())
+    with caplog.at_level("WARNING", logger="lbcomm"):
+        opt2.load_state_dict(sd)
+    assert "predates rescale_variance" in caplog.text and opt2.param_groups[0]["rescale_variance"] is False
+    train(model, opt, 12, 20)
+    train(clone, opt2, 12, 20)
+    assert _same(_params(model), _params(clone))

@@ -74,9 +74,8 @@ def frozen_adamw_step_(opt: BaseOptimizer, stage: OneBitStage, L: FlatLayout,
         for i in seg.idx:
             # max_update U: |lr m^ / (sqrt(v^) + eps)| <= lr U for every coordinate
             step_bound = None if bounds[i] is None else lr * bounds[i]
-            # rescale_variance: v^ f = v / (bc2 / f)
-            bc2_i = bc2 if factors is None or factors[i] is None else bc2 / factors[i]
-            F.apply_fp32(L.tensor(i), lambda w, i=i, b=step_bound, c=bc2_i: kernels.frozen_adamw_(
+            c = F.rescaled_bc2(bc2, factors, i)  # rescale_variance
+            F.apply_fp32(L.tensor(i), lambda w, i=i, b=step_bound, c=c: kernels.frozen_adamw_(
                 w, L.view(m, i), L.view(v, i), c, eps, lr * wd, lr / bc1, scratch, b))
     return True
 
@@ -173,26 +172,22 @@ class OneBitAdam(BaseOptimizer):
         # The gradients are read where autograd left them; all ranks first agree they are finite.
         if not st.grads_finite(L):
             return self._nonfinite("the local gradients")
-        keep = []
-
-        def factors_of(include):
-            factors, grad_sq = self._rescale.factors(L, include)
-            keep.append(grad_sq)
-            return factors
-
-        if not frozen_adamw_step_(self, st, L, factors_of):
+        if not frozen_adamw_step_(self, st, L, self._rescale.factors_of(L)):
             return self._nonfinite("the new momenta")
-        if keep and keep[0] is not None:
-            self._vectors["grad_sq"].copy_(keep[0])
+        self._rescale.commit()
         return True
 
     def _warmup_update(self, L: FlatLayout, active: List[bool]) -> None:
         adamw_warmup_(self, L, active, [None] * len(L.params))
 
+    def _load_extra_state(self, state, extra) -> None:
+        self._rescale.loaded()
+        super()._load_extra_state(state, extra)
+
     def _after_step(self, L: FlatLayout) -> None:
         if not self.frozen and self._global_step >= self._option("freeze_step"):
             self._onebit.freeze(L)
-            self._rescale.record_at_freeze(L)
+            self._rescale.record_reference(L)
             self._attach_views()
             self._onebit.log_freeze(L)
 

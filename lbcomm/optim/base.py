@@ -13,7 +13,7 @@ component (`onebit`) that the 1-bit optimizers hold.
   the optimizer update moments and parameters (`_warmup_update`, math in `functional`). A
   DDP communication hook that has already averaged the gradients sets `grads_averaged` and
   the optimizer does not communicate. An optimizer may let per-parameter values of its own
-  ride in the same allreduce (`_local_slots`; OneBitAdam's rescale_variance).
+  ride in the same allreduce (`_local_slots`; rescale_variance's statistic).
 * Never silent: with ``comm.detect_averaged_grads``, until it is decided, a per-rank
   checksum of the local gradients rides along the warmup allreduce (`agree`); identical
   checksums on every rank raise `lbcomm.errors.AveragedGradientsError` naming the fix.
@@ -177,7 +177,7 @@ class BaseOptimizer(Optimizer):
 
     def note_local_grads(self, params: Sequence[Tensor], grads: Sequence[Tensor]) -> None:
         """Called by a warmup hook with local gradients before it averages them; a no-op for
-        optimizers that need nothing from them (OneBitAdam's rescale_variance keeps their
+        optimizers that need nothing from them (rescale_variance keeps their
         squared norms)."""
 
     @property

@@ -7,14 +7,14 @@ contract (the warmup is bitwise torch.optim.AdamW, the tests compare bitwise aga
 from __future__ import annotations
 
 import math
-from typing import Callable, List, Optional, Tuple, Union
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
 
-__all__ = ["norms", "moments_", "denominator", "adamw_", "frozen_adamw_", "lamb_direction", "trust_ratio",
-           "track_coeff", "onebit_lamb_factor", "implied_grad_variance_", "apply_fp32", "adam_update_bound",
-           "resolve_max_update", "max_abs_update", "STAGE"]
+__all__ = ["norms", "moments_", "denominator", "rescaled_bc2", "adamw_", "frozen_adamw_", "lamb_direction",
+           "trust_ratio", "track_coeff", "onebit_lamb_factor", "implied_grad_variance_", "apply_fp32",
+           "adam_update_bound", "resolve_max_update", "max_abs_update", "STAGE"]
 
 # Elements per pass of the staged computations (4 MB of fp32: the pieces stay in cache).
 STAGE = 1 << 20
@@ -45,6 +45,12 @@ def denominator(v: Tensor, bc2: float, eps: float, out: Tensor) -> Tensor:
     """out = sqrt(v) / sqrt(bc2) + eps, i.e. sqrt(v^) + eps."""
     torch.sqrt(v, out=out)
     return out.div_(bc2 ** 0.5).add_(eps)
+
+
+def rescaled_bc2(bc2: float, factors: Optional[Sequence[Optional[float]]], i: int) -> float:
+    """v^'s bias correction for parameter i with rescale_variance's factor f folded in
+    (v^ f = v / (bc2 / f)); factors None, or None at i: no rescale."""
+    return bc2 if factors is None or factors[i] is None else bc2 / factors[i]
 
 
 def adamw_(w: Tensor, m: Tensor, denom: Tensor, decay: float, step_size: float,

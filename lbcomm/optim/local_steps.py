@@ -4,7 +4,7 @@ from the anchor with one compressed allreduce (see `ZeroOneAdam`'s docs for the 
 Functions of the optimizer `opt` (a ZeroOneAdam) and its `OneBitStage`."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -14,6 +14,10 @@ from . import kernels
 from .flat import FlatLayout
 
 __all__ = ["local_step_", "sync_step_"]
+
+# rescale_variance's factors (`VarianceRescale.factors_of`): called with the participating
+# parameters once their step counts have advanced; per parameter a factor of v^, or None
+FactorsOf = Optional[Callable[[List[bool]], Optional[Sequence[Optional[float]]]]]
 
 
 def _bc1(group: Dict[str, Any], step: float) -> float:
@@ -45,9 +49,9 @@ def _by_group(L: FlatLayout, include: List[bool]) -> Dict[int, List[int]]:
     return out
 
 
-def local_step_(opt, L: FlatLayout) -> None:
-    """No communication: the local momentum and an AdamW step with the frozen variance,
-    accumulated into local_update."""
+def local_step_(opt, L: FlatLayout, factors_of: FactorsOf = None) -> None:
+    """No communication: the local momentum and an AdamW step with the frozen variance
+    (rescaled by `factors_of`'s factors), accumulated into local_update."""
     m, v, acc = opt._flat["exp_avg"], opt._flat["exp_avg_sq"], opt._flat["local_update"]
     part = opt._onebit.participating(L)
     for i, on in enumerate(part):
@@ -56,22 +60,25 @@ def local_step_(opt, L: FlatLayout) -> None:
             _local_momentum(m_i, L.params[i].grad, 1 - opt.param_groups[L.group_of[i]]["betas"][0], m_i)
     opt._onebit.mask_range(m, 0, L.total)
     scratch, bounds = opt._onebit.stage_buffer(L), opt._onebit.update_bounds(L)
-    for seg in opt._segments(L, part, vstep="variance_step"):
+    segs = opt._segments(L, part, vstep="variance_step")
+    factors = None if factors_of is None else factors_of(part)
+    for seg in segs:
         group = opt.param_groups[seg.group]
         lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
         bc1, bc2 = opt._bias_corrections(group, seg)
         for i in seg.idx:
             b = None if bounds[i] is None else lr * bounds[i]
-            F.apply_fp32(L.params[i], lambda w, i=i, b=b: kernels.frozen_adamw_(
-                w, L.view(m, i), L.view(v, i), bc2, eps, lr * wd, lr / bc1, scratch, b))
+            F.apply_fp32(L.params[i], lambda w, i=i, b=b, c=F.rescaled_bc2(bc2, factors, i): kernels.frozen_adamw_(
+                w, L.view(m, i), L.view(v, i), c, eps, lr * wd, lr / bc1, scratch, b))
             L.view(acc, i).add_(L.view(m, i), alpha=lr / bc1)
     _interval_vectors(opt, _by_group(L, part), opt._vectors["interval_lr"], opt._vectors["interval_keep"])
 
 
-def sync_step_(opt, L: FlatLayout) -> bool:
+def sync_step_(opt, L: FlatLayout, factors_of: FactorsOf = None) -> bool:
     """The local step's momentum, then one compressed allreduce of the interval's mean
     bias-corrected momentum (times bc1) into m, and every rank's parameters rebuilt from
-    the anchor; False (nothing changed) when the result is non-finite."""
+    the anchor with the variance as rescaled at this step (`factors_of`); False (nothing
+    changed) when the result is non-finite."""
     m, v = opt._flat["exp_avg"], opt._flat["exp_avg_sq"]
     acc, anchor = opt._flat["local_update"], opt._flat["anchor"]
     part = opt._onebit.participating(L)
@@ -104,7 +111,9 @@ def sync_step_(opt, L: FlatLayout) -> bool:
         return False
     scratch, bounds = opt._onebit.stage_buffer(L), opt._onebit.update_bounds(L)
     keeps = keep.tolist()
-    for seg in opt._segments(L, part, vstep="variance_step"):
+    segs = opt._segments(L, part, vstep="variance_step")
+    factors = None if factors_of is None else factors_of(part)
+    for seg in segs:
         group = opt.param_groups[seg.group]
         eps = group["eps"]
         bc1, bc2 = opt._bias_corrections(group, seg)
@@ -113,9 +122,9 @@ def sync_step_(opt, L: FlatLayout) -> bool:
             b = None if bounds[i] is None else total * bounds[i]
             a_i = L.view(anchor, i)
 
-            def rebuild(w, i=i, b=b, total=total, a_i=a_i):
+            def rebuild(w, i=i, b=b, total=total, a_i=a_i, c=F.rescaled_bc2(bc2, factors, i)):
                 w.copy_(a_i)
-                kernels.frozen_adamw_(w, L.view(m, i), L.view(v, i), bc2, eps, 1 - keeps[i], total / bc1,
+                kernels.frozen_adamw_(w, L.view(m, i), L.view(v, i), c, eps, 1 - keeps[i], total / bc1,
                                       scratch, b)
                 a_i.copy_(w)
 

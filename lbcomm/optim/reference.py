@@ -190,7 +190,7 @@ def simulate_onebit_adam(params0: Sequence[Tensor], grads: Sequence[Sequence[Seq
     step lr m^ / (sqrt(v^) + eps) is clamped to lr U (max_update; None: unbounded).
     exact_numel: the momentum of parameters of at most that many elements is averaged
     exactly instead of compressed, its compression errors held at zero. rescale_variance:
-    in the compression stage parameter i's frozen v^ is multiplied by q_t / q_freeze, q the
+    in the compression stage parameter i's frozen v^ is multiplied by min(q_t / q_freeze, 1), q the
     bias-corrected EMA (beta2, from step 1) of the ranks' mean squared local gradient norm
     of parameter i (float64 arithmetic, kept in fp32)."""
     b1, b2 = betas
@@ -229,7 +229,7 @@ def simulate_onebit_adam(params0: Sequence[Tensor], grads: Sequence[Sequence[Seq
             if rescale_variance:
                 bct = 1 - b2 ** step if bias_correction else 1.0
                 factors = [qi / bct / qf if qf > 0 else None for qi, qf in zip(q, q_frozen)]
-                factors = [f if f is not None and 0 < f < math.inf else None for f in factors]
+                factors = [min(f, 1.0) if f is not None and 0 < f < math.inf else None for f in factors]
         if rescale_variance and step == freeze_step:
             bcf = 1 - b2 ** freeze_step if bias_correction else 1.0
             q_frozen = _f32([qi / bcf for qi in q])

@@ -3,12 +3,13 @@ the oracle of its tests, written as `lbcomm.optim.reference` (whose helpers it u
 the same elementary operations as the optimizer, so that the two agree to the last bit."""
 from __future__ import annotations
 
+import math
 from typing import List, Optional, Sequence
 
 import torch
 from torch import Tensor
 
-from .reference import _bounds, _cat, _Compressor, _denom, _exact_mask, _keep, _mean, _split
+from .reference import _bounds, _cat, _Compressor, _denom, _exact_mask, _f32, _keep, _mean, _split
 
 __all__ = ["simulate_zero_one_adam"]
 
@@ -18,7 +19,7 @@ def simulate_zero_one_adam(params0: Sequence[Tensor], grads: Sequence[Sequence[S
                            var_update_scaler: int = 16, local_step_scaler: int = 32678, local_step_clipper: int = 16,
                            block_size: Optional[int], bias_correction: bool = True, mask_threshold: float = 1e-10,
                            max_update=1.0, var_decay: str = "time",
-                           exact_numel: int = 4096) -> List[List[List[Tensor]]]:
+                           exact_numel: int = 4096, rescale_variance: bool = True) -> List[List[List[Tensor]]]:
     """0/1 Adam (the equations of lbcomm.ZeroOneAdam's docstring). grads[t][r][i]: gradient
     of parameter i on rank r at step t + 1; lr: a float, or lr(step, i) for a schedule or
     param groups; weight_decay: a float or one per parameter. Returns, after every step,
@@ -26,7 +27,10 @@ def simulate_zero_one_adam(params0: Sequence[Tensor], grads: Sequence[Sequence[S
     synchronizations of the local-step stage. exact_numel: the parameters of at most that
     many elements take the exact mean of the compressed call's inputs (a 1-bit step: the
     new momentum from the mean gradient; a sync: the mean of the ranks' inputs), their
-    compression errors held at zero."""
+    compression errors held at zero. rescale_variance: q, the EMA (beta2, every step from
+    step 1, float64 arithmetic kept in fp32) of the ranks' mean squared local gradient norm
+    of each parameter, bias-corrected, is recorded after every variance step (q_ref); every
+    other step (1-bit, local, sync) divides v's bias correction by min(q_t / q_ref, 1)."""
     b1, b2 = betas
     p, n_params = len(grads[0]), len(params0)
     lr_of = lr if callable(lr) else (lambda step, i: lr)
@@ -42,6 +46,8 @@ def simulate_zero_one_adam(params0: Sequence[Tensor], grads: Sequence[Sequence[S
     n_v, var_updates, next_var, local, syncs, next_sync, last_var = 0, 0, 1, False, 0, 0, 0
     compressed = False  # a 1-bit step has been taken: later variance steps are bounded too
     anchor = acc = lr_sum = decay_keep = None
+    q = [0.0] * n_params  # rescale_variance's EMA, and its bias-corrected value at the last variance step
+    q_ref: List[float] = []
     history = []
 
     def adam_step(w, m_i, v_i, bc2, decay, step_size, bound):  # frozen_adamw_'s operations
@@ -56,6 +62,18 @@ def simulate_zero_one_adam(params0: Sequence[Tensor], grads: Sequence[Sequence[S
     for step, g_step in enumerate(grads, start=1):
         lrs = [lr_of(step, i) for i in range(n_params)]
         bc1 = 1 - b1 ** step if bias_correction else 1.0
+        bcq = 1 - b2 ** step if bias_correction else 1.0
+        if rescale_variance:
+            sq = _mean([torch.stack([torch.linalg.vector_norm(g_step[r][i].float().reshape(-1)).square()
+                                     for i in range(n_params)]) for r in range(p)]).tolist()
+            q = _f32([qi * b2 + (1 - b2) * x for qi, x in zip(q, sq)])
+        f = [None] * n_params  # v^'s factor at this step (None at variance steps)
+        if rescale_variance and step != next_var:
+            f = [qi / bcq / qr if qr > 0 else None for qi, qr in zip(q, q_ref)]
+            f = [min(x, 1.0) if x is not None and 0 < x < math.inf else None for x in f]
+
+        def vbc(bc2, i):  # v's bias correction, the factor folded in
+            return bc2 if f[i] is None else bc2 / f[i]
         if step == next_var:  # AdamW on the averaged gradients, the variance updated
             k = step - last_var if var_decay == "time" else 1  # the steps since the last update
             last_var = step
@@ -73,6 +91,8 @@ def simulate_zero_one_adam(params0: Sequence[Tensor], grads: Sequence[Sequence[S
             nxt = step + 2 ** (var_updates // var_update_scaler)
             next_var = nxt if nxt <= var_freeze_step else 0
             keep = _keep(v, mask_threshold)
+            if rescale_variance:
+                q_ref = _f32([qi / bcq for qi in q])
         elif not local:  # OneBitAdam's compression step
             compressed = True
             bc2 = 1 - b2 ** n_v if bias_correction else 1.0
@@ -83,7 +103,7 @@ def simulate_zero_one_adam(params0: Sequence[Tensor], grads: Sequence[Sequence[S
             new = [torch.where(k, mi, 0.0) for mi, k in zip(_split(comp(local_m, exact), theta[0]), keep)]
             for i in range(n_params):
                 b = None if bounds[i] is None else lrs[i] * bounds[i]
-                adam_step(theta[0][i], new[i], v[i], bc2, lrs[i] * wds[i], lrs[i] / bc1, b)
+                adam_step(theta[0][i], new[i], v[i], vbc(bc2, i), lrs[i] * wds[i], lrs[i] / bc1, b)
             m = [[t.clone() for t in new] for _ in range(p)]
             theta = [[t.clone() for t in theta[0]] for _ in range(p)]
         else:
@@ -95,7 +115,7 @@ def simulate_zero_one_adam(params0: Sequence[Tensor], grads: Sequence[Sequence[S
                     for i in range(n_params):
                         m[r][i] = torch.where(keep[i], torch.lerp(m[r][i], g_step[r][i].float(), 1 - b1), 0.0)
                         b = None if bounds[i] is None else lrs[i] * bounds[i]
-                        adam_step(theta[r][i], m[r][i], v[i], bc2, lrs[i] * wds[i], lrs[i] / bc1, b)
+                        adam_step(theta[r][i], m[r][i], v[i], vbc(bc2, i), lrs[i] * wds[i], lrs[i] / bc1, b)
                         acc[r][i].add_(m[r][i], alpha=lrs[i] / bc1)
             else:  # the synchronization
                 inputs = []
@@ -112,7 +132,7 @@ def simulate_zero_one_adam(params0: Sequence[Tensor], grads: Sequence[Sequence[S
                     total = float(new_sum[i])
                     b = None if bounds[i] is None else total * bounds[i]
                     w = anchor[i].clone()
-                    adam_step(w, new[i], v[i], bc2, 1 - float(new_keep[i]), total / bc1, b)
+                    adam_step(w, new[i], v[i], vbc(bc2, i), 1 - float(new_keep[i]), total / bc1, b)
                     anchor[i] = w
                 theta = [[t.clone() for t in anchor] for _ in range(p)]
                 m = [[t.clone() for t in new] for _ in range(p)]

@@ -1,21 +1,22 @@
-"""OneBitAdam's rescale_variance: the frozen variance of each parameter tensor follows the
-change of its gradients' mean square after the freeze (see `OneBitAdam`'s docs).
+"""rescale_variance: the frozen variance of each parameter tensor follows the change of its
+gradients' mean square since it was last updated (see `OneBitAdam`'s docs).
 
-`VarianceRescale` is held by `OneBitAdam` (and used by no other optimizer). Per step, the
-statistic q (the ranks' mean squared local gradient norm per parameter tensor) rides in
-collectives the optimizer makes anyway: the warmup's gradient allreduce and the
-compression stage's finiteness agreement (the optimizer's `_local_slots`). When a warmup
-hook averages the gradients, it hands the local ones over first
-(`OneBitAdam.note_local_grads`) and one small allreduce averages their norms. The EMA of q
+`VarianceRescale` is held by `OneBitAdam` and `ZeroOneAdam`. Per step, the statistic q
+(the ranks' mean squared local gradient norm per parameter tensor) rides in collectives
+the optimizer makes anyway: the full-precision gradient allreduce (warmup, ZeroOneAdam's
+variance steps) and the finiteness agreement of every other step (the optimizer's
+`_local_slots`). When a warmup hook averages the gradients, it hands the local ones over
+first (`note_local_grads`) and one small allreduce averages their norms. The EMA of q
 (beta2, the variance's window, fp32 per parameter, checkpointed as ``grad_sq``) and its
-bias-corrected value at the freeze (``grad_sq_frozen``) give the factor
-q^_t / q^_freeze by which the frozen v^ is scaled; -1 marks an untracked parameter.
+bias-corrected value when the variance was last updated (``grad_sq_frozen``: OneBitAdam's
+freeze, ZeroOneAdam's latest variance step) give the factor q^_t / q^_ref by which the
+stale v^ is scaled; -1 marks an untracked parameter.
 """
 from __future__ import annotations
 
 import logging
 import math
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 from torch import Tensor
@@ -47,17 +48,30 @@ def local_sq_(L: FlatLayout, flat: Optional[Tensor], out: Tensor) -> Tensor:
     return out
 
 
+
+
 class VarianceRescale:
-    """rescale_variance of the optimizer `opt` (a OneBitAdam)."""
+    """rescale_variance of the optimizer `opt` (a OneBitAdam or a ZeroOneAdam)."""
 
     def __init__(self, opt):
         self.opt = opt
         self.now: Optional[Tensor] = None  # this step's statistic, folded once the step is taken
+        self._pending: Optional[Tensor] = None  # the EMA of a step under way, kept by `commit`
         self._noted: Dict[int, Tensor] = {}  # id(param) -> local squared norm, from a warmup hook
         self._warned = False
 
     def tracking(self) -> bool:
         return any(g["rescale_variance"] for g in self.opt.param_groups)
+
+    def loaded(self) -> None:
+        """After load_state_dict: a checkpoint saved before the option existed continues with
+        the rule it was trained with, the unscaled variance (said once, at WARNING)."""
+        old = [g for g in self.opt.param_groups if "rescale_variance" not in g]
+        for g in old:
+            g["rescale_variance"] = False
+        if old:
+            _log.warning("%s: the checkpoint predates rescale_variance; it continues without it, as it was trained "
+                         "(set param_group['rescale_variance'] = True to turn it on)", type(self.opt).__name__)
 
     def note(self, params, grads) -> None:
         for p, g in zip(params, grads):
@@ -125,9 +139,10 @@ class VarianceRescale:
         group = self.opt.param_groups[L.group_of[i]]
         return 1 - group["betas"][1] ** step if group["bias_correction"] else 1.0
 
-    def record_at_freeze(self, L: FlatLayout) -> None:
-        """grad_sq_frozen = the bias-corrected EMA, the reference of the compression stage's
-        rescale (-1: untracked, no rescale)."""
+    def record_reference(self, L: FlatLayout) -> None:
+        """grad_sq_frozen = the bias-corrected EMA, the reference of the rescale until the
+        variance is updated again (-1: untracked, no rescale); called after the step that
+        last updated the variance."""
         vec = self.opt._vectors
         q, steps = vec["grad_sq"].tolist(), vec["step"].tolist()
         out = [q[i] / self._bc(L, i, steps[i]) if q[i] >= 0 and steps[i] > 0 else -1.0 for i in range(len(L.params))]
@@ -135,8 +150,8 @@ class VarianceRescale:
 
     def factors(self, L: FlatLayout, include: List[bool]):
         """Compression stage: per parameter, the factor f by which its frozen variance is
-        scaled this step (None: unscaled), f = EMA_t / EMA_freeze, both bias-corrected
-        (steps already advanced); and the new EMA vector to keep once the step is taken.
+        scaled this step (None: unscaled), f = min(EMA_t / EMA_freeze, 1), both
+        bias-corrected (steps already advanced); and the new EMA vector to keep once the step is taken.
         (None, None) when nothing is tracked."""
         if self.now is None:
             return None, None
@@ -152,5 +167,23 @@ class VarianceRescale:
             if not opt.param_groups[gi]["rescale_variance"]:
                 continue
             f = new[i] / self._bc(L, i, steps[i]) / frz[i]
-            factors[i] = f if 0.0 < f < math.inf else None
+            # never above 1: a tensor whose gradients grew mostly grew in a few coordinates
+            # (max_update bounds those); scaling all of its v^ up would shrink every other step
+            factors[i] = min(f, 1.0) if 0.0 < f < math.inf else None
         return factors, torch.tensor(keep, dtype=torch.float32)
+
+    def factors_of(self, L: FlatLayout) -> Callable[[List[bool]], Optional[List[Optional[float]]]]:
+        """`factors` as the update functions take them (called once the step counts have
+        advanced): the factors, the new EMA held until `commit`."""
+        self._pending = None
+
+        def of(include: List[bool]) -> Optional[List[Optional[float]]]:
+            factors, self._pending = self.factors(L, include)
+            return factors
+        return of
+
+    def commit(self) -> None:
+        """The step whose factors were taken is done: keep its EMA."""
+        if self._pending is not None:
+            self.opt._vectors["grad_sq"].copy_(self._pending)
+            self._pending = None

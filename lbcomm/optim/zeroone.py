@@ -22,6 +22,8 @@ from .base import BaseOptimizer
 from .flat import FlatLayout
 from . import local_steps
 from .onebit import OneBitStage
+from .rescale import VECTORS as RESCALE_VECTORS
+from .rescale import VarianceRescale, local_sq_
 
 __all__ = ["ZeroOneAdam"]
 
@@ -40,7 +42,8 @@ class ZeroOneAdam(BaseOptimizer):
     _GLOBAL_OPTIONS = ("var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper", "var_decay")
     # interval_lr: sum of the lrs since the last synchronization; interval_keep: product of
     # the weight-decay factors (1 - lr wd) since then (fp32, per parameter, checkpointed)
-    _param_vectors: Dict[str, float] = {**OneBitStage.VECTORS, "interval_lr": 0.0, "interval_keep": 1.0}
+    _param_vectors: Dict[str, float] = {**OneBitStage.VECTORS, **RESCALE_VECTORS, "interval_lr": 0.0,
+                                        "interval_keep": 1.0}
     # flat buffers of the local-step stage: the accumulated lr-weighted momentum and the
     # parameters at the last synchronization (identical on every rank)
     _local_buffers: tuple = ("local_update", "anchor")
@@ -59,17 +62,20 @@ class ZeroOneAdam(BaseOptimizer):
         local_step_clipper: int = 16,
         var_decay: str = "time",
         bias_correction: bool = True,
+        rescale_variance: bool = True,
         comm: Optional[CommConfig] = None,
     ) -> None:
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, var_freeze_step=var_freeze_step,
                         var_update_scaler=var_update_scaler, local_step_scaler=local_step_scaler,
-                        local_step_clipper=local_step_clipper, var_decay=var_decay, bias_correction=bias_correction)
+                        local_step_clipper=local_step_clipper, var_decay=var_decay, bias_correction=bias_correction,
+                        rescale_variance=rescale_variance)
         self._schedule = self._initial_schedule()
         self._last_kind: Optional[str] = None
         self._counts = {k: 0 for k in _KINDS}
         super().__init__(params, defaults, comm)
         # the parameters of at most comm.exact_numel elements averaged exactly, the flat reduction only
         self._onebit = OneBitStage(self, exact_numel=self.comm.exact_numel, flat_only=True)
+        self._rescale = VarianceRescale(self)
 
     @staticmethod
     def _initial_schedule() -> Dict[str, Any]:
@@ -86,6 +92,8 @@ class ZeroOneAdam(BaseOptimizer):
             _positive_int(group, name)
         if group["var_decay"] not in ("time", "update"):
             raise ValueError(f"Invalid var_decay: {group['var_decay']!r} (must be 'time' or 'update')")
+        if not isinstance(group["rescale_variance"], bool):
+            raise ValueError(f"Invalid rescale_variance: {group['rescale_variance']!r} (must be True or False)")
         if self.comm.max_update == "warmup":
             raise ValueError("Invalid max_update: 'warmup' is not supported by ZeroOneAdam (its variance keeps "
                              "changing until var_freeze_step); use a number, 'auto' or None")
@@ -142,29 +150,56 @@ class ZeroOneAdam(BaseOptimizer):
         """Override the automatic zero-variance mask for one parameter, as `OneBitAdam.set_momentum_mask`."""
         self._onebit.set_momentum_mask(param, mask)
 
+    def note_local_grads(self, params, grads) -> None:
+        """A warmup hook's local gradients, before it averages them (the first step): their
+        squared norms, which rescale_variance needs and the averaged gradients no longer hold."""
+        if self._rescale.tracking():
+            self._rescale.note(params, grads)
+
     # ------------------------------------------------------------------ layout
     def _buffer_names(self) -> tuple:
         return self._flat_buffers + (self._local_buffers if self._schedule["local"] else ())
 
     # ------------------------------------------------------------------ step
+    # rescale_variance's statistic rides in every step's one collective: the variance
+    # steps' gradient allreduce, the other steps' finiteness agreement
+    def _local_slots(self, L: FlatLayout) -> int:
+        return len(L.params) if self._rescale.tracking() else 0
+
+    def _fill_local_slots(self, L: FlatLayout, buf: Optional[Tensor], out: Tensor) -> None:
+        local_sq_(L, buf[:L.total] if buf is not None else None, out)
+
+    def _reduced_local_slots(self, L: FlatLayout, slots: Tensor) -> None:
+        self._rescale.reduced(L, slots)
+
     def _take_step(self, L: FlatLayout) -> bool:
         t, s, st = self._global_step + 1, self._schedule, self._onebit
         if not self.frozen or t == s["next_var"]:
             self._last_kind = "variance"
-            return self._variance_step(L)
+            taken = self._variance_step(L)
+            if taken:
+                self._rescale.fold_warmup(L, (self._grad_buf[L.total:L.total + len(L.params)] > 0).tolist())
+            self._rescale.now = None
+            return taken
         # every rank agrees that the local gradients are finite (4 bytes), so that every rank
         # skips the same steps and the synchronizations stay aligned
         if not s["local"]:
             self._last_kind = "onebit"  # OneBitAdam's compression step with the current variance
             if not st.grads_finite(L):
                 return self._nonfinite("the local gradients")
-            return frozen_adamw_step_(self, st, L) or self._nonfinite("the new momenta")
+            if not frozen_adamw_step_(self, st, L, self._rescale.factors_of(L)):
+                return self._nonfinite("the new momenta")
+            self._rescale.commit()
+            return True
         self._last_kind = "sync" if t == s["next_sync"] else "local"
         if not st.grads_finite(L):
             return self._nonfinite("the local gradients")
         if self._last_kind == "sync":
-            return self._sync_step(L) or self._nonfinite("the synchronized momenta")
-        self._local_step(L)
+            if not local_steps.sync_step_(self, L, self._rescale.factors_of(L)):
+                return self._nonfinite("the synchronized momenta")
+        else:
+            local_steps.local_step_(self, L, self._rescale.factors_of(L))
+        self._rescale.commit()
         return True
 
     def _variance_step(self, L: FlatLayout) -> bool:
@@ -214,6 +249,7 @@ class ZeroOneAdam(BaseOptimizer):
                 self._onebit.log_freeze(L)
             else:
                 self._onebit.build_mask(L)  # the variance changed
+            self._rescale.record_reference(L)
         elif kind == "sync":
             s["syncs"] += 1
             s["next_sync"] = t + min(2 ** (s["syncs"] // self._option("local_step_scaler")),
@@ -236,12 +272,6 @@ class ZeroOneAdam(BaseOptimizer):
                   "synchronized every min(2^(j // %s), %s) steps", type(self).__name__, self._global_step,
                   s["var_updates"], self._option("local_step_scaler"), self._option("local_step_clipper"))
 
-    def _local_step(self, L: FlatLayout) -> None:
-        local_steps.local_step_(self, L)
-
-    def _sync_step(self, L: FlatLayout) -> bool:
-        return local_steps.sync_step_(self, L)
-
     # ------------------------------------------------------------------ checkpoints
     def _extra_state(self) -> Dict[str, Any]:
         extra = super()._extra_state()
@@ -259,6 +289,7 @@ class ZeroOneAdam(BaseOptimizer):
         self._counts = {k: int(saved["counts"][k]) for k in _KINDS}
         tr = self.transport
         tr.bytes_sent, tr.rounds = int(saved["bytes_sent"]), int(saved["rounds"])
+        self._rescale.loaded()
         super()._load_extra_state(state, extra)
 
 
@@ -284,9 +315,13 @@ ZeroOneAdam.__doc__ = r"""Implements 0/1 Adam (Lu et al., 2022, "Maximizing Comm
                 \lambda \text{ (weight decay)}, T_f \text{ (var\_freeze\_step)},
                 \kappa, \alpha, H \text{ (var\_update\_scaler, local\_step\_scaler,
                 local\_step\_clipper)}, U \text{ (max\_update)}                              \\
-            &\hat{m} = m / (1-\beta_1^t), \; d = \sqrt{v / (1-\beta_2^{n_v})} + \epsilon
+            &\hat{m} = m / (1-\beta_1^t), \; d = \sqrt{f_t\, v / (1-\beta_2^{n_v})} + \epsilon
                 \text{ (} n_v \text{: steps covered by the variance updates so far)}, \;
                 \mathrm{cl}_c(x) = \mathrm{clamp}(x, -c, c)                                 \\
+            &f_t = \hat{q}_t / \hat{q}_{t_v} \text{ per parameter tensor (rescale\_variance; 1 at a
+                variance step and without it), } q \leftarrow \beta_2 q + (1-\beta_2)
+                \tfrac{1}{p}\textstyle\sum_r \lVert g_r \rVert^2 \text{ every step}, \;
+                t_v \text{: the last variance step}                                          \\
             &t \in T_v: \; g = \tfrac{1}{p}\textstyle\sum_r g_r, \;
                 m \leftarrow \beta_1 m + (1-\beta_1) g, \;
                 v \leftarrow \beta_2^k v + (1-\beta_2^k) g^2, \; n_v \leftarrow n_v + k, \;
@@ -319,6 +354,13 @@ ZeroOneAdam.__doc__ = r"""Implements 0/1 Adam (Lu et al., 2022, "Maximizing Comm
     gradients and the compression stage keeps AdamW's step sizes; use "update" only to
     reproduce the paper.
 
+    rescale_variance (the default) keeps v's scale current between variance updates and,
+    above all, after var_freeze_step, as OneBitAdam's does after its freeze: each tensor's
+    :math:`\hat{v}` is multiplied by :math:`f_t`, the change of the ranks' mean squared
+    local gradient norm since the last variance step. Without it a variance frozen while the
+    gradients were larger makes every later step smaller than AdamW's at the same lr (the
+    local steps use each step's factor; a sync rebuilds with the factor of its own step).
+
     (the sync step first takes the local step's momentum and accumulation; its own local
     parameter update is replaced by the rebuild). :math:`\theta_{\mathrm{anchor}}` (the
     parameters at the last synchronization, set when the local stage begins),
@@ -338,8 +380,10 @@ ZeroOneAdam.__doc__ = r"""Implements 0/1 Adam (Lu et al., 2022, "Maximizing Comm
     sends 2 (p-1)/p 4n bytes in one round per bucket; a 1-bit step or a sync about
     2 (p-1)/p n/8 bytes in 3 rounds (the finiteness agreement, an all-to-all, an
     all-gather), plus the fp32 mean of the ``exact_numel`` parameters (riding in the
-    agreement at a 1-bit step, one more round at a sync); a local step 6 bytes in 1
-    round. `comm_stats` counts what was sent.
+    agreement at a 1-bit step, one more round at a sync); a local step 2 (p-1)/p 4 bytes
+    in 1 round. rescale_variance adds one fp32 per parameter tensor to each step's one
+    small collective (the agreement, or the variance step's allreduce): a local step then
+    sends 2 (p-1)/p 4 (1 + tensors) bytes. `comm_stats` counts what was sent.
 
     The paper's defaults: var_update_scaler :math:`\kappa` = 16, local_step_scaler
     :math:`\alpha` = 32678 (DeepSpeed's default, meant to be derived from the learning-rate
@@ -347,7 +391,7 @@ ZeroOneAdam.__doc__ = r"""Implements 0/1 Adam (Lu et al., 2022, "Maximizing Comm
     var_freeze_step = 100000 (usually the end of the learning-rate warmup), var_decay
     "update", bias
     correction off in the paper's configurations (on here, as in the other lbcomm
-    optimizers). For short runs scale var_freeze_step and local_step_scaler to the run
+    optimizers), no rescale_variance. For short runs scale var_freeze_step and local_step_scaler to the run
     (see bench/convergence.py). Differences from the removed DeepSpeed implementation:
     checkpoints carry the local-step state (anchor, accumulation, schedule counters,
     compression errors) and resume bitwise exactly, instead of resetting it on every
@@ -379,6 +423,9 @@ ZeroOneAdam.__doc__ = r"""Implements 0/1 Adam (Lu et al., 2022, "Maximizing Comm
             (default: "time")
         bias_correction (bool, optional): divide m by 1-b1^t and v by 1-b2^(n_v);
             False gives the published formulas (default: True)
+        rescale_variance (bool, optional): scale each parameter tensor's variance between
+            variance updates, and after var_freeze_step, by the change of its gradients' mean
+            square (as :class:`OneBitAdam`'s); False: the published stale variance (default: True)
         comm (lbcomm.CommConfig, optional): the communication settings, as in
             :class:`OneBitAdam`, with these differences: ``topology`` "auto" resolves to the
             flat reduction (the local steps and syncs are built on it; a `Topology` of
