@@ -18,7 +18,7 @@ from .base import BaseOptimizer
 from .flat import FlatLayout
 from .onebit import OneBitStage
 from .rescale import VECTORS as RESCALE_VECTORS
-from .rescale import VarianceRescale, local_sq_
+from .rescale import VarianceRescale
 
 __all__ = ["OneBitAdam", "adamw_warmup_", "frozen_adamw_step_", "check_freeze_step"]
 
@@ -101,7 +101,7 @@ class OneBitAdam(BaseOptimizer):
                         bias_correction=bias_correction, rescale_variance=rescale_variance)
         super().__init__(params, defaults, comm)
         self._onebit = OneBitStage(self, exact_numel=self.comm.exact_numel)
-        self._rescale = VarianceRescale(self)
+        self._rescale = self._local_stat = VarianceRescale(self)
 
     def _validate_group(self, group) -> None:
         super()._validate_group(group)
@@ -145,22 +145,7 @@ class OneBitAdam(BaseOptimizer):
         """
         self._onebit.set_momentum_mask(param, mask)
 
-    def note_local_grads(self, params, grads) -> None:
-        """A warmup hook's local gradients, before it averages them: their squared norms,
-        which rescale_variance needs and the averaged gradients no longer hold."""
-        if self._rescale.tracking():
-            self._rescale.note(params, grads)
-
     # ------------------------------------------------------------------ step
-    def _local_slots(self, L: FlatLayout) -> int:
-        return len(L.params) if self._rescale.tracking() else 0
-
-    def _fill_local_slots(self, L: FlatLayout, buf: Optional[Tensor], out: Tensor) -> None:
-        local_sq_(L, buf[:L.total] if buf is not None else None, out)
-
-    def _reduced_local_slots(self, L: FlatLayout, slots: Tensor) -> None:
-        self._rescale.reduced(L, slots)
-
     def _take_step(self, L: FlatLayout) -> bool:
         st = self._onebit
         if not st.frozen:

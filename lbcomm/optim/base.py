@@ -177,8 +177,10 @@ class BaseOptimizer(Optimizer):
 
     def note_local_grads(self, params: Sequence[Tensor], grads: Sequence[Tensor]) -> None:
         """Called by a warmup hook with local gradients before it averages them; a no-op for
-        optimizers that need nothing from them (rescale_variance keeps their
-        squared norms)."""
+        optimizers that need nothing from them (rescale_variance keeps their squared norms,
+        which the averaged gradients no longer hold)."""
+        if self._local_stat is not None:
+            self._local_stat.note(params, grads)
 
     @property
     def global_step(self) -> int:
@@ -298,16 +300,26 @@ class BaseOptimizer(Optimizer):
         self.gradient_stats.finish(work, gsq, fold=not skipped and (gsq is not None or not exact))
 
     # ---------------------------------------------------------- the warmup
+    # the component whose per-step values ride in the step's one small collective (the
+    # warmup allreduce, the finiteness agreement): slots(L), fill(L, buf, out), reduced(L,
+    # mean) and note(params, grads); rescale_variance's `VarianceRescale`, or None
+    _local_stat = None
+
     def _local_slots(self, L: FlatLayout) -> int:
         """Per-step values of the optimizer's own that ride in the warmup allreduce (and are
         averaged with the gradients): how many (default: none)."""
-        return 0
+        return 0 if self._local_stat is None else self._local_stat.slots(L)
 
-    def _fill_local_slots(self, L: FlatLayout, buf: Tensor, out: Tensor) -> None:
-        """Write this rank's `_local_slots` values into `out` (buf: the local flat gradients)."""
+    def _fill_local_slots(self, L: FlatLayout, buf: Optional[Tensor], out: Tensor) -> None:
+        """Write this rank's `_local_slots` values into `out` (buf: the local flat gradients,
+        None: each parameter's .grad)."""
+        if self._local_stat is not None:
+            self._local_stat.fill(L, buf, out)
 
     def _reduced_local_slots(self, L: FlatLayout, slots: Tensor) -> None:
         """The `_local_slots` after the allreduce (the ranks' mean; local with `grads_averaged`)."""
+        if self._local_stat is not None:
+            self._local_stat.reduced(L, slots)
 
     def _collect_grads(self, L: FlatLayout) -> Tensor:
         """Copy every gradient into the flat fp32 buffer (zeros where a parameter has none)

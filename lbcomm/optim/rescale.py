@@ -73,7 +73,18 @@ class VarianceRescale:
             _log.warning("%s: the checkpoint predates rescale_variance; it continues without it, as it was trained "
                          "(set param_group['rescale_variance'] = True to turn it on)", type(self.opt).__name__)
 
+    def slots(self, L: FlatLayout) -> int:
+        """How many values ride in the step's collective: one per parameter while tracking."""
+        return len(L.params) if self.tracking() else 0
+
+    def fill(self, L: FlatLayout, buf: Optional[Tensor], out: Tensor) -> None:
+        """This rank's squared gradient norms (buf: the local flat gradients, or None)."""
+        local_sq_(L, buf[:L.total] if buf is not None else None, out)
+
     def note(self, params, grads) -> None:
+        """A warmup hook's local gradients, before it averages them."""
+        if not self.tracking():
+            return
         for p, g in zip(params, grads):
             self._noted[id(p)] = grad_norm(g.detach()).square()
 

@@ -23,7 +23,7 @@ from .flat import FlatLayout
 from . import local_steps
 from .onebit import OneBitStage
 from .rescale import VECTORS as RESCALE_VECTORS
-from .rescale import VarianceRescale, local_sq_
+from .rescale import VarianceRescale
 
 __all__ = ["ZeroOneAdam"]
 
@@ -75,7 +75,7 @@ class ZeroOneAdam(BaseOptimizer):
         super().__init__(params, defaults, comm)
         # the parameters of at most comm.exact_numel elements averaged exactly, the flat reduction only
         self._onebit = OneBitStage(self, exact_numel=self.comm.exact_numel, flat_only=True)
-        self._rescale = VarianceRescale(self)
+        self._rescale = self._local_stat = VarianceRescale(self)
 
     @staticmethod
     def _initial_schedule() -> Dict[str, Any]:
@@ -150,28 +150,13 @@ class ZeroOneAdam(BaseOptimizer):
         """Override the automatic zero-variance mask for one parameter, as `OneBitAdam.set_momentum_mask`."""
         self._onebit.set_momentum_mask(param, mask)
 
-    def note_local_grads(self, params, grads) -> None:
-        """A warmup hook's local gradients, before it averages them (the first step): their
-        squared norms, which rescale_variance needs and the averaged gradients no longer hold."""
-        if self._rescale.tracking():
-            self._rescale.note(params, grads)
-
     # ------------------------------------------------------------------ layout
     def _buffer_names(self) -> tuple:
         return self._flat_buffers + (self._local_buffers if self._schedule["local"] else ())
 
     # ------------------------------------------------------------------ step
-    # rescale_variance's statistic rides in every step's one collective: the variance
-    # steps' gradient allreduce, the other steps' finiteness agreement
-    def _local_slots(self, L: FlatLayout) -> int:
-        return len(L.params) if self._rescale.tracking() else 0
-
-    def _fill_local_slots(self, L: FlatLayout, buf: Optional[Tensor], out: Tensor) -> None:
-        local_sq_(L, buf[:L.total] if buf is not None else None, out)
-
-    def _reduced_local_slots(self, L: FlatLayout, slots: Tensor) -> None:
-        self._rescale.reduced(L, slots)
-
+    # rescale_variance's statistic (`_local_stat`) rides in every step's one collective:
+    # the variance steps' gradient allreduce, the other steps' finiteness agreement
     def _take_step(self, L: FlatLayout) -> bool:
         t, s, st = self._global_step + 1, self._schedule, self._onebit
         if not self.frozen or t == s["next_var"]:
