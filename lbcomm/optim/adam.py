@@ -150,9 +150,7 @@ class OneBitAdam(BaseOptimizer):
         st = self._onebit
         if not st.frozen:
             taken = self._warmup_step(L)
-            if taken:
-                self._rescale.fold_warmup(L, (self._grad_buf[L.total:L.total + len(L.params)] > 0).tolist())
-            self._rescale.now = None
+            self._rescale.fold_warmup(L, taken)
             return taken
         # The gradients are read where autograd left them; all ranks first agree they are finite.
         if not st.grads_finite(L):

@@ -9,8 +9,8 @@ variance steps) and the finiteness agreement of every other step (the optimizer'
 first (`note_local_grads`) and one small allreduce averages their norms. The EMA of q
 (beta2, the variance's window, fp32 per parameter, checkpointed as ``grad_sq``) and its
 bias-corrected value when the variance was last updated (``grad_sq_frozen``: OneBitAdam's
-freeze, ZeroOneAdam's latest variance step) give the factor q^_t / q^_ref by which the
-stale v^ is scaled; -1 marks an untracked parameter.
+freeze, ZeroOneAdam's latest variance step) give the factor min(q^_t / q^_ref, 1) by which
+the stale v^ is scaled (never up: see `factors`); -1 marks an untracked parameter.
 """
 from __future__ import annotations
 
@@ -127,11 +127,15 @@ class VarianceRescale:
         new = [max(o, 0.0) * b + (1 - b) * x for o, x, b in zip(old, sq, b2)]
         return sq, old, torch.tensor(new, dtype=torch.float32).tolist()
 
-    def fold_warmup(self, L: FlatLayout, active: List[bool]) -> None:
-        """A taken warmup step: the EMA of the statistic for the parameters whose variance
-        moved (a gradient on some rank), started at their first step."""
-        if self.now is None:
+    def fold_warmup(self, L: FlatLayout, taken: bool) -> None:
+        """After a full-precision step (OneBitAdam's warmup, ZeroOneAdam's variance step),
+        taken or skipped: if taken, the EMA of the statistic for the parameters whose
+        variance moved (a gradient on some rank: the has-grad flags of the averaged buffer),
+        started at their first step; the step's statistic is consumed either way."""
+        if self.now is None or not taken:
+            self.now = None
             return
+        active = (self.opt._grad_buf[L.total:L.total + len(L.params)] > 0).tolist()
         sq, old, new = self._ema(L)
         steps = self.opt._vectors["step"].tolist()
         out = list(old)

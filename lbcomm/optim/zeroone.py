@@ -162,12 +162,10 @@ class ZeroOneAdam(BaseOptimizer):
         if not self.frozen or t == s["next_var"]:
             self._last_kind = "variance"
             taken = self._variance_step(L)
-            if taken:
-                self._rescale.fold_warmup(L, (self._grad_buf[L.total:L.total + len(L.params)] > 0).tolist())
-            self._rescale.now = None
+            self._rescale.fold_warmup(L, taken)
             return taken
-        # every rank agrees that the local gradients are finite (4 bytes), so that every rank
-        # skips the same steps and the synchronizations stay aligned
+        # every rank agrees that the local gradients are finite (4 bytes, and the rescale's
+        # statistic), so that every rank skips the same steps and the syncs stay aligned
         if not s["local"]:
             self._last_kind = "onebit"  # OneBitAdam's compression step with the current variance
             if not st.grads_finite(L):
