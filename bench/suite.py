@@ -30,8 +30,10 @@ task, against the same targets. Written: a PNG of the best-of-grid ratios.
                                               # the lr still rising for a quarter of the run after the freeze
     python -m bench.suite --methods lars,lars_hook --lars-options '{"exclude_over": 4096}'
                                               # Lars with the tensors of > 4096 elements off the trust ratio
-    python -m bench.suite --report bench/results/suite_fine_published_adam_seed0.json bench/results/suite_default_fine.json
-                                              # the tables of saved runs (--json), without running
+    python -m bench.suite --report bench/results/suite_fine_adam_rescale_cap_seed{0,1,2}.json
+                                              # the tables of saved runs (--json), without running; with
+                                              # several, also their same-lr cells together (worst over the
+                                              # seeds, cells over target, and those where the twin converged)
 """
 from __future__ import annotations
 
@@ -300,6 +302,91 @@ def same_lr(results):
     return out
 
 
+CONVERGED_LEFT = 0.2  # the twin "converged" at an lr: at most this share of its init-to-best drop left
+
+
+def target_of(task: str) -> float:
+    """The same-lr and best-of-grid target of a task: 1 % on the byte LM, 5 % elsewhere."""
+    return 1.01 if task == "byte_lm" else 1.05
+
+
+def twin_left(results):
+    """{(task, method, lr): share of the method's drop from the initial loss to its best-of-grid
+    loss still left at that lr} (0: the best lr of the grid; 1: no better than at init). The
+    same-lr ratio is a lag where this is large: the loss is still falling steeply at the end,
+    so a 1-bit run a few steps behind ends measurably higher."""
+    results = over_orders(results)
+    best = {}
+    for r in results:
+        if not is_diverged(r):
+            k = (r["task"], r["method"])
+            best[k] = min(best.get(k, math.inf), r["final"])
+    out = {}
+    for r in results:
+        b = best.get((r["task"], r["method"]))
+        if b is not None and not is_diverged(r) and r["init"] > b:
+            out[(r["task"], r["method"], r["lr"])] = (r["final"] - b) / (r["init"] - b)
+    return out
+
+
+def same_lr_over_runs(runs):
+    """The same-lr cells of several saved runs (seeds) together: {task: {method: {"worst",
+    "worst_lr", "worst_run", "cells", "over", "converged", "over_converged"}}}; "over": cells
+    beyond the task's target; "converged"/"over_converged": the same among the cells where
+    the twin has at most CONVERGED_LEFT of its drop left (`twin_left`)."""
+    out = {}
+    for k, results in enumerate(runs):
+        left = twin_left(results)
+        for t, row in same_lr(results).items():
+            for m, cell_row in row.items():
+                agg = out.setdefault(t, {}).setdefault(m, {"worst": None, "worst_lr": None, "worst_run": None,
+                                                           "cells": 0, "over": 0, "converged": 0,
+                                                           "over_converged": 0})
+                for lr, ratio, _mark in cell_row["cells"]:
+                    if ratio is None:
+                        continue
+                    over = not ratio <= target_of(t)
+                    conv = left.get((t, TWIN[m], lr), math.inf) <= CONVERGED_LEFT
+                    agg["cells"] += 1
+                    agg["over"] += over
+                    agg["converged"] += conv
+                    agg["over_converged"] += over and conv
+                    if agg["worst"] is None or ratio > agg["worst"]:
+                        agg["worst"], agg["worst_lr"], agg["worst_run"] = ratio, lr, k
+    return out
+
+
+def report_over_runs(runs, paths, a):
+    """The same-lr cells of several saved runs together (`same_lr_over_runs`), one table."""
+    s = same_lr_over_runs(runs)
+    tasks_ = list(s)
+    pairs = [(m, b) for m, b in TWIN.items() if m in a.methods and b in a.methods]
+    print(f"\n== same-lr ratio over {len(runs)} runs: " + ", ".join(paths))
+    print(f"worst cell (run #, lr); cells over the target / cells; the same where the twin converged (at most "
+          f"{CONVERGED_LEFT:g} of its init-to-best drop left)")
+
+    def cell(m, t):
+        g = s[t].get(m)
+        if g is None or g["worst"] is None:
+            return "-"
+        return (f"{_worst_text(g['worst'])} (#{g['worst_run']} @{format(g['worst_lr'], 'g')}) "
+                f"{g['over']}/{g['cells']}, {g['over_converged']}/{g['converged']}")
+
+    _pair_table(pairs, tasks_, cell, 24, 33)
+    return s
+
+
+def _worst_text(w) -> str:
+    return "D" if not math.isfinite(w) else f"{w:.3f}"
+
+
+def _pair_table(pairs, tasks_, cell, label_w: int, col_w: int) -> None:
+    """Print one row per (1-bit method, twin) pair and one column per task: cell(m, t)."""
+    print(f"{'pair':<{label_w}}" + "".join(f"{t:>{col_w}}" for t in tasks_))
+    for m, base in pairs:
+        print(f"{LABEL[m] + ' / ' + LABEL[base]:<{label_w}}" + "".join(f"{cell(m, t):>{col_w}}" for t in tasks_))
+
+
 def _ratio_cell(ratio, mark) -> str:
     if mark == "twin-div":
         return "t"
@@ -328,23 +415,31 @@ def report_same_lr(results, a):
             row = s[t][m]
             cells = " ".join(f"{format(lr, 'g')}:{_ratio_cell(r, mark)}" for lr, r, mark in row["cells"])
             print(f"    {t:<14}{cells}")
+    left = twin_left(results)
+    print(f"  the twins' share of their init-to-best drop left at each lr (a large share: still far from "
+          f"converged, where a lag shows most; <= {CONVERGED_LEFT:g} counts as converged)")
+    for base in dict.fromkeys(b for _, b in pairs):
+        for t in tasks_:
+            cells = [(lr, left.get((t, base, lr))) for lr in sorted({r["lr"] for r in results
+                                                                      if r["task"] == t and r["method"] == base})]
+            print(f"    {LABEL[base]:<8}{t:<14}" + " ".join(
+                f"{format(lr, 'g')}:{'-' if x is None else format(x, '.2f')}" for lr, x in cells))
     print("\nworst same-lr ratio per task (the lr of the worst cell)")
-    print(f"{'pair':<30}" + "".join(f"{t:>22}" for t in tasks_))
-    for m, base in pairs:
-        cells = []
+
+    def cell(m, t):
+        row = s[t].get(m)
+        return "-" if row is None or row["worst"] is None else \
+            f"{_worst_text(row['worst'])} @{format(row['worst_lr'], 'g')}"
+
+    _pair_table(pairs, tasks_, cell, 30, 22)
+    for m, _ in pairs:
         for t in tasks_:
             row = s[t].get(m)
-            if row is None or row["worst"] is None:
-                cells.append("-")
-                continue
-            w = row["worst"]
-            cells.append(("D" if not math.isfinite(w) else f"{w:.3f}") + f" @{format(row['worst_lr'], 'g')}")
-            target = 1.01 if t == "byte_lm" else 1.05
-            if not w <= target:
+            w = None if row is None else row["worst"]
+            if w is not None and not w <= target_of(t):
                 misses.append(f"{LABEL[m]} on {t}: same-lr ratio "
                               + ("diverged" if not math.isfinite(w) else f"{w:.3f}")
-                              + f" at lr {format(row['worst_lr'], 'g')} (target {target})")
-        print(f"{LABEL[m] + ' / ' + LABEL[base]:<30}" + "".join(f"{c:>22}" for c in cells))
+                              + f" at lr {format(row['worst_lr'], 'g')} (target {target_of(t)})")
     return misses
 
 
@@ -361,7 +456,7 @@ def report(results, a):
         for t in tasks_:
             mine, twin = s[t][m], s[t][base]
             ratio = mine[0] / twin[0]
-            target = 1.01 if t == "byte_lm" else 1.05
+            target = target_of(t)
             cell = f"{ratio:.3f}" if math.isfinite(ratio) else "all-div"
             if mine[2]:
                 cell += f" d{len(mine[2])}"
@@ -460,7 +555,8 @@ def parse_args(argv=None):
     p.add_argument("--json", default="", help="write the raw results here")
     p.add_argument("--plot", default="", help="PNG of the ratio table")
     p.add_argument("--report", nargs="+", default=[], metavar="JSON",
-                   help="print the tables of runs saved with --json instead of running")
+                   help="print the tables of runs saved with --json instead of running; with several (e.g. one per "
+                   "seed), also their same-lr cells together: the worst over all runs and the cells over target")
     a = p.parse_args(argv)
     if a.repeats < 1:
         p.error(f"--repeats must be >= 1, got {a.repeats}")
@@ -501,11 +597,17 @@ def spawn_ranks(fn, ranks: int, *args):
 def main(argv=None):
     a = parse_args(argv)
     if a.report:
+        runs = []
         for path in a.report:
             with open(path) as f:
                 saved = json.load(f)
             print(f"\n== {path} ({saved['args'].get('onebit_options') or 'default options'})")
-            report(saved["results"], argparse.Namespace(**{**vars(a), **saved["args"]}))
+            args = argparse.Namespace(**{**vars(a), **saved["args"]})
+            report(saved["results"], args)
+            runs.append((saved["results"], args))
+        if len(runs) > 1:  # e.g. the seeds of one configuration: their cells together
+            methods = [m for m in runs[0][1].methods if all(m in r[1].methods for r in runs)]
+            report_over_runs([r[0] for r in runs], a.report, argparse.Namespace(methods=methods))
         return None, None
     t0 = time.perf_counter()
     results = spawn_ranks(rank_main, a.ranks, a)

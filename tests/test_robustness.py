@@ -188,3 +188,28 @@ def test_suite_reports_the_ratio_at_every_lr_of_the_grid():
     assert [T.schedule_factor("cosine", s, 100) for s in (0, 9)] == [T.lr_factor(s, 100, 10) for s in (0, 9)]
     assert T.schedule_factor("constant", 50, 100) == 1.0
     assert T.schedule_factor("long_warmup", 24, 100) == 0.5 and T.schedule_factor("long_warmup", 49, 100) == 1.0
+
+
+def test_suite_report_over_seeds_counts_cells_over_target_where_the_twin_converged(capsys):
+    """Several saved runs together: the worst cell over all of them, and the cells over the
+    target, also counted among the lrs where the twin has at most CONVERGED_LEFT of its
+    init-to-best drop left (twin_left)."""
+    from bench import suite
+
+    def rec(task, method, lr, final):
+        return {"task": task, "method": method, "lr": lr, "final": final, "init": 2.0, "diverged": None,
+                "first_update_ratio": None}
+
+    seed0 = [rec("t", "adamw", 0.01, 1.5), rec("t", "onebit_adam", 0.01, 1.65),  # far from converged: 0.5 left
+             rec("t", "adamw", 0.1, 1.0), rec("t", "onebit_adam", 0.1, 1.02)]
+    seed1 = [rec("t", "adamw", 0.01, 1.1), rec("t", "onebit_adam", 0.01, 1.1),   # 0.1 left: converged
+             rec("t", "adamw", 0.1, 1.0), rec("t", "onebit_adam", 0.1, 1.06)]
+    left = suite.twin_left(seed0)
+    assert left[("t", "adamw", 0.01)] == pytest.approx(0.5) and left[("t", "adamw", 0.1)] == 0.0
+    g = suite.same_lr_over_runs([seed0, seed1])["t"]["onebit_adam"]
+    assert g["worst"] == pytest.approx(1.1) and (g["worst_run"], g["worst_lr"]) == (0, 0.01)
+    assert (g["cells"], g["over"], g["converged"], g["over_converged"]) == (4, 2, 3, 1)
+    assert suite.target_of("byte_lm") == 1.01 and suite.target_of("t") == 1.05
+    suite.report_over_runs([seed0, seed1], ["a.json", "b.json"], SimpleNamespace(methods=["adamw", "onebit_adam"]))
+    out = capsys.readouterr().out
+    assert "1.100 (#0 @0.01) 2/4, 1/3" in out
