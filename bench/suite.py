@@ -315,16 +315,11 @@ def twin_left(results):
     loss still left at that lr} (0: the best lr of the grid; 1: no better than at init). The
     same-lr ratio is a lag where this is large: the loss is still falling steeply at the end,
     so a 1-bit run a few steps behind ends measurably higher."""
-    results = over_orders(results)
-    best = {}
-    for r in results:
-        if not is_diverged(r):
-            k = (r["task"], r["method"])
-            best[k] = min(best.get(k, math.inf), r["final"])
+    best = summarize(results)  # best-of-grid final per task and method (inf: every lr diverged)
     out = {}
-    for r in results:
-        b = best.get((r["task"], r["method"]))
-        if b is not None and not is_diverged(r) and r["init"] > b:
+    for r in over_orders(results):
+        b = best[r["task"]][r["method"]][0]
+        if not is_diverged(r) and r["init"] > b:
             out[(r["task"], r["method"], r["lr"])] = (r["final"] - b) / (r["init"] - b)
     return out
 
