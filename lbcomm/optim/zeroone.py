@@ -344,13 +344,6 @@ ZeroOneAdam.__doc__ = r"""Implements 0/1 Adam (Lu et al., 2022, "Maximizing Comm
     gradients were larger makes every later step smaller than AdamW's at the same lr (the
     local steps use each step's factor; a sync rebuilds with the factor of its own step).
 
-    At AdamW's lr and schedule ZeroOneAdam trails AdamW more than OneBitAdam does where the
-    run is still far from converged (lrs below the tuned one, short runs): its 1-bit steps
-    between the variance steps carry the 1-bit error from the first steps on, where
-    OneBitAdam trains at full precision up to its freeze. With every step up to
-    var_freeze_step a variance step it matches OneBitAdam, at full-precision cost. The
-    measured cells are in docs/optimizers.md ("Same hyperparameters as the twin").
-
     (the sync step first takes the local step's momentum and accumulation; its own local
     parameter update is replaced by the rebuild). :math:`\theta_{\mathrm{anchor}}` (the
     parameters at the last synchronization, set when the local stage begins),
@@ -365,6 +358,13 @@ ZeroOneAdam.__doc__ = r"""Implements 0/1 Adam (Lu et al., 2022, "Maximizing Comm
     compressed momenta, whose values are of the size of a block scale: unbounded, a
     coordinate of a tiny variance, such as a nearly dead unit or a rare feature, would take
     a huge step); the mask (zero or negligible variance) is rebuilt after every variance update.
+
+    At AdamW's lr and schedule ZeroOneAdam trails AdamW more than OneBitAdam does where the
+    run is still far from converged (lrs below the tuned one, short runs): its 1-bit steps
+    between the variance steps carry the 1-bit error from the first steps on, where
+    OneBitAdam trains at full precision up to its freeze. With every step up to
+    var_freeze_step a variance step it matches OneBitAdam, at full-precision cost. The
+    measured cells are in docs/optimizers.md ("Same hyperparameters as the twin").
 
     Communication per step (4 ranks, n parameters, block scales aside): a variance step
     sends 2 (p-1)/p 4n bytes in one round per bucket; a 1-bit step or a sync about
