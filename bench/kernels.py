@@ -2,7 +2,8 @@
 
 For each op the minimum memory traffic is counted (worker: read x and e, write e and the
 bits: 12n + n/8 bytes for fp32; 4n more with fp32 per-coordinate weights, 2n with bf16
-ones, the 1-bit hook's) and a torch copy moving that many bytes (read + write)
+ones, the 1-bit hook's, and 4n more with the capped decode's fp32 caps, 1-bit Adam's) and
+a torch copy moving that many bytes (read + write)
 is timed in the same process; the printed ratio is copy time / kernel time, so 1.0 means
 the kernel runs at copy bandwidth. Target: >= 0.8. "vs mix" is the same ratio against a torch
 elementwise op with the kernel's own reads and writes (see bench_size).
@@ -99,6 +100,11 @@ def bench_size(n: int, p: int, block, reps: int, device: str = "cpu"):
     wb = w.to(torch.bfloat16)  # what the hook's normalize="warmup" keeps
     row("worker_compress+bf16 weights", lambda: ops.worker_compress(x, err, block, weights=wb), traffic + 2 * n,
         lambda: e_n.addcdiv_(x, wb))
+    # the capped decode (1-bit Adam's max_update): caps near the values, a quarter unbounded
+    cap = torch.where(torch.rand(n, device=device) < 0.25, float("inf"), torch.rand(n, device=device) + 0.3)
+    if block is not None:
+        row("worker_compress+cap", lambda: ops.worker_compress(x, err, block, cap=cap), traffic + 4 * n,
+            lambda: e_n.addcmul_(x, cap))
 
     # The server reduces one chunk of n elements (as if the tensor were p * n long).
     mc = chunk_size(n, 1)
@@ -107,6 +113,9 @@ def bench_size(n: int, p: int, block, reps: int, device: str = "cpu"):
     s_err = torch.randn(mc, device=device) * 0.01
     row(f"server_compress(p={p})", lambda: ops.server_compress(packed, scales, s_err, block),
         p * mc // 8 + 8 * mc + mc // 8, lambda: s_err.mul_(1.0))
+    if block is not None:
+        row(f"server_compress+cap(p={p})", lambda: ops.server_compress(packed, scales, s_err, block, cap=cap[:mc]),
+            p * mc // 8 + 12 * mc + mc // 8, lambda: s_err.mul_(cap[:mc]))
 
     pk, sc = ops.worker_compress(x, err.clone(), block)
     out = torch.empty(n, device=device)  # the allreduce decodes into a caller's buffer: no page faults
@@ -115,7 +124,10 @@ def bench_size(n: int, p: int, block, reps: int, device: str = "cpu"):
         lambda: torch.mul(w, 1.0, out=out))
     row("unpack_into+bf16 weights", lambda: ops.unpack_into(pk, sc, block, out, weights=wb), n // 8 + 6 * n,
         lambda: out.copy_(wb))
-    del x, err, e_n, packed, scales, s_err, pk, sc, out, w, wb  # free the device memory before the copies
+    if block is not None:
+        row("unpack_into+cap", lambda: ops.unpack_into(pk, sc, block, out, cap=cap), n // 8 + 8 * n,
+            lambda: torch.mul(cap, 1.0, out=out))
+    del x, err, e_n, packed, scales, s_err, pk, sc, out, w, wb, cap  # free the device memory before the copies
     return [(name, t, traffic, copy_time(traffic, reps, device), tm) for name, t, traffic, tm in rows]
 
 

@@ -18,6 +18,17 @@ enum class InType : int { F32 = 0, F16 = 1, BF16 = 2 };
 
 constexpr int64_t kAlign = 32;          // m and block sizes are multiples of this
 constexpr int64_t kPartialBlock = 2048;  // work unit of the single-scale (block == 0) mode
+constexpr float kCapErrorRatio = 3.0f;   // capped decode: |error_i| <= kCapErrorRatio * cap_i
+
+// Capped decode (cap != nullptr; block > 0, no weights): every coordinate i carries a bound
+// cap_i >= 0 (+inf: none), the same on every rank. A value is decoded as
+// sgn * d_i with d_i = (cap_i < scale ? cap_i : scale) wherever it is decoded (the server's
+// sum, the final unpack). A compressing pass computes its values v (y or z) as usual, then
+//   s1 = RMS of the block's real v; the block scale is the RMS over the real coordinates
+//   with cap_i >= s1 (float64 sum, fp32 result), or s1 when there is none;
+//   error_i = v_i - copysign(d_i, v_i), then clamped to [-b_i, b_i], b_i = kCapErrorRatio * cap_i
+//   (one fp32 product; written as e > b ? b : (e < -b ? -b : e), so a NaN stays NaN).
+// The sign bits are those of v, as without a cap: the wire format does not change.
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // Scale-groups per chunk: the number of scale slots a chunk carries.
@@ -40,6 +51,7 @@ struct WorkerArgs {
   double* partials;     // block == 0 only: ceil_div(p * m, kPartialBlock) doubles of scratch
   const void* weights;  // nullptr, or numel weights w > 0 indexed like x (divide x by them)
   InType wtype;         // F32 or BF16 (read as their exact fp32 values)
+  const float* cap;     // nullptr, or numel caps indexed like x (capped decode, see above)
 };
 
 // Phase 2. z = (sum_j sgn_j * a_j) * (1 / p) + s, accumulated in fp32 over j = 0..p-1 in
@@ -57,6 +69,7 @@ struct ServerArgs {
   uint8_t* packed_out;    // [m / 8]
   float* scales_out;      // [num_blocks(m, block)]
   double* partials;       // block == 0 only: ceil_div(m, kPartialBlock) doubles of scratch
+  const float* cap;       // nullptr, or numel caps of this chunk indexed like error (capped decode)
 };
 
 // Phase 3 decode: out[k * m + i] = sgn(bit) * scales[k, block of i], for flat index < numel;
@@ -71,6 +84,7 @@ struct UnpackArgs {
   float* out;
   const void* weights;    // nullptr, or numel weights indexed like out (multiply by them)
   InType wtype;           // F32 or BF16 (read as their exact fp32 values)
+  const float* cap;       // nullptr, or numel caps indexed like out (capped decode; no weights)
 };
 
 // CPU kernels (csrc/cpu/kernels.cpp). Work is split into independent units so the caller

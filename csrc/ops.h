@@ -16,15 +16,18 @@ namespace lbcomm {
 using WorkerCompressFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor& x, const at::Tensor& error,
                                                            std::optional<int64_t> block_size,
                                                            const std::optional<at::Tensor>& error_out,
-                                                           const std::optional<at::Tensor>& weights);
+                                                           const std::optional<at::Tensor>& weights,
+                                                           const std::optional<at::Tensor>& cap);
 using ServerCompressFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor& packed, const at::Tensor& scales,
                                                            const at::Tensor& error, std::optional<int64_t> block_size,
                                                            std::optional<int64_t> numel,
-                                                           const std::optional<at::Tensor>& error_out);
+                                                           const std::optional<at::Tensor>& error_out,
+                                                           const std::optional<at::Tensor>& cap);
 using UnpackFn = at::Tensor(const at::Tensor& packed, const at::Tensor& scales, int64_t numel,
                             std::optional<int64_t> block_size);
 using UnpackIntoFn = void(const at::Tensor& packed, const at::Tensor& scales, std::optional<int64_t> block_size,
-                          const at::Tensor& out, const std::optional<at::Tensor>& weights);
+                          const at::Tensor& out, const std::optional<at::Tensor>& weights,
+                          const std::optional<at::Tensor>& cap);
 template <class Fn>
 constexpr Fn* kernel(Fn* f) {
   return f;
@@ -36,31 +39,37 @@ struct WorkerLaunch {
   at::Tensor packed, scales, partials;
   at::Tensor input;  // x made contiguous, kept alive for the launch
   at::Tensor weights;  // the weights made contiguous (or undefined), kept alive likewise
+  at::Tensor cap;      // the caps made contiguous (or undefined), kept alive likewise
 };
 struct ServerLaunch {
   ServerArgs args;
-  at::Tensor packed, scales, partials;
+  at::Tensor packed, scales, partials, cap;
 };
 struct UnpackLaunch {
   UnpackArgs args;
-  at::Tensor out, weights;
+  at::Tensor out, weights, cap;
 };
 
 // Validate inputs (TORCH_CHECK with the op name and what was received), allocate outputs on
 // the inputs' device and fill the raw-pointer arguments. error_out == nullopt means in place.
 // weights (optional): float32 per-coordinate weights of x's numel (worker: x / w is
 // compressed) or out's numel (unpack_into: the decoded value times w is written).
+// cap (optional): float32 per-coordinate caps of the capped decode (kernels.h), numel
+// elements (the server's: of the chunk's real prefix); needs a block size and no weights.
 WorkerLaunch prepare_worker(const at::Tensor& x, const at::Tensor& error, std::optional<int64_t> block_size,
                             const std::optional<at::Tensor>& error_out,
-                            const std::optional<at::Tensor>& weights = std::nullopt);
+                            const std::optional<at::Tensor>& weights = std::nullopt,
+                            const std::optional<at::Tensor>& cap = std::nullopt);
 ServerLaunch prepare_server(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& error,
                             std::optional<int64_t> block_size, std::optional<int64_t> numel,
-                            const std::optional<at::Tensor>& error_out);
+                            const std::optional<at::Tensor>& error_out,
+                            const std::optional<at::Tensor>& cap = std::nullopt);
 UnpackLaunch prepare_unpack(const at::Tensor& packed, const at::Tensor& scales, int64_t numel,
                             std::optional<int64_t> block_size);
 // The same into a caller's contiguous float32 tensor of numel elements (no allocation).
 UnpackLaunch prepare_unpack_into(const at::Tensor& packed, const at::Tensor& scales,
                                  std::optional<int64_t> block_size, const at::Tensor& out,
-                                 const std::optional<at::Tensor>& weights = std::nullopt);
+                                 const std::optional<at::Tensor>& weights = std::nullopt,
+                                 const std::optional<at::Tensor>& cap = std::nullopt);
 
 }  // namespace lbcomm

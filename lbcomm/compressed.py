@@ -148,9 +148,9 @@ class CompressionState:
 
     # ------------------------------------------------------------------ the Reducer protocol
     def reduce_(self, source: "Source", sink: "Sink", *, checked: bool = False, async_op: bool = False,
-                weights: Optional[Tensor] = None):
+                weights: Optional[Tensor] = None, cap: Optional[Tensor] = None):
         """`lbcomm.compressed.reduce_` with this state (the `lbcomm.reducer.Reducer` call)."""
-        return reduce_(self, source, sink, checked=checked, async_op=async_op, weights=weights)
+        return reduce_(self, source, sink, checked=checked, async_op=async_op, weights=weights, cap=cap)
 
     def compression_stats(self) -> Dict[str, Any]:
         """`lbcomm.common.compressor_stats` (the keys every compressor reports), bytes_per_call."""
@@ -349,14 +349,14 @@ class CompressionState:
 
 
 def _run(name: str, state: CompressionState, source: Source, sink: Sink, checked: bool,
-         result: Callable[[bool], Any], weights: Optional[Tensor], async_op: bool):
+         result: Callable[[bool], Any], weights: Optional[Tensor], async_op: bool, cap: Optional[Tensor] = None):
     if not isinstance(state, CompressionState):
         raise TypeError(f"{name}: state must be a CompressionState, got {type(state).__name__}")
-    return drive(FlatCall(name, state, source, sink, checked, result, weights).steps(), state.device, async_op)
+    return drive(FlatCall(name, state, source, sink, checked, result, weights, cap).steps(), state.device, async_op)
 
 
 def reduce_(state: CompressionState, source: Source, sink: Sink, *, checked: bool = False, async_op: bool = False,
-            weights: Optional[Tensor] = None):
+            weights: Optional[Tensor] = None, cap: Optional[Tensor] = None):
     """The compressed allreduce that every entry point, optimizer and hook goes through:
     the approximate MEAN of `source` over the ranks of the state's group, into `sink`.
 
@@ -393,6 +393,16 @@ def reduce_(state: CompressionState, source: Source, sink: Sink, *, checked: boo
             Bitwise the same as dividing the input by w in fp32 before the call and
             multiplying the result by w after it. With one rank the sink receives the
             input unchanged (default: None).
+        cap (Tensor, optional): float32 per-coordinate bounds c >= 0 (inf: none) of
+            `state.numel` elements on `state.device`, the same on every rank: the capped
+            decode. Wherever a value is decoded (the server's mean of the ranks' values,
+            the result) coordinate i decodes to +-min(scale, c_i), so no coordinate of the
+            result exceeds its bound; each block's scale is the RMS over the coordinates
+            whose bound is at least the block's RMS (the bounded ones would otherwise
+            deflate it), and the error feedback keeps what the bound held back, within
+            +-3 c_i, to deliver it in later calls. Needs a block size and no weights.
+            The wire format and bytes are unchanged. 1-bit Adam passes the momentum whose
+            step is max_update's bound (default: None).
 
     Returns:
         True when the result was written, False when the call was skipped for non-finite
@@ -400,7 +410,7 @@ def reduce_(state: CompressionState, source: Source, sink: Sink, *, checked: boo
         ``nonfinite="raise"`` a NonFiniteError is raised instead (on every rank). With one
         rank nothing is compressed: the sink receives the input unchanged.
     """
-    return _run("reduce_", state, source, sink, checked, bool, weights, async_op)
+    return _run("reduce_", state, source, sink, checked, bool, weights, async_op, cap)
 
 
 def compressed_allreduce_(tensor: Tensor, state: CompressionState, *, async_op: bool = False,

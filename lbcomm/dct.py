@@ -196,9 +196,9 @@ class DCTReducer:
 
     # ------------------------------------------------------------------ the call
     def reduce_(self, source: Tensor, sink: Tensor, *, checked: bool = False, async_op: bool = False,
-                weights: Optional[Tensor] = None) -> bool:
-        if async_op or weights is not None or not isinstance(source, Tensor):
-            raise ValueError("DCTReducer.reduce_: tensors only, blocking, without weights")
+                weights: Optional[Tensor] = None, cap: Optional[Tensor] = None) -> bool:
+        if async_op or weights is not None or cap is not None or not isinstance(source, Tensor):
+            raise ValueError("DCTReducer.reduce_: tensors only, blocking, without weights or caps")
         if source.numel() != self.numel or sink.numel() != self.numel:
             raise ValueError(f"DCTReducer.reduce_: expected {self.numel} elements, got {source.numel()} -> "
                              f"{sink.numel()}")

@@ -76,11 +76,26 @@ def check_weights(name: str, weights: Optional[Tensor], numel: int, device: torc
     return weights.reshape(-1)
 
 
+def check_cap(name: str, cap: Optional[Tensor], numel: int, device: torch.device, block_size: Optional[int],
+              weights: Optional[Tensor]) -> Optional[Tensor]:
+    """Per-coordinate caps of the capped decode (see `lbcomm.compressed.reduce_`), flat, or None."""
+    if cap is None:
+        return None
+    if not isinstance(cap, Tensor) or cap.dtype != torch.float32 or cap.numel() != numel or cap.device != device:
+        got = f"{cap.dtype} {tuple(cap.shape)} on {cap.device}" if isinstance(cap, Tensor) else type(cap).__name__
+        raise ValueError(f"{name}: cap must be a float32 tensor of {numel} elements on {device}, got {got}")
+    if block_size is None:
+        raise ValueError(f"{name}: the capped decode needs blocks (this state has block_size=None: one scale)")
+    if weights is not None:
+        raise ValueError(f"{name}: cap and weights cannot be combined")
+    return cap.reshape(-1)
+
+
 class FlatCall:
     """One compressed allreduce: validation, the schedule and the phases."""
 
     def __init__(self, name: str, state, source: Source, sink: Sink, checked: bool,
-                 result: Callable[[bool], Any], weights: Optional[Tensor] = None):
+                 result: Callable[[bool], Any], weights: Optional[Tensor] = None, cap: Optional[Tensor] = None):
         self.name, self.state, self.checked, self.result = name, state, bool(checked), result
         kind = type(state).__name__
         if isinstance(source, Tensor):
@@ -95,8 +110,9 @@ class FlatCall:
         elif not callable(sink):
             raise TypeError(f"{name}: expected a tensor or a callable sink(lo, hi, values), got {type(sink).__name__}")
         weights = check_weights(name, weights, state.numel, state.device)
+        cap = check_cap(name, cap, state.numel, state.device, state.block_size, weights)
         state._ensure_idle()
-        self.source, self.sink, self.weights = source, sink, weights
+        self.source, self.sink, self.weights, self.cap = source, sink, weights, cap
         self.flat_source: Optional[Tensor] = None  # the tensor source as one flat view (made on first use)
 
     # ---------------------------------------------------------------- schedule
@@ -223,7 +239,7 @@ class FlatCall:
         if len(st.piece_spans) == 1 and (block is None or isinstance(self.source, Tensor)):
             # one kernel call over every chunk (the only way with one scale for everything)
             packed, scales = ops.worker_compress(self._input(0, n0), st._worker_error, block,
-                                                 weights=self.weights)
+                                                 weights=self.weights, cap=self.cap)
             send[:, :q8].copy_(packed)
             self._scales(send, s).copy_(scales)
         else:
@@ -233,8 +249,9 @@ class FlatCall:
                     g0 = j * m + a
                     g1 = max(g0, min(j * m + b, n0))
                     w = None if self.weights is None else self.weights[g0:g1]
+                    c = None if self.cap is None else self.cap[g0:g1]
                     packed, scales = ops.worker_compress(self._input(g0, g1), st._worker_error[j, a:b], block,
-                                                         weights=w)
+                                                         weights=w, cap=c)
                     send[j, (a - lo) // 8:(b - lo) // 8].copy_(packed)
                     first = (a - lo) // block
                     self._scales(send[j], s)[first:first + scales.numel()].copy_(scales)
@@ -253,8 +270,10 @@ class FlatCall:
             raise
         lo, hi = st.piece_spans[s]
         real = min(max(st.numel - st.rank * st.chunk - lo, 0), hi - lo)
+        first = st.rank * st.chunk + lo
+        cap = None if self.cap is None else self.cap[first:first + real]
         packed, scales = ops.server_compress(wire.recv[:, :layout.sign_bytes], self._scales(wire.recv, s),
-                                             st._server_error[lo:hi], st.block_size, real)
+                                             st._server_error[lo:hi], st.block_size, real, cap=cap)
         wire.server_send[:layout.sign_bytes].copy_(packed)
         self._scales(wire.server_send, s).copy_(scales)
         wire.server_send[layout.scales_end:].copy_(self._header(s).view(torch.uint8))
@@ -269,7 +288,7 @@ class FlatCall:
         if whole is not None and len(st.piece_spans) == 1:
             g = st._wire[0].gathered
             ops.unpack_into(g[:, :st._row_layouts[0].sign_bytes], self._scales(g, 0), block, whole,
-                            weights=self.weights)
+                            weights=self.weights, cap=self.cap)
         else:
             for s, (lo, hi) in enumerate(st.piece_spans):
                 g = st._wire[s].gathered
@@ -283,7 +302,9 @@ class FlatCall:
                         scales = self._scales(g[k:k + 1], s)[:, first:first + count]
                         out = whole[g0:g1] if write is None else st._staging_buffer(st._staging_cap)[:g1 - g0]
                         w = None if self.weights is None else self.weights[g0:g1]
-                        ops.unpack_into(g[k:k + 1, (a - lo) // 8:(b - lo) // 8], scales, block, out, weights=w)
+                        c = None if self.cap is None else self.cap[g0:g1]
+                        ops.unpack_into(g[k:k + 1, (a - lo) // 8:(b - lo) // 8], scales, block, out, weights=w,
+                                        cap=c)
                         if write is not None:
                             write(g0, g1, out)
         if copy_back:

@@ -20,7 +20,7 @@ order either way.
 from __future__ import annotations
 
 import logging
-from typing import Generator
+from typing import Generator, Optional
 
 import torch
 from torch import Tensor
@@ -38,13 +38,14 @@ _APPLIED, _SKIPPED, _EMPTY = 1, 2, 3
 FLAG_BYTES = 4
 
 
-def steps(name: str, state, tensor: Tensor) -> Generator[torch.futures.Future, None, bool]:
+def steps(name: str, state, tensor: Tensor, cap: Optional[Tensor] = None) -> Generator[torch.futures.Future, None, bool]:
     """The schedule of one call on `state` (a HierarchicalState) reducing `tensor` in
     place: yields each future to wait for, returns True when `tensor` holds the mean
-    (False: skipped for non-finite input with nonfinite="skip")."""
+    (False: skipped for non-finite input with nonfinite="skip"). `cap` (flat, checked by
+    the caller): the capped decode of the 1-bit stage, each slice with its part."""
     t = state.topology
     if t.flat:  # one node or one rank per node: the flat call over every rank
-        applied = yield from FlatCall(name, state.compression, tensor, tensor, False, bool).steps()
+        applied = yield from FlatCall(name, state.compression, tensor, tensor, False, bool, None, cap).steps()
         _count(state, not applied)
         return applied
     state._ensure_idle()
@@ -87,7 +88,8 @@ def steps(name: str, state, tensor: Tensor) -> Generator[torch.futures.Future, N
             if node_bad:
                 acc[0] = float("nan")  # every cross group then agrees on "skip", errors untouched
             # the slice's state skips (never raises): every rank must reach the all-gather
-            applied = yield from FlatCall(name, state.compression, acc, acc, False, bool).steps()
+            part = None if cap is None else cap[lo:hi]
+            applied = yield from FlatCall(name, state.compression, acc, acc, False, bool, None, part).steps()
             status = _APPLIED if applied else _SKIPPED
         mine[4 * L:].view(torch.int32).fill_(status)
         # All-gather inside the node: every slice's result and status.

@@ -19,7 +19,7 @@ from .wire import num_blocks
 
 __all__ = ["worker_compress", "server_compress", "unpack", "unpack_into", "HAS_EXTENSION", "extension_problem", "cpu_has_avx2"]
 
-ABI_VERSION = 3  # must match abi_version() in csrc/ops.cpp
+ABI_VERSION = 4  # must match abi_version() in csrc/ops.cpp
 _log = logging.getLogger(__name__)
 _FIX = "rebuild it with `pip install --no-build-isolation -e .` in the lbcomm checkout"
 
@@ -75,7 +75,7 @@ def cpu_has_avx2() -> bool:
 
 def worker_compress(
     x: Tensor, error: Tensor, block_size: Optional[int], error_out: Optional[Tensor] = None,
-    weights: Optional[Tensor] = None,
+    weights: Optional[Tensor] = None, cap: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Phase 0: y = x + error (x / weights + error with weights), one RMS scale per block,
     sign bits packed LSB first.
@@ -90,13 +90,17 @@ def worker_compress(
         weights (Tensor, optional): float32 or bfloat16 per-coordinate weights, x.numel()
             elements: x is divided by their fp32 values (x.float() / weights.float(), the
             quotient rounded once) inside the kernel, so the error lives in the divided units.
+        cap (Tensor, optional): float32 per-coordinate caps, x.numel() elements, the same
+            on every rank: the capped decode (a value decodes to +-min(scale, cap_i); the
+            block scale is the RMS over the coordinates whose cap is at least the block's
+            RMS; the error is clamped to +-3 cap_i). Needs a block size, no weights.
 
     Returns:
         (packed uint8 [p, m/8], scales float32 [p, nb]); 1-D shapes for a 1-D error.
     """
     if _use_kernel(error.device):
-        return torch.ops.lbcomm.worker_compress(x, error, block_size, error_out, weights)
-    packed, scales, new_error = _ref.worker_compress(x, error, block_size, weights)
+        return torch.ops.lbcomm.worker_compress(x, error, block_size, error_out, weights, cap)
+    packed, scales, new_error = _ref.worker_compress(x, error, block_size, weights, cap)
     (error if error_out is None else error_out).copy_(new_error)
     if error.dim() == 1:
         return packed.reshape(-1), scales.reshape(-1)
@@ -110,14 +114,16 @@ def server_compress(
     block_size: Optional[int],
     numel: Optional[int] = None,
     error_out: Optional[Tensor] = None,
+    cap: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Phase 2 for one chunk: average p ranks' packed signs and scales, add the server
     error, re-compress. packed uint8 [p, m/8], scales float32 [p, nb], error float32 [m];
-    numel is the count of real (non-pad) elements in the chunk. Returns (packed [m/8],
-    scales [nb])."""
+    numel is the count of real (non-pad) elements in the chunk; cap (float32, numel
+    elements, optional): the capped decode (see `worker_compress`), on the decode of every
+    rank's values and on the re-compression. Returns (packed [m/8], scales [nb])."""
     if _use_kernel(error.device):
-        return torch.ops.lbcomm.server_compress(packed, scales, error, block_size, numel, error_out)
-    out_packed, out_scales, new_error = _ref.server_compress(packed, scales, error, block_size, numel)
+        return torch.ops.lbcomm.server_compress(packed, scales, error, block_size, numel, error_out, cap)
+    out_packed, out_scales, new_error = _ref.server_compress(packed, scales, error, block_size, numel, cap)
     (error if error_out is None else error_out).copy_(new_error)
     return out_packed, out_scales
 
@@ -130,29 +136,30 @@ def unpack(packed: Tensor, scales: Tensor, numel: int, block_size: Optional[int]
 
 
 def unpack_into(packed: Tensor, scales: Tensor, block_size: Optional[int], out: Tensor,
-                weights: Optional[Tensor] = None) -> Tensor:
+                weights: Optional[Tensor] = None, cap: Optional[Tensor] = None) -> Tensor:
     """Decode into `out` (float32/float16/bfloat16, out.numel() elements) without allocating
     when out is contiguous float32; returns out. With `weights` (float32 or bfloat16,
     out.numel() elements) each decoded value is multiplied by its weight's fp32 value (one
-    fp32 product) as it is written."""
+    fp32 product) as it is written; with `cap` (float32, out.numel() elements) each value
+    decodes to +-min(scale, cap_i) (the capped decode, see `worker_compress`)."""
     direct = out.dtype == torch.float32 and out.is_contiguous()
     if direct and _use_kernel(packed.device):
-        torch.ops.lbcomm.unpack_into(packed, scales, block_size, out.view(-1), weights)
+        torch.ops.lbcomm.unpack_into(packed, scales, block_size, out.view(-1), weights, cap)
     else:
-        out.copy_(_ref.unpack(packed, scales, out.numel(), block_size, weights).view(out.shape))
+        out.copy_(_ref.unpack(packed, scales, out.numel(), block_size, weights, cap).view(out.shape))
     return out
 
 
 if HAS_EXTENSION:
 
     @torch.library.register_fake("lbcomm::worker_compress")
-    def _(x, error, block_size, error_out=None, weights=None):
+    def _(x, error, block_size, error_out=None, weights=None, cap=None):
         m = error.shape[-1]
         lead = tuple(error.shape[:-1])
         return error.new_empty(lead + (m // 8,), dtype=torch.uint8), error.new_empty(lead + (num_blocks(m, block_size),))
 
     @torch.library.register_fake("lbcomm::server_compress")
-    def _(packed, scales, error, block_size, numel=None, error_out=None):
+    def _(packed, scales, error, block_size, numel=None, error_out=None, cap=None):
         m = error.shape[0]
         return error.new_empty((m // 8,), dtype=torch.uint8), error.new_empty((num_blocks(m, block_size),))
 
@@ -161,5 +168,5 @@ if HAS_EXTENSION:
         return scales.new_empty((numel,))
 
     @torch.library.register_fake("lbcomm::unpack_into")
-    def _(packed, scales, block_size, out, weights=None):
+    def _(packed, scales, block_size, out, weights=None, cap=None):
         return None

@@ -2,7 +2,7 @@
 
 A reducer holds the error feedback of compressed allreduces of one flat size on one set of
 ranks and reduces with one call, ``reducer.reduce_(source, sink, *, checked, async_op,
-weights)``. Its implementations:
+weights, cap)``. Its implementations:
 
 * `lbcomm.CompressionState`: the flat 1-bit allreduce over one process group;
 * `lbcomm.topology.HierarchicalState`: full precision inside each node, 1-bit between nodes;
@@ -52,10 +52,12 @@ class Reducer(Protocol):
     last_skipped: bool
 
     def reduce_(self, source, sink, *, checked: bool = False, async_op: bool = False,
-                weights: Optional[Tensor] = None):
+                weights: Optional[Tensor] = None, cap: Optional[Tensor] = None):
         """The approximate mean of `source` over the ranks into `sink` (tensors, or the
-        range-by-range callables of `lbcomm.compressed.reduce_`). Returns True when the
-        sink was written, False for a skipped non-finite call (or a Future of that bool)."""
+        range-by-range callables of `lbcomm.compressed.reduce_`), with optional
+        per-coordinate bounds `cap` on the decoded values (the capped decode, see there).
+        Returns True when the sink was written, False for a skipped non-finite call (or a
+        Future of that bool)."""
 
     def bytes_per_call(self, checked: bool = False) -> int:
         """Bytes this rank sends per call."""

@@ -11,7 +11,11 @@ the same bits:
 * a block scale is sqrt(sum(y^2) / count) with the sum of squares in float64, rounded to
   fp32 once at the end;
 * the server's average is acc = sum_j (+-a_j) in fp32 in rank order, then acc * (1/p) with
-  1/p rounded to fp32, then + s, each a separate fp32 rounding (no fused multiply-add).
+  1/p rounded to fp32, then + s, each a separate fp32 rounding (no fused multiply-add);
+* the capped decode (per-coordinate caps c, the same on every rank) decodes a value as
+  +-min(scale, c_i) (c_i < scale ? c_i : scale), takes each block's scale as the RMS over
+  the coordinates with c_i >= the block's RMS (the block's RMS when there is none) and
+  clamps each new error to [-3 c_i, 3 c_i] (CAP_ERROR_RATIO * c_i, one fp32 product).
 """
 from __future__ import annotations
 
@@ -22,8 +26,11 @@ from torch import Tensor
 
 from .wire import ALIGN, chunk_size, num_blocks  # the layout math, re-exported for the tests and tools
 
+CAP_ERROR_RATIO = 3.0  # capped decode: |error_i| <= CAP_ERROR_RATIO * cap_i (kCapErrorRatio in csrc/kernels.h)
+
 __all__ = [
     "ALIGN",
+    "CAP_ERROR_RATIO",
     "chunk_size",
     "num_blocks",
     "pack_signs",
@@ -83,6 +90,46 @@ def _signed(neg: Tensor, scale: Tensor) -> Tensor:
     return torch.where(neg, -scale.abs(), scale)
 
 
+def _capped(cap: Tensor, scale: Tensor) -> Tensor:
+    """The capped decode's magnitude: cap where cap < scale, else the scale."""
+    return torch.where(cap < scale, cap, scale)
+
+
+def _padded_cap(cap: Tensor, rows: int, m: int) -> Tensor:
+    """Caps of n0 real coordinates as [rows, m], +inf on the pads (never read: pads carry
+    no error and no scale)."""
+    flat = torch.full((rows * m,), float("inf"), dtype=torch.float32, device=cap.device)
+    flat[:cap.numel()] = cap.reshape(-1).to(torch.float32)
+    return flat.reshape(rows, m)
+
+
+def _capped_scales(v: Tensor, real: Tensor, cap: Tensor, block_size: int) -> Tensor:
+    """Per block of v [rows, m]: the RMS over the real coordinates with cap >= the block's
+    RMS, or the block's RMS when there is none."""
+    s1 = _block_rms(v, real, block_size)
+    keep = real & (cap >= _expand(s1, v.shape[1], block_size))
+    s2 = _block_rms(v, keep, block_size)
+    counts = torch.nn.functional.pad(keep.to(torch.int64), (0, num_blocks(v.shape[1], block_size) * block_size
+                                                            - v.shape[1]))
+    any_kept = counts.reshape(v.shape[0], -1, block_size).sum(-1) > 0
+    return torch.where(any_kept, s2, s1)
+
+
+def _capped_sign_error(v: Tensor, scale: Tensor, real: Tensor, cap: Tensor) -> Tuple[Tensor, Tensor]:
+    """_sign_error with the capped decode: the error v - copysign(min(scale, cap), v),
+    clamped to [-3 cap, 3 cap]."""
+    zero = torch.zeros((), dtype=torch.float32, device=v.device)
+    e = v - torch.copysign(_capped(cap, scale), v)
+    b = cap * torch.tensor(CAP_ERROR_RATIO, dtype=torch.float32, device=v.device)
+    e = torch.where(e > b, b, torch.where(e < -b, -b, e))
+    return pack_signs(v), torch.where(real, e, zero)
+
+
+def _check_cap(cap: Optional[Tensor], block_size: Optional[int], weights: Optional[Tensor] = None) -> None:
+    if cap is not None and (block_size is None or weights is not None):
+        raise ValueError("the capped decode needs a block size and no weights")
+
+
 def _real_mask(rows: int, m: int, numel: int, device) -> Tensor:
     return (torch.arange(rows * m, device=device) < numel).reshape(rows, m)
 
@@ -95,11 +142,14 @@ def _sign_error(v: Tensor, scale: Tensor, real: Tensor) -> Tuple[Tensor, Tensor]
 
 
 def worker_compress(
-    x: Tensor, error: Tensor, block_size: Optional[int], weights: Optional[Tensor] = None
+    x: Tensor, error: Tensor, block_size: Optional[int], weights: Optional[Tensor] = None,
+    cap: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """Phase 0. error is [p, m] (or flat p*m with p = 1); returns (packed [p, m/8],
     scales [p, nb], new_error [p, m]) and leaves `error` untouched. weights (x.numel()
-    fp32 or bf16, optional): compress x / weights.float() instead of x."""
+    fp32 or bf16, optional): compress x / weights.float() instead of x. cap (x.numel()
+    fp32, optional): the capped decode (module docs)."""
+    _check_cap(cap, block_size, weights)
     err = error.reshape(1, -1) if error.dim() == 1 else error
     p, m = err.shape
     n0 = x.numel()
@@ -109,6 +159,11 @@ def worker_compress(
     if weights is not None:
         flat[:n0] = flat[:n0] / weights.reshape(-1).to(torch.float32)
     y = torch.where(real, flat.reshape(p, m) + err, torch.zeros((), device=err.device))
+    if cap is not None:
+        c = _padded_cap(cap, p, m)
+        scales = _capped_scales(y, real, c, block_size)
+        packed, new_error = _capped_sign_error(y, _expand(scales, m, block_size), real, c)
+        return packed, scales, new_error.reshape(error.shape)
     scales = _block_rms(y, real, block_size)
     packed, new_error = _sign_error(y, _expand(scales, m, block_size), real)
     return packed, scales, new_error.reshape(error.shape)
@@ -120,33 +175,47 @@ def server_compress(
     error: Tensor,
     block_size: Optional[int],
     numel: Optional[int] = None,
+    cap: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """Phase 2 for one chunk: packed [p, m/8] and scales [p, nb] from every rank, server
-    error [m]; returns (packed [m/8], scales [nb], new_error [m])."""
+    error [m]; returns (packed [m/8], scales [nb], new_error [m]). cap (numel fp32,
+    optional): the capped decode of the chunk's real coordinates (module docs)."""
+    _check_cap(cap, block_size)
     p = packed.shape[0]
     m = error.numel()
     numel = m if numel is None else numel
     neg = unpack_signs(packed)  # [p, m]
     per_elem = _expand(scales.to(torch.float32), m, block_size)
+    c = None if cap is None else _padded_cap(cap, 1, m)
+    if c is not None:
+        per_elem = _capped(c, per_elem)
     acc = torch.zeros(m, dtype=torch.float32, device=error.device)
     for j in range(p):  # fp32, rank order: the recipe every kernel follows
         acc = acc + _signed(neg[j], per_elem[j])
     inv_p = torch.tensor(1.0, dtype=torch.float32) / torch.tensor(float(p), dtype=torch.float32)
     real = _real_mask(1, m, numel, error.device)
     z = torch.where(real, (acc * inv_p.to(error.device) + error).reshape(1, m), torch.zeros((), device=error.device))
+    if c is not None:
+        out_scales = _capped_scales(z, real, c, block_size)
+        out_packed, new_error = _capped_sign_error(z, _expand(out_scales, m, block_size), real, c)
+        return out_packed[0], out_scales[0], new_error[0]
     out_scales = _block_rms(z, real, block_size)
     out_packed, new_error = _sign_error(z, _expand(out_scales, m, block_size), real)
     return out_packed[0], out_scales[0], new_error[0]
 
 
 def unpack(packed: Tensor, scales: Tensor, numel: int, block_size: Optional[int],
-           weights: Optional[Tensor] = None) -> Tensor:
+           weights: Optional[Tensor] = None, cap: Optional[Tensor] = None) -> Tensor:
     """Decode packed [p, m/8] with scales [p, nb] into fp32 [numel], times weights
-    (numel fp32 or bf16, optional, at their fp32 values)."""
+    (numel fp32 or bf16, optional, at their fp32 values); cap (numel fp32, optional): the
+    capped decode."""
+    _check_cap(cap, block_size, weights)
     packed2 = packed.reshape(1, -1) if packed.dim() == 1 else packed
     scales2 = scales.reshape(1, -1) if scales.dim() == 1 else scales
     m = packed2.shape[1] * 8
     per_elem = _expand(scales2.to(torch.float32), m, block_size)
+    if cap is not None:
+        per_elem = _capped(_padded_cap(cap, packed2.shape[0], m), per_elem)
     out = _signed(unpack_signs(packed2), per_elem).reshape(-1)[:numel]
     if weights is not None:
         return out * weights.reshape(-1).to(torch.float32)
@@ -159,12 +228,14 @@ def compressed_allreduce(
     server_errors: Sequence[Tensor],
     block_size: Optional[int],
     weights: Optional[Tensor] = None,
+    cap: Optional[Tensor] = None,
 ) -> Tuple[Tensor, List[Tensor], List[Tensor]]:
     """The whole algorithm for p simulated ranks in one process.
 
     xs: p tensors of n0 elements; worker_errors: p tensors [p, m]; server_errors: p
     tensors [m]; weights (n0 fp32 or bf16, the same on every rank, optional): every rank
-    compresses x / weights and the decoded mean is multiplied by weights.
+    compresses x / weights and the decoded mean is multiplied by weights; cap (n0 fp32, the
+    same on every rank, optional): the capped decode on both stages.
     Returns (out [n0] fp32, new worker errors, new server errors).
     World size 1 returns x unchanged (no compression, weights unused), errors untouched.
     """
@@ -173,7 +244,7 @@ def compressed_allreduce(
     if p == 1:
         return xs[0].reshape(-1).to(torch.float32).clone(), list(worker_errors), list(server_errors)
     m = server_errors[0].numel()
-    worker = [worker_compress(x, e.reshape(p, m), block_size, weights) for x, e in zip(xs, worker_errors)]
+    worker = [worker_compress(x, e.reshape(p, m), block_size, weights, cap) for x, e in zip(xs, worker_errors)]
     new_worker = [w[2].reshape(worker_errors[r].shape) for r, w in enumerate(worker)]
     packed_out, scales_out, new_server = [], [], []
     for k in range(p):
@@ -184,11 +255,12 @@ def compressed_allreduce(
             server_errors[k],
             block_size,
             real_k,
+            None if cap is None else cap.reshape(-1)[k * m:k * m + real_k],
         )
         packed_out.append(sp)
         scales_out.append(ss)
         new_server.append(se)
-    out = unpack(torch.stack(packed_out), torch.stack(scales_out), n0, block_size, weights)
+    out = unpack(torch.stack(packed_out), torch.stack(scales_out), n0, block_size, weights, cap)
     return out, new_worker, new_server
 
 
@@ -197,6 +269,7 @@ def hierarchical_allreduce(
     worker_errors: Sequence[Sequence[Tensor]],
     server_errors: Sequence[Sequence[Tensor]],
     block_size: Optional[int],
+    cap: Optional[Tensor] = None,
 ) -> Tuple[Tensor, List[List[Tensor]], List[List[Tensor]]]:
     """The hierarchical call (lbcomm.topology) for N nodes x G ranks (N, G > 1) simulated
     in one process: the mean of each slice inside each node, then the flat algorithm above
@@ -206,7 +279,8 @@ def hierarchical_allreduce(
     server_errors[l][a]: the errors of rank (a, l), i.e. of node a in cross group l (for a
     slice of L_l elements: [N, chunk_size(L_l, N)] and [chunk_size(L_l, N)]). Slice l is
     [l L, (l + 1) L) cut to n0, L = chunk_size(n0, G). The intra-node mean is
-    (x_0 + x_1 + ... + x_{G-1}) / G in fp32, added in local rank order.
+    (x_0 + x_1 + ... + x_{G-1}) / G in fp32, added in local rank order. cap (n0 fp32,
+    optional): the capped decode, each slice with its part of the caps.
     Returns (out [n0] fp32, new worker errors, new server errors), indexed like the inputs.
     """
     N, G = len(xs), len(xs[0])
@@ -227,7 +301,8 @@ def hierarchical_allreduce(
             for j in range(1, G):
                 acc = acc + xs[a][j].reshape(-1)[lo:hi].to(torch.float32)
             ys.append(acc / G)
-        piece, we, se = compressed_allreduce(ys, worker_errors[l], server_errors[l], block_size)
+        piece, we, se = compressed_allreduce(ys, worker_errors[l], server_errors[l], block_size,
+                                             cap=None if cap is None else cap.reshape(-1)[lo:hi])
         out[lo:hi] = piece
         new_worker.append(we)
         new_server.append(se)

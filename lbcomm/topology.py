@@ -69,7 +69,7 @@ from . import hiercall
 from .common import NONFINITE_POLICIES, compressor_stats, drive
 from .compressed import CompressionState
 from .config import DEFAULT_BLOCK_SIZE
-from .flatcall import check_tensor
+from .flatcall import check_cap, check_tensor
 from .hiercall import FLAG_BYTES
 from .nodes import INTRA_NODE, Topology, slice_spans
 from .wire import chunk_size
@@ -144,15 +144,18 @@ class HierarchicalState:
         return self.topology.world_size
 
     def reduce_(self, source, sink, *, checked: bool = False, async_op: bool = False,
-                weights: Optional[Tensor] = None):
+                weights: Optional[Tensor] = None, cap: Optional[Tensor] = None):
         """The `lbcomm.reducer.Reducer` call: `hierarchical_allreduce_` of `source` into
         `sink` (tensors, or the range-by-range callables of `lbcomm.compressed.reduce_`; a
         callable source is staged whole, since the intra-node reduce-scatter needs every
         slice at once). The call agrees on finiteness itself (`checked` changes nothing).
-        Returns True when the sink was written (or a Future of that bool)."""
+        `cap` (the capped decode of `lbcomm.compressed.reduce_`) bounds the 1-bit stage
+        between the nodes: each slice with its part of the caps; the intra-node means are
+        exact. Returns True when the sink was written (or a Future of that bool)."""
         name = "HierarchicalState.reduce_"
         if weights is not None:
             raise ValueError(f"{name}: per-coordinate weights need the flat compressed call")
+        cap = check_cap(name, cap, self.numel, self.device, self.block_size, None)
         for t, what in ((source, "the tensor"), (sink, "the output")):
             if isinstance(t, Tensor):
                 check_tensor(name, t, self.numel, self.device, what, "HierarchicalState")
@@ -174,7 +177,7 @@ class HierarchicalState:
                     source(lo, hi, buf[lo:hi])
 
         def call():
-            applied = yield from hiercall.steps(name, self, buf)
+            applied = yield from hiercall.steps(name, self, buf, cap)
             if applied and buf is not sink:
                 for lo in range(0, n, _STAGE):
                     hi = min(n, lo + _STAGE)

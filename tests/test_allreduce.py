@@ -212,6 +212,79 @@ def test_bad_weights_are_refused():
         lbcomm.compressed_allreduce_(torch.ones(10), state, weights=torch.ones(10, dtype=torch.float16))
 
 
+def _caps(n0):
+    """Caps of the capped decode, the same on every rank: around the inputs' magnitudes,
+    some +inf (no bound)."""
+    g = torch.Generator().manual_seed(11)
+    c = torch.exp(torch.randn(n0, generator=g)) * 0.7
+    c[torch.rand(n0, generator=g) < 0.25] = float("inf")
+    return c
+
+
+def _run_capped(rank, p, n0, steps):
+    """The capped decode through reduce_: whole and cut states, tensor and callable
+    source/sink; every call's result and the errors after the last."""
+    cap = _caps(n0)
+    got = {}
+    for pieces in (1, 3):
+        st = lbcomm.CompressionState(n0, block_size=64, pieces=pieces)
+        outs = []
+        for t in range(steps):
+            x = _inputs(rank, t, n0)
+            if t % 2:
+                out = torch.empty(n0)
+                assert st.reduce_(x, out, cap=cap) is True
+            else:
+                out = torch.empty(n0, dtype=torch.bfloat16)  # a half sink goes range by range
+
+                def source(lo, hi, buf, x=x):
+                    buf.copy_(x[lo:hi])
+                assert st.reduce_(source, out, checked=True, cap=cap) is True
+                out = out.float()
+            outs.append(out)
+        got[pieces] = (outs, st.worker_error.clone(), st.server_error.clone())
+    return got
+
+
+@pytest.mark.parametrize("p,n0", [(2, 1000), (3, 4099)])
+def test_capped_decode_matches_reference_and_bounds_every_value(p, n0):
+    """Bitwise the reference on every rank; no result above its cap; the errors: what the
+    cap held back, within 3 caps (flat error feedback invariant with the clamp)."""
+    steps = 6
+    results = run_ranks(_run_capped, p, n0, steps)
+    cap = _caps(n0)
+    m = R.chunk_size(n0, p)
+    for pieces in (1, 3):
+        we, se = [torch.zeros(p, m) for _ in range(p)], [torch.zeros(m) for _ in range(p)]
+        for t in range(steps):
+            ref, we, se = R.compressed_allreduce([_inputs(r, t, n0) for r in range(p)], we, se, 64, cap=cap)
+            for r in range(p):
+                got = results[r][pieces][0][t]
+                want = ref if t % 2 else ref.to(torch.bfloat16).float()
+                assert torch.equal(got, want), (pieces, t, r)
+            assert torch.all(ref.abs() <= cap)
+        for r in range(p):
+            assert torch.equal(results[r][pieces][1].view(-1), we[r].view(-1))
+            assert torch.equal(results[r][pieces][2], se[r])
+            assert torch.all(we[r].view(-1)[:n0].abs() <= 3 * cap)
+            bound = torch.cat([cap, torch.full((p * m - n0,), float("inf"))])[r * m:(r + 1) * m]
+            assert torch.all(se[r].abs() <= 3 * bound)
+    # the cap binds: the same inputs without it give other results
+    plain, _, _ = R.compressed_allreduce([_inputs(r, 0, n0) for r in range(p)], [torch.zeros(p, m)] * p,
+                                         [torch.zeros(m)] * p, 64)
+    assert not torch.equal(plain, results[0][1][0][0])
+
+
+def test_bad_caps_are_refused():
+    state = lbcomm.CompressionState(10, block_size=64)
+    with pytest.raises(ValueError, match="cap must be a float32 tensor of 10 elements"):
+        state.reduce_(torch.ones(10), torch.empty(10), cap=torch.ones(9))
+    with pytest.raises(ValueError, match="needs blocks"):
+        lbcomm.CompressionState(10, block_size=None).reduce_(torch.ones(10), torch.empty(10), cap=torch.ones(10))
+    with pytest.raises(ValueError, match="cannot be combined"):
+        state.reduce_(torch.ones(10), torch.empty(10), cap=torch.ones(10), weights=torch.ones(10))
+
+
 def _auto_pieces(rank, p):
     return [len(lbcomm.CompressionState(n, block_size=b).piece_spans)
             for n, b in ((1000, 2048), (p * PIECE_MIN, 2048), (3 * p * PIECE_MIN, 2048),

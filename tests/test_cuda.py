@@ -210,6 +210,42 @@ def test_weights_match_reference(n0, p, block, dtype, wdtype):
     assert torch.equal(out, ops.unpack(packed, scales, n0, block) * w.float())
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block", [32, 2048])
+@pytest.mark.parametrize("n0,p", [(1, 1), (33, 3), (1000, 2), (2**20 + 5, 4)])
+def test_capped_decode_matches_reference_and_cpu(n0, p, block, dtype):
+    """The capped decode (caps around the scales, 0 and +inf among them): worker, server and
+    unpack_into against the reference and the CPU kernels; no decoded value above its cap."""
+    m = R.chunk_size(n0, p)
+    x, e = _x(n0, dtype), _error(p, m, n0, scale=0.5)
+    cap = torch.exp(torch.randn(n0, device=DEV) * 1.5) * 0.5
+    cap[torch.rand(n0, device=DEV) < 0.2] = float("inf")
+    cap[:1] = 0.0
+    ref_packed, ref_scales, ref_err = R.worker_compress(x, e, block, cap=cap)
+    err = e.clone()
+    packed, scales = ops.worker_compress(x, err, block, cap=cap)
+    assert torch.equal(packed, ref_packed)
+    torch.testing.assert_close(scales, ref_scales, rtol=1e-6, atol=0)
+    _assert_error_close(err, ref_err, ref_scales)
+    cpu_err = e.cpu()
+    cpu_packed, cpu_scales = ops.worker_compress(x.cpu(), cpu_err, block, cap=cap.cpu())
+    assert torch.equal(packed.cpu(), cpu_packed)
+    torch.testing.assert_close(scales.cpu(), cpu_scales, rtol=1e-6, atol=0)
+    real = min(n0, m)
+    s = torch.randn(m, device=DEV) * 0.3
+    s[real:] = 0
+    got_s = s.clone()
+    pk2, sc2 = ops.server_compress(packed, scales, got_s, block, real, cap=cap[:real])
+    rp2, rs2, re2 = R.server_compress(packed, scales, s.clone(), block, real, cap=cap[:real])
+    assert torch.equal(pk2, rp2)
+    torch.testing.assert_close(sc2, rs2, rtol=1e-6, atol=0)
+    _assert_error_close(got_s, re2, rs2)
+    out = torch.full((n0,), float("nan"), device=DEV)
+    ops.unpack_into(packed, scales, block, out, cap=cap)
+    assert torch.equal(out, R.unpack(packed, scales, n0, block, cap=cap))
+    assert bool((out.abs() <= cap).all())
+
+
 @pytest.mark.parametrize("block", [None, 32, 2048, 65536])
 @pytest.mark.parametrize("p", [1, 2, 5])
 @pytest.mark.parametrize("n0", SIZES)

@@ -137,6 +137,110 @@ def test_bad_weights_are_refused_clearly():
         ops.unpack_into(packed, scales, 64, torch.empty(100), weights=torch.ones(101))
 
 
+def _caps(n, seed=0, scale=0.5):
+    """Per-coordinate caps of the capped decode around the block scales, with 0, a tiny
+    one and +inf (no bound) among them."""
+    g = torch.Generator().manual_seed(seed)
+    c = torch.exp(torch.randn(n, generator=g) * 1.5) * scale
+    c[torch.rand(n, generator=g) < 0.2] = float("inf")
+    if n > 3:
+        c[:3] = torch.tensor([0.0, 1e-30, float("inf")])
+    return c
+
+
+def _capped_definition(v, cap, p, m, n0, block):
+    """The capped decode written out in float64 per block of [p, m] values v (flat, n0
+    real): (scales [p, nb], decoded [n0], error [n0]) (module docs of lbcomm.reference)."""
+    nb = R.num_blocks(m, block)
+    vv, cc = torch.zeros(p * m, dtype=torch.float64), torch.full((p * m,), float("inf"), dtype=torch.float64)
+    vv[:n0], cc[:n0] = v.double(), cap.double()
+    real = torch.arange(p * m) < n0
+    scales = torch.zeros(p, nb, dtype=torch.float64)
+    per = torch.zeros(p * m, dtype=torch.float64)
+    for k in range(p):
+        for b in range(nb):
+            sl = slice(k * m + b * block, k * m + min((b + 1) * block, m))
+            r, y, c = real[sl], vv[sl], cc[sl]
+            if not r.any():
+                continue
+            s1 = y[r].square().mean().sqrt()
+            keep = r & (c >= s1.float().double())
+            s = y[keep].square().mean().sqrt() if keep.any() else s1
+            scales[k, b] = s
+            per[sl] = s.float().double()
+    d = torch.minimum(per, cc)[:n0]
+    decoded = torch.where(torch.signbit(vv[:n0]), -d, d)
+    err = torch.maximum(torch.minimum(vv[:n0] - decoded, 3 * cc[:n0]), -3 * cc[:n0])
+    return scales, decoded, err
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block", [32, 64, 2048])
+@pytest.mark.parametrize("n0,p", [(1, 1), (33, 3), (5000, 5), (70001, 3)])
+def test_capped_decode_matches_reference_and_its_definition(n0, p, block, dtype):
+    """The capped decode: worker, server and unpack against the reference; scales, decoded
+    values and errors against the rule written out in float64; no decoded value above its
+    cap; all-inf caps are bitwise the plain kernels."""
+    x, e = _worker_inputs(n0, p, dtype, err_scale=0.5)
+    m = e.shape[1]
+    cap = _caps(n0, seed=n0)
+    ref_packed, ref_scales, ref_err = R.worker_compress(x, e, block, cap=cap)
+    err = e.clone()
+    packed, scales = ops.worker_compress(x, err, block, cap=cap)
+    assert torch.equal(packed, ref_packed)
+    torch.testing.assert_close(scales, ref_scales, rtol=1e-6, atol=0)
+    torch.testing.assert_close(err, ref_err, rtol=1e-6, atol=1e-6)
+    assert torch.all(err.view(-1)[n0:] == 0)
+    y = x.float() + e.view(-1)[:n0]
+    want_scales, decoded, want_err = _capped_definition(y, cap, p, m, n0, block)
+    torch.testing.assert_close(scales.double(), want_scales, rtol=1e-6, atol=0)
+    torch.testing.assert_close(err.view(-1)[:n0].double(), want_err, rtol=1e-6, atol=1e-6)
+    out = torch.full((n0,), float("nan"))
+    ops.unpack_into(packed, scales, block, out, cap=cap)
+    assert torch.equal(out, R.unpack(packed, scales, n0, block, cap=cap))
+    torch.testing.assert_close(out.double(), decoded, rtol=1e-6, atol=0)
+    assert torch.all(out.abs() <= cap)
+    # the server: every rank's values decoded under the cap, then the same rule on z
+    real = min(n0, m)
+    s0 = torch.randn(m) * 0.3
+    s0[real:] = 0
+    got_s = s0.clone()
+    pk2, sc2 = ops.server_compress(packed, scales, got_s, block, real, cap=cap[:real])
+    rp2, rs2, re2 = R.server_compress(packed, scales, s0.clone(), block, real, cap=cap[:real])
+    assert torch.equal(pk2, rp2)
+    torch.testing.assert_close(sc2, rs2, rtol=1e-6, atol=0)
+    torch.testing.assert_close(got_s, re2, rtol=1e-6, atol=1e-6)
+    neg = R.unpack_signs(packed)[:, :real]
+    per = R._expand(scales, m, block)[:, :real].double()
+    mean = torch.where(neg, -torch.minimum(per, cap[:real].double()), torch.minimum(per, cap[:real].double())).mean(0)
+    z = mean + s0[:real].double()
+    torch.testing.assert_close(_capped_definition(z.float(), cap[:real], 1, m, real, block)[2],
+                               got_s[:real].double(), rtol=1e-5, atol=1e-5)
+    # no bound anywhere: bitwise the plain kernels
+    inf = torch.full((n0,), float("inf"))
+    plain_err, capped_err = e.clone(), e.clone()
+    assert all(torch.equal(a, b) for a, b in zip(ops.worker_compress(x, plain_err, block),
+                                                 ops.worker_compress(x, capped_err, block, cap=inf)))
+    assert torch.equal(plain_err, capped_err)
+
+
+def test_bad_caps_are_refused_clearly():
+    x, e = _worker_inputs(100, 2)
+    with pytest.raises(ValueError, match="one element per coordinate"):
+        ops.worker_compress(x, e, 64, cap=torch.ones(99))
+    with pytest.raises(TypeError, match="cap float32"):
+        ops.worker_compress(x, e, 64, cap=torch.ones(100, dtype=torch.float64))
+    with pytest.raises(ValueError, match="needs a block size"):
+        ops.worker_compress(x, e, None, cap=torch.ones(100))
+    with pytest.raises(ValueError, match="cannot be combined"):
+        ops.worker_compress(x, e, 64, weights=torch.ones(100), cap=torch.ones(100))
+    packed, scales = ops.worker_compress(x, e, 64)
+    with pytest.raises(ValueError, match="one element per coordinate"):
+        ops.unpack_into(packed, scales, 64, torch.empty(100), cap=torch.ones(101))
+    with pytest.raises(ValueError, match="one element per coordinate"):
+        ops.server_compress(packed, scales, torch.zeros(e.shape[1]), 64, 50, cap=torch.ones(51))
+
+
 @pytest.mark.parametrize("block", BLOCKS)
 @pytest.mark.parametrize("m_real,p", [(32, 1), (64, 2), (1000, 3), (4096, 4), (9000, 5)])
 @pytest.mark.parametrize("in_place", [True, False])
@@ -255,6 +359,13 @@ def test_opcheck(block):
     w = torch.rand(100) + 0.5
     torch.library.opcheck(torch.ops.lbcomm.worker_compress.default, (x, e.clone(), block, None, w))
     torch.library.opcheck(torch.ops.lbcomm.unpack_into.default, (packed, scales, block, torch.empty(90), w[:90]))
+    if block is not None:  # the capped decode
+        c = torch.rand(100) + 0.1
+        torch.library.opcheck(torch.ops.lbcomm.worker_compress.default, (x, e.clone(), block, None, None, c))
+        torch.library.opcheck(torch.ops.lbcomm.server_compress.default,
+                              (packed, scales, torch.randn(m), block, 50, None, c[:50]))
+        torch.library.opcheck(torch.ops.lbcomm.unpack_into.default, (packed, scales, block, torch.empty(90), None,
+                                                                     c[:90]))
 
 
 def test_portable_path_matches_reference():
@@ -287,6 +398,17 @@ def test_portable_path_matches_reference():
         "      rp, rs, re = R.worker_compress(x, e, block, wb); pk, sc = ops.worker_compress(x, e, block, weights=wb)\n"
         "      assert torch.equal(pk, rp); torch.testing.assert_close(e, re, rtol=1e-6, atol=1e-6)\n"
         "      ops.unpack_into(pk, sc, block, o, weights=wb); assert torch.equal(o, R.unpack(pk, sc, n0, block, wb))\n"
+        "      if block is None: continue\n"
+        "      c = torch.exp(torch.randn(n0)) * 0.5; c[torch.rand(n0) < 0.2] = float('inf')\n"
+        "      e = torch.randn(p, m) * 0.5; e.view(-1)[n0:] = 0\n"
+        "      rp, rs, re = R.worker_compress(x, e, block, cap=c); pk, sc = ops.worker_compress(x, e, block, cap=c)\n"
+        "      assert torch.equal(pk, rp); torch.testing.assert_close(sc, rs, rtol=1e-6, atol=0)\n"
+        "      torch.testing.assert_close(e, re, rtol=1e-6, atol=1e-6)\n"
+        "      r = min(n0, m); s = torch.randn(m); rp2, rs2, re2 = R.server_compress(pk, sc, s, block, r, cap=c[:r])\n"
+        "      pk2, sc2 = ops.server_compress(pk, sc, s, block, r, cap=c[:r])\n"
+        "      assert torch.equal(pk2, rp2); torch.testing.assert_close(sc2, rs2, rtol=1e-6, atol=0)\n"
+        "      torch.testing.assert_close(s, re2, rtol=1e-6, atol=1e-6)\n"
+        "      ops.unpack_into(pk, sc, block, o, cap=c); assert torch.equal(o, R.unpack(pk, sc, n0, block, cap=c))\n"
         "print('portable ok')\n"
     )
     env = dict(os.environ, LBCOMM_DISABLE_AVX2="1")

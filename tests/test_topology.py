@@ -133,6 +133,44 @@ def test_hierarchical_equals_reference_and_invariant(n, block, dtype, how):
     assert res[0]["intra"] == 2 * (G - 1) * (4 * L + 4)
 
 
+def _capped(rank, p, n, cap):
+    st = HierarchicalState(n, _mesh_topology(N, G), block_size=64)
+    outs = []
+    for t in range(6):
+        y = torch.empty(n)
+        assert st.reduce_(_input(t, rank, n, torch.float32), y, cap=cap) is True
+        outs.append(y)
+    with pytest.raises(ValueError, match="cap must be a float32 tensor"):
+        st.reduce_(torch.zeros(n), torch.empty(n), cap=cap[:-1])
+    return outs
+
+
+def test_hierarchical_capped_decode_equals_reference():
+    """The capped decode between the nodes: each slice with its part of the caps, as the
+    reference does it; no result above its cap."""
+    n = 1001
+    g = torch.Generator().manual_seed(3)
+    cap = torch.exp(torch.randn(n, generator=g))
+    cap[torch.rand(n, generator=g) < 0.25] = float("inf")
+    res = run_ranks(_capped, N * G, n, cap, timeout=300)
+    worker, server = [], []
+    for lo, hi in slice_spans(n, G):
+        m = chunk_size(hi - lo, N)
+        worker.append([torch.zeros(N, m) for _ in range(N)])
+        server.append([torch.zeros(m) for _ in range(N)])
+    plain = None
+    for t in range(6):
+        xs = [[_input(t, a * G + l, n, torch.float32) for l in range(G)] for a in range(N)]
+        want, worker, server = reference.hierarchical_allreduce(xs, worker, server, 64, cap=cap)
+        if t == 0:
+            plain = reference.hierarchical_allreduce(xs, [[torch.zeros_like(e) for e in row] for row in worker],
+                                                     [[torch.zeros_like(e) for e in row] for row in server], 64)[0]
+            assert not torch.equal(plain, want)  # the cap binds
+        for r in range(N * G):
+            assert torch.equal(res[r][t], want), (t, r)
+        assert torch.all(want.abs() <= cap)
+
+
 def _degenerate(rank, p, nodes, local, n, block, dtype):
     topo = _mesh_topology(nodes, local)
     assert topo.flat

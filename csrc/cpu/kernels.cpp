@@ -115,6 +115,72 @@ void sign_pack_scalar(const float* v, float* err, uint8_t* out, int64_t i0, int6
   }
 }
 
+// ---- the capped decode (kernels.h): d_i = cap_i < scale ? cap_i : scale
+inline float capped(float cap, float sc) { return cap < sc ? cap : sc; }
+inline float clamp_cap(float e, float cap) {
+  const float b = kCapErrorRatio * cap;
+  return e > b ? b : (e < -b ? -b : e);
+}
+
+// Sum of v^2 (float64) and count over [i0, real) where cap_i >= s1.
+double masked_sq_scalar(const float* v, const float* cap, int64_t i0, int64_t real, float s1, int64_t& count) {
+  double s = 0.0;
+  for (int64_t i = i0; i < real; ++i) {
+    if (cap[i] >= s1) {
+      s += static_cast<double>(v[i]) * v[i];
+      ++count;
+    }
+  }
+  return s;
+}
+
+// server_z_scalar with every rank's value decoded under the cap (cap indexed like error).
+double server_z_capped_scalar(const ServerArgs& a, int64_t start, int64_t i0, int64_t real, int64_t scale_col,
+                              float inv_p) {
+  double s = 0.0;
+  for (int64_t i = i0; i < real; ++i) {
+    const int64_t idx = start + i;
+    const float c = a.cap[idx];
+    float acc = 0.0f;
+    for (int64_t j = 0; j < a.p; ++j) {
+      const float d = capped(c, a.scales[j * a.scales_stride + scale_col]);
+      const bool neg = (a.packed[j * a.packed_stride + (idx >> 3)] >> (idx & 7)) & 1;
+      acc += neg ? -std::fabs(d) : d;
+    }
+    const float prod = acc * inv_p;
+    const float z = prod + a.error[idx];
+    a.error_out[idx] = z;
+    s += static_cast<double>(z) * z;
+  }
+  return s;
+}
+
+// sign_pack_scalar with the capped decode: err = clamp(v - copysign(d_i, v), +-3 cap_i).
+void sign_pack_capped_scalar(const float* v, float* err, uint8_t* out, const float* cap, int64_t i0, int64_t real,
+                             int64_t len, float scale) {
+  for (int64_t w = i0; w < len; w += 8) {
+    uint32_t byte = 0;
+    for (int t = 0; t < 8; ++t) {
+      const int64_t i = w + t;
+      if (i < real) {
+        const float y = v[i];
+        byte |= static_cast<uint32_t>(std::signbit(y)) << t;
+        err[i] = clamp_cap(y - std::copysign(capped(cap[i], scale), y), cap[i]);
+      } else {
+        err[i] = 0.0f;
+      }
+    }
+    out[w >> 3] = static_cast<uint8_t>(byte);
+  }
+}
+
+void unpack_capped_scalar(const uint8_t* bits, float* out, const float* cap, int64_t i0, int64_t i1, float sc) {
+  for (int64_t i = i0; i < i1; ++i) {
+    const float d = capped(cap[i], sc);
+    out[i] = ((bits[i >> 3] >> (i & 7)) & 1) ? -std::fabs(d) : d;
+  }
+}
+
 // Decode [i0, i1) of chunk row k, a range within one scale block (constant scale), times
 // the weights w[woff + i] (of type wt) when given.
 void unpack_scalar(const uint8_t* bits, float* out, int64_t i0, int64_t i1, float sc, const void* w, InType wt,
@@ -256,6 +322,75 @@ LBCOMM_AVX2 void unpack_avx2(const uint8_t* bits, float* out, int64_t i0, int64_
   }
   unpack_scalar(bits, out, i, i1, sc, w, wt, woff);
 }
+
+// ---- the capped decode, AVX2 (MINPS(a, b) is a < b ? a : b: the scalar `capped`)
+LBCOMM_AVX2 double masked_sq_avx2(const float* v, const float* cap, int64_t real, float s1, int64_t& count) {
+  const __m256 vs1 = _mm256_set1_ps(s1);
+  __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
+  int64_t i = 0;
+  for (; i + 8 <= real; i += 8) {
+    const __m256 keep = _mm256_cmp_ps(_mm256_loadu_ps(cap + i), vs1, _CMP_GE_OQ);
+    count += __builtin_popcount(static_cast<unsigned>(_mm256_movemask_ps(keep)));
+    acc_sq(_mm256_and_ps(_mm256_loadu_ps(v + i), keep), lo, hi);
+  }
+  return hsum(lo, hi) + masked_sq_scalar(v, cap, i, real, s1, count);
+}
+
+LBCOMM_AVX2 double server_z_capped_avx2(const ServerArgs& a, int64_t start, int64_t real, int64_t scale_col,
+                                        float inv_p) {
+  const __m256 vinv = _mm256_set1_ps(inv_p);
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
+  const float* scales = a.scales + scale_col;
+  int64_t i = 0;
+  for (; i + 8 <= real; i += 8) {
+    const int64_t idx = start + i;
+    const __m256 c = _mm256_loadu_ps(a.cap + idx);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t j = 0; j < a.p; ++j) {
+      // neg ? -|d| : d, as |d| | sign where the bit is set and d elsewhere
+      const __m256 d = _mm256_min_ps(c, _mm256_set1_ps(scales[j * a.scales_stride]));
+      const __m256 sb = sign_bits(a.packed[j * a.packed_stride + (idx >> 3)]);
+      const __m256 neg = _mm256_castsi256_ps(_mm256_srai_epi32(_mm256_castps_si256(sb), 31));
+      acc = _mm256_add_ps(acc, _mm256_blendv_ps(d, _mm256_or_ps(_mm256_and_ps(d, absmask), sb), neg));
+    }
+    server_finish8(a, idx, acc, vinv, lo, hi);
+  }
+  return hsum(lo, hi) + server_z_capped_scalar(a, start, i, real, scale_col, inv_p);
+}
+
+LBCOMM_AVX2 void sign_pack_capped_avx2(const float* v, float* err, uint8_t* out, const float* cap, int64_t real,
+                                       int64_t len, float scale) {
+  const __m256 vs = _mm256_set1_ps(scale), ratio = _mm256_set1_ps(kCapErrorRatio);
+  const __m256 signmask = _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(0x80000000u)));
+  int64_t i = 0;
+  for (; i + 8 <= real; i += 8) {
+    const __m256 y = _mm256_loadu_ps(v + i), c = _mm256_loadu_ps(cap + i);
+    out[i >> 3] = static_cast<uint8_t>(_mm256_movemask_ps(y));
+    // copysign(d, y) = |d| | signbit(y)
+    const __m256 d = _mm256_andnot_ps(signmask, _mm256_min_ps(c, vs));
+    const __m256 e = _mm256_sub_ps(y, _mm256_or_ps(d, _mm256_and_ps(y, signmask)));
+    // e > b ? b : (e < -b ? -b : e); ordered compares leave a NaN as it is
+    const __m256 b = _mm256_mul_ps(ratio, c), nb = _mm256_xor_ps(b, signmask);
+    const __m256 low = _mm256_blendv_ps(e, nb, _mm256_cmp_ps(e, nb, _CMP_LT_OQ));
+    _mm256_storeu_ps(err + i, _mm256_blendv_ps(low, b, _mm256_cmp_ps(e, b, _CMP_GT_OQ)));
+  }
+  sign_pack_capped_scalar(v, err, out, cap, i, real, len, scale);
+}
+
+LBCOMM_AVX2 void unpack_capped_avx2(const uint8_t* bits, float* out, const float* cap, int64_t i0, int64_t i1,
+                                    float sc) {
+  const __m256 vs = _mm256_set1_ps(sc);
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  int64_t i = i0;
+  for (; i + 8 <= i1; i += 8) {
+    const __m256 d = _mm256_min_ps(_mm256_loadu_ps(cap + i), vs);
+    const __m256 sb = sign_bits(bits[i >> 3]);
+    const __m256 neg = _mm256_castsi256_ps(_mm256_srai_epi32(_mm256_castps_si256(sb), 31));
+    _mm256_storeu_ps(out + i, _mm256_blendv_ps(d, _mm256_or_ps(_mm256_and_ps(d, absmask), sb), neg));
+  }
+  unpack_capped_scalar(bits, out, cap, i, i1, sc);
+}
 #endif  // LBCOMM_X86
 
 // LBCOMM_DISABLE_AVX2=1 forces the portable path (the tests check both against the reference).
@@ -284,6 +419,33 @@ double server_z(const ServerArgs& a, int64_t start, int64_t real, int64_t scale_
   if (kAvx2) return server_z_avx2(a, start, real, scale_col, inv_p);
 #endif
   return server_z_scalar(a, start, 0, real, scale_col, inv_p);
+}
+
+double server_z_capped(const ServerArgs& a, int64_t start, int64_t real, int64_t scale_col, float inv_p) {
+#ifdef LBCOMM_X86
+  if (kAvx2) return server_z_capped_avx2(a, start, real, scale_col, inv_p);
+#endif
+  return server_z_capped_scalar(a, start, 0, real, scale_col, inv_p);
+}
+
+// The capped decode's block scale: the RMS over the coordinates with cap_i >= s1 (the
+// block's RMS), or s1 when there is none.
+float capped_scale(const float* v, const float* cap, int64_t real, float s1) {
+  int64_t count = 0;
+#ifdef LBCOMM_X86
+  const double s = kAvx2 ? masked_sq_avx2(v, cap, real, s1, count) : masked_sq_scalar(v, cap, 0, real, s1, count);
+#else
+  const double s = masked_sq_scalar(v, cap, 0, real, s1, count);
+#endif
+  return count > 0 ? rms(s, count) : s1;
+}
+
+void sign_pack_capped(const float* v, float* err, uint8_t* out, const float* cap, int64_t real, int64_t len,
+                      float scale) {
+#ifdef LBCOMM_X86
+  if (kAvx2) return sign_pack_capped_avx2(v, err, out, cap, real, len, scale);
+#endif
+  sign_pack_capped_scalar(v, err, out, cap, 0, real, len, scale);
 }
 
 void sign_pack(const float* v, float* err, uint8_t* out, int64_t real, int64_t len, float scale) {
@@ -327,18 +489,23 @@ Unit server_unit(const ServerArgs& a, int64_t u) {
 // once and the unit is packed while in cache, its errors written to `err` (pads 0). In
 // single-scale mode pass 0 only records the partial sum and pass 1 packs with the final
 // scale (then vals is err: the values wait in error_out between the passes).
+// `cap` (the unit's caps, or nullptr) selects the capped decode (block mode only).
 template <class Values>
 void run_unit(const Unit& un, int64_t u, int pass, int64_t real, int64_t block, const float* vals, float* err,
-              uint8_t* packed, float* scales, double* partials, const Values& values) {
+              uint8_t* packed, float* scales, double* partials, const float* cap, const Values& values) {
   if (pass == 0) {
     const double s = values(real);
     if (block == 0) {
       partials[u] = s;
       return;
     }
-    scales[un.scale_index] = rms(s, real);
+    scales[un.scale_index] = cap ? capped_scale(vals, cap, real, rms(s, real)) : rms(s, real);
   }
-  sign_pack(vals, err, packed + (un.start >> 3), real, un.len, scales[un.scale_index]);
+  if (cap) {
+    sign_pack_capped(vals, err, packed + (un.start >> 3), cap, real, un.len, scales[un.scale_index]);
+  } else {
+    sign_pack(vals, err, packed + (un.start >> 3), real, un.len, scales[un.scale_index]);
+  }
 }
 
 }  // namespace
@@ -359,7 +526,7 @@ void worker_pass(const WorkerArgs& a, int pass, int64_t begin, int64_t end) {
     float* err = a.error_out + un.start;
     float* vals = stage ? stage_buffer() : err;
     run_unit(un, u, pass, clamp_real(a.numel, un.start, un.len), a.block, vals, err, a.packed, a.scales, a.partials,
-             [&](int64_t real) { return worker_y(a, un.start, real, vals); });
+             a.cap ? a.cap + un.start : nullptr, [&](int64_t real) { return worker_y(a, un.start, real, vals); });
   }
 #ifdef LBCOMM_X86
   // Streamed (non-temporal) stores are weakly ordered: fence once per range, not per unit.
@@ -383,7 +550,10 @@ void server_pass(const ServerArgs& a, int pass, int64_t begin, int64_t end) {
     const Unit un = server_unit(a, u);
     float* err = a.error_out + un.start;
     run_unit(un, u, pass, clamp_real(a.numel, un.start, un.len), a.block, err, err, a.packed_out, a.scales_out,
-             a.partials, [&](int64_t real) { return server_z(a, un.start, real, un.scale_index, inv_p); });
+             a.partials, a.cap ? a.cap + un.start : nullptr, [&](int64_t real) {
+               return a.cap ? server_z_capped(a, un.start, real, un.scale_index, inv_p)
+                            : server_z(a, un.start, real, un.scale_index, inv_p);
+             });
   }
 }
 
@@ -404,6 +574,19 @@ void unpack_range(const UnpackArgs& a, int64_t begin, int64_t end) {
       const int64_t b = a.block > 0 ? s0 / a.block : 0;
       const int64_t s1 = a.block > 0 ? std::min(i1, (b + 1) * a.block) : i1;
       const float sc = a.scales[k * a.scales_stride + b];
+      if (a.cap) {
+        const float* cap = a.cap + k * a.m;
+#ifdef LBCOMM_X86
+        if (kAvx2) {
+          unpack_capped_avx2(bits, out, cap, s0, s1, sc);
+          s0 = s1;
+          continue;
+        }
+#endif
+        unpack_capped_scalar(bits, out, cap, s0, s1, sc);
+        s0 = s1;
+        continue;
+      }
 #ifdef LBCOMM_X86
       if (kAvx2) {
         unpack_avx2(bits, out, s0, s1, sc, a.weights, a.wtype, k * a.m);

@@ -13,6 +13,8 @@
 // warp loads all its words' inputs before it computes with them (Src::fill), so that the
 // memory latencies overlap: a warp that waits on one load at a time runs far below copy
 // bandwidth.
+// The capped decode (kernels.h; block mode, no weights) has kernels of its own
+// (capped_group_kernel, unpack_kernel<I, true>): the kernels without a cap are unchanged.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -68,6 +70,16 @@ __device__ __forceinline__ float load_weight(const void* w, InType t, int64_t f)
   return t == InType::BF16 ? load_in(static_cast<const __nv_bfloat16*>(w), f) : load_in(static_cast<const float*>(w), f);
 }
 
+// Capped decode: d = cap < scale ? cap : scale (a NaN cap keeps the scale, a NaN scale stays).
+__device__ __forceinline__ float cap_min(float cap, float scale) { return cap < scale ? cap : scale; }
+
+// Capped decode: an error clamped to [-b, b], b = kCapErrorRatio * cap (one fp32 product);
+// ordered comparisons, so a NaN error (or a NaN bound) leaves the error as it is.
+__device__ __forceinline__ float clamp_cap(float e, float cap) {
+  const float b = __fmul_rn(kCapErrorRatio, cap);
+  return e > b ? b : (e < -b ? -b : e);
+}
+
 struct NoWeights {};  // the weights type of a worker without per-coordinate weights
 
 // Phase 0 value of a real element: y = x + e (one fp32 rounding); with weights of type W
@@ -116,9 +128,19 @@ struct WorkerSrc {
       v[it] = w < words && f < numel ? value(xs[it], ws[it], es[it]) : 0.0f;
     }
   }
+
+  // Capped decode: a worker's values do not depend on the caps.
+  __device__ __forceinline__ float capped(int64_t f, int64_t g, float /*cap*/) const { return (*this)(f, g); }
+  template <int GW, int R>
+  __device__ __forceinline__ void fill_capped(float (&v)[R], const float (&/*caps*/)[R], int64_t start, int64_t words,
+                                              int64_t numel, int64_t g, int wg, int lane) const {
+    fill<GW, R>(v, start, words, numel, g, wg, lane);
+  }
 };
 
 // Phase 2 value of a real element: z = (sum_j +-a_j) * (1/p) + s, rank order, no FMA.
+// Capped decode (the capped / fill_capped forms): rank j's term is +-d_j with
+// d_j = cap_min(cap, a_j), the element's cap given by the caller (indexed like error).
 struct ServerSrc {
   const uint8_t* packed;
   int64_t packed_stride;
@@ -129,7 +151,13 @@ struct ServerSrc {
   bool per_block;  // scale column = group index (block mode), else column 0
   const float* error;
 
-  __device__ __forceinline__ float operator()(int64_t f, int64_t group) const {
+  __device__ __forceinline__ float operator()(int64_t f, int64_t group) const { return sum<false>(f, group, 0.0f); }
+  __device__ __forceinline__ float capped(int64_t f, int64_t group, float cap) const {
+    return sum<true>(f, group, cap);
+  }
+
+  template <bool Cap>
+  __device__ __forceinline__ float sum(int64_t f, int64_t group, float cap) const {
     // Byte loads: a warp reads 4 consecutive bytes per rank, and rows need no alignment.
     const uint8_t* bytes = packed + (f >> 3);
     const float* sc = scales + (per_block ? group : 0);
@@ -137,7 +165,8 @@ struct ServerSrc {
     float acc = 0.0f;
     for (int64_t j = 0; j < p; ++j) {
       const unsigned neg = (static_cast<unsigned>(bytes[j * packed_stride]) >> shift) & 1u;
-      acc = __fadd_rn(acc, set_sign(sc[j * scales_stride], neg));
+      const float s = sc[j * scales_stride];
+      acc = __fadd_rn(acc, set_sign(Cap ? cap_min(cap, s) : s, neg));
     }
     return __fadd_rn(__fmul_rn(acc, inv_p), error[f]);
   }
@@ -148,6 +177,19 @@ struct ServerSrc {
   template <int GW, int R>
   __device__ __forceinline__ void fill(float (&v)[R], int64_t start, int64_t words, int64_t numel, int64_t g,
                                        int wg, int lane) const {
+    fill_impl<GW, R, false>(v, v, start, words, numel, g, wg, lane);  // caps unused
+  }
+  // The same under the capped decode; caps[it]: this lane's cap in word it (any value for
+  // pads and words past the end, whose values are 0 all the same).
+  template <int GW, int R>
+  __device__ __forceinline__ void fill_capped(float (&v)[R], const float (&caps)[R], int64_t start, int64_t words,
+                                              int64_t numel, int64_t g, int wg, int lane) const {
+    fill_impl<GW, R, true>(v, caps, start, words, numel, g, wg, lane);
+  }
+
+  template <int GW, int R, bool Cap>
+  __device__ __forceinline__ void fill_impl(float (&v)[R], const float (&caps)[R], int64_t start, int64_t words,
+                                            int64_t numel, int64_t g, int wg, int lane) const {
     float es[R], acc[R];
 #pragma unroll
     for (int it = 0; it < R; ++it) {
@@ -165,7 +207,8 @@ struct ServerSrc {
       for (int it = 0; it < R; ++it)
         b[it] = static_cast<int64_t>(it) * GW + wg < words ? bytes[j * packed_stride + it * GW * 4] : 0u;
 #pragma unroll
-      for (int it = 0; it < R; ++it) acc[it] = __fadd_rn(acc[it], set_sign(s, (b[it] >> shift) & 1u));
+      for (int it = 0; it < R; ++it)
+        acc[it] = __fadd_rn(acc[it], set_sign(Cap ? cap_min(caps[it], s) : s, (b[it] >> shift) & 1u));
     }
 #pragma unroll
     for (int it = 0; it < R; ++it) {
@@ -210,6 +253,15 @@ __device__ __forceinline__ void emit(const Out& out, int64_t word, int64_t f, bo
   const unsigned bits = __ballot_sync(kFullMask, (__float_as_uint(v) >> 31) != 0u);
   if (lane == 0) out.bits[word] = bits;
   out.error_out[f] = real ? __fsub_rn(v, copysignf(scale, v)) : 0.0f;
+}
+
+// emit under the capped decode: error = v - copysign(cap_min(cap, scale), v), clamped to
+// +-kCapErrorRatio * cap; the bits as emit's. cap: the element's (unused for pads).
+__device__ __forceinline__ void emit_capped(const Out& out, int64_t word, int64_t f, bool real, float v, float scale,
+                                            float cap, int lane) {
+  const unsigned bits = __ballot_sync(kFullMask, (__float_as_uint(v) >> 31) != 0u);
+  if (lane == 0) out.bits[word] = bits;
+  out.error_out[f] = real ? clamp_cap(__fsub_rn(v, copysignf(cap_min(cap, scale), v)), cap) : 0.0f;
 }
 
 // GW warps per group (1 or kWarps); R words per warp loaded together by Src::fill and kept
@@ -269,6 +321,89 @@ __global__ void __launch_bounds__(kThreads) group_kernel(Src src, Groups gs, Out
   }
 }
 
+// group_kernel's fused pass under the capped decode (block mode; kernels.h): the values
+// come from Src's capped forms, cap is indexed like them (flat for the worker, chunk-local
+// for the server) and read for real elements only. s1 is the block's RMS as in
+// group_kernel; the block scale is the RMS of the real values with cap >= s1, summed in
+// the same order as s1's sum (s1 when there are none); the errors are emit_capped's.
+template <class Src, int GW, int R>
+__global__ void __launch_bounds__(kThreads) capped_group_kernel(Src src, Groups gs, Out out, const float* cap) {
+  static_assert(GW == 1 || GW == kWarps, "a group is one warp or the whole block");
+  static_assert(R > 0, "at least one word per warp in registers");
+  constexpr int kGroupsPerBlock = kWarps / GW;
+  __shared__ double red[kWarps];
+  const int warp = static_cast<int>(threadIdx.x >> 5), lane = static_cast<int>(threadIdx.x & 31);
+  const int wg = warp % GW;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kGroupsPerBlock;
+  // g is uniform over the threads of a group, so ballots and __syncthreads are safe.
+  for (int64_t g = static_cast<int64_t>(blockIdx.x) * kGroupsPerBlock + warp / GW; g < gs.count; g += stride) {
+    int64_t start, len;
+    gs.locate(g, start, len);
+    const int64_t words = len >> 5;
+    const int64_t iters = (words + GW - 1) / GW;  // words per warp, rounded up
+    float caps[R], keep[R];
+#pragma unroll
+    for (int it = 0; it < R; ++it) {
+      const int64_t w = static_cast<int64_t>(it) * GW + wg, f = start + w * 32 + lane;
+      caps[it] = w < words && f < gs.numel ? cap[f] : 0.0f;  // pads: not read, not used
+    }
+    src.template fill_capped<GW, R>(keep, caps, start, words, gs.numel, g, wg, lane);
+    double ss = 0.0;  // pads add +0; fp32 squares are exact in float64
+#pragma unroll
+    for (int it = 0; it < R; ++it) ss += static_cast<double>(keep[it]) * static_cast<double>(keep[it]);
+#pragma unroll 4
+    for (int64_t it = R; it < iters; ++it) {
+      const int64_t w = it * GW + wg, f = start + w * 32 + lane;
+      const float v = (w < words && f < gs.numel) ? src.capped(f, g, cap[f]) : 0.0f;
+      ss += static_cast<double>(v) * static_cast<double>(v);
+    }
+    const int64_t real = min(max(gs.numel - start, int64_t{0}), len);
+    const float s1 = rms(group_sum<GW>(ss, red, warp), real);
+    // The sum of squares and the count of the real values with cap >= s1 (a count in
+    // float64 is exact, and group_sum adds it up like the sums).
+    double ms = 0.0, mc = 0.0;
+#pragma unroll
+    for (int it = 0; it < R; ++it) {
+      const int64_t w = static_cast<int64_t>(it) * GW + wg, f = start + w * 32 + lane;
+      if (w < words && f < gs.numel && caps[it] >= s1) {
+        ms += static_cast<double>(keep[it]) * static_cast<double>(keep[it]);
+        mc += 1.0;
+      }
+    }
+#pragma unroll 4
+    for (int64_t it = R; it < iters; ++it) {
+      const int64_t w = it * GW + wg, f = start + w * 32 + lane;
+      if (w < words && f < gs.numel) {
+        const float c = cap[f];
+        if (c >= s1) {
+          const float v = src.capped(f, g, c);
+          ms += static_cast<double>(v) * static_cast<double>(v);
+          mc += 1.0;
+        }
+      }
+    }
+    const double msum = group_sum<GW>(ms, red, warp);
+    const double mcount = group_sum<GW>(mc, red, warp);
+    const float scale = mcount > 0.0 ? rms(msum, static_cast<int64_t>(mcount)) : s1;
+    if (wg == 0 && lane == 0) out.scales[g] = scale;
+#pragma unroll
+    for (int it = 0; it < R; ++it) {
+      const int64_t w = static_cast<int64_t>(it) * GW + wg, f = start + w * 32 + lane;
+      if (w < words) emit_capped(out, (start >> 5) + w, f, f < gs.numel, keep[it], scale, caps[it], lane);
+    }
+#pragma unroll 4
+    for (int64_t it = R; it < iters; ++it) {
+      const int64_t w = it * GW + wg, f = start + w * 32 + lane;
+      if (w < words) {
+        const bool real_f = f < gs.numel;
+        const float c = real_f ? cap[f] : 0.0f;
+        // reads e[f] before writing it
+        emit_capped(out, (start >> 5) + w, f, real_f, real_f ? src.capped(f, g, c) : 0.0f, scale, c, lane);
+      }
+    }
+  }
+}
+
 // Single-scale mode: sum the per-unit partials with a fixed shape (independent of how the
 // partials were produced) and write the scale to scales[0 .. n_out).
 __global__ void __launch_bounds__(kFinishThreads)
@@ -292,8 +427,9 @@ __global__ void __launch_bounds__(kFinishThreads)
 
 // Decode 8 elements (one packed byte, one scale) per thread; out is flat [numel]. I: the
 // type of the index arithmetic, 32-bit where p * m fits (its divisions are several times
-// cheaper than 64-bit ones, which otherwise dominate this kernel).
-template <typename I>
+// cheaper than 64-bit ones, which otherwise dominate this kernel). Cap: the capped decode
+// (a.cap indexed like out, no weights); vec4 then also means a.cap is 16-byte aligned.
+template <typename I, bool Cap>
 __global__ void __launch_bounds__(kThreads) unpack_kernel(UnpackArgs a, bool vec4) {
   const I m = static_cast<I>(a.m), block = static_cast<I>(a.block);
   const int64_t octets = (a.numel + 7) >> 3;
@@ -303,12 +439,27 @@ __global__ void __launch_bounds__(kThreads) unpack_kernel(UnpackArgs a, bool vec
     const unsigned byte = a.packed[static_cast<int64_t>(k) * a.packed_stride + (i >> 3)];
     const float s = a.scales[static_cast<int64_t>(k) * a.scales_stride + (block > 0 ? i / block : 0)];
     float v[8];
+    if constexpr (Cap) {
+      float c[8];
+      if (vec4 && f + 8 <= a.numel) {
+        const float4* cp = reinterpret_cast<const float4*>(a.cap + f);
+        const float4 c0 = cp[0], c1 = cp[1];
+        c[0] = c0.x, c[1] = c0.y, c[2] = c0.z, c[3] = c0.w;
+        c[4] = c1.x, c[5] = c1.y, c[6] = c1.z, c[7] = c1.w;
+      } else {
 #pragma unroll
-    for (int t = 0; t < 8; ++t) v[t] = set_sign(s, (byte >> t) & 1u);
-    if (a.weights) {
+        for (int t = 0; t < 8; ++t) c[t] = f + t < a.numel ? a.cap[f + t] : s;  // past numel: not read, not written
+      }
 #pragma unroll
-      for (int t = 0; t < 8; ++t)
-        if (f + t < a.numel) v[t] = __fmul_rn(v[t], load_weight(a.weights, a.wtype, f + t));
+      for (int t = 0; t < 8; ++t) v[t] = set_sign(cap_min(c[t], s), (byte >> t) & 1u);
+    } else {
+#pragma unroll
+      for (int t = 0; t < 8; ++t) v[t] = set_sign(s, (byte >> t) & 1u);
+      if (a.weights) {
+#pragma unroll
+        for (int t = 0; t < 8; ++t)
+          if (f + t < a.numel) v[t] = __fmul_rn(v[t], load_weight(a.weights, a.wtype, f + t));
+      }
     }
     if (vec4 && f + 8 <= a.numel) {
       float4* o = reinterpret_cast<float4*>(a.out + f);
@@ -329,27 +480,34 @@ int64_t grid_for(int64_t items, int64_t per_block) {
 
 int last_error() { return static_cast<int>(cudaGetLastError()); }
 
-template <class Src, int GW, int R, Pass P>
-int launch_groups(const Src& src, const Groups& gs, const Out& out, cudaStream_t stream) {
+// Cap: capped_group_kernel (P must be kFused) with the caps `cap`, else group_kernel.
+template <class Src, int GW, int R, Pass P, bool Cap = false>
+int launch_groups(const Src& src, const Groups& gs, const Out& out, cudaStream_t stream, const float* cap = nullptr) {
   const int64_t grid = grid_for(gs.count, kWarps / GW);
-  group_kernel<Src, GW, R, P><<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(src, gs, out);
+  if constexpr (Cap) {
+    static_assert(P == Pass::kFused, "the capped decode is block mode only");
+    capped_group_kernel<Src, GW, R><<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(src, gs, out, cap);
+  } else {
+    group_kernel<Src, GW, R, P><<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(src, gs, out);
+  }
   return last_error();
 }
 
 // Block mode: pick the layout from the words per group so that typical blocks stay in
-// registers (up to 512 elements per warp group, 4096 per block group).
-template <class Src>
-int launch_fused(const Src& src, const Groups& gs, const Out& out, cudaStream_t stream) {
+// registers (up to 512 elements per warp group, 4096 per block group). Cap: the capped
+// decode with the caps `cap`.
+template <class Src, bool Cap = false>
+int launch_fused(const Src& src, const Groups& gs, const Out& out, cudaStream_t stream, const float* cap = nullptr) {
   const int64_t words = (gs.group < gs.seg ? gs.group : gs.seg) / 32;
-  if (words <= 1) return launch_groups<Src, 1, 1, Pass::kFused>(src, gs, out, stream);
-  if (words <= 2) return launch_groups<Src, 1, 2, Pass::kFused>(src, gs, out, stream);
-  if (words <= 4) return launch_groups<Src, 1, 4, Pass::kFused>(src, gs, out, stream);
-  if (words <= 8) return launch_groups<Src, 1, 8, Pass::kFused>(src, gs, out, stream);
-  if (words <= 16) return launch_groups<Src, 1, 16, Pass::kFused>(src, gs, out, stream);
+  if (words <= 1) return launch_groups<Src, 1, 1, Pass::kFused, Cap>(src, gs, out, stream, cap);
+  if (words <= 2) return launch_groups<Src, 1, 2, Pass::kFused, Cap>(src, gs, out, stream, cap);
+  if (words <= 4) return launch_groups<Src, 1, 4, Pass::kFused, Cap>(src, gs, out, stream, cap);
+  if (words <= 8) return launch_groups<Src, 1, 8, Pass::kFused, Cap>(src, gs, out, stream, cap);
+  if (words <= 16) return launch_groups<Src, 1, 16, Pass::kFused, Cap>(src, gs, out, stream, cap);
   const int64_t per_warp = ceil_div(words, kWarps);
-  if (per_warp <= 4) return launch_groups<Src, kWarps, 4, Pass::kFused>(src, gs, out, stream);
-  if (per_warp <= 8) return launch_groups<Src, kWarps, 8, Pass::kFused>(src, gs, out, stream);
-  return launch_groups<Src, kWarps, 16, Pass::kFused>(src, gs, out, stream);
+  if (per_warp <= 4) return launch_groups<Src, kWarps, 4, Pass::kFused, Cap>(src, gs, out, stream, cap);
+  if (per_warp <= 8) return launch_groups<Src, kWarps, 8, Pass::kFused, Cap>(src, gs, out, stream, cap);
+  return launch_groups<Src, kWarps, 16, Pass::kFused, Cap>(src, gs, out, stream, cap);
 }
 
 // Single-scale mode over kPartialBlock units: partials, finish, pack.
@@ -371,12 +529,16 @@ int launch_single(const Src& src, const Groups& gs, const Out& out, double* part
 
 bool aligned(const void* ptr, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
 
-template <typename T, typename W>
+template <typename T, typename W, bool Cap = false>
 int worker_launch(const WorkerArgs& a, cudaStream_t stream) {
   const WorkerSrc<T, W> src{static_cast<const T*>(a.x), a.error, static_cast<const W*>(a.weights)};
   const int64_t n = a.p * a.m;
   const int64_t numel = a.numel < 0 ? 0 : a.numel;
   Out out{a.error_out, reinterpret_cast<uint32_t*>(a.packed), a.scales, nullptr};
+  if constexpr (Cap) {  // block > 0 (worker_typed checks): caps indexed like x, flat
+    const int64_t nb = num_blocks(a.m, a.block);
+    return launch_fused<WorkerSrc<T, W>, true>(src, Groups{a.m, a.block, nb, a.p * nb, numel}, out, stream, a.cap);
+  }
   if (a.block > 0) {
     const int64_t nb = num_blocks(a.m, a.block);
     return launch_fused(src, Groups{a.m, a.block, nb, a.p * nb, numel}, out, stream);
@@ -388,6 +550,10 @@ int worker_launch(const WorkerArgs& a, cudaStream_t stream) {
 
 template <typename T>
 int worker_typed(const WorkerArgs& a, cudaStream_t stream) {
+  if (a.cap != nullptr) {  // the capped decode: block mode without weights only
+    if (a.block == 0 || a.weights != nullptr) return static_cast<int>(cudaErrorInvalidValue);
+    return worker_launch<T, NoWeights, true>(a, stream);
+  }
   if (a.weights == nullptr) return worker_launch<T, NoWeights>(a, stream);
   if (a.wtype == InType::BF16) return worker_launch<T, __nv_bfloat16>(a, stream);
   return worker_launch<T, float>(a, stream);
@@ -425,6 +591,11 @@ int server_compress(const ServerArgs& a, void* stream) {
   const ServerSrc src{a.packed, a.packed_stride, a.scales, a.scales_stride, a.p, inv_p, a.block > 0, a.error};
   const int64_t numel = a.numel < 0 ? 0 : a.numel;
   Out out{a.error_out, reinterpret_cast<uint32_t*>(a.packed_out), a.scales_out, nullptr};
+  if (a.cap != nullptr) {  // the capped decode, block mode only: caps indexed like error
+    if (a.block == 0) return static_cast<int>(cudaErrorInvalidValue);
+    const int64_t nb = num_blocks(a.m, a.block);
+    return launch_fused<ServerSrc, true>(src, Groups{a.m, a.block, nb, nb, numel}, out, st, a.cap);
+  }
   if (a.block > 0) {
     const int64_t nb = num_blocks(a.m, a.block);
     return launch_fused(src, Groups{a.m, a.block, nb, nb, numel}, out, st);
@@ -440,10 +611,19 @@ int unpack(const UnpackArgs& a, void* stream) {
     return static_cast<int>(cudaErrorInvalidValue);
   const int64_t grid = grid_for(ceil_div(a.numel, 8), kThreads);
   const auto st = static_cast<cudaStream_t>(stream);
+  if (a.cap != nullptr) {  // the capped decode: block mode without weights only
+    if (a.block == 0 || a.weights != nullptr) return static_cast<int>(cudaErrorInvalidValue);
+    const bool vec4 = aligned(a.out, 16) && aligned(a.cap, 16);
+    if (a.p * a.m <= INT32_MAX)
+      unpack_kernel<uint32_t, true><<<static_cast<unsigned>(grid), kThreads, 0, st>>>(a, vec4);
+    else
+      unpack_kernel<int64_t, true><<<static_cast<unsigned>(grid), kThreads, 0, st>>>(a, vec4);
+    return last_error();
+  }
   if (a.p * a.m <= INT32_MAX)
-    unpack_kernel<uint32_t><<<static_cast<unsigned>(grid), kThreads, 0, st>>>(a, aligned(a.out, 16));
+    unpack_kernel<uint32_t, false><<<static_cast<unsigned>(grid), kThreads, 0, st>>>(a, aligned(a.out, 16));
   else
-    unpack_kernel<int64_t><<<static_cast<unsigned>(grid), kThreads, 0, st>>>(a, aligned(a.out, 16));
+    unpack_kernel<int64_t, false><<<static_cast<unsigned>(grid), kThreads, 0, st>>>(a, aligned(a.out, 16));
   return last_error();
 }
 
