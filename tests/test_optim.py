@@ -169,6 +169,10 @@ SIM_RUNS = {
     "adam_tight": dict(name="adam", steps=16, freeze=4,
                        kw=dict(rescale_variance=False, exact_numel=0, lr=1e-2, weight_decay=0.01, block_size=64,
                                 max_update=0.05)),
+    # the capped decode (the default) off: max_update clamps the step only
+    "adam_tight_uncapped": dict(name="adam", steps=16, freeze=4,
+                                kw=dict(rescale_variance=False, exact_numel=0, lr=1e-2, weight_decay=0.01,
+                                        block_size=64, max_update=0.05, capped_decode=False)),
     "adam_warmup": dict(name="adam", steps=16, freeze=4,
                         kw=dict(rescale_variance=False, exact_numel=0, lr=1e-2, weight_decay=0.01, block_size=64,
                                 max_update="warmup")),
@@ -354,6 +358,19 @@ def test_a_tight_max_update_changes_the_run(four_ranks, name):
     assert max((a - b).abs().max().item() for a, b in zip(tight["params"][-1], published["params"][-1])) > 1e-4
     freeze = SIM_RUNS[f"{name}_tight"]["freeze"]  # the warmup is not affected
     assert _same(tight["params"][freeze - 1], published["params"][freeze - 1])
+
+
+def test_the_capped_decode_is_in_the_bitwise_comparison(four_ranks):
+    """capped_decode changes the compression stage (not the warmup), and the bitwise
+    comparison sees it: a simulation without the cap misses the default run."""
+    capped, plain = four_ranks[0]["sim"]["adam_tight"], four_ranks[0]["sim"]["adam_tight_uncapped"]
+    cfg = SIM_RUNS["adam_tight"]
+    assert _same(capped["params"][cfg["freeze"] - 1], plain["params"][cfg["freeze"] - 1])
+    assert max((a - b).abs().max().item() for a, b in zip(capped["params"][-1], plain["params"][-1])) > 1e-5
+    grads = [[four_ranks[r]["sim"]["adam_tight"]["grads"][t] for r in range(4)] for t in range(cfg["steps"])]
+    history = SIM.simulate_onebit_adam(capped["params0"], grads, freeze_step=cfg["freeze"],
+                                       **dict(cfg["kw"], capped_decode=False))
+    assert max((a - b).abs().max().item() for a, b in zip(history[-1], capped["params"][-1])) > 1e-6
 
 
 def test_max_update_keeps_unmasked_zero_variance_coordinates_in_place(four_ranks):

@@ -55,18 +55,21 @@ def adamw_warmup_(opt: BaseOptimizer, L: FlatLayout, active: List[bool], bounds:
 def frozen_adamw_step_(opt: BaseOptimizer, stage: OneBitStage, L: FlatLayout,
                        factors_of: Optional[Callable[[List[bool]], Optional[Sequence]]] = None) -> bool:
     """The compression stage's step: the new momentum reduced by `stage` straight into m
-    (only once every rank has the result), then AdamW with the frozen variance, each
-    coordinate bounded by max_update; `factors_of(participating)` (rescale_variance, called
+    (only once every rank has the result; decoded under max_update's caps, see
+    `OneBitStage.decode_caps`), then AdamW with the frozen variance, each coordinate's step
+    bounded by max_update; `factors_of(participating)` (rescale_variance, called
     once the step counts have advanced) gives per parameter a factor of its v^ or None.
     False when the reduction saw NaN/Inf (state unchanged)."""
     m, v = opt._flat["exp_avg"], opt._flat["exp_avg_sq"]
-    if not stage.reduce_momentum(L, stage.momentum_source(L), m):
-        return False
-    scratch = stage.stage_buffer(L)
     bounds = stage.update_bounds(L)
     include = stage.participating(L)
+    steps = opt._vectors["step"].clone()
     segs = opt._segments(L, include, vstep="variance_step")
     factors = None if factors_of is None else factors_of(include)
+    if not stage.reduce_momentum(L, stage.momentum_source(L), m, stage.decode_caps(L, segs, factors, bounds)):
+        opt._vectors["step"].copy_(steps)  # a skipped step leaves the state as it was
+        return False
+    scratch = stage.stage_buffer(L)
     for seg in segs:
         group = opt.param_groups[seg.group]
         lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
@@ -197,8 +200,10 @@ OneBitAdam.__doc__ = r"""Implements 1-bit Adam: AdamW in the warmup, then a froz
             &\hspace{10mm} v_t \leftarrow \beta_2 v_{t-1} + (1-\beta_2) g_t^2                     \\
             &\hspace{10mm} \hat{v} \leftarrow v_t / (1-\beta_2^t)                                  \\
             &\hspace{5mm}\textbf{else} \text{ (compression)}:                                     \\
-            &\hspace{10mm} m_t \leftarrow \mathrm{CompressedAllreduce}_{e,s}\big(
+            &\hspace{10mm} m_t \leftarrow \mathrm{CompressedAllreduce}_{e,s,c}\big(
                 \beta_1 m_{t-1} + (1-\beta_1) g_{t,r}\big) \odot \mathrm{mask}                     \\
+            &\hspace{10mm} \text{(decoded values capped at } c = U \, (1-\beta_1^t)
+                (\sqrt{\hat{v}} + \epsilon) \text{, capped\_decode)}                            \\
             &\hspace{10mm} \hat{v} \leftarrow v_{T_w} / (1-\beta_2^{T_w}) \text{ (frozen)}         \\
             &\hspace{10mm} \hat{v} \leftarrow \hat{v} \, \hat{q}_t / \hat{q}_{T_w}
                 \text{ (rescale\_variance, per parameter tensor)}                               \\
@@ -232,7 +237,10 @@ OneBitAdam.__doc__ = r"""Implements 1-bit Adam: AdamW in the warmup, then a froz
     full-precision step, and oscillate into divergence. With U = 1 no coordinate moves more
     than lr per step (plus weight decay): the most a coordinate with steady gradients gets
     from Adam with a frozen variance, since |E g| <= sqrt(E g^2). An unclamped coordinate gets
-    bitwise the unbounded update.
+    bitwise the unbounded update. With comm.capped_decode (default) the bound also caps
+    each coordinate's decoded momentum inside the compressed allreduce at c, the momentum
+    whose step is the bound, and the error feedback keeps what the cap held back for later
+    steps instead of the clamp discarding it (docs/concepts.md, "max_update").
 
     rescale_variance keeps the frozen variance's scale current: a variance frozen early holds
     the gradients of the first steps, and as the gradients of a tensor shrink over the run,

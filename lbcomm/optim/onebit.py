@@ -87,6 +87,8 @@ class OneBitStage:
         self.reducer = None  # the Reducer of the momentum (None before the freeze and with one rank)
         self.masks = MomentumMask(opt)
         self._stage: Optional[Tensor] = None  # bounded staging buffer of the one-rank path
+        self._caps: Optional[Tensor] = None  # decode_caps' buffer (recomputed every step, not saved)
+        self._warned_no_blocks = False
         self._probe = True  # the compression stage's check for averaged gradients is undecided
         self.exact = ExactPart(self, exact_numel)
         self.stats_ride: Optional[Tensor] = None  # gradient_stats' sample, to ride in grads_finite's allreduce
@@ -151,6 +153,41 @@ class OneBitStage:
                 u = recorded[i] if recorded[i] >= 0 else None
             out.append(u)
         return out
+
+    def decode_caps(self, L: FlatLayout, segs, factors, bounds: List[Optional[float]],
+                    scale: Optional[Tensor] = None) -> Optional[Tensor]:
+        """max_update's bound moved into the compressed allreduce (comm.capped_decode): per
+        coordinate, the momentum whose Adam step is exactly the bound,
+        c = U bc1 (sqrt(v^) + eps) with this step's bias corrections (`segs`, steps advanced)
+        and rescale factors, times the parameter's `scale` when the reduced momentum is
+        scaled (OneBitLamb), +inf where no bound applies; the reducer decodes every value
+        to at most c and its error feedback keeps the rest (`lbcomm.compressed.reduce_`).
+        None when nothing is capped: one rank, capped_decode off, no bound, or no blocks
+        (one scale per tensor; warned once)."""
+        if self.reducer is None or not self.comm.capped_decode or all(b is None for b in bounds):
+            return None
+        if self.comm.block_size is None:
+            if not self._warned_no_blocks:
+                self._warned_no_blocks = True
+                _log.warning("%s: capped_decode needs blocks (block_size is None); max_update bounds the step only",
+                             type(self.opt).__name__)
+            return None
+        opt, v = self.opt, self.opt._flat["exp_avg_sq"]
+        if self._caps is None or self._caps.numel() != L.total:
+            self._caps = torch.empty(L.total, dtype=torch.float32, device=opt._device(L))
+        caps = self._caps
+        caps.fill_(float("inf"))
+        for seg in segs:
+            group = opt.param_groups[seg.group]
+            bc1, bc2 = opt._bias_corrections(group, seg)
+            for i in seg.idx:
+                if bounds[i] is not None:
+                    o, k = L.offsets[i], L.numels[i]
+                    c = F.denominator(v[o:o + k], F.rescaled_bc2(bc2, factors, i), group["eps"],
+                                      out=caps[o:o + k]).mul_(bounds[i] * bc1)
+                    if scale is not None:
+                        c.mul_(scale[i])
+        return caps
 
     # ------------------------------------------------------------------ the mask (see `mask`)
     def set_momentum_mask(self, param: Tensor, mask: Optional[Tensor]) -> None:
@@ -322,7 +359,7 @@ class OneBitStage:
         source.momentum = (m, weights, scale)  # for the exact parameters (ExactPart.mean)
         return source
 
-    def reduce_momentum(self, L: FlatLayout, source: Source, sink: Sink) -> bool:
+    def reduce_momentum(self, L: FlatLayout, source: Source, sink: Sink, cap: Optional[Tensor] = None) -> bool:
         """The compressed allreduce of the new momentum, the one place that meets it: the
         input comes from `source`, the masked result goes to `sink` (a tensor decoded into,
         or a callable sink(lo, hi, values) called range by range in order). Returns False,
@@ -330,7 +367,8 @@ class OneBitStage:
 
         The caller has agreed with every rank that the inputs are finite (`grads_finite`),
         so the call skips its own agreement; a result that still overflows is refused on
-        every rank (the compression errors are then reset, see lbcomm.compressed)."""
+        every rank (the compression errors are then reset, see lbcomm.compressed). `cap`
+        (`decode_caps`) bounds the decoded values per coordinate."""
         n = L.total
         if self.reducer is None:  # one rank: nothing to reduce
             stage = self.stage_buffer(L)
@@ -344,23 +382,23 @@ class OneBitStage:
         if exact is False:  # the exact mean is not finite: nothing changes on any rank
             applied = False
         elif isinstance(sink, Tensor):  # decoded straight into the sink, then exact values and mask
-            applied = self._reduce(source, sink)
+            applied = self._reduce(source, sink, cap)
             if applied:
                 if exact is not None:
                     sink.index_copy_(0, exact[0], exact[2])
                 self.mask_range(sink, 0, n)
         else:  # a callable sink sees the exact values already
             applied = self._reduce(source, lambda lo, hi, values: sink(
-                lo, hi, values if exact is None else self.exact.put(L, values, lo, hi, exact)))
+                lo, hi, values if exact is None else self.exact.put(L, values, lo, hi, exact)), cap)
         if isinstance(exact, tuple):  # their errors stay zero: the exact mean replaced what compression made of them
             self.reducer.zero_errors_at(exact[0])
         if self.opt._sharded():
             self._check_shards_agree(applied)
         return applied
 
-    def _reduce(self, source: Source, sink: Sink) -> bool:
+    def _reduce(self, source: Source, sink: Sink, cap: Optional[Tensor] = None) -> bool:
         try:  # every rank sees every server scale, so all ranks agree on the verdict
-            return bool(self.reducer.reduce_(source, sink, checked=True))
+            return bool(self.reducer.reduce_(source, sink, checked=True, cap=cap))
         except NonFiniteError:
             return False
 

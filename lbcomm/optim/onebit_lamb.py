@@ -176,10 +176,13 @@ class OneBitLamb(BaseOptimizer):
         vecs = self._vectors
         scale = vecs["momentum_scale"]
         st = self._onebit
-        if not st.reduce_momentum(L, st.momentum_source(L, scale), self._momentum_sink(L, scale)):
-            return False
         bounds = st.update_bounds(L)
+        steps = vecs["step"].clone()
         segs = self._segments(L, self._onebit.participating(L), vstep="variance_step")
+        caps = st.decode_caps(L, segs, None, bounds, scale)
+        if not st.reduce_momentum(L, st.momentum_source(L, scale), self._momentum_sink(L, scale), caps):
+            vecs["step"].copy_(steps)  # a skipped step leaves the state as it was
+            return False
         if not self._sharded():  # every rank holds the whole reduced momentum and parameters
             for seg in segs:
                 mode = _mode(self.param_groups[seg.group])

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from .. import reference as R
 
-__all__ = ["simulate_onebit_adam", "simulate_onebit_lamb", "simulate_lamb", "simulate_lars"]
+__all__ = ["simulate_onebit_adam", "simulate_onebit_lamb", "simulate_lamb", "simulate_lars", "decode_caps"]
 
 
 def _mean(per_rank: Sequence[Tensor]) -> Tensor:
@@ -39,12 +39,13 @@ class _Compressor:
         # exact_numel: these coordinates get the exact mean, their errors are held at zero
         self.exact = exact.nonzero().view(-1) if exact is not None and bool(exact.any()) else None
 
-    def __call__(self, xs: List[Tensor], exact_values: Optional[Tensor] = None) -> Tensor:
+    def __call__(self, xs: List[Tensor], exact_values: Optional[Tensor] = None, cap: Optional[Tensor] = None) -> Tensor:
         """exact_values: the new momentum from the exactly averaged gradients (what the
-        exact coordinates get)."""
+        exact coordinates get); cap: the capped decode's per-coordinate bounds."""
         if self.p == 1:
             return xs[0].clone()
-        out, self.worker, self.server = R.compressed_allreduce(xs, self.worker, self.server, self.block_size)
+        out, self.worker, self.server = R.compressed_allreduce(xs, self.worker, self.server, self.block_size,
+                                                               cap=cap)
         if self.exact is not None:
             e = self.exact
             out[e] = exact_values[e]
@@ -72,9 +73,10 @@ class _HierCompressor:
             self.server.append([torch.zeros(m) for _ in range(self.N)])
         self.exact = exact.nonzero().view(-1) if exact is not None and bool(exact.any()) else None
 
-    def __call__(self, xs: List[Tensor], exact_values: Optional[Tensor] = None) -> Tensor:
+    def __call__(self, xs: List[Tensor], exact_values: Optional[Tensor] = None, cap: Optional[Tensor] = None) -> Tensor:
         per_node = [xs[a * self.G:(a + 1) * self.G] for a in range(self.N)]
-        out, self.worker, self.server = R.hierarchical_allreduce(per_node, self.worker, self.server, self.block_size)
+        out, self.worker, self.server = R.hierarchical_allreduce(per_node, self.worker, self.server, self.block_size,
+                                                                 cap)
         if self.exact is not None:  # slice l = e // L, chunk c of it served by node c
             out[self.exact] = exact_values[self.exact]
             for e in self.exact.tolist():
@@ -100,14 +102,16 @@ class _ShardCompressor:
         self.comps = [_Compressor(sum(t.numel() for t in pieces), p, block_size,
                                   _exact_mask(like, exact_numel, pieces)) for pieces in self.pieces]
 
-    def __call__(self, xs: List[Tensor], exact_values: Optional[Tensor] = None) -> Tensor:
+    def __call__(self, xs: List[Tensor], exact_values: Optional[Tensor] = None, cap: Optional[Tensor] = None) -> Tensor:
         per_rank = [_split(x, self.like) for x in xs]
         ex = None if exact_values is None else _split(exact_values, self.like)
+        caps = None if cap is None else _split(cap, self.like)
         out_shards = []
         for l, comp in enumerate(self.comps):
             flat = [_cat([t.chunk(self.shards)[l] for t in params]) for params in per_rank]
             ex_l = None if ex is None else _cat([t.chunk(self.shards)[l] for t in ex])
-            out_shards.append(_split(comp(flat, ex_l), self.pieces[l]))
+            cap_l = None if caps is None else _cat([t.chunk(self.shards)[l] for t in caps])
+            out_shards.append(_split(comp(flat, ex_l, cap_l), self.pieces[l]))
         return _cat([torch.cat([out_shards[l][i] for l in range(self.shards)]) for i in range(len(self.like))])
 
 
@@ -161,6 +165,18 @@ def _denom(v: Tensor, bc2: float, eps: float) -> Tensor:
     return (v.sqrt() / bc2 ** 0.5).add_(eps)
 
 
+def decode_caps(v: Sequence[Tensor], bounds: Sequence[Optional[float]], bc1: float, bc2s: Sequence[float],
+                eps: float) -> Optional[Tensor]:
+    """The capped decode's bounds on the reduced momentum: per coordinate of parameter i,
+    U_i bc1 (sqrt(v^_i) + eps) (its step is exactly max_update's bound; bc2s: v's bias
+    correction per parameter, rescale folded in), +inf without a bound; None when no
+    parameter is bounded."""
+    if all(b is None for b in bounds):
+        return None
+    return _cat([torch.full_like(vi, math.inf) if b is None else _denom(vi, c, eps).mul_(b * bc1)
+                 for vi, b, c in zip(v, bounds, bc2s)])
+
+
 def _bounds(max_update, betas, m, v, bc1: float, bc2: float, eps: float) -> List[Optional[float]]:
     """max_update's bound U on |m^ / (sqrt(v^) + eps)| per parameter, taken at the freeze:
     a number, "auto" (Adam's largest possible |m^ / sqrt(v^)|), "warmup" (the parameter's
@@ -180,7 +196,7 @@ def simulate_onebit_adam(params0: Sequence[Tensor], grads: Sequence[Sequence[Seq
                          block_size: Optional[int], bias_correction: bool = True,
                          mask_threshold: float = 1e-10, max_update=1.0, nodes: Optional[int] = None,
                          shards: Optional[int] = None, exact_numel: int = 4096,
-                         rescale_variance: bool = True) -> List[List[Tensor]]:
+                         rescale_variance: bool = True, capped_decode: bool = True) -> List[List[Tensor]]:
     """1-bit Adam. grads[t][r][i]: gradient of parameter i on rank r at step t + 1.
     Returns the parameters after every step. nodes: the compression stage's reduction is
     the hierarchical one on that many nodes (ranks node by node; None: flat). shards: the
@@ -192,7 +208,9 @@ def simulate_onebit_adam(params0: Sequence[Tensor], grads: Sequence[Sequence[Seq
     exactly instead of compressed, its compression errors held at zero. rescale_variance:
     in the compression stage parameter i's frozen v^ is multiplied by min(q_t / q_freeze, 1), q the
     bias-corrected EMA (beta2, from step 1) of the ranks' mean squared local gradient norm
-    of parameter i (float64 arithmetic, kept in fp32)."""
+    of parameter i (float64 arithmetic, kept in fp32). capped_decode: the compressed call
+    decodes each coordinate to at most the momentum whose step is the bound (`decode_caps`;
+    with blocks and a bound only)."""
     b1, b2 = betas
     p = len(grads[0])
     theta = [t.detach().float().clone() for t in params0]
@@ -224,12 +242,16 @@ def simulate_onebit_adam(params0: Sequence[Tensor], grads: Sequence[Sequence[Seq
                      for r in range(p)]
             exact = _cat([torch.lerp(m[i], _mean([g_step[r][i].float() for r in range(p)]), 1 - b1)
                           for i in range(len(theta))]) if exact_numel else None
-            m = [torch.where(k, mi, 0.0) for mi, k in zip(_split(comp(local, exact), theta), keep)]
             vstep = freeze_step
             if rescale_variance:
                 bct = 1 - b2 ** step if bias_correction else 1.0
                 factors = [qi / bct / qf if qf > 0 else None for qi, qf in zip(q, q_frozen)]
                 factors = [min(f, 1.0) if f is not None and 0 < f < math.inf else None for f in factors]
+            cap = None
+            if capped_decode and block_size is not None:
+                bc1, bc2 = (1 - b1 ** step, 1 - b2 ** vstep) if bias_correction else (1.0, 1.0)
+                cap = decode_caps(v, bounds, bc1, [bc2 if f is None else bc2 / f for f in factors], eps)
+            m = [torch.where(k, mi, 0.0) for mi, k in zip(_split(comp(local, exact, cap), theta), keep)]
         if rescale_variance and step == freeze_step:
             bcf = 1 - b2 ** freeze_step if bias_correction else 1.0
             q_frozen = _f32([qi / bcf for qi in q])
@@ -268,23 +290,25 @@ def simulate_onebit_lamb(params0, grads, *, lr: float, betas=(0.9, 0.999), eps: 
                          factor_max: float = 4.0, factor_min: float = 0.5, factor_threshold: float = 0.1,
                          bias_correction: bool = True, mask_threshold: float = 1e-10, max_update=1.0,
                          nodes: Optional[int] = None, shards: Optional[int] = None, exact_numel: int = 4096,
-                         trust_ratio: str = "max"):
+                         trust_ratio: str = "max", capped_decode: bool = True):
     """1-bit LAMB. Returns the parameters after every step (nodes, shards, exact_numel: as
     simulate_onebit_adam; LAMB's norms are those of whole parameters). In the compression stage each
     coordinate of u0 = m^ / (sqrt(v^) + eps) is clamped to [-U, U] (max_update; None: unbounded);
     trust_ratio "live": the step is lr clamp(||theta|| / ||u||) u, LAMB's rule on this step's u;
     "frozen": lr c_frz f u (the warmup's average coefficient and the variance factor); "max":
-    the larger of the two coefficients."""
+    the larger of the two coefficients. capped_decode: as simulate_onebit_adam, each cap
+    times the parameter's momentum scale k (the reduced momentum is m k)."""
     return _lamb(params0, grads, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_coeff=max_coeff,
                  min_coeff=min_coeff, bias_correction=bias_correction, freeze_step=freeze_step,
                  block_size=block_size, coeff_beta=coeff_beta, factor_max=factor_max, factor_min=factor_min,
                  factor_threshold=factor_threshold, mask_threshold=mask_threshold, max_update=max_update,
-                 nodes=nodes, shards=shards, exact_numel=exact_numel, trust_ratio=trust_ratio)
+                 nodes=nodes, shards=shards, exact_numel=exact_numel, trust_ratio=trust_ratio,
+                 capped_decode=capped_decode)
 
 
 def _lamb(params0, grads, *, lr, betas, eps, weight_decay, max_coeff, min_coeff, bias_correction, freeze_step,
           block_size=None, coeff_beta=0.9, factor_max=4.0, factor_min=0.5, factor_threshold=0.1, mask_threshold=0.0,
-          max_update=None, nodes=None, shards=None, exact_numel=0, trust_ratio="frozen"):
+          max_update=None, nodes=None, shards=None, exact_numel=0, trust_ratio="frozen", capped_decode=True):
     b1, b2 = betas
     p = len(grads[0])
     n_params = len(params0)
@@ -330,7 +354,12 @@ def _lamb(params0, grads, *, lr, betas, eps, weight_decay, max_coeff, min_coeff,
                  for r in range(p)]
         exact = _cat([torch.lerp(m[i], _mean([g_step[r][i].float() for r in range(p)]), 1 - b1) * k[i]
                       for i in range(n_params)]) if exact_numel else None
-        new_m = [torch.where(keep[i], mi / k[i], 0.0) for i, mi in enumerate(_split(comp(local, exact), theta))]
+        cap = None
+        if capped_decode and block_size is not None:
+            cap = decode_caps(v, frozen["bounds"], bc1, [bc2] * n_params, eps)
+            if cap is not None:
+                cap = _cat([ci * k[i] for i, ci in enumerate(_split(cap, theta))])
+        new_m = [torch.where(keep[i], mi / k[i], 0.0) for i, mi in enumerate(_split(comp(local, exact, cap), theta))]
         for i in range(n_params):
             g_tilde = (new_m[i] - b1 * m[i]) / (1 - b1)
             m[i] = new_m[i]

@@ -9,7 +9,7 @@ from typing import List, Optional, Sequence
 import torch
 from torch import Tensor
 
-from .reference import _bounds, _cat, _Compressor, _denom, _exact_mask, _f32, _keep, _mean, _split
+from .reference import _bounds, _cat, _Compressor, _denom, _exact_mask, _f32, _keep, _mean, _split, decode_caps
 
 __all__ = ["simulate_zero_one_adam"]
 
@@ -19,7 +19,8 @@ def simulate_zero_one_adam(params0: Sequence[Tensor], grads: Sequence[Sequence[S
                            var_update_scaler: int = 16, local_step_scaler: int = 32678, local_step_clipper: int = 16,
                            block_size: Optional[int], bias_correction: bool = True, mask_threshold: float = 1e-10,
                            max_update=1.0, var_decay: str = "time",
-                           exact_numel: int = 4096, rescale_variance: bool = True) -> List[List[List[Tensor]]]:
+                           exact_numel: int = 4096, rescale_variance: bool = True,
+                           capped_decode: bool = True) -> List[List[List[Tensor]]]:
     """0/1 Adam (the equations of lbcomm.ZeroOneAdam's docstring). grads[t][r][i]: gradient
     of parameter i on rank r at step t + 1; lr: a float, or lr(step, i) for a schedule or
     param groups; weight_decay: a float or one per parameter. Returns, after every step,
@@ -30,7 +31,9 @@ def simulate_zero_one_adam(params0: Sequence[Tensor], grads: Sequence[Sequence[S
     compression errors held at zero. rescale_variance: q, the EMA (beta2, every step from
     step 1, float64 arithmetic kept in fp32) of the ranks' mean squared local gradient norm
     of each parameter, bias-corrected, is recorded after every variance step (q_ref); every
-    other step (1-bit, local, sync) divides v's bias correction by min(q_t / q_ref, 1)."""
+    other step (1-bit, local, sync) divides v's bias correction by min(q_t / q_ref, 1).
+    capped_decode: every compressed call (1-bit step, sync) decodes each coordinate to at
+    most the momentum whose step is the bound (`lbcomm.optim.reference.decode_caps`)."""
     b1, b2 = betas
     p, n_params = len(grads[0]), len(params0)
     lr_of = lr if callable(lr) else (lambda step, i: lr)
@@ -74,6 +77,11 @@ def simulate_zero_one_adam(params0: Sequence[Tensor], grads: Sequence[Sequence[S
 
         def vbc(bc2, i):  # v's bias correction, the factor folded in
             return bc2 if f[i] is None else bc2 / f[i]
+
+        def caps(bc2):
+            if not capped_decode or block_size is None:
+                return None
+            return decode_caps(v, bounds, bc1, [vbc(bc2, i) for i in range(n_params)], eps)
         if step == next_var:  # AdamW on the averaged gradients, the variance updated
             k = step - last_var if var_decay == "time" else 1  # the steps since the last update
             last_var = step
@@ -100,7 +108,7 @@ def simulate_zero_one_adam(params0: Sequence[Tensor], grads: Sequence[Sequence[S
                        for r in range(p)]
             exact = _cat([torch.lerp(m[0][i], _mean([g_step[r][i].float() for r in range(p)]), 1 - b1)
                           for i in range(n_params)]) if exact_numel else None
-            new = [torch.where(k, mi, 0.0) for mi, k in zip(_split(comp(local_m, exact), theta[0]), keep)]
+            new = [torch.where(k, mi, 0.0) for mi, k in zip(_split(comp(local_m, exact, caps(bc2)), theta[0]), keep)]
             for i in range(n_params):
                 b = None if bounds[i] is None else lrs[i] * bounds[i]
                 adam_step(theta[0][i], new[i], v[i], vbc(bc2, i), lrs[i] * wds[i], lrs[i] / bc1, b)
@@ -127,7 +135,8 @@ def simulate_zero_one_adam(params0: Sequence[Tensor], grads: Sequence[Sequence[S
                         parts.append(x.mul_(bc1 / float(new_sum[i])))
                     inputs.append(_cat(parts))
                 exact = _mean(inputs) if exact_numel else None
-                new = [torch.where(k, mi, 0.0) for mi, k in zip(_split(comp(inputs, exact), theta[0]), keep)]
+                new = [torch.where(k, mi, 0.0) for mi, k in zip(_split(comp(inputs, exact, caps(bc2)), theta[0]),
+                                                                keep)]
                 for i in range(n_params):
                     total = float(new_sum[i])
                     b = None if bounds[i] is None else total * bounds[i]

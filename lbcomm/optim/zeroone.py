@@ -358,6 +358,9 @@ ZeroOneAdam.__doc__ = r"""Implements 0/1 Adam (Lu et al., 2022, "Maximizing Comm
     compressed momenta, whose values are of the size of a block scale: unbounded, a
     coordinate of a tiny variance, such as a nearly dead unit or a rare feature, would take
     a huge step); the mask (zero or negligible variance) is rebuilt after every variance update.
+    With comm.capped_decode (default) every compressed allreduce (1-bit step and sync)
+    decodes each coordinate to at most the momentum whose step is that bound, as in
+    OneBitAdam, and its error feedback keeps the rest.
 
     At AdamW's lr and schedule ZeroOneAdam trails AdamW more than OneBitAdam does where the
     run is still far from converged (lrs below the tuned one, short runs): its 1-bit steps
