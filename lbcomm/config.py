@@ -57,11 +57,13 @@ class CommConfig:
         max_update (float, "auto", "warmup" or None): 1-bit optimizers: the bound of a
             compression-stage update per parameter tensor, relative to the warmup's (see
             docs/optimizers.md); None: unbounded (default: 1.0).
-        capped_decode (bool): 1-bit Adam and 0/1 Adam: max_update also bounds the compressed
-            allreduce of the momentum: each coordinate is decoded to at most the momentum
-            whose step is the bound, and the error feedback keeps what that held back for
-            later steps (instead of the step's clamp discarding it). Same bytes on the wire;
-            needs block_size; False: the clamp of the step only (default: True).
+        capped_decode (bool or None): 1-bit optimizers: max_update also bounds the
+            compressed allreduce of the momentum: each coordinate is decoded to at most the
+            momentum whose step is the bound, and the error feedback keeps what that held
+            back for later steps (instead of the step's clamp discarding it). Same bytes on
+            the wire; needs block_size. None: on for OneBitAdam and ZeroOneAdam, off for
+            OneBitLamb (where it was not measured to help on every task, see
+            docs/optimizers.md); True / False: on / off for all (default: None).
         detect_averaged_grads (bool): 1-bit optimizers: raise when their gradients arrive
             already averaged by a DDP without lbcomm's hook (two reductions) (default: True).
         shard_group: FSDP2: the group of the other shards of the same parameters (set by
@@ -77,7 +79,7 @@ class CommConfig:
     bucket_cap_mb: float = 25.0
     mask_threshold: float = 1e-10
     max_update: Union[float, str, None] = 1.0
-    capped_decode: bool = True
+    capped_decode: Optional[bool] = None
     detect_averaged_grads: bool = True
     shard_group: Any = None
 
@@ -102,8 +104,8 @@ class CommConfig:
         mu = self.max_update
         if not (mu is None or mu in ("auto", "warmup") or _positive(mu)):
             raise ValueError(f"Invalid max_update: {mu!r} (a number > 0, 'auto', 'warmup' or None)")
-        if not isinstance(self.capped_decode, bool):
-            raise ValueError(f"Invalid capped_decode: {self.capped_decode!r} (must be a bool)")
+        if self.capped_decode is not None and not isinstance(self.capped_decode, bool):
+            raise ValueError(f"Invalid capped_decode: {self.capped_decode!r} (True, False or None)")
         if not isinstance(self.detect_averaged_grads, bool):
             raise ValueError(f"Invalid detect_averaged_grads: {self.detect_averaged_grads!r} (must be a bool)")
 

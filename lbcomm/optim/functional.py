@@ -14,7 +14,7 @@ from torch import Tensor
 
 __all__ = ["norms", "moments_", "denominator", "rescaled_bc2", "adamw_", "frozen_adamw_", "lamb_direction",
            "trust_ratio", "track_coeff", "onebit_lamb_factor", "implied_grad_variance_", "apply_fp32",
-           "adam_update_bound", "resolve_max_update", "max_abs_update", "STAGE"]
+           "adam_update_bound", "resolve_max_update", "max_abs_update", "cap_coefficients", "STAGE"]
 
 # Elements per pass of the staged computations (4 MB of fp32: the pieces stay in cache).
 STAGE = 1 << 20
@@ -45,6 +45,12 @@ def denominator(v: Tensor, bc2: float, eps: float, out: Tensor) -> Tensor:
     """out = sqrt(v) / sqrt(bc2) + eps, i.e. sqrt(v^) + eps."""
     torch.sqrt(v, out=out)
     return out.div_(bc2 ** 0.5).add_(eps)
+
+
+def cap_coefficients(bound: float, bc1: float, bc2: float, eps: float) -> Tuple[float, float]:
+    """(a, b) with a sqrt(v) + b = U bc1 (sqrt(v / bc2) + eps): the capped decode's bound
+    on the momentum, as a multiply and an add per coordinate."""
+    return bound * bc1 / bc2 ** 0.5, bound * bc1 * eps
 
 
 def rescaled_bc2(bc2: float, factors: Optional[Sequence[Optional[float]]], i: int) -> float:

@@ -162,31 +162,39 @@ class OneBitStage:
         and rescale factors, times the parameter's `scale` when the reduced momentum is
         scaled (OneBitLamb), +inf where no bound applies; the reducer decodes every value
         to at most c and its error feedback keeps the rest (`lbcomm.compressed.reduce_`).
-        None when nothing is capped: one rank, capped_decode off, no bound, or no blocks
-        (one scale per tensor; warned once)."""
-        if self.reducer is None or not self.comm.capped_decode or all(b is None for b in bounds):
+        None when nothing is capped: one rank, capped_decode off (None: the optimizer's
+        CAPPED_DECODE), no bound, or no blocks (one scale per tensor; warned once)."""
+        on = self.comm.capped_decode
+        if on is None:  # the optimizer's own default
+            on = self.opt.CAPPED_DECODE
+        if self.reducer is None or not on or all(b is None for b in bounds):
             return None
-        if self.comm.block_size is None:
+        if self.comm.block_size is None:  # asked for explicitly: a warning; by default: info
             if not self._warned_no_blocks:
                 self._warned_no_blocks = True
-                _log.warning("%s: capped_decode needs blocks (block_size is None); max_update bounds the step only",
-                             type(self.opt).__name__)
+                _log.log(logging.WARNING if self.comm.capped_decode else logging.INFO,
+                         "%s: the capped decode needs blocks (block_size is None); max_update bounds the step only",
+                         type(self.opt).__name__)
             return None
         opt, v = self.opt, self.opt._flat["exp_avg_sq"]
         if self._caps is None or self._caps.numel() != L.total:
             self._caps = torch.empty(L.total, dtype=torch.float32, device=opt._device(L))
-        caps = self._caps
-        caps.fill_(float("inf"))
+        caps, done = self._caps, [False] * len(L.params)
         for seg in segs:
             group = opt.param_groups[seg.group]
             bc1, bc2 = opt._bias_corrections(group, seg)
             for i in seg.idx:
                 if bounds[i] is not None:
                     o, k = L.offsets[i], L.numels[i]
-                    c = F.denominator(v[o:o + k], F.rescaled_bc2(bc2, factors, i), group["eps"],
-                                      out=caps[o:o + k]).mul_(bounds[i] * bc1)
+                    # U bc1 (sqrt(v) / sqrt(bc2') + eps) in three passes (the simulation's order)
+                    a, b = F.cap_coefficients(bounds[i], bc1, F.rescaled_bc2(bc2, factors, i), group["eps"])
+                    c = torch.sqrt(v[o:o + k], out=caps[o:o + k]).mul_(a).add_(b)
                     if scale is not None:
                         c.mul_(scale[i])
+                    done[i] = True
+        for i, d in enumerate(done):  # no bound here: nothing capped
+            if not d:
+                caps[L.offsets[i]:L.offsets[i] + L.numels[i]].fill_(float("inf"))
         return caps
 
     # ------------------------------------------------------------------ the mask (see `mask`)

@@ -173,8 +173,13 @@ def decode_caps(v: Sequence[Tensor], bounds: Sequence[Optional[float]], bc1: flo
     parameter is bounded."""
     if all(b is None for b in bounds):
         return None
-    return _cat([torch.full_like(vi, math.inf) if b is None else _denom(vi, c, eps).mul_(b * bc1)
-                 for vi, b, c in zip(v, bounds, bc2s)])
+    out = []
+    for vi, b, c in zip(v, bounds, bc2s):
+        if b is None:
+            out.append(torch.full_like(vi, math.inf))
+        else:  # a sqrt(v) + b, a = U bc1 / sqrt(bc2), b = U bc1 eps: the optimizers' three passes
+            out.append(vi.sqrt().mul_(b * bc1 / c ** 0.5).add_(b * bc1 * eps))
+    return _cat(out)
 
 
 def _bounds(max_update, betas, m, v, bc1: float, bc2: float, eps: float) -> List[Optional[float]]:
@@ -290,14 +295,15 @@ def simulate_onebit_lamb(params0, grads, *, lr: float, betas=(0.9, 0.999), eps: 
                          factor_max: float = 4.0, factor_min: float = 0.5, factor_threshold: float = 0.1,
                          bias_correction: bool = True, mask_threshold: float = 1e-10, max_update=1.0,
                          nodes: Optional[int] = None, shards: Optional[int] = None, exact_numel: int = 4096,
-                         trust_ratio: str = "max", capped_decode: bool = True):
+                         trust_ratio: str = "max", capped_decode: bool = False):
     """1-bit LAMB. Returns the parameters after every step (nodes, shards, exact_numel: as
     simulate_onebit_adam; LAMB's norms are those of whole parameters). In the compression stage each
     coordinate of u0 = m^ / (sqrt(v^) + eps) is clamped to [-U, U] (max_update; None: unbounded);
     trust_ratio "live": the step is lr clamp(||theta|| / ||u||) u, LAMB's rule on this step's u;
     "frozen": lr c_frz f u (the warmup's average coefficient and the variance factor); "max":
-    the larger of the two coefficients. capped_decode: as simulate_onebit_adam, each cap
-    times the parameter's momentum scale k (the reduced momentum is m k)."""
+    the larger of the two coefficients. capped_decode (OneBitLamb's default: off): as
+    simulate_onebit_adam, each cap times the parameter's momentum scale k (the reduced
+    momentum is m k)."""
     return _lamb(params0, grads, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_coeff=max_coeff,
                  min_coeff=min_coeff, bias_correction=bias_correction, freeze_step=freeze_step,
                  block_size=block_size, coeff_beta=coeff_beta, factor_max=factor_max, factor_min=factor_min,
