@@ -61,13 +61,9 @@ def frozen_adamw_step_(opt: BaseOptimizer, stage: OneBitStage, L: FlatLayout,
     once the step counts have advanced) gives per parameter a factor of its v^ or None.
     False when the reduction saw NaN/Inf (state unchanged)."""
     m, v = opt._flat["exp_avg"], opt._flat["exp_avg_sq"]
-    bounds = stage.update_bounds(L)
-    include = stage.participating(L)
-    steps = opt._vectors["step"].clone()
-    segs = opt._segments(L, include, vstep="variance_step")
-    factors = None if factors_of is None else factors_of(include)
-    if not stage.reduce_momentum(L, stage.momentum_source(L), m, stage.decode_caps(L, segs, factors, bounds)):
-        opt._vectors["step"].copy_(steps)  # a skipped step leaves the state as it was
+    applied, bounds, segs, factors = stage.step_and_reduce(L, stage.participating(L), stage.momentum_source(L), m,
+                                                           factors_of)
+    if not applied:
         return False
     scratch = stage.stage_buffer(L)
     for seg in segs:

@@ -107,13 +107,9 @@ def sync_step_(opt, L: FlatLayout, factors_of: FactorsOf = None) -> bool:
                 torch.add(acc[o + a:o + b], out, alpha=alphas[i], out=out)
                 out.mul_(scales[i])
 
-    bounds = opt._onebit.update_bounds(L)
-    saved_steps = opt._vectors["step"].clone()
-    segs = opt._segments(L, part, vstep="variance_step")
-    factors = None if factors_of is None else factors_of(part)
     # the interval's momentum is in m's units: the rebuild's bound total U is m's cap too
-    if not opt._onebit.reduce_momentum(L, source, m, opt._onebit.decode_caps(L, segs, factors, bounds)):
-        opt._vectors["step"].copy_(saved_steps)  # a skipped sync leaves the state as it was
+    applied, bounds, segs, factors = opt._onebit.step_and_reduce(L, part, source, m, factors_of)
+    if not applied:
         return False
     scratch = opt._onebit.stage_buffer(L)
     keeps = keep.tolist()

@@ -367,6 +367,24 @@ class OneBitStage:
         source.momentum = (m, weights, scale)  # for the exact parameters (ExactPart.mean)
         return source
 
+    def step_and_reduce(self, L: FlatLayout, include: List[bool], source: Source, sink: Sink,
+                        factors_of: Optional[Callable[[List[bool]], Optional[list]]] = None,
+                        scale: Optional[Tensor] = None):
+        """A compressed step's start, in the order the caps need: max_update's bounds, the
+        `include`d parameters' step counts advanced (`segs`), rescale's factors
+        (`factors_of`, once the counts have advanced), then `reduce_momentum` under
+        `decode_caps`. A skipped reduction puts the step counts back, so the state is as it
+        was. Returns (applied, bounds, segs, factors)."""
+        opt = self.opt
+        bounds = self.update_bounds(L)
+        steps = opt._vectors["step"].clone()
+        segs = opt._segments(L, include, vstep="variance_step")
+        factors = None if factors_of is None else factors_of(include)
+        applied = self.reduce_momentum(L, source, sink, self.decode_caps(L, segs, factors, bounds, scale))
+        if not applied:
+            opt._vectors["step"].copy_(steps)
+        return applied, bounds, segs, factors
+
     def reduce_momentum(self, L: FlatLayout, source: Source, sink: Sink, cap: Optional[Tensor] = None) -> bool:
         """The compressed allreduce of the new momentum, the one place that meets it: the
         input comes from `source`, the masked result goes to `sink` (a tensor decoded into,
