@@ -61,9 +61,8 @@ class CommConfig:
             compressed allreduce of the momentum: each coordinate is decoded to at most the
             momentum whose step is the bound, and the error feedback keeps what that held
             back for later steps (instead of the step's clamp discarding it). Same bytes on
-            the wire; needs block_size. None: on for OneBitAdam and ZeroOneAdam, off for
-            OneBitLamb (not yet its default, see docs/optimizers.md); True / False: on /
-            off for all (default: None).
+            the wire; needs block_size. None: the optimizer's default (on for OneBitAdam,
+            OneBitLamb and ZeroOneAdam); True / False: on / off (default: None).
         detect_averaged_grads (bool): 1-bit optimizers: raise when their gradients arrive
             already averaged by a DDP without lbcomm's hook (two reductions) (default: True).
         shard_group: FSDP2: the group of the other shards of the same parameters (set by

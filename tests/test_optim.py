@@ -187,9 +187,9 @@ SIM_RUNS = {
                      kw=dict(exact_numel=0, lr=1e-2, weight_decay=0.01, block_size=64, trust_ratio="max")),
     "lamb_tight": dict(name="lamb", steps=16, freeze=4,
                        kw=dict(exact_numel=0, lr=1e-2, weight_decay=0.01, block_size=64, max_update=0.05)),
-    "lamb_tight_capped": dict(name="lamb", steps=16, freeze=4,
-                              kw=dict(exact_numel=0, lr=1e-2, weight_decay=0.01, block_size=64, max_update=0.05,
-                                      capped_decode=True)),
+    "lamb_tight_uncapped": dict(name="lamb", steps=16, freeze=4,
+                                kw=dict(exact_numel=0, lr=1e-2, weight_decay=0.01, block_size=64, max_update=0.05,
+                                        capped_decode=False)),
     "lamb_warmup": dict(name="lamb", steps=16, freeze=4,
                         kw=dict(exact_numel=0, lr=1e-2, weight_decay=0.01, block_size=64, max_update="warmup")),
     # exact_numel: the biases, LayerNorm and the 5 x 24 head (<= 200 elements) averaged exactly,
@@ -366,12 +366,12 @@ def test_a_tight_max_update_changes_the_run(four_ranks, name):
 def test_the_capped_decode_is_in_the_bitwise_comparison(four_ranks):
     """capped_decode changes the compression stage (not the warmup), and the bitwise
     comparison sees it: a simulation without the cap misses the default run. OneBitLamb's
-    (off by default) changes its run too."""
+    changes its run too."""
     capped, plain = four_ranks[0]["sim"]["adam_tight"], four_ranks[0]["sim"]["adam_tight_uncapped"]
     cfg = SIM_RUNS["adam_tight"]
     assert _same(capped["params"][cfg["freeze"] - 1], plain["params"][cfg["freeze"] - 1])
     assert max((a - b).abs().max().item() for a, b in zip(capped["params"][-1], plain["params"][-1])) > 1e-5
-    lamb, lamb_plain = four_ranks[0]["sim"]["lamb_tight_capped"], four_ranks[0]["sim"]["lamb_tight"]
+    lamb, lamb_plain = four_ranks[0]["sim"]["lamb_tight"], four_ranks[0]["sim"]["lamb_tight_uncapped"]
     assert max((a - b).abs().max().item() for a, b in zip(lamb["params"][-1], lamb_plain["params"][-1])) > 1e-5
     grads = [[four_ranks[r]["sim"]["adam_tight"]["grads"][t] for r in range(4)] for t in range(cfg["steps"])]
     history = SIM.simulate_onebit_adam(capped["params0"], grads, freeze_step=cfg["freeze"],

@@ -31,9 +31,8 @@ def _mode(group) -> str:
 
 class OneBitLamb(BaseOptimizer):
     _GLOBAL_OPTIONS = ("freeze_step",)
-    # CommConfig.capped_decode=None leaves the capped decode off here: measured better on
-    # the suite's three seeds, but not yet made the default (bench/studies.md)
-    CAPPED_DECODE = False
+    # the capped decode by default (CommConfig.capped_decode=None)
+    CAPPED_DECODE = True
     TRUST_RATIOS = ("live", "frozen", "max")
     _param_vectors: Dict[str, float] = {**OneBitStage.VECTORS, "lamb_coeff_freeze": 0.0, "momentum_scale": 1.0,
                                         "last_factor": 1.0}
@@ -331,7 +330,10 @@ OneBitLamb.__doc__ = r"""Implements 1-bit LAMB: LAMB in the warmup, then a froze
     (no clamp when None); the default 1.0 is OneBitAdam's: no coordinate's direction beyond
     the largest steady Adam step (see :class:`OneBitAdam` for why the compressed momentum
     needs a bound). "warmup" takes the largest :math:`|\hat{m}/(\sqrt{\hat{v}}+\epsilon)|` of
-    parameter tensor p after the last warmup step instead (the earlier default).
+    parameter tensor p after the last warmup step instead (the earlier default). With
+    comm.capped_decode (default) the bound also caps each coordinate of the compressed
+    allreduce's momentum (in its momentum scale), as in :class:`OneBitAdam`, and the error
+    feedback keeps what the cap held back.
 
     Args:
         params (iterable): iterable of parameters or named parameters to optimize

@@ -295,13 +295,13 @@ def simulate_onebit_lamb(params0, grads, *, lr: float, betas=(0.9, 0.999), eps: 
                          factor_max: float = 4.0, factor_min: float = 0.5, factor_threshold: float = 0.1,
                          bias_correction: bool = True, mask_threshold: float = 1e-10, max_update=1.0,
                          nodes: Optional[int] = None, shards: Optional[int] = None, exact_numel: int = 4096,
-                         trust_ratio: str = "max", capped_decode: bool = False):
+                         trust_ratio: str = "max", capped_decode: bool = True):
     """1-bit LAMB. Returns the parameters after every step (nodes, shards, exact_numel: as
     simulate_onebit_adam; LAMB's norms are those of whole parameters). In the compression stage each
     coordinate of u0 = m^ / (sqrt(v^) + eps) is clamped to [-U, U] (max_update; None: unbounded);
     trust_ratio "live": the step is lr clamp(||theta|| / ||u||) u, LAMB's rule on this step's u;
     "frozen": lr c_frz f u (the warmup's average coefficient and the variance factor); "max":
-    the larger of the two coefficients. capped_decode (OneBitLamb's default: off): as
+    the larger of the two coefficients. capped_decode (OneBitLamb's default: on): as
     simulate_onebit_adam, each cap times the parameter's momentum scale k (the reduced
     momentum is m k)."""
     return _lamb(params0, grads, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_coeff=max_coeff,
