@@ -75,17 +75,23 @@ double worker_y_scalar(const WorkerArgs& a, int64_t start, int64_t i0, int64_t r
   return s;
 }
 
-// z = (sum_j +-a_j) * inv_p + s over [i0, real) of a chunk-local unit at `start`.
-double server_z_scalar(const ServerArgs& a, int64_t start, int64_t i0, int64_t real, int64_t scale_col,
-                       float inv_p) {
+// ---- the capped decode (kernels.h): d_i = cap_i < scale ? cap_i : scale
+inline float capped(float cap, float sc) { return cap < sc ? cap : sc; }
+
+// z = (sum_j +-a_j) * inv_p + s over [i0, real) of a chunk-local unit at `start`; with
+// kCapped every rank's value decoded under the cap (a.cap, indexed like error).
+template <bool kCapped>
+double server_z_scalar_t(const ServerArgs& a, int64_t start, int64_t i0, int64_t real, int64_t scale_col,
+                         float inv_p) {
   double s = 0.0;
   for (int64_t i = i0; i < real; ++i) {
     const int64_t idx = start + i;
     float acc = 0.0f;
     for (int64_t j = 0; j < a.p; ++j) {
       const float sc = a.scales[j * a.scales_stride + scale_col];
+      const float d = kCapped ? capped(a.cap[idx], sc) : sc;
       const bool neg = (a.packed[j * a.packed_stride + (idx >> 3)] >> (idx & 7)) & 1;
-      acc += neg ? -std::fabs(sc) : sc;  // the sign bit set, as the AVX2 body does
+      acc += neg ? -std::fabs(d) : d;  // the sign bit set, as the AVX2 body does
     }
     const float prod = acc * inv_p;  // separate rounding: -ffp-contract=off
     const float z = prod + a.error[idx];
@@ -93,6 +99,14 @@ double server_z_scalar(const ServerArgs& a, int64_t start, int64_t i0, int64_t r
     s += static_cast<double>(z) * z;
   }
   return s;
+}
+double server_z_scalar(const ServerArgs& a, int64_t start, int64_t i0, int64_t real, int64_t scale_col,
+                       float inv_p) {
+  return server_z_scalar_t<false>(a, start, i0, real, scale_col, inv_p);
+}
+double server_z_capped_scalar(const ServerArgs& a, int64_t start, int64_t i0, int64_t real, int64_t scale_col,
+                              float inv_p) {
+  return server_z_scalar_t<true>(a, start, i0, real, scale_col, inv_p);
 }
 
 // Pack signbit(v) for [i0, len) of a unit whose first element is bit 0 of out[0]
@@ -115,8 +129,6 @@ void sign_pack_scalar(const float* v, float* err, uint8_t* out, int64_t i0, int6
   }
 }
 
-// ---- the capped decode (kernels.h): d_i = cap_i < scale ? cap_i : scale
-inline float capped(float cap, float sc) { return cap < sc ? cap : sc; }
 inline float clamp_cap(float e, float cap) {
   const float b = kCapErrorRatio * cap;
   return e > b ? b : (e < -b ? -b : e);
@@ -130,27 +142,6 @@ double masked_sq_scalar(const float* v, const float* cap, int64_t i0, int64_t re
       s += static_cast<double>(v[i]) * v[i];
       ++count;
     }
-  }
-  return s;
-}
-
-// server_z_scalar with every rank's value decoded under the cap (cap indexed like error).
-double server_z_capped_scalar(const ServerArgs& a, int64_t start, int64_t i0, int64_t real, int64_t scale_col,
-                              float inv_p) {
-  double s = 0.0;
-  for (int64_t i = i0; i < real; ++i) {
-    const int64_t idx = start + i;
-    const float c = a.cap[idx];
-    float acc = 0.0f;
-    for (int64_t j = 0; j < a.p; ++j) {
-      const float d = capped(c, a.scales[j * a.scales_stride + scale_col]);
-      const bool neg = (a.packed[j * a.packed_stride + (idx >> 3)] >> (idx & 7)) & 1;
-      acc += neg ? -std::fabs(d) : d;
-    }
-    const float prod = acc * inv_p;
-    const float z = prod + a.error[idx];
-    a.error_out[idx] = z;
-    s += static_cast<double>(z) * z;
   }
   return s;
 }
