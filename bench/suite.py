@@ -53,6 +53,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import lbcomm
+from lbcomm.common import ring_allreduce_bytes
 
 from .cli_options import json_options, optimizer_options
 from . import tasks as T
@@ -191,6 +192,10 @@ def one_run(rank, world, task, method, lr, a, classes=None):
     final = float("nan") if diverged else T.evaluate(task, model)
     hook = getattr(net, "hook_state", None)
     sent = None if hook is None else hook.compression_stats()  # this rank's bytes, start included
+    if hasattr(opt, "comm_stats"):  # ZeroOneAdam counts its own bytes; against fp32 ring allreduces
+        numel = sum(q.numel() for q in model.parameters())
+        sent = {"bytes_sent": opt.comm_stats()["bytes_sent"],
+                "bytes_uncompressed": round((diverged or steps) * ring_allreduce_bytes(4 * numel, world))}
     return {"task": task.name, "method": method, "lr": lr, "final": final, "init": init, "diverged": diverged,
             "bytes_sent": None if sent is None else sent["bytes_sent"],
             "bytes_uncompressed": None if sent is None else sent["bytes_uncompressed"],
@@ -466,9 +471,9 @@ def report(results, a):
         if m in a.methods:
             print(f"  {LABEL[m]:<16}" + "".join(
                 f"{(format(s[t][m][3], '.3g') if s[t][m][3] is not None else '-'):>16}" for t in tasks_))
-    hooks = [m for m in HOOKS if m in a.methods]
+    hooks = [m for m in HOOKS + ("zeroone",) if m in a.methods]
     if hooks:
-        print("\nhook bytes sent per rank / an fp32 ring allreduce's, whole run (start included), at the best lr")
+        print("\nbytes sent per rank / an fp32 ring allreduce's, whole run (start included), at the best lr")
         for m in hooks:
             cells = []
             for t in tasks_:

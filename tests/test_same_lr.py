@@ -72,6 +72,16 @@ def test_same_lr_ratio_stays_within_its_limit(finals, task, method):
         f"(limit {LIMITS[(task, method)]})")
 
 
+def test_suite_records_zeroone_bytes(finals):
+    """ZeroOneAdam's own byte count (comm_stats) is in the suite's results: its variance
+    steps send fp32, the rest about 1 bit per element, so over a run it sends less than
+    fp32 ring allreduces would, and more than a thirty-second of that."""
+    for task in ADAM_LRS:
+        r = finals[(task, "zeroone")]
+        assert r["bytes_uncompressed"] / 32 < r["bytes_sent"] < r["bytes_uncompressed"], r
+    assert finals[("rare_features", "adamw")]["bytes_sent"] is None
+
+
 def _trajectory_run(rank, world):
     from types import SimpleNamespace
 
