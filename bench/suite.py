@@ -94,8 +94,10 @@ def _dim1_or_over(p, n) -> bool:
     return p.dim() <= 1 or p.numel() > n
 
 
-def freeze_of(task) -> int:
-    return max(2, round(0.25 * task.steps))
+def freeze_of(task, a=None) -> int:
+    """The step of the 1-bit methods' freeze (ZeroOneAdam's var_freeze_step, the hooks'
+    start): `--freeze-at` of the run, 25 % by default."""
+    return max(2, round(getattr(a, "freeze_at", 0.25) * task.steps))
 
 
 # the optimizer class (or factory: called as the class) of each lbcomm method; build() and
@@ -114,18 +116,18 @@ def build(method, model, lr, task, world, a, classes=None):
         return model, torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=wd)
     if method == "onebit_adam":
         return model, adam_cls(model.parameters(), lr=lr, betas=betas, weight_decay=wd,
-                               freeze_step=freeze_of(task), **extra)
+                               freeze_step=freeze_of(task, a), **extra)
     if method == "zeroone":  # var_freeze_step at 25 % as the others' freeze; alpha scaled to the run
         opts = optimizer_options({"local_step_scaler": zeroone_local_step_scaler(task.steps),
                                   **a.zeroone_options}, nonfinite="raise")
         return model, cls["zeroone"](model.parameters(), lr=lr, betas=betas, weight_decay=wd,
-                                         var_freeze_step=freeze_of(task), **opts)
+                                         var_freeze_step=freeze_of(task, a), **opts)
     if method == "lamb":
         return model, lbcomm.Lamb(model.parameters(), lr=lr, betas=betas, weight_decay=wd,
                                   comm=lbcomm.CommConfig(nonfinite="raise"))
     if method == "onebit_lamb":
         return model, lamb_cls(model.parameters(), lr=lr, betas=betas, weight_decay=wd,
-                               freeze_step=freeze_of(task), **extra)
+                               freeze_step=freeze_of(task, a), **extra)
     def lars(grads_averaged=False):
         return lbcomm.Lars(model.parameters(), lr=lr, weight_decay=wd, trust_coefficient=LARS_TRUST,
                            grads_averaged=grads_averaged, **optimizer_options(lars_options(a), nonfinite="raise"))
@@ -139,7 +141,7 @@ def build(method, model, lr, task, world, a, classes=None):
         # its bytes are reported
         opts = {**base, **extra}
         comm = lbcomm.CommConfig(**{k: opts.pop(k) for k in list(opts) if k in COMM_FIELDS})
-        ddp.hook_state = lbcomm.OneBitHookState(freeze_of(task), **opts, comm=comm)
+        ddp.hook_state = lbcomm.OneBitHookState(freeze_of(task, a), **opts, comm=comm)
         ddp.register_comm_hook(ddp.hook_state, lbcomm.onebit_hook)
     if method == "lars_hook":  # onebit_hook averages the gradients: Lars does not average them again
         return ddp, lars(grads_averaged=True)
@@ -158,7 +160,7 @@ def one_run(rank, world, task, method, lr, a, classes=None):
     model = task.make_model()
     net, opt = build(method, model, lr, task, world, a, classes)
     init = T.evaluate(task, model)
-    steps, freeze = task.steps, freeze_of(task)
+    steps, freeze = task.steps, freeze_of(task, a)
     schedule = getattr(a, "schedule", "cosine")
     diverged, first_ratio, first_pmax = None, None, None
     every, trajectory = getattr(a, "trajectory", 0), []  # validation loss every `every` steps
@@ -535,6 +537,10 @@ def parse_args(argv=None):
     p.add_argument("--schedule", choices=tuple(T.SCHEDULES), default="cosine",
                    help="the lr schedule of every run, both twins alike: "
                    + "; ".join(f"{k}: {v}" for k, v in T.SCHEDULES.items()).replace("%", "%%"))
+    p.add_argument("--freeze-at", type=float, default=0.25,
+                   help="the 1-bit methods' freeze (ZeroOneAdam's var_freeze_step, the hooks' start) at this "
+                   "fraction of each run (default: 0.25); with --schedule long_warmup, 0.5 freezes at the end "
+                   "of the lr warmup")
     p.add_argument("--repeats", type=int, default=1,
                    help="run every (task, method, lr) this many times, each with another order of the same "
                    "batches (same data, initial weights), and rank the lrs by the mean final loss: for tasks "
@@ -560,6 +566,8 @@ def parse_args(argv=None):
     a = p.parse_args(argv)
     if a.repeats < 1:
         p.error(f"--repeats must be >= 1, got {a.repeats}")
+    if not 0 < a.freeze_at < 1:
+        p.error(f"--freeze-at must be a fraction of the run in (0, 1), got {a.freeze_at}")
     over = a.lars_options.get("exclude_over", 0)
     if isinstance(over, bool) or not isinstance(over, int) or over < 0:
         p.error(f"--lars-options: exclude_over must be an int >= 0, got {over!r}")

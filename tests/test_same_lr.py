@@ -94,12 +94,17 @@ def _trajectory_run(rank, world):
 
 def test_suite_records_the_trajectory_and_runs_only_the_lrs_asked_for():
     from bench import suite
+    from bench import tasks as T
 
     r = run_ranks(_trajectory_run, 2, timeout=300)[0]
     assert [st for st, _ in r["trajectory"]] == [40, 80]  # every 40th of the quick task's 80 steps
     assert r["trajectory"][-1][1] == r["final"] and r["trajectory"][0][1] > r["final"]
     a = suite.parse_args(["--quick", "--lrs", "0.003,0.03", "--trajectory", "20"])
     assert a.lrs == [0.003, 0.03] and a.trajectory == 20
-    for bad in (["--lrs", "0.005", "--tasks", "dead_relu"], ["--lrs", "x"], ["--trajectory", "-1"]):
+    assert suite.freeze_of(T.make_task("dead_relu", quick=True), a) == 20  # 25 % of 80 steps
+    a = suite.parse_args(["--quick", "--freeze-at", "0.5"])
+    assert suite.freeze_of(T.make_task("dead_relu", quick=True), a) == 40
+    for bad in (["--lrs", "0.005", "--tasks", "dead_relu"], ["--lrs", "x"], ["--trajectory", "-1"],
+                ["--freeze-at", "1"], ["--freeze-at", "0"]):
         with pytest.raises(SystemExit):
             suite.parse_args(bad)
