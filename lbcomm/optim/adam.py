@@ -159,6 +159,7 @@ class OneBitAdam(BaseOptimizer):
         if not frozen_adamw_step_(self, st, L, self._rescale.factors_of(L)):
             return self._nonfinite("the new momenta")
         self._rescale.commit()
+        self._onebit.watch_lr()
         return True
 
     def _warmup_update(self, L: FlatLayout, active: List[bool]) -> None:

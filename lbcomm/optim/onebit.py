@@ -51,6 +51,9 @@ __all__ = ["OneBitStage"]
 
 _log = logging.getLogger(__name__)
 
+# watch_lr's threshold: an lr this many times the lr at the freeze is warned about
+LR_RISE = 1.5
+
 Source = Callable[[int, int, Tensor], None]
 Sink = Union[Tensor, Callable[[int, int, Tensor], None]]
 
@@ -89,6 +92,7 @@ class OneBitStage:
         self._stage: Optional[Tensor] = None  # bounded staging buffer of the one-rank path
         self._caps: Optional[Tensor] = None  # decode_caps' buffer (recomputed every step, not saved)
         self._warned_no_blocks = False
+        self._freeze_lrs: Optional[List[float]] = None  # each group's lr at the freeze (see watch_lr)
         self._probe = True  # the compression stage's check for averaged gradients is undecided
         self.exact = ExactPart(self, exact_numel)
         self.stats_ride: Optional[Tensor] = None  # gradient_stats' sample, to ride in grads_finite's allreduce
@@ -244,6 +248,26 @@ class OneBitStage:
         self.build_mask(L)
         self.record_update_bounds(L)
         self._make_reducer(L)
+
+    def watch_lr(self) -> None:
+        """Log a warning, once, when a group's lr in the compression stage rises above
+        LR_RISE times its lr at the first compressed step (the one after the freeze; after a
+        resume, the first in this process):
+        the variance frozen while the lr was still warming up under-preconditions the larger
+        steps, which costs the top lrs (docs/optimizers.md, "Same hyperparameters as the
+        twin"); the fix is freeze_step at the end of the lr warmup."""
+        lrs = [g["lr"] for g in self.opt.param_groups]
+        if self._freeze_lrs is None or len(self._freeze_lrs) != len(lrs):
+            self._freeze_lrs = lrs
+            return
+        rose = [i for i, (now, then) in enumerate(zip(lrs, self._freeze_lrs)) if then > 0 and now > LR_RISE * then]
+        if rose:
+            i = rose[0]
+            _log.warning("%s: the lr of param group %s rose from %.3g at the freeze (step %s) to %.3g: the variance "
+                         "was frozen while the lr was still warming up, which costs convergence at the larger lrs; "
+                         "set freeze_step to the end of the lr warmup", type(self.opt).__name__, i,
+                         self._freeze_lrs[i], self.opt._option("freeze_step"), lrs[i])
+            self._freeze_lrs = [float("inf")] * len(lrs)  # once
 
     def log_freeze(self, L: FlatLayout) -> None:
         opt, name = self.opt, type(self.opt).__name__

@@ -113,6 +113,7 @@ class OneBitLamb(BaseOptimizer):
             return self._nonfinite("the local gradients")
         if not self._compressed_update(L):
             return self._nonfinite("the new momenta")
+        self._onebit.watch_lr()
         return True
 
     def _warmup_update(self, L: FlatLayout, active: List[bool]) -> None:
