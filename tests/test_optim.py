@@ -790,13 +790,16 @@ def test_freeze_is_logged(caplog):
     assert any("variance frozen after step 2" in r.getMessage() for r in caplog.records)
 
 
-@pytest.mark.parametrize("cls", [lbcomm.OneBitAdam, lbcomm.OneBitLamb])
+@pytest.mark.parametrize("cls", [lbcomm.OneBitAdam, lbcomm.OneBitLamb, lbcomm.ZeroOneAdam])
 def test_an_lr_rising_after_the_freeze_is_warned_about_once(cls, caplog):
     """A freeze inside the lr warmup is logged (once) when the lr has risen 1.5x since the
-    first compressed step; a schedule that decays after the freeze is not."""
+    first step after it (ZeroOneAdam: after var_freeze_step, the last variance update); a
+    schedule that decays after the freeze is not."""
+    option = "var_freeze_step" if cls is lbcomm.ZeroOneAdam else "freeze_step"
+
     def run(factors):
         model = _mlp()
-        opt = cls(model.parameters(), lr=1e-3, freeze_step=2)
+        opt = cls(model.parameters(), lr=1e-3, **{option: 2})
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: factors[min(t, len(factors) - 1)])
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="lbcomm"):
@@ -804,7 +807,7 @@ def test_an_lr_rising_after_the_freeze_is_warned_about_once(cls, caplog):
         return [r.getMessage() for r in caplog.records if "rose from" in r.getMessage()]
 
     rising = run([0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8])  # the first compressed step at 0.3
-    assert len(rising) == 1 and "param group 0 rose from 0.0003 " in rising[0] and "freeze_step" in rising[0]
+    assert len(rising) == 1 and "param group 0 rose from 0.0003 " in rising[0] and f"set {option} " in rising[0]
     assert run([1.0, 1.0, 1.0, 0.9, 0.8, 0.7, 0.6, 0.5]) == []
     assert run([0.1, 0.2, 0.3, 0.4, 0.44, 0.44, 0.44, 0.44]) == []  # under 1.5x
 

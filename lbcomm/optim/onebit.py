@@ -249,10 +249,10 @@ class OneBitStage:
         self.record_update_bounds(L)
         self._make_reducer(L)
 
-    def watch_lr(self) -> None:
+    def watch_lr(self, option: str = "freeze_step") -> None:
         """Log a warning, once, when a group's lr in the compression stage rises above
-        LR_RISE times its lr at the first compressed step (the one after the freeze; after a
-        resume, the first in this process):
+        LR_RISE times its lr at the first step this is called at (the one after the freeze,
+        `option`, the optimizer's freeze option; after a resume, the first in this process):
         the variance frozen while the lr was still warming up under-preconditions the larger
         steps, which costs the top lrs (docs/optimizers.md, "Same hyperparameters as the
         twin"); the fix is freeze_step at the end of the lr warmup."""
@@ -265,8 +265,8 @@ class OneBitStage:
             i = rose[0]
             _log.warning("%s: the lr of param group %s rose from %.3g at the freeze (step %s) to %.3g: the variance "
                          "was frozen while the lr was still warming up, which costs convergence at the larger lrs; "
-                         "set freeze_step to the end of the lr warmup", type(self.opt).__name__, i,
-                         self._freeze_lrs[i], self.opt._option("freeze_step"), lrs[i])
+                         "set %s to the end of the lr warmup", type(self.opt).__name__, i,
+                         self._freeze_lrs[i], self.opt._option(option), lrs[i], option)
             self._freeze_lrs = [float("inf")] * len(lrs)  # once
 
     def log_freeze(self, L: FlatLayout) -> None:

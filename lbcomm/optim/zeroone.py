@@ -185,6 +185,7 @@ class ZeroOneAdam(BaseOptimizer):
         else:
             local_steps.local_step_(self, L, self._rescale.factors_of(L))
         self._rescale.commit()
+        self._onebit.watch_lr("var_freeze_step")  # the variance is frozen for good from here on
         return True
 
     def _variance_step(self, L: FlatLayout) -> bool:
