@@ -61,8 +61,9 @@ class CommConfig:
             compressed allreduce of the momentum: each coordinate is decoded to at most the
             momentum whose step is the bound, and the error feedback keeps what that held
             back for later steps (instead of the step's clamp discarding it). Same bytes on
-            the wire; needs block_size. None: the optimizer's default (on for OneBitAdam,
-            OneBitLamb and ZeroOneAdam); True / False: on / off (default: None).
+            the wire; needs block_size. None or True: on; False: off. Without blocks
+            (block_size=None) the step's bound is the only one, logged as info with None
+            and as a warning with True (default: None).
         detect_averaged_grads (bool): 1-bit optimizers: raise when their gradients arrive
             already averaged by a DDP without lbcomm's hook (two reductions) (default: True).
         shard_group: FSDP2: the group of the other shards of the same parameters (set by

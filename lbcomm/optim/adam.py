@@ -81,8 +81,6 @@ def frozen_adamw_step_(opt: BaseOptimizer, stage: OneBitStage, L: FlatLayout,
 
 class OneBitAdam(BaseOptimizer):
     _GLOBAL_OPTIONS = ("freeze_step",)
-    # the capped decode by default (CommConfig.capped_decode=None)
-    CAPPED_DECODE = True
     _param_vectors: Dict[str, float] = {**OneBitStage.VECTORS, **RESCALE_VECTORS}
 
     def __init__(

@@ -166,12 +166,9 @@ class OneBitStage:
         and rescale factors, times the parameter's `scale` when the reduced momentum is
         scaled (OneBitLamb), +inf where no bound applies; the reducer decodes every value
         to at most c and its error feedback keeps the rest (`lbcomm.compressed.reduce_`).
-        None when nothing is capped: one rank, capped_decode off (None: the optimizer's
-        CAPPED_DECODE), no bound, or no blocks (one scale per tensor; warned once)."""
-        on = self.comm.capped_decode
-        if on is None:  # the optimizer's own default
-            on = self.opt.CAPPED_DECODE
-        if self.reducer is None or not on or all(b is None for b in bounds):
+        None when nothing is capped: one rank, capped_decode False, no bound, or no blocks
+        (one scale per tensor; warned once)."""
+        if self.reducer is None or self.comm.capped_decode is False or all(b is None for b in bounds):
             return None
         if self.comm.block_size is None:  # asked for explicitly: a warning; by default: info
             if not self._warned_no_blocks:

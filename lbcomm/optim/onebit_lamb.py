@@ -31,8 +31,6 @@ def _mode(group) -> str:
 
 class OneBitLamb(BaseOptimizer):
     _GLOBAL_OPTIONS = ("freeze_step",)
-    # the capped decode by default (CommConfig.capped_decode=None)
-    CAPPED_DECODE = True
     TRUST_RATIOS = ("live", "frozen", "max")
     _param_vectors: Dict[str, float] = {**OneBitStage.VECTORS, "lamb_coeff_freeze": 0.0, "momentum_scale": 1.0,
                                         "last_factor": 1.0}

@@ -40,8 +40,6 @@ def _positive_int(group: Dict[str, Any], name: str) -> None:
 
 class ZeroOneAdam(BaseOptimizer):
     _GLOBAL_OPTIONS = ("var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper", "var_decay")
-    # the capped decode by default (CommConfig.capped_decode=None)
-    CAPPED_DECODE = True
     # interval_lr: sum of the lrs since the last synchronization; interval_keep: product of
     # the weight-decay factors (1 - lr wd) since then (fp32, per parameter, checkpointed)
     _param_vectors: Dict[str, float] = {**OneBitStage.VECTORS, **RESCALE_VECTORS, "interval_lr": 0.0,
