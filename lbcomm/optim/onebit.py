@@ -93,6 +93,7 @@ class OneBitStage:
         self._caps: Optional[Tensor] = None  # decode_caps' buffer (recomputed every step, not saved)
         self._warned_no_blocks = False
         self._freeze_lrs: Optional[List[float]] = None  # each group's lr at the freeze (see watch_lr)
+        self._warned_lr_rise = False
         self._probe = True  # the compression stage's check for averaged gradients is undecided
         self.exact = ExactPart(self, exact_numel)
         self.stats_ride: Optional[Tensor] = None  # gradient_stats' sample, to ride in grads_finite's allreduce
@@ -253,6 +254,8 @@ class OneBitStage:
         the variance frozen while the lr was still warming up under-preconditions the larger
         steps, which costs the top lrs (docs/optimizers.md, "Same hyperparameters as the
         twin"); the fix is freeze_step at the end of the lr warmup."""
+        if self._warned_lr_rise:
+            return
         lrs = [g["lr"] for g in self.opt.param_groups]
         if self._freeze_lrs is None or len(self._freeze_lrs) != len(lrs):
             self._freeze_lrs = lrs
@@ -264,7 +267,7 @@ class OneBitStage:
                          "was frozen while the lr was still warming up, which costs convergence at the larger lrs; "
                          "set %s to the end of the lr warmup", type(self.opt).__name__, i,
                          self._freeze_lrs[i], self.opt._option(option), lrs[i], option)
-            self._freeze_lrs = [float("inf")] * len(lrs)  # once
+            self._warned_lr_rise = True
 
     def log_freeze(self, L: FlatLayout) -> None:
         opt, name = self.opt, type(self.opt).__name__
