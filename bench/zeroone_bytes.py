@@ -16,11 +16,12 @@ import argparse
 import datetime
 import json
 import math
+from types import SimpleNamespace
 
 import torch
 
 from .convergence import zeroone_local_step_scaler
-from .suite import spawn_ranks
+from .suite import freeze_of, spawn_ranks
 
 # name, ZeroOneAdam options: today's defaults, then the two savings switched off alone and together
 SETTINGS = (("defaults", {}), ("no local steps (local_step_clipper=1)", {"local_step_clipper": 1}),
@@ -38,7 +39,7 @@ def _rank(rank, world, a, out_path, init_file):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=600))
     width = max(1, math.isqrt(a.numel))
-    freeze = max(2, round(0.25 * a.steps))
+    freeze = freeze_of(SimpleNamespace(steps=a.steps))  # the suite's var_freeze_step rule
     rows = []
     for name, options in SETTINGS:
         torch.manual_seed(0)
