@@ -369,8 +369,8 @@ ZeroOneAdam.__doc__ = r"""Implements 0/1 Adam (Lu et al., 2022, "Maximizing Comm
     at full precision up to its freeze) and the local steps, compound there. With
     var_update_scaler=1000 (every step up to var_freeze_step a variance step) and
     local_step_clipper=1 its final losses are OneBitAdam's to about 1 %, and so are its
-    bytes. The measured cells are
-    in docs/optimizers.md ("Same hyperparameters as the twin").
+    bytes. The measured cells are in docs/optimizers.md ("Same hyperparameters as the
+    twin").
 
     Communication per step (4 ranks, n parameters, block scales aside): a variance step
     sends 2 (p-1)/p 4n bytes in one round per bucket; a 1-bit step or a sync about
