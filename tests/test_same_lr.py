@@ -11,6 +11,10 @@ limit is the ratio bench.suite measured for that cell plus a margin of 0.02 (rou
 to the next 0.01) — what a regression in the defaults would cross, and what different
 CPUs' float rounding does not (bench/studies.md, "Same-lr parity").
 """
+import json
+import math
+import re
+
 import pytest
 
 from dist_util import run_ranks
@@ -108,3 +112,46 @@ def test_suite_records_the_trajectory_and_runs_only_the_lrs_asked_for():
                 ["--freeze-at", "1"], ["--freeze-at", "0"]):
         with pytest.raises(SystemExit):
             suite.parse_args(bad)
+
+
+def _heldout(*args, timeout=600):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env,
+                          cwd=root)
+
+
+def test_heldout_runs_under_torchrun(tmp_path):
+    """bench/heldout.py as documented, shortened: torchrun, the twins and the 1-bit
+    optimizers from the same weights (the same initial loss), a finite final loss for
+    each, the ratio table printed."""
+    out = tmp_path / "heldout.json"
+    proc = _heldout("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "bench.heldout",
+                    "--tasks", "digits,recsys", "--pairs", "onebit_adam,onebit_lamb", "--seeds", "0",
+                    "--steps", "24", "--lrs", "0.003", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["world"] == 2 and doc["steps"] == 24
+    runs = {(r["task"], r["method"]): r for r in doc["runs"]}
+    assert set(runs) == {(t, m) for t in ("digits", "recsys") for m in ("adamw", "onebit_adam", "lamb", "onebit_lamb")}
+    for t in ("digits", "recsys"):
+        inits = {runs[(t, m)]["init"] for m in ("adamw", "onebit_adam", "lamb", "onebit_lamb")}
+        assert len(inits) == 1, inits
+        assert all(math.isfinite(runs[(t, m)]["final"]) and runs[(t, m)]["final"] < runs[(t, m)]["init"]
+                   for m in ("adamw", "onebit_adam", "lamb", "onebit_lamb")), runs
+    assert "digits: onebit_adam / adamw at the same lr" in proc.stdout
+    assert re.search(r"lr 0\.003: \d\.\d{4} \d\.\d{4} \d\.\d{3}", proc.stdout), proc.stdout
+
+
+def test_heldout_refuses_bad_input():
+    proc = _heldout("-m", "bench.heldout", "--tasks", "digits")
+    assert proc.returncode == 2 and "run it under torchrun" in proc.stderr
+    proc = _heldout("-m", "bench.heldout", "--tasks", "mnist")
+    assert proc.returncode == 2 and "unknown task 'mnist'" in proc.stderr
