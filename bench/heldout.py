@@ -269,8 +269,15 @@ def main(argv=None):
     for name in pairs:
         if name not in PAIRS:
             p.error(f"unknown pair {name!r}: one of {', '.join(PAIRS)}")
-    seeds = [int(s) for s in a.seeds.split(",")]
-    lrs = [float(x) for x in a.lrs.split(",")] if a.lrs else None
+    try:
+        seeds = [int(s) for s in a.seeds.split(",")]
+        lrs = [float(x) for x in a.lrs.split(",")] if a.lrs else None
+    except ValueError as e:
+        p.error(f"--seeds takes integers and --lrs numbers, comma-separated: {e}")
+    if lrs and not all(math.isfinite(x) and x > 0 for x in lrs):
+        p.error(f"--lrs must be positive: {a.lrs}")
+    if a.steps < 8:
+        p.error(f"--steps must be at least 8 (the freeze is at 25 % of them): {a.steps}")
     if "RANK" not in os.environ:
         p.error("run it under torchrun: torchrun --standalone --nproc-per-node 4 -m bench.heldout ...")
     torch.set_num_threads(1)

@@ -155,3 +155,7 @@ def test_heldout_refuses_bad_input():
     assert proc.returncode == 2 and "run it under torchrun" in proc.stderr
     proc = _heldout("-m", "bench.heldout", "--tasks", "mnist")
     assert proc.returncode == 2 and "unknown task 'mnist'" in proc.stderr
+    for bad, why in ((["--lrs", "x"], "--lrs numbers"), (["--lrs", "-0.1"], "must be positive"),
+                     (["--steps", "3"], "at least 8")):
+        proc = _heldout("-m", "bench.heldout", *bad)
+        assert proc.returncode == 2 and why in proc.stderr, proc.stderr
