@@ -39,6 +39,7 @@ from torch import nn
 
 import lbcomm
 
+from . import tasks as T
 from .cli_options import json_options, optimizer_options
 from .convergence import zeroone_local_step_scaler
 
@@ -47,19 +48,7 @@ PAIRS = {"onebit_adam": ("adamw", "adam"), "zeroone": ("adamw", "adam"), "onebit
 CONVERGED = 0.2  # the twin's drop left, relative to the best run's on the task, at most this
 
 
-# ---------------------------------------------------------------------- tasks
-class Task:
-    """make_model(), batch(step) -> global batch, val, loss(model, batch), steps."""
-
-    def __init__(self, name, make_model, batch, val, loss, steps):
-        self.name, self.make_model, self.batch, self.val, self.loss, self.steps = (
-            name, make_model, batch, val, loss, steps)
-
-
-def _ce(model, b):
-    return F.cross_entropy(model(b[0]), b[1])
-
-
+# ---------------------------------------------------------------------- tasks (bench.tasks.Task)
 class CharGRU(nn.Module):
     def __init__(self, vocab=128, dim=48, hidden=128):
         super().__init__()
@@ -92,8 +81,8 @@ def prose_lm(seed, steps=300, batch=32, ctx=48):
         torch.manual_seed(seed)
         return CharGRU()
 
-    return Task("prose_lm", make, lambda step: (windows(train, batch, torch.Generator().manual_seed(
-        seed * 100003 + step)),), (val,), loss, steps)
+    return T.Task("prose_lm", make, lambda step: (windows(train, batch, torch.Generator().manual_seed(
+        seed * 100003 + step)),), (val,), loss, steps, batch)
 
 
 FONT = ["01110 10001 10011 10101 11001 10001 01110", "00100 01100 00100 00100 00100 00100 01110",
@@ -125,11 +114,7 @@ def digits(seed, steps=300, batch=128, n_train=32768, n_val=2048):
         torch.manual_seed(seed)
         return nn.Sequential(nn.Linear(100, 256), nn.ReLU(), nn.Linear(256, 128), nn.ReLU(), nn.Linear(128, 10))
 
-    def batch_of(step):
-        idx = torch.randint(0, n_train, (batch,), generator=torch.Generator().manual_seed(seed * 100003 + step))
-        return xt[idx], yt[idx]
-
-    return Task("digits", make, batch_of, (xv, yv), _ce, steps)
+    return T.Task("digits", make, T._sampler(n_train, batch, seed, xt, yt), (xv, yv), T._ce, steps, batch)
 
 
 class TwoTower(nn.Module):
@@ -165,28 +150,14 @@ def recsys(seed, steps=300, batch=256, users=1000, items=6000, n_train=65536, n_
         torch.manual_seed(seed)
         return TwoTower(users, items)
 
-    def batch_of(step):
-        idx = torch.randint(0, n_train, (batch,), generator=torch.Generator().manual_seed(seed * 100003 + step))
-        return pt[idx], yt[idx]
-
-    return Task("recsys", make, batch_of, (pv, yv),
-                lambda m, b: F.binary_cross_entropy_with_logits(m(b[0]), b[1]), steps)
+    return T.Task("recsys", make, T._sampler(n_train, batch, seed, pt, yt), (pv, yv),
+                  lambda m, b: F.binary_cross_entropy_with_logits(m(b[0]), b[1]), steps, batch)
 
 
 TASKS = {"prose_lm": prose_lm, "digits": digits, "recsys": recsys}
 
 
 # ---------------------------------------------------------------------- one run
-def schedule(steps):
-    warm = max(1, steps // 10)
-    return lambda s: (s + 1) / warm if s < warm else 0.1 + 0.45 * (1 + math.cos(math.pi * (s - warm) / (steps - warm)))
-
-
-@torch.no_grad()
-def evaluate(task, model):
-    return float(task.loss(model, task.val))
-
-
 def one_run(task, method, lr, rank, world, options=None):
     """(initial, final) held-out loss of one run; `options` (JSON dict) go to the 1-bit optimizer."""
     model = task.make_model()
@@ -206,8 +177,8 @@ def one_run(task, method, lr, rank, world, options=None):
     else:
         opt = lbcomm.ZeroOneAdam(model.parameters(), **kw, var_freeze_step=freeze,
                                  **{"local_step_scaler": zeroone_local_step_scaler(task.steps), **extra})
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule(task.steps))
-    init = evaluate(task, model)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: T.schedule_factor("cosine", s, task.steps))
+    init = T.evaluate(task, model)
     for step in range(task.steps):
         b = task.batch(step)
         per = b[0].shape[0] // world
@@ -219,7 +190,7 @@ def one_run(task, method, lr, rank, world, options=None):
         except lbcomm.NonFiniteError:
             return init, float("nan")
         sched.step()
-    final = evaluate(task, model)
+    final = T.evaluate(task, model)
     return init, final if math.isfinite(final) else float("nan")
 
 
