@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 
-__all__ = ["json_options", "optimizer_options"]
+__all__ = ["json_options", "optimizer_options", "construct"]
+
+# options an optimizer takes in a param group, not as constructor arguments
+GROUP_OPTIONS = {"OneBitLamb": ("factor_threshold", "norm_samples", "norm_step_bound")}
 
 
 def json_options(text: str) -> dict:
@@ -25,11 +28,26 @@ def json_options(text: str) -> dict:
 def optimizer_options(options: dict, **comm_defaults) -> dict:
     """An options dict as lbcomm optimizer keyword arguments: the `lbcomm.CommConfig` fields
     (block_size, exact_numel, max_update, ...) go into ``comm``, on top of `comm_defaults`;
-    the rest are the optimizer's hyperparameters."""
+    the param-group options (GROUP_OPTIONS) into ``param_group``, for `construct`; the rest
+    are the optimizer's hyperparameters."""
     import dataclasses
 
     import lbcomm
 
     fields = {f.name for f in dataclasses.fields(lbcomm.CommConfig)}
+    grouped = {k for names in GROUP_OPTIONS.values() for k in names}
     comm = {**comm_defaults, **{k: v for k, v in options.items() if k in fields}}
-    return {**{k: v for k, v in options.items() if k not in fields}, "comm": lbcomm.CommConfig(**comm)}
+    out = {k: v for k, v in options.items() if k not in fields and k not in grouped}
+    group = {k: v for k, v in options.items() if k in grouped}
+    return {**out, "comm": lbcomm.CommConfig(**comm), **({"param_group": group} if group else {})}
+
+
+def construct(cls, params, param_group=None, **kw):
+    """cls(params, **kw) from `optimizer_options`' keyword arguments: its ``param_group``
+    options (GROUP_OPTIONS) are set on the one param group; a class without them refuses."""
+    if not param_group:
+        return cls(params, **kw)
+    bad = sorted(set(param_group) - set(GROUP_OPTIONS.get(cls.__name__, ())))
+    if bad:
+        raise ValueError(f"{cls.__name__} takes no param-group option {', '.join(bad)}")
+    return cls([{"params": list(params), **param_group}], **kw)

@@ -41,7 +41,7 @@ from torch import nn
 import lbcomm
 from lbcomm.comm.counting import CountingTransport
 
-from .cli_options import json_options, optimizer_options
+from .cli_options import construct, json_options, optimizer_options
 
 BASELINE = {"onebit_adam": "adamw", "onebit_lamb": "lamb"}  # the block-size sweeps
 TWIN = {**BASELINE, "zeroone": "adamw"}
@@ -144,7 +144,7 @@ def make_optimizer(kind, params, a, block):
     # non-finite steps raise, as a diverged run should
     extra = optimizer_options(a.onebit_options, block_size=block, nonfinite="raise")
     if kind == "onebit_adam":
-        return lbcomm.OneBitAdam(params, lr=a.adam_lr, freeze_step=a.freeze, **common, **extra)
+        return construct(lbcomm.OneBitAdam, params, lr=a.adam_lr, freeze_step=a.freeze, **common, **extra)
     if kind == "zeroone":
         return lbcomm.ZeroOneAdam(params, lr=a.adam_lr, var_freeze_step=a.freeze,
                                   var_update_scaler=a.var_update_scaler, local_step_scaler=a.local_step_scaler,
@@ -152,7 +152,7 @@ def make_optimizer(kind, params, a, block):
                                   **optimizer_options(a.zeroone_options, block_size=block, nonfinite="raise"))
     if kind == "lamb":
         return lbcomm.Lamb(params, lr=a.lamb_lr, comm=lbcomm.CommConfig(nonfinite="raise"), **common)
-    return lbcomm.OneBitLamb(params, lr=a.lamb_lr, freeze_step=a.freeze, **common, **extra)
+    return construct(lbcomm.OneBitLamb, params, lr=a.lamb_lr, freeze_step=a.freeze, **common, **extra)
 
 
 def lr_factor(step: int, total: int, warmup: int) -> float:

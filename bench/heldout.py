@@ -40,7 +40,7 @@ from torch import nn
 import lbcomm
 
 from . import tasks as T
-from .cli_options import json_options, optimizer_options
+from .cli_options import construct, json_options, optimizer_options
 from .convergence import zeroone_local_step_scaler
 
 GRIDS = {"adam": [1e-3, 3e-3, 1e-2, 3e-2], "lamb": [3e-3, 1e-2, 3e-2, 1e-1]}
@@ -171,12 +171,12 @@ def one_run(task, method, lr, rank, world, options=None):
     elif method == "lamb":
         opt = lbcomm.Lamb(model.parameters(), **kw, comm=lbcomm.CommConfig(nonfinite="raise"))
     elif method == "onebit_adam":
-        opt = lbcomm.OneBitAdam(model.parameters(), **kw, freeze_step=freeze, **extra)
+        opt = construct(lbcomm.OneBitAdam, model.parameters(), **kw, freeze_step=freeze, **extra)
     elif method == "onebit_lamb":
-        opt = lbcomm.OneBitLamb(model.parameters(), **kw, freeze_step=freeze, **extra)
+        opt = construct(lbcomm.OneBitLamb, model.parameters(), **kw, freeze_step=freeze, **extra)
     else:
-        opt = lbcomm.ZeroOneAdam(model.parameters(), **kw, var_freeze_step=freeze,
-                                 **{"local_step_scaler": zeroone_local_step_scaler(task.steps), **extra})
+        opt = construct(lbcomm.ZeroOneAdam, model.parameters(), **kw, var_freeze_step=freeze,
+                        **{"local_step_scaler": zeroone_local_step_scaler(task.steps), **extra})
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: T.schedule_factor("cosine", s, task.steps))
     init = T.evaluate(task, model)
     for step in range(task.steps):

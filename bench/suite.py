@@ -55,7 +55,7 @@ import torch.multiprocessing as mp
 import lbcomm
 from lbcomm.common import ring_allreduce_bytes
 
-from .cli_options import json_options, optimizer_options
+from .cli_options import construct, json_options, optimizer_options
 from . import tasks as T
 from .convergence import average_grads, zeroone_local_step_scaler
 
@@ -115,8 +115,8 @@ def build(method, model, lr, task, world, a, classes=None):
     if method == "adamw":
         return model, torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=wd)
     if method == "onebit_adam":
-        return model, adam_cls(model.parameters(), lr=lr, betas=betas, weight_decay=wd,
-                               freeze_step=freeze_of(task, a), **extra)
+        return model, construct(adam_cls, model.parameters(), lr=lr, betas=betas, weight_decay=wd,
+                                freeze_step=freeze_of(task, a), **extra)
     if method == "zeroone":  # var_freeze_step at 25 % as the others' freeze; alpha scaled to the run
         opts = optimizer_options({"local_step_scaler": zeroone_local_step_scaler(task.steps),
                                   **a.zeroone_options}, nonfinite="raise")
@@ -126,8 +126,8 @@ def build(method, model, lr, task, world, a, classes=None):
         return model, lbcomm.Lamb(model.parameters(), lr=lr, betas=betas, weight_decay=wd,
                                   comm=lbcomm.CommConfig(nonfinite="raise"))
     if method == "onebit_lamb":
-        return model, lamb_cls(model.parameters(), lr=lr, betas=betas, weight_decay=wd,
-                               freeze_step=freeze_of(task, a), **extra)
+        return model, construct(lamb_cls, model.parameters(), lr=lr, betas=betas, weight_decay=wd,
+                                freeze_step=freeze_of(task, a), **extra)
     def lars(grads_averaged=False):
         return lbcomm.Lars(model.parameters(), lr=lr, weight_decay=wd, trust_coefficient=LARS_TRUST,
                            grads_averaged=grads_averaged, **optimizer_options(lars_options(a), nonfinite="raise"))

@@ -9,8 +9,8 @@ worker and server error buffers), so every rank saves and loads its own file:
 exists when it returns); `load_sharded` reads it back. With the same world size the
 resume is bitwise identical to a run that never stopped. With another world size (elastic
 resume) every rank reads shard ``rank % saved_world_size`` (the model and the optimizer
-moments are identical on all ranks) and the compression error feedback of every saved
-rank, which `lbcomm.reducer.redistribute` maps onto the new world with its total (the
+moments are identical on all ranks; OneBitLamb's per-rank momenta of local gradients
+start from their mean) and the compression error feedback of every saved rank, which `lbcomm.reducer.redistribute` maps onto the new world with its total (the
 carried error of the error-feedback invariant: mean worker error + server error)
 preserved; ``elastic=False`` resets it instead, with a logged warning. The same holds for
 a `OneBitHookState` passed as ``hook_state=``: each of its units (bucket error feedback)
@@ -208,3 +208,11 @@ def redistribute_optimizer_state(opt_state: Dict[str, Any], saved: List[Dict[str
     comps = [((other or {}).get("lbcomm") or {}).get("compression") for other in saved]
     extra["compression"] = redistribute(comps, world, rank, where=where)
     extra["world_size"] = world
+    # OneBitLamb's per-rank momenta of local gradients: each new rank starts from their mean,
+    # the momentum an uncompressed allreduce would have given
+    states = [(other or {}).get("state") or {} for other in saved]
+    for pid, st in (opt_state.get("state") or {}).items():
+        if "exp_avg_local" in st:
+            mine = [s.get(pid, {}).get("exp_avg_local") for s in states]
+            if all(isinstance(t, torch.Tensor) and t.shape == st["exp_avg_local"].shape for t in mine):
+                st["exp_avg_local"] = torch.stack(mine).sum(0) / len(mine)

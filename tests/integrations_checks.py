@@ -20,15 +20,19 @@ def ring_bytes(numel, world):
 
 
 def check_wire(step_bytes, per_call, warmup_steps, steady_steps, numel, world):
-    """Warmup steps carry DDP's fp32 allreduce; steady compression steps carry the compressed
-    call of `per_call` bytes and nothing else of size."""
+    """Warmup steps carry DDP's fp32 allreduce; steady compression steps carry the `per_call`
+    bytes the compression reports (a 1-bit optimizer's bytes_per_step total: the compressed
+    call, the exact parameters, the agreement, OneBitLamb's norm estimate) and nothing else
+    of size."""
     ring = ring_bytes(numel, world)
     overhead = min(step_bytes[s] - ring for s in warmup_steps)
     assert overhead >= 0, (step_bytes, ring)
     for s in steady_steps:
         extra = step_bytes[s] - per_call
         assert 0 <= extra <= overhead + HEADER_SLACK, (s, step_bytes[s], per_call, overhead)
-        assert step_bytes[s] * 10 < ring, (s, step_bytes[s], ring)  # the fp32 allreduce is really off
+        # the fp32 allreduce is really off (it alone would send `ring`); OneBitLamb's norm
+        # estimate keeps a step of these 17k-parameter models at about 1/7 of it
+        assert step_bytes[s] * 4 < ring, (s, step_bytes[s], ring)
 
 
 def check_resume(full, resumed, keys):

@@ -23,7 +23,9 @@ import lbcomm
 from bench.convergence import state_bytes
 
 
-KINDS = ("AdamW", "OneBitAdam", "Lamb", "OneBitLamb")
+# OneBitLamb/decoded: the live ratio on the decoded direction's norm (norm_samples=0), the
+# rule before the estimated norm: what the estimate costs, in the same process
+KINDS = ("AdamW", "OneBitAdam", "Lamb", "OneBitLamb", "OneBitLamb/decoded")
 
 
 def make(kind: str, params):
@@ -31,6 +33,8 @@ def make(kind: str, params):
         return torch.optim.AdamW(params, lr=1e-3)
     if kind == "Lamb":
         return lbcomm.Lamb(params, lr=1e-3)
+    if kind == "OneBitLamb/decoded":
+        return lbcomm.OneBitLamb([{"params": list(params), "norm_samples": 0}], lr=1e-3, freeze_step=2)
     return getattr(lbcomm, kind)(params, lr=1e-3, freeze_step=2)
 
 
@@ -68,4 +72,4 @@ if __name__ == "__main__":
     print(f"resident optimizer state, bytes per parameter, 4 ranks, {numel} parameters (rank 0):")
     for kind, r in res[0].items():
         ms = "" if r["step_ms"] is None else f"   step {r['step_ms']:7.1f} ms (median of {timed})"
-        print(f"  {kind:<11} {r['bytes']:6.2f}{ms}")
+        print(f"  {kind:<18} {r['bytes']:6.2f}{ms}")

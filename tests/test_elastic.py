@@ -148,11 +148,12 @@ def _resume(rank, p, ckpt, old):
         # ... then the redistribution, so the reset is never warned about
         info = lbcomm.load_sharded(os.path.join(ckpt, name), opt, model)
         loaded = opt.compression_state.state_dict()
+        own = [opt.state[q]["exp_avg_local"].clone() for q in model.parameters()] if name == "lamb" else None
         for t in range(SAVE_AT, SAVE_AT + 3):
             opt.zero_grad()
             _loss(model, rank, t).backward()
             opt.step()
-        out[name] = {"exact": info["exact"], "loaded": loaded,
+        out[name] = {"exact": info["exact"], "loaded": loaded, "own": own,
                      "params": [q.detach().clone() for q in model.parameters()]}
     out["warnings"] = warnings
     return out
@@ -173,6 +174,16 @@ def test_load_sharded_redistributes_the_error_feedback(old, new, tmp_path):
         torch.testing.assert_close(_total(loaded), _total(saved), rtol=1e-6, atol=1e-7)
         for r in range(1, new):  # training went on as one model
             assert all(torch.equal(a, b) for a, b in zip(resumed[r][name]["params"], resumed[0][name]["params"]))
+    # OneBitLamb's momenta of each rank's own gradients: every new rank starts from the saved
+    # ranks' mean (the momentum an uncompressed allreduce would have given), not from one of them
+    states = [torch.load(lbcomm.checkpoint.shard_path(os.path.join(ckpt, "lamb"), r, old), weights_only=True)
+              ["optimizer"]["state"] for r in range(old)]
+    for j in range(len(resumed[0]["lamb"]["own"])):
+        saved_own = [s[j]["exp_avg_local"] for s in states]
+        assert not torch.equal(saved_own[0], saved_own[1])
+        mean = torch.stack(saved_own).sum(0) / old
+        for r in range(new):
+            assert torch.equal(resumed[r]["lamb"]["own"][j].reshape(-1), mean.reshape(-1))
 
 
 # ------------------------------------------------ OneBitHookState, and both through DCP

@@ -30,13 +30,17 @@ def test_lightning_compresses_and_resumes_bitwise(kind, tmp_path):
         assert res["resumed_batches"] == res["batches"][12:]  # the resumed run saw the same data
         if kind == "onebit_lamb":
             assert [s for s, f in res["frozen"].items() if f] == list(range(FREEZE + 1, 10))
+            # the compressed call, 20x below fp32; the step also sends the norm estimate's
+            # fp64 samples, which on this 17k-parameter model outweigh it
+            assert 0 < res["compressed"][9] * 20 < numel * 4
             per_call = res["per_call"][9]
+            assert per_call * 5 < numel * 4
         else:
             sent = res["hook_sent"]
             per_step = {s: sent[s] - sent[s - 1] for s in range(FREEZE + 2, 10)}
             assert len(set(per_step.values())) == 1, per_step
             per_call = per_step[9]
-        assert 0 < per_call * 20 < numel * 4
+            assert 0 < per_call * 20 < numel * 4
         # The probe reads the counters before each optimizer step: steps 8 and 9 are steady
         # (step 7 holds the checkpoint of step 6).
         check_wire(res["bytes"], per_call, warmup_steps=[2, 3], steady_steps=[8, 9], numel=numel, world=2)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import lbcomm
+from lbcomm.common import ring_allreduce_bytes
 from lbcomm.optim import reference as SIM
 from dist_util import run_ranks, same as _same
 
@@ -23,10 +24,17 @@ OPTS = {"adam": lbcomm.OneBitAdam, "lamb": lbcomm.OneBitLamb}
 COMM_FIELDS = {f.name for f in dataclasses.fields(lbcomm.CommConfig)}
 
 
+GROUP_ONLY = ("norm_samples", "norm_step_bound", "factor_threshold")  # param-group options, not arguments
+
+
 def make_opt(cls, params, **kw):
     """An optimizer from one flat dict of options, the form the simulations in
-    lbcomm.optim.reference take: the CommConfig fields go into ``comm``."""
+    lbcomm.optim.reference take: the CommConfig fields go into ``comm``, the options a
+    param group sets into the one group."""
     comm = {k: kw.pop(k) for k in list(kw) if k in COMM_FIELDS}
+    group = {k: kw.pop(k) for k in list(kw) if k in GROUP_ONLY}
+    if group:
+        params = [{"params": list(params), **group}]
     return cls(params, comm=lbcomm.CommConfig(**comm), **kw)
 
 
@@ -146,7 +154,8 @@ def _record(rank, p, name, steps, freeze, kw):
         grads.append([q.grad.clone() for q in model.parameters()])
         opt.step()
         params.append([q.detach().clone() for q in model.parameters()])
-    return {"params0": params0, "grads": grads, "params": params, "numel": sum(q.numel() for q in params0)}
+    return {"params0": params0, "grads": grads, "params": params, "numel": sum(q.numel() for q in params0),
+            "bytes": opt.bytes_per_step()}
 
 
 # exact_numel=0: this model is small enough for the default (4096) to average all of it exactly
@@ -190,6 +199,13 @@ SIM_RUNS = {
     "lamb_tight_uncapped": dict(name="lamb", steps=16, freeze=4,
                                 kw=dict(exact_numel=0, lr=1e-2, weight_decay=0.01, block_size=64, max_update=0.05,
                                         capped_decode=False)),
+    # the live ratio's norm: 4 sampled coordinates of the many that max_update=0.05 clamps
+    # (a drawn subset, not all of them), and the decoded direction's norm (norm_samples=0)
+    "lamb_sampled": dict(name="lamb", steps=16, freeze=4,
+                         kw=dict(exact_numel=0, lr=1e-2, weight_decay=0.01, block_size=64, max_update=0.05,
+                                 norm_samples=4)),
+    "lamb_decoded_norm": dict(name="lamb", steps=16, freeze=4,
+                              kw=dict(exact_numel=0, lr=1e-2, weight_decay=0.01, block_size=64, norm_samples=0)),
     "lamb_warmup": dict(name="lamb", steps=16, freeze=4,
                         kw=dict(exact_numel=0, lr=1e-2, weight_decay=0.01, block_size=64, max_update="warmup")),
     # exact_numel: the biases, LayerNorm and the 5 x 24 head (<= 200 elements) averaged exactly,
@@ -361,6 +377,32 @@ def test_a_tight_max_update_changes_the_run(four_ranks, name):
     assert max((a - b).abs().max().item() for a, b in zip(tight["params"][-1], published["params"][-1])) > 1e-4
     freeze = SIM_RUNS[f"{name}_tight"]["freeze"]  # the warmup is not affected
     assert _same(tight["params"][freeze - 1], published["params"][freeze - 1])
+
+
+def test_the_live_ratios_norm_estimate_is_in_the_bitwise_comparison(four_ranks):
+    """OneBitLamb's live ratio divides by an estimate of the uncompressed direction's norm:
+    the run with 4 sampled coordinates (equal to its simulation bitwise, above) ends
+    elsewhere than the simulation that averages every clamped coordinate exactly, or with
+    the decoded norm (norm_samples=0), or with a step bound at the lr (the estimate may then
+    only lower the coefficient); the decoded-norm run ends elsewhere than the default."""
+    cfg, rec = SIM_RUNS["lamb_sampled"], four_ranks[0]["sim"]["lamb_sampled"]
+    grads = [[four_ranks[r]["sim"]["lamb_sampled"]["grads"][t] for r in range(4)] for t in range(cfg["steps"])]
+
+    def gap(**kw):
+        hist = SIM.simulate_onebit_lamb(rec["params0"], grads, freeze_step=cfg["freeze"], **dict(cfg["kw"], **kw))
+        return max((a - b).abs().max().item() for a, b in zip(hist[-1], rec["params"][-1]))
+
+    assert gap() == 0.0
+    assert gap(norm_samples=10 ** 6) > 1e-6  # more clamped coordinates than 4: the draw is a subset
+    assert gap(norm_samples=0) > 1e-6
+    assert gap(norm_step_bound=cfg["kw"]["lr"]) > 1e-6
+    decoded, default = four_ranks[0]["sim"]["lamb_decoded_norm"], four_ranks[0]["sim"]["lamb_max"]
+    assert max((a - b).abs().max().item() for a, b in zip(decoded["params"][-1], default["params"][-1])) > 1e-5
+    # what it sends: one fp64 allreduce of (samples + 1) per parameter, in bytes_per_step
+    sent = rec["bytes"]
+    assert sent["norm_estimate"] == ring_allreduce_bytes(8 * 5 * len(rec["params0"]), 4)
+    assert sent["total"] == sent["compressed"] + sent["exact"] + sent["agreement"] + sent["norm_estimate"]
+    assert decoded["bytes"]["norm_estimate"] == 0
 
 
 def test_the_capped_decode_is_in_the_bitwise_comparison(four_ranks):
@@ -677,6 +719,81 @@ def test_state_dict_round_trip_is_exact_in_process():
         assert _same(_snapshot(model, opt)["buffers"], _snapshot(clone, opt2)["buffers"])
     with pytest.raises(ValueError, match="not saved by an lbcomm optimizer"):
         opt2.load_state_dict(torch.optim.AdamW(clone.parameters()).state_dict())
+
+
+def test_onebit_lamb_checkpoint_without_the_local_momentum(caplog):
+    """A checkpoint saved before OneBitLamb kept each rank's own momentum (no
+    exp_avg_local) loads with it started from the reduced momentum, and says so."""
+    model = _mlp()
+    opt = lbcomm.OneBitLamb(model.parameters(), lr=1e-2, freeze_step=3)
+    _train(model, opt, 5)
+    sd = copy.deepcopy(opt.state_dict())
+    assert all("exp_avg_local" in st for st in sd["state"].values())
+    for st in sd["state"].values():
+        del st["exp_avg_local"]
+    clone = copy.deepcopy(model)
+    opt2 = lbcomm.OneBitLamb(clone.parameters(), lr=1e-2, freeze_step=3)
+    with caplog.at_level(logging.WARNING, logger="lbcomm"):
+        opt2.load_state_dict(sd)
+    assert any("no exp_avg_local" in r.getMessage() for r in caplog.records)
+    for q in clone.parameters():
+        assert torch.equal(opt2.state[q]["exp_avg_local"], opt2.state[q]["exp_avg"])
+    _train(clone, opt2, 2, start=5)
+
+
+def test_the_estimated_norm_is_bounded_by_the_peak_lr():
+    """The live ratio's norm: the estimate's root, never below 0.1 ||u||, and under
+    norm_step_bound tau never below ||u|| / max(1, tau / lr_peak): the bound is set by the
+    largest lr of the compression stage and stays as the schedule decays the lr."""
+    est = lbcomm.OneBitLamb._estimated_norm
+    un = torch.tensor([2.0])
+    sq = torch.tensor(0.01, dtype=torch.float64)  # an estimate far below ||u||
+    assert est(sq, un, {"lr": 0.01, "norm_step_bound": None}).item() == pytest.approx(0.2)  # 0.1 ||u||
+    assert est(sq, un, {"lr": 0.01, "norm_step_bound": 0.1}).item() == pytest.approx(0.2)  # factor 10
+    assert est(sq, un, {"lr": 0.01, "norm_step_bound": 0.05}).item() == pytest.approx(0.4)  # factor 5
+    # decayed from a peak of 0.05: the factor stays 2, not 10
+    assert est(sq, un, {"lr": 0.01, "lr_peak": 0.05, "norm_step_bound": 0.1}).item() == pytest.approx(1.0)
+    # a run at an lr of tau or more divides by the decoded norm (or the estimate, if larger)
+    assert est(sq, un, {"lr": 0.2, "norm_step_bound": 0.1}).item() == pytest.approx(2.0)
+    assert est(torch.tensor(9.0, dtype=torch.float64), un, {"lr": 0.2, "norm_step_bound": 0.1}).item() == 3.0
+
+
+def test_rank_local_buffers_round_trip(caplog):
+    """What a framework callback saves per rank beside rank 0's optimizer state: OneBitLamb's
+    exp_avg_local after the freeze (nothing before, nothing for OneBitAdam); restored as
+    saved, as the mean of every saved rank's (another world size), or started from the
+    momentum with a warning when the checkpoint has none."""
+    model = _mlp()
+    opt = lbcomm.OneBitLamb(model.parameters(), lr=1e-2, freeze_step=3)
+    _train(model, opt, 2)
+    assert opt.rank_local_buffers() == {}
+    _train(model, opt, 3, start=2)
+    local = opt.rank_local_buffers()["exp_avg_local"]
+    assert local.numel() == sum(q.numel() for q in model.parameters())
+    assert lbcomm.OneBitAdam(model.parameters()).rank_local_buffers() == {}
+    a, b = local.clone() + 1, local.clone() - 3
+    opt.load_rank_local_buffers({"exp_avg_local": a})
+    assert torch.equal(local, a)
+    opt.load_rank_local_buffers({"exp_avg_local": a}, all_ranks=[{"exp_avg_local": a}, {"exp_avg_local": b}])
+    assert torch.equal(local, (a + b) / 2)
+    with caplog.at_level(logging.WARNING, logger="lbcomm"):
+        opt.load_rank_local_buffers(None)
+    assert torch.equal(local, opt._flat["exp_avg"]) and any("rank-local" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ValueError, match="another model or layout"):
+        opt.load_rank_local_buffers({"exp_avg_local": torch.zeros(3)})
+
+
+def test_onebit_lamb_norm_options_are_validated():
+    model = _mlp()
+    for bad in (-1, 2.5, True, "256"):
+        with pytest.raises(ValueError, match="norm_samples"):
+            lbcomm.OneBitLamb([{"params": model.parameters(), "norm_samples": bad}])
+    for bad in (0, -0.1, True, "0.03"):
+        with pytest.raises(ValueError, match="norm_step_bound"):
+            lbcomm.OneBitLamb([{"params": model.parameters(), "norm_step_bound": bad}])
+    opt = lbcomm.OneBitLamb([{"params": model.parameters(), "norm_samples": 0, "norm_step_bound": None}])
+    assert opt.param_groups[0]["norm_samples"] == 0 and opt.param_groups[0]["norm_step_bound"] is None
+    assert lbcomm.OneBitLamb(model.parameters()).defaults["norm_samples"] == 256
 
 
 def test_state_dict_before_the_first_step_and_add_param_group():

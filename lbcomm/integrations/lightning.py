@@ -17,8 +17,8 @@ really use lbcomm and resume it exactly.
   steps. ``gradient_clip_val`` clips each rank's gradient by its own norm, as DiLoCo's
   inner steps do.
 * Every checkpoint: Lightning writes the checkpoint dict of rank 0 only. The callback
-  gathers what differs between ranks (the optimizer's compression error feedback and the
-  hook state) from every rank into that dict under ``"lbcomm"``, one entry per rank; the
+  gathers what differs between ranks (the optimizer's compression error feedback and its
+  `rank_local_buffers`, and the hook state) from every rank into that dict under ``"lbcomm"``, one entry per rank; the
   rest of the optimizer state (moments, step counts) is identical on all ranks and is
   Lightning's ``optimizer_states``. With local updates every rank's entry holds the local
   updates' state, the inner optimizer's state and the module's weights (between
@@ -92,6 +92,7 @@ def _redistributed_entry(ranks, world: int, rank: int) -> Dict[str, Any]:
     entry: Dict[str, Any] = {"compression": None, "hook": ranks[0]["hook"],
                              "hook_all_ranks": [r["hook"] for r in ranks] if ranks[0]["hook"] is not None else None}
     mine = ranks[rank % saved_world]
+    entry["buffers_all_ranks"] = [r.get("buffers") for r in ranks]  # averaged on load
     if mine.get("local") is not None:
         entry.update(local=mine["local"], local_all_ranks=[r["local"] for r in ranks], model=mine["model"],
                      inner=mine["inner"])
@@ -242,6 +243,9 @@ class LbcommCallback(Callback):
         comp = None if self._optimizer is None else self._optimizer.compression_state
         state = {
             "compression": None if comp is None else comp.state_dict(),
+            # the optimizer's other rank-local state (OneBitLamb's momentum of this rank's gradients)
+            "buffers": None if self._optimizer is None else {n: t.clone() for n, t in
+                                                             self._optimizer.rank_local_buffers().items()},
             "hook": None if self.hook_state is None else self.hook_state.state_dict(),
         }
         if self.local_updates is not None:  # each rank's own between synchronizations
@@ -310,4 +314,7 @@ class LbcommCallback(Callback):
         if comp is not None and not comp.load_state_dict(pending["compression"]):
             raise ValueError("LbcommCallback: the saved error feedback does not fit this optimizer's compression "
                              "state (another model or layout)")
+        if self._optimizer is not None:  # after Lightning's restore of rank 0's optimizer state
+            all_ranks = pending.get("buffers_all_ranks")
+            self._optimizer.load_rank_local_buffers(pending.get("buffers"), all_ranks=all_ranks)
         _log.info("LbcommCallback: rank %s restored its compression error feedback", trainer.global_rank)

@@ -79,6 +79,8 @@ class BaseOptimizer(Optimizer):
     # Flat state buffers from the first step on, and fp32 scalars per parameter (initial value).
     _flat_buffers: tuple = ("exp_avg", "exp_avg_sq")
     _param_vectors: Dict[str, float] = {"step": 0.0}
+    # Flat buffers whose values differ between ranks (`rank_local_buffers`).
+    _rank_local_buffers: tuple = ()
     # Whether the optimizer runs the averaged-gradients probe (comm.detect_averaged_grads).
     _probes_averaged_grads: bool = True
 
@@ -441,6 +443,41 @@ class BaseOptimizer(Optimizer):
     def _buffer_names(self) -> tuple:
         """The flat buffers the state holds now (the 1-bit optimizers add some at the freeze)."""
         return self._flat_buffers
+
+    def rank_local_buffers(self) -> Dict[str, Tensor]:
+        """The flat state buffers that differ between ranks (OneBitLamb's ``exp_avg_local``),
+        besides the compression error feedback (`compression_state`): what a framework
+        callback that restores rank 0's optimizer state on every rank must save and restore
+        per rank, with `load_rank_local_buffers`. Empty when there are none (yet)."""
+        return {n: self._flat[n] for n in self._rank_local_buffers if n in self._flat}
+
+    def load_rank_local_buffers(self, saved: Optional[Dict[str, Tensor]], all_ranks=None) -> None:
+        """Restore this rank's `rank_local_buffers` from `saved` (what this rank saved).
+        `all_ranks`: every saved rank's, in rank order, for a resume with another world
+        size: each buffer becomes their mean. None (a checkpoint without them): each starts
+        as it does at the freeze (`_reset_rank_local`), with a logged warning."""
+        mine = self.rank_local_buffers()
+        if not mine:
+            return
+        if all_ranks is not None:
+            saved = {n: torch.stack([r[n] for r in all_ranks]).sum(0) / len(all_ranks)
+                     for n in mine if all(r is not None and n in r for r in all_ranks)}
+        missing = sorted(n for n in mine if saved is None or n not in saved)
+        if missing:
+            _log.warning("%s: the checkpoint has no rank-local %s; they start from this rank's restored state "
+                         "as at the freeze", type(self).__name__, ", ".join(missing))
+            self._reset_rank_local(missing)
+        for n, buf in mine.items():
+            if n in missing:
+                continue
+            if saved[n].numel() != buf.numel():
+                raise ValueError(f"{type(self).__name__}.load_rank_local_buffers: {n} holds {saved[n].numel()} "
+                                 f"elements, this optimizer's {buf.numel()} (another model or layout)")
+            buf.copy_(saved[n].reshape(-1))
+
+    def _reset_rank_local(self, names) -> None:
+        """Start the named rank-local buffers as at the freeze (subclasses with some)."""
+        raise NotImplementedError
 
     def _extra_state(self) -> Dict[str, Any]:
         """State that is not per parameter (subclasses extend)."""

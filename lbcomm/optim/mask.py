@@ -99,6 +99,18 @@ class MomentumMask:
         if b > a:
             values.index_fill_(0, mask[a:b] - lo, 0.0)
 
+    def mark(self, out: Tensor, lo: int, hi: int) -> None:
+        """Set `out` (bool, elements [lo, hi)) True at the masked coordinates."""
+        mask = self.mask
+        if mask is None:
+            return
+        if mask.dtype == torch.bool:
+            out |= mask[lo:hi]
+            return
+        a, b = (int(x) for x in torch.searchsorted(mask, torch.tensor([lo, hi], device=mask.device)))
+        if b > a:
+            out.index_fill_(0, mask[a:b] - lo, True)
+
     def load(self, L: FlatLayout, mask: Optional[Tensor], user: Dict) -> None:
         """Restore a saved mask and user masks onto the layout's device."""
         self.user = {int(i): m.to(device=L.params[int(i)].device, dtype=torch.bool).clone() for i, m in user.items()}

@@ -295,7 +295,8 @@ def simulate_onebit_lamb(params0, grads, *, lr: float, betas=(0.9, 0.999), eps: 
                          factor_max: float = 4.0, factor_min: float = 0.5, factor_threshold: float = 0.1,
                          bias_correction: bool = True, mask_threshold: float = 1e-10, max_update=1.0,
                          nodes: Optional[int] = None, shards: Optional[int] = None, exact_numel: int = 4096,
-                         trust_ratio: str = "max", capped_decode: bool = True):
+                         trust_ratio: str = "max", capped_decode: bool = True, norm_samples: int = 256,
+                         norm_step_bound: Optional[float] = 0.1):
     """1-bit LAMB. Returns the parameters after every step (nodes, shards, exact_numel: as
     simulate_onebit_adam; LAMB's norms are those of whole parameters). In the compression stage each
     coordinate of u0 = m^ / (sqrt(v^) + eps) is clamped to [-U, U] (max_update; None: unbounded);
@@ -303,18 +304,60 @@ def simulate_onebit_lamb(params0, grads, *, lr: float, betas=(0.9, 0.999), eps: 
     "frozen": lr c_frz f u (the warmup's average coefficient and the variance factor); "max":
     the larger of the two coefficients. capped_decode (OneBitLamb's default: on): as
     simulate_onebit_adam, each cap times the parameter's momentum scale k (the reduced
-    momentum is m k)."""
+    momentum is m k). norm_samples > 0 (with more than one rank): the live coefficient
+    divides by an estimate of the norm of the direction an uncompressed allreduce would
+    give, from every rank's own momentum (`_clean_sq`), bounded by norm_step_bound (the lr
+    is constant here, so it is also the peak lr); parameters averaged exactly keep the
+    decoded norm."""
     return _lamb(params0, grads, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_coeff=max_coeff,
                  min_coeff=min_coeff, bias_correction=bias_correction, freeze_step=freeze_step,
                  block_size=block_size, coeff_beta=coeff_beta, factor_max=factor_max, factor_min=factor_min,
                  factor_threshold=factor_threshold, mask_threshold=mask_threshold, max_update=max_update,
                  nodes=nodes, shards=shards, exact_numel=exact_numel, trust_ratio=trust_ratio,
-                 capped_decode=capped_decode)
+                 capped_decode=capped_decode, norm_samples=norm_samples, norm_step_bound=norm_step_bound)
+
+
+def _clean_sq(m: Tensor, locals_: List[Tensor], d: Tensor, bc1: float, bound: Optional[float], theta: Tensor,
+              keep: Tensor, weight_decay: float, k: int, seed: int) -> Tensor:
+    """Estimated ||clamp(mean_r local_r / bc1 / d) + wd theta||^2 of one (piece of a)
+    parameter, fp64: the ranks' mean of clamp(y_r) projected on the decoded direction u0
+    where u0 is neither clamped nor masked (not `keep`), plus k of the other coordinates
+    (drawn with `seed`; all of them when there are at most k) averaged exactly, clamped,
+    and their squares scaled to all of them; plus the weight decay's terms with the
+    decoded u0."""
+    m, d, theta, keep = m.reshape(-1), d.reshape(-1), theta.reshape(-1), keep.reshape(-1)
+    p = len(locals_)
+    u0 = (m / bc1) / d
+    ys = [(l.reshape(-1) / bc1) / d for l in locals_]
+    edge = ~keep
+    if bound is not None:
+        u0 = u0.clamp(-bound, bound)
+        edge = edge | (u0.abs() >= bound * (1 - 1e-5))  # at the bound up to the decode's roundings
+    where = edge.nonzero().view(-1)
+    prods = [(y.clamp(-bound, bound) if bound is not None else y) * u0 for y in ys]
+    proj = torch.stack([(x.sum() - x[where].sum()).double() for x in prods]).sum() / p
+    if where.numel() > k:
+        where = where[torch.randint(where.numel(), (k,), generator=torch.Generator().manual_seed(seed))]
+    z = torch.stack([y[where].double() for y in ys]).sum(0) / p
+    if bound is not None:
+        z = z.clamp(-bound, bound)
+    sampled = z.square().sum() * (int(edge.sum()) / where.numel()) if where.numel() else 0.0
+    out = torch.zeros((), dtype=torch.float64)
+    if weight_decay != 0:
+        out = (2 * weight_decay * torch.dot(u0, theta).double()
+               + weight_decay * weight_decay * torch.dot(theta, theta).double())
+    return out + (proj + sampled)
+
+
+def _pieces(t: Tensor, shards: Optional[int]) -> List[Tensor]:
+    """FSDP2's dim-0 shards of t (t itself unsharded)."""
+    return [t] if not shards or t.dim() == 0 else list(t.chunk(shards))
 
 
 def _lamb(params0, grads, *, lr, betas, eps, weight_decay, max_coeff, min_coeff, bias_correction, freeze_step,
           block_size=None, coeff_beta=0.9, factor_max=4.0, factor_min=0.5, factor_threshold=0.1, mask_threshold=0.0,
-          max_update=None, nodes=None, shards=None, exact_numel=0, trust_ratio="frozen", capped_decode=True):
+          max_update=None, nodes=None, shards=None, exact_numel=0, trust_ratio="frozen", capped_decode=True,
+          norm_samples=0, norm_step_bound=None):
     b1, b2 = betas
     p = len(grads[0])
     n_params = len(params0)
@@ -353,6 +396,7 @@ def _lamb(params0, grads, *, lr, betas, eps, weight_decay, max_coeff, min_coeff,
                 "k": [mean_rms / r if r > 0 else torch.ones(()) for r in rms],
                 "f_last": [torch.ones(()) for _ in theta],
                 "c": [c if c != 0 else torch.ones(()) for c in c_frz],
+                "local": [[mi.clone() for mi in m] for _ in range(p)],  # each rank's own momentum
             }
         k, keep, v_fresh = frozen["k"], frozen["keep"], frozen["v_fresh"]
         bc2 = 1 - b2 ** freeze_step if bias_correction else 1.0
@@ -366,6 +410,11 @@ def _lamb(params0, grads, *, lr, betas, eps, weight_decay, max_coeff, min_coeff,
             if cap is not None:
                 cap = _cat([ci * k[i] for i, ci in enumerate(_split(cap, theta))])
         new_m = [torch.where(keep[i], mi / k[i], 0.0) for i, mi in enumerate(_split(comp(local, exact, cap), theta))]
+        own = frozen["local"]
+        for r in range(p):
+            for i in range(n_params):
+                own[r][i] = torch.lerp(own[r][i], g_step[r][i].float(), 1 - b1)
+        estimate = trust_ratio != "frozen" and norm_samples > 0 and p > 1
         for i in range(n_params):
             g_tilde = (new_m[i] - b1 * m[i]) / (1 - b1)
             m[i] = new_m[i]
@@ -379,8 +428,21 @@ def _lamb(params0, grads, *, lr, betas, eps, weight_decay, max_coeff, min_coeff,
             u = u0.clone()
             if weight_decay != 0:
                 u.add_(theta[i], alpha=weight_decay)
+            c_live = _lamb_coeff(theta[i], u, min_coeff, max_coeff)
+            if estimate and theta[i].numel() > exact_numel:  # exactly averaged: the decoded norm is clean
+                sq = torch.zeros((), dtype=torch.float64)
+                parts = zip(*[_pieces(t, shards) for t in [m[i], d, theta[i], keep[i]] + [own[r][i] for r in range(p)]])
+                for piece in parts:
+                    sq = sq + _clean_sq(piece[0], list(piece[4:]), piece[1], bc1, frozen["bounds"][i], piece[2],
+                                        piece[3], weight_decay, norm_samples, 1009 * step + i)
+                un = torch.linalg.vector_norm(u).double()
+                est = torch.sqrt(torch.maximum(sq, 0.01 * un.square()))
+                if norm_step_bound is not None:
+                    est = torch.maximum(est, un / max(1.0, norm_step_bound / lr))
+                pn, est = torch.linalg.vector_norm(theta[i]), est.float()
+                c_live = (pn / est).clamp(min_coeff, max_coeff) if pn > 0 and est > 0 else torch.ones(())
             if trust_ratio == "live":
-                theta[i].add_(u * _lamb_coeff(theta[i], u, min_coeff, max_coeff), alpha=-lr)
+                theta[i].add_(u * c_live, alpha=-lr)
                 continue
             if weight_decay != 0:
                 u0n, un = torch.linalg.vector_norm(u0), torch.linalg.vector_norm(u)
@@ -392,7 +454,7 @@ def _lamb(params0, grads, *, lr, betas, eps, weight_decay, max_coeff, min_coeff,
             frozen["f_last"][i] = f
             c = frozen["c"][i] * f
             if trust_ratio == "max":
-                c = torch.maximum(c, _lamb_coeff(theta[i], u, min_coeff, max_coeff))
+                c = torch.maximum(c, c_live)
             theta[i].add_(u * c, alpha=-lr)
         history.append([t.clone() for t in theta])
     return history

@@ -61,6 +61,7 @@ class Probe(Callback):
         self.hook_state = hook_state
         self.lbcomm_callback = lbcomm_callback  # its local_updates, built at fit start
         self.grads, self.bytes, self.per_call, self.frozen, self.hook_sent = {}, {}, {}, {}, {}
+        self.compressed = {}  # the compressed call alone
         self.params, self.local_sent = {}, {}  # step -> the weights after it, the local updates' bytes
         self.logged = {}  # step -> the lbcomm_grad_norm logged on this rank
         self._last = None
@@ -76,8 +77,10 @@ class Probe(Callback):
         if self._last is not None:
             self.bytes[step] = now - self._last
         self._last = now
-        comp = getattr(optimizer, "compression_state", None)
-        self.per_call[step] = None if comp is None else comp.bytes_per_call()
+        opt = lbcomm.integrations.unwrap_optimizer(optimizer)
+        comp = getattr(opt, "compression_state", None)  # what the optimizer says a step sends
+        self.per_call[step] = None if comp is None else opt.bytes_per_step()["total"]
+        self.compressed[step] = None if comp is None else comp.bytes_per_call()
         self.frozen[step] = getattr(optimizer, "frozen", None)
         if self.hook_state is not None:
             self.hook_sent[step] = self.hook_state.compression_stats()["bytes_sent"]
@@ -135,7 +138,7 @@ dist.barrier()
 _, probe2, resumed = run(os.path.join(out, "ckpt", "epoch=1-step=6.ckpt"))
 saved = torch.load(os.path.join(out, "ckpt", "epoch=1-step=6.ckpt"), weights_only=False)["lbcomm"]
 save_result(out, {"numel": sum(p.numel() for p in module.parameters()), "full": full, "resumed": resumed,
-                  "grads": probe.grads, "bytes": probe.bytes, "per_call": probe.per_call, "frozen": probe.frozen,
+                  "grads": probe.grads, "bytes": probe.bytes, "per_call": probe.per_call, "compressed": probe.compressed, "frozen": probe.frozen,
                   "hook_sent": probe.hook_sent, "checkpoints": ckpts, "resumed_bytes": probe2.bytes, "resumed_grads": probe2.grads, "batches": probe.batches, "resumed_batches": probe2.batches, "resumed_frozen": probe2.frozen,
                   "saved_world": saved["world_size"], "saved_ranks": len(saved["ranks"]), "logged": probe.logged,
                   "params": probe.params, "resumed_params": probe2.params, "local_sent": probe.local_sent,

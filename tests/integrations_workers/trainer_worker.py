@@ -47,6 +47,7 @@ class Probe(TrainerCallback):
     def __init__(self, hook_state=None):
         self.hook_state = hook_state  # or the OneBitLocalUpdates: the bytes it sent
         self.grads, self.bytes, self.per_call, self.frozen, self.hook_sent = {}, {}, {}, {}, {}
+        self.compressed = {}  # the compressed call alone
         self.params = {}  # step -> the weights after it
         self.logged = {}  # step -> the gradient norms the Trainer logged on this rank
         self._last = None
@@ -68,8 +69,9 @@ class Probe(TrainerCallback):
         self.bytes[state.global_step] = now - self._last
         self._last = now
         opt = lbcomm.integrations.unwrap_optimizer(optimizer)
-        comp = getattr(opt, "compression_state", None)
-        self.per_call[state.global_step] = None if comp is None else comp.bytes_per_call()
+        comp = getattr(opt, "compression_state", None)  # what the optimizer says a step sends
+        self.per_call[state.global_step] = None if comp is None else opt.bytes_per_step()["total"]
+        self.compressed[state.global_step] = None if comp is None else comp.bytes_per_call()
         self.frozen[state.global_step] = getattr(opt, "frozen", None)
         if self.hook_state is not None:
             self.hook_sent[state.global_step] = self.hook_state.compression_stats()["bytes_sent"]
@@ -122,7 +124,7 @@ dist.barrier()
 # Resume from the mid-compression checkpoint (rotation kept checkpoint-6 and -9).
 _, probe2, resumed, _ = build(run1, resume=os.path.join(run1, f"checkpoint-{2 * SAVE}"))
 save_result(out, {"numel": sum(p.numel() for p in trainer.model.parameters()), "full": full, "resumed": resumed, "grads": probe.grads, "bytes": probe.bytes,
-                  "per_call": probe.per_call, "frozen": probe.frozen, "checkpoints": ckpts,
+                  "per_call": probe.per_call, "compressed": probe.compressed, "frozen": probe.frozen, "checkpoints": ckpts,
                   "shards": sorted(os.listdir(os.path.join(run1, f"checkpoint-{2 * SAVE}"))),
                   "hook_stats": hook_stats, "hook_sent": probe.hook_sent, "resumed_bytes": probe2.bytes,
                   "logged": probe.logged, "params": probe.params, "resumed_params": probe2.params})
