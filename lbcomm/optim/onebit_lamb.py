@@ -115,8 +115,9 @@ class OneBitLamb(BaseOptimizer):
             return out
         slots = self._estimate_slots(L)
         n = 0 if slots is None else int((slots > 0).sum()) * (1 + int(slots.max()))
+        total = out.pop("total")
         out["norm_estimate"] = int(ring_allreduce_bytes(8 * n, self.transport.world_size))
-        out["total"] += out["norm_estimate"]
+        out["total"] = total + out["norm_estimate"]
         return out
 
     @property
