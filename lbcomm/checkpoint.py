@@ -9,8 +9,9 @@ worker and server error buffers), so every rank saves and loads its own file:
 exists when it returns); `load_sharded` reads it back. With the same world size the
 resume is bitwise identical to a run that never stopped. With another world size (elastic
 resume) every rank reads shard ``rank % saved_world_size`` (the model and the optimizer
-moments are identical on all ranks; OneBitLamb's per-rank momenta of local gradients
-start from their mean) and the compression error feedback of every saved rank, which `lbcomm.reducer.redistribute` maps onto the new world with its total (the
+moments are identical on all ranks; the optimizer's `rank_local_buffers` start from
+their mean) and the compression error feedback of every saved rank, which
+`lbcomm.reducer.redistribute` maps onto the new world with its total (the
 carried error of the error-feedback invariant: mean worker error + server error)
 preserved; ``elastic=False`` resets it instead, with a logged warning. The same holds for
 a `OneBitHookState` passed as ``hook_state=``: each of its units (bucket error feedback)
@@ -30,6 +31,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from .comm import get_transport
+from .optim.state import rank_mean
 from .reducer import redistribute
 
 __all__ = ["save_sharded", "load_sharded", "shard_path"]
@@ -208,11 +210,11 @@ def redistribute_optimizer_state(opt_state: Dict[str, Any], saved: List[Dict[str
     comps = [((other or {}).get("lbcomm") or {}).get("compression") for other in saved]
     extra["compression"] = redistribute(comps, world, rank, where=where)
     extra["world_size"] = world
-    # OneBitLamb's per-rank momenta of local gradients: each new rank starts from their mean,
-    # the momentum an uncompressed allreduce would have given
+    # the per-parameter buffers that differ between ranks (OneBitLamb's momentum of each rank's
+    # own gradients): every new rank starts from the saved ranks' mean
     states = [(other or {}).get("state") or {} for other in saved]
     for pid, st in (opt_state.get("state") or {}).items():
-        if "exp_avg_local" in st:
-            mine = [s.get(pid, {}).get("exp_avg_local") for s in states]
-            if all(isinstance(t, torch.Tensor) and t.shape == st["exp_avg_local"].shape for t in mine):
-                st["exp_avg_local"] = torch.stack(mine).sum(0) / len(mine)
+        for name in extra.get("rank_local", ()):
+            mine = [s.get(pid, {}).get(name) for s in states]
+            if name in st and all(isinstance(t, torch.Tensor) and t.shape == st[name].shape for t in mine):
+                st[name] = rank_mean(mine)

@@ -18,9 +18,9 @@ really use lbcomm and resume it exactly.
   inner steps do.
 * Every checkpoint: Lightning writes the checkpoint dict of rank 0 only. The callback
   gathers what differs between ranks (the optimizer's compression error feedback and its
-  `rank_local_buffers`, and the hook state) from every rank into that dict under ``"lbcomm"``, one entry per rank; the
-  rest of the optimizer state (moments, step counts) is identical on all ranks and is
-  Lightning's ``optimizer_states``. With local updates every rank's entry holds the local
+  `rank_local_buffers`, and the hook state) from every rank into that dict under
+  ``"lbcomm"``, one entry per rank; the rest of the optimizer state (moments, step
+  counts) is identical on all ranks and is Lightning's ``optimizer_states``. With local updates every rank's entry holds the local
   updates' state, the inner optimizer's state and the module's weights (between
   synchronizations every rank has its own). Top-k and ``last.ckpt`` handling stay
   Lightning's.

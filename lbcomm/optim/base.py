@@ -460,7 +460,7 @@ class BaseOptimizer(Optimizer):
         if not mine:
             return
         if all_ranks is not None:
-            saved = {n: torch.stack([r[n] for r in all_ranks]).sum(0) / len(all_ranks)
+            saved = {n: state.rank_mean([r[n] for r in all_ranks])
                      for n in mine if all(r is not None and n in r for r in all_ranks)}
         missing = sorted(n for n in mine if saved is None or n not in saved)
         if missing:

@@ -241,7 +241,7 @@ class OneBitLamb(BaseOptimizer):
                 for i in seg.idx:
                     u, ratio_max, u0n, un = self._direction(L, seg, i, bounds[i], stats=mode != "live")
                     live = None if mode == "frozen" else torch.cat([F.norms([L.tensor(i)]), F.norms([u])])
-                    if clean is not None and _samples(group) and i in estimated:
+                    if i in estimated:
                         live = torch.cat([live[:1], self._estimated_norm(clean[i], live[1:], group)])
                     self._lamb_step(L, seg, i, u, ratio_max, u0n, un, live)
             return True
@@ -270,7 +270,7 @@ class OneBitLamb(BaseOptimizer):
             for i in seg.idx:
                 u = self._direction(L, seg, i, bounds[i], stats=False)[0]
                 live = None if mode == "frozen" else norms[i, 2:]
-                if clean is not None and _samples(group) and i in estimated:
+                if i in estimated:
                     live = torch.cat([live[:1], self._estimated_norm(clean[i], live[1:], group)])
                 self._lamb_step(L, seg, i, u, None if ratio is None else ratio[i:i + 1],
                                 norms[i, :1] if wd else None, norms[i, 1:2] if wd else None, live)

@@ -7,7 +7,8 @@ when a parameter starts requiring grad; `attach_views` exposes it per parameter.
 Checkpoints: ``optimizer.state_dict()`` is torch's (per-parameter state: views of the flat
 buffers and fp32 scalars; the param groups with the hyperparameters) plus an ``"lbcomm"``
 entry with what is not per parameter: the format version, the layout, the step counter,
-and for a 1-bit optimizer its stage's state (``frozen``, the mask, ``compression``: this
+the names of the per-parameter buffers that differ between ranks (``rank_local``), and for
+a 1-bit optimizer its stage's state (``frozen``, the mask, ``compression``: this
 rank's compression errors, with the ``world_size`` and ``topology`` they belong to, which
 `lbcomm.checkpoint.redistribute_optimizer_state` reads for an elastic resume).
 The communication settings (`lbcomm.CommConfig`) are not saved: they belong to the run.
@@ -22,12 +23,13 @@ from __future__ import annotations
 from typing import Any, Dict, Optional, Sequence
 
 import torch
+from torch import Tensor
 
 from ..common import FLOAT_DTYPES
 from .flat import FlatLayout, local_tensor
 
 __all__ = ["STATE_VERSION", "READABLE_VERSIONS", "build_layout", "attach_views", "prepare", "param_indices",
-           "save_hook", "load_pre_hook", "load_post_hook", "restore"]
+           "save_hook", "load_pre_hook", "load_post_hook", "restore", "rank_mean"]
 
 STATE_VERSION = 2
 READABLE_VERSIONS = (STATE_VERSION,)
@@ -138,7 +140,12 @@ def base_extra_state(opt) -> Dict[str, Any]:
     index = param_indices(opt)
     return {"version": STATE_VERSION, "layout": None if L is None else [index[id(p)] for p in L.params],
             "numels": None if L is None else list(L.numels), "global_step": opt._global_step,
-            "skipped_steps": opt.skipped_steps}
+            "skipped_steps": opt.skipped_steps, "rank_local": list(opt.rank_local_buffers())}
+
+
+def rank_mean(tensors) -> Tensor:
+    """The saved ranks' mean of a rank-local buffer (an elastic resume starts every rank from it)."""
+    return torch.stack(list(tensors)).sum(0) / len(tensors)
 
 
 def load_pre_hook(opt, sd: Dict[str, Any]) -> Dict[str, Any]:
