@@ -212,7 +212,7 @@ def rank_main(rank, world, a, out_path, init_file):
                             timeout=datetime.timedelta(seconds=600))
     results = []
     for name in a.tasks:
-        task = T.make_task(name, quick=a.quick, seed=a.seed, grid=a.grid)
+        task = T.make_task(name, quick=a.quick, seed=a.seed, grid=a.grid, steps=a.steps)
         batches = task.batch
         for method in a.methods:
             lrs = [lr for lr in task.grids[FAMILY[method]] if not a.lrs or any(math.isclose(lr, x) for x in a.lrs)]
@@ -529,6 +529,9 @@ def parse_args(argv=None):
     p.add_argument("--tasks", default="", help=f"comma list of {', '.join(T.TASKS)} (default: all)")
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--steps", type=int, default=None,
+                   help="each run's length (default: the task's, 240; 80 with --quick); the freeze and "
+                   "ZeroOneAdam's local_step_scaler scale with it")
     p.add_argument("--seed", type=int, default=0, help="the tasks' seed (data, initial weights)")
     p.add_argument("--grid", choices=("coarse", "fine"), default=None,
                    help="the lr grids of bench/tasks.py (coarse: 4 lrs, 3.16x apart) or with their "
@@ -577,6 +580,8 @@ def parse_args(argv=None):
         a.lrs = [float(x) for x in a.lrs.split(",") if x.strip()]
     except ValueError:
         p.error(f"--lrs: a comma list of numbers, got {a.lrs!r}")
+    if a.steps is not None and a.steps < 8:
+        p.error(f"--steps must be >= 8, got {a.steps}")
     if a.grid is None:
         a.grid = "coarse" if a.quick else "fine"
     a.tasks = a.tasks.split(",") if a.tasks else list(QUICK_TASKS if a.quick else T.TASKS)

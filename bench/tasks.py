@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -247,13 +247,19 @@ def fine_grid(grid: List[float]) -> List[float]:
     return out + grid[-1:]
 
 
-def make_task(name: str, quick: bool = False, seed: int = 0, grid: str = "coarse") -> Task:
-    """grid: "coarse" (GRIDS, 4 lrs per family) or "fine" (`fine_grid` of it, 7 lrs)."""
+def make_task(name: str, quick: bool = False, seed: int = 0, grid: str = "coarse",
+              steps: Optional[int] = None) -> Task:
+    """grid: "coarse" (GRIDS, 4 lrs per family) or "fine" (`fine_grid` of it, 7 lrs);
+    steps: the run's length (default: the task's, 80 with `quick`)."""
     if grid not in ("coarse", "fine"):
         raise ValueError(f"grid must be 'coarse' or 'fine', not {grid!r}")
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 8):
+        raise ValueError(f"steps must be an int >= 8, not {steps!r}")
     kw = dict(seed=seed)
     if quick:
         kw["steps"] = 80
+    if steps is not None:
+        kw["steps"] = steps
     task = TASKS[name](**kw)
     if grid == "fine":
         task.grids = {k: fine_grid(v) for k, v in task.grids.items()}

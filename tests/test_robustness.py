@@ -80,6 +80,13 @@ def test_suite_tasks_are_deterministic_and_the_simulation_matches_the_reference(
     assert all(fine[k][::2] == v for k, v in T.GRIDS.items())
     with pytest.raises(ValueError, match="grid"):
         T.make_task("rare_features", grid="dense")
+    # --steps: the run's length, over quick's; the same data
+    long = T.make_task("rare_features", quick=True, steps=960)
+    assert long.steps == 960 and T.make_task("rare_features").steps == 240
+    assert all((x == y).all() for x, y in zip(long.batch(7), b1))
+    for bad in (4, 0.5, True):
+        with pytest.raises(ValueError, match="steps"):
+            T.make_task("rare_features", steps=bad)
 
 
 @pytest.mark.parametrize("task,lr", [("rare_features", 0.03), ("dead_relu", 0.03), ("zipf_embed", 0.03)])

@@ -108,8 +108,10 @@ def test_suite_records_the_trajectory_and_runs_only_the_lrs_asked_for():
     assert suite.freeze_of(T.make_task("dead_relu", quick=True), a) == 20  # 25 % of 80 steps
     a = suite.parse_args(["--quick", "--freeze-at", "0.5"])
     assert suite.freeze_of(T.make_task("dead_relu", quick=True), a) == 40
+    a = suite.parse_args(["--steps", "960"])  # a longer run: the freeze scales with it
+    assert suite.freeze_of(T.make_task("dead_relu", steps=a.steps), a) == 240
     for bad in (["--lrs", "0.005", "--tasks", "dead_relu"], ["--lrs", "x"], ["--trajectory", "-1"],
-                ["--freeze-at", "1"], ["--freeze-at", "0"]):
+                ["--freeze-at", "1"], ["--freeze-at", "0"], ["--steps", "4"]):
         with pytest.raises(SystemExit):
             suite.parse_args(bad)
 

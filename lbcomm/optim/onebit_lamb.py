@@ -364,8 +364,7 @@ class OneBitLamb(BaseOptimizer):
         u0 = torch.div(m[o + lo:o + hi], bc1, out=u_buf[:hi - lo]).div_(d)
         if bound is not None:
             u0.clamp_(-bound, bound)
-            edge = u0 >= bound * AT_BOUND
-            edge |= u0 <= -bound * AT_BOUND
+            edge = torch.abs(u0) >= bound * AT_BOUND
         else:
             edge = torch.zeros(hi - lo, dtype=torch.bool, device=u0.device)
         self._onebit.masks.mark(edge, o + lo, o + hi)
