@@ -363,8 +363,8 @@ ZeroOneAdam.__doc__ = r"""Implements 0/1 Adam (Lu et al., 2022, "Maximizing Comm
     decodes each coordinate to at most the momentum whose step is that bound, as in
     OneBitAdam, and its error feedback keeps the rest.
 
-    At AdamW's lr and schedule ZeroOneAdam trails AdamW more than OneBitAdam does on short
-    runs, most at the top lrs: its two savings over OneBitAdam, the 1-bit steps between the
+    At AdamW's lr and schedule ZeroOneAdam trails AdamW more than OneBitAdam does, most at
+    the top lrs and no less on long runs: its two savings over OneBitAdam, the 1-bit steps between the
     variance steps (from the 17th step on with var_update_scaler 16, where OneBitAdam trains
     at full precision up to its freeze) and the local steps, compound there. With
     var_update_scaler=1000 (every step up to var_freeze_step a variance step) and
