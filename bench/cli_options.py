@@ -7,10 +7,6 @@ import json
 
 __all__ = ["json_options", "optimizer_options", "construct"]
 
-# options an optimizer takes in a param group, not as constructor arguments
-GROUP_OPTIONS = {"OneBitLamb": ("factor_threshold", "norm_samples", "norm_step_bound")}
-
-
 def json_options(text: str) -> dict:
     """argparse ``type=`` of an options flag: '' -> {}, else a JSON object."""
     if not text:
@@ -28,14 +24,14 @@ def json_options(text: str) -> dict:
 def optimizer_options(options: dict, **comm_defaults) -> dict:
     """An options dict as lbcomm optimizer keyword arguments: the `lbcomm.CommConfig` fields
     (block_size, exact_numel, max_update, ...) go into ``comm``, on top of `comm_defaults`;
-    the param-group options (GROUP_OPTIONS) into ``param_group``, for `construct`; the rest
-    are the optimizer's hyperparameters."""
+    the param-group options (``OneBitLamb.GROUP_OPTIONS``, the only optimizer with some)
+    into ``param_group``, for `construct`; the rest are the optimizer's hyperparameters."""
     import dataclasses
 
     import lbcomm
 
     fields = {f.name for f in dataclasses.fields(lbcomm.CommConfig)}
-    grouped = {k for names in GROUP_OPTIONS.values() for k in names}
+    grouped = set(lbcomm.OneBitLamb.GROUP_OPTIONS)
     comm = {**comm_defaults, **{k: v for k, v in options.items() if k in fields}}
     out = {k: v for k, v in options.items() if k not in fields and k not in grouped}
     group = {k: v for k, v in options.items() if k in grouped}
@@ -44,10 +40,11 @@ def optimizer_options(options: dict, **comm_defaults) -> dict:
 
 def construct(cls, params, param_group=None, **kw):
     """cls(params, **kw) from `optimizer_options`' keyword arguments: its ``param_group``
-    options (GROUP_OPTIONS) are set on the one param group; a class without them refuses."""
+    options (the class's ``GROUP_OPTIONS``) are set on the one param group; a class without
+    them refuses."""
     if not param_group:
         return cls(params, **kw)
-    bad = sorted(set(param_group) - set(GROUP_OPTIONS.get(cls.__name__, ())))
+    bad = sorted(set(param_group) - set(getattr(cls, "GROUP_OPTIONS", ())))
     if bad:
         raise ValueError(f"{cls.__name__} takes no param-group option {', '.join(bad)}")
     return cls([{"params": list(params), **param_group}], **kw)

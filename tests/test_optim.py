@@ -24,15 +24,12 @@ OPTS = {"adam": lbcomm.OneBitAdam, "lamb": lbcomm.OneBitLamb}
 COMM_FIELDS = {f.name for f in dataclasses.fields(lbcomm.CommConfig)}
 
 
-GROUP_ONLY = ("norm_samples", "norm_step_bound", "factor_threshold")  # param-group options, not arguments
-
-
 def make_opt(cls, params, **kw):
     """An optimizer from one flat dict of options, the form the simulations in
     lbcomm.optim.reference take: the CommConfig fields go into ``comm``, the options a
     param group sets into the one group."""
     comm = {k: kw.pop(k) for k in list(kw) if k in COMM_FIELDS}
-    group = {k: kw.pop(k) for k in list(kw) if k in GROUP_ONLY}
+    group = {k: kw.pop(k) for k in list(kw) if k in cls.GROUP_OPTIONS}
     if group:
         params = [{"params": list(params), **group}]
     return cls(params, comm=lbcomm.CommConfig(**comm), **kw)

@@ -83,6 +83,8 @@ class BaseOptimizer(Optimizer):
     _rank_local_buffers: tuple = ()
     # Whether the optimizer runs the averaged-gradients probe (comm.detect_averaged_grads).
     _probes_averaged_grads: bool = True
+    # Options a param group may set that are not constructor arguments (rarely tuned details).
+    GROUP_OPTIONS: tuple = ()
 
     def __init__(self, params, defaults: Dict[str, Any], comm: Optional[CommConfig] = None):
         self.comm = resolve(comm, type(self).__name__)

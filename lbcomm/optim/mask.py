@@ -86,30 +86,26 @@ class MomentumMask:
 
     def apply(self, values: Tensor, lo: int, hi: int) -> None:
         """Zero the masked coordinates of elements [lo, hi) held in `values`."""
-        mask = self.mask
-        if mask is None:
-            return
-        if mask.dtype == torch.bool:
-            values.masked_fill_(mask[lo:hi], 0.0)
-            return
-        if lo == 0 and hi >= self.opt._layout.total:
-            values.index_fill_(0, mask, 0.0)
-            return
-        a, b = (int(x) for x in torch.searchsorted(mask, torch.tensor([lo, hi], device=mask.device)))
-        if b > a:
-            values.index_fill_(0, mask[a:b] - lo, 0.0)
+        self._fill(values, lo, hi, 0.0)
 
     def mark(self, out: Tensor, lo: int, hi: int) -> None:
         """Set `out` (bool, elements [lo, hi)) True at the masked coordinates."""
+        self._fill(out, lo, hi, True)
+
+    def _fill(self, values: Tensor, lo: int, hi: int, value) -> None:
+        """values[j] = value at the masked coordinates of elements [lo, hi), either form of the mask."""
         mask = self.mask
         if mask is None:
             return
         if mask.dtype == torch.bool:
-            out |= mask[lo:hi]
+            values.masked_fill_(mask[lo:hi], value)
+            return
+        if lo == 0 and hi >= self.opt._layout.total:
+            values.index_fill_(0, mask, value)
             return
         a, b = (int(x) for x in torch.searchsorted(mask, torch.tensor([lo, hi], device=mask.device)))
         if b > a:
-            out.index_fill_(0, mask[a:b] - lo, True)
+            values.index_fill_(0, mask[a:b] - lo, value)
 
     def load(self, L: FlatLayout, mask: Optional[Tensor], user: Dict) -> None:
         """Restore a saved mask and user masks onto the layout's device."""

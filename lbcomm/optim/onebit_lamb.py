@@ -45,6 +45,7 @@ def _samples(group) -> int:
 class OneBitLamb(BaseOptimizer):
     _GLOBAL_OPTIONS = ("freeze_step",)
     TRUST_RATIOS = ("live", "frozen", "max")
+    GROUP_OPTIONS = ("factor_threshold", "norm_samples", "norm_step_bound")
     _param_vectors: Dict[str, float] = {**OneBitStage.VECTORS, "lamb_coeff_freeze": 0.0, "momentum_scale": 1.0,
                                         "last_factor": 1.0}
     # exp_avg_local: this rank's own momentum of its local gradients (never communicated);
