@@ -3,7 +3,7 @@
 The optimizer state of a 1-bit optimizer differs between ranks (each rank keeps its own
 worker and server error buffers), so every rank saves and loads its own file:
 
-    <directory>/shard-<rank>-of-<world_size>.pt
+    <directory>/shard-00000-of-00002.pt   (rank and world size, five digits each)
 
 `save_sharded` writes this rank's shard (atomically, then a barrier so that every shard
 exists when it returns); `load_sharded` reads it back. With the same world size the
@@ -17,6 +17,11 @@ preserved; ``elastic=False`` resets it instead, with a logged warning. The same 
 a `OneBitHookState` passed as ``hook_state=``: each of its units (bucket error feedback)
 is redistributed by the same function.
 
+A shard that holds a hook state (`OneBitHookState`, `DCTHookState`, `OneBitHSDPState`,
+`OneBitLocalUpdates`: whatever was passed as ``hook_state=``) loaded by a call that
+resumes training without ``hook_state=`` warns (`lbcomm.ddp.MissingHookStateWarning`):
+that state would silently start from zero and the run would not continue as the saved one.
+
 Format version (docs/checkpoints.md): a shard records the one current format version;
 `load_sharded` reads that version only and refuses any other with an error naming both.
 """
@@ -26,11 +31,13 @@ import glob
 import logging
 import os
 import re
+import warnings
 from typing import Any, Dict, List, Optional
 
 import torch
 
 from .comm import get_transport
+from .ddp.resume import MissingHookStateWarning
 from .optim.state import rank_mean
 from .reducer import redistribute
 
@@ -62,7 +69,9 @@ def save_sharded(directory: str, optimizer=None, model: Optional[torch.nn.Module
         extra (Any, optional): anything torch.save can write; `load_sharded` returns it
             (default: None).
         hook_state (OneBitHookState, optional): the state of `lbcomm.onebit_hook` (its
-            bucket error feedback); `load_sharded(hook_state=)` restores it (default: None).
+            bucket error feedback), or of another compressor with per-rank state
+            (`DCTHookState`, `OneBitHSDPState`, `OneBitLocalUpdates`);
+            `load_sharded(hook_state=)` restores it (default: None).
         group (ProcessGroup, optional): the group whose ranks save together, a
             torch.distributed group or an mpi4py communicator (default: the world).
         backend (str, optional): "auto", "torch" or "mpi", as for the optimizers; see
@@ -90,6 +99,7 @@ def save_sharded(directory: str, optimizer=None, model: Optional[torch.nn.Module
         "model": None if model is None else model.state_dict(),
         "extra": extra,
         "hook_state": None if hook_state is None else hook_state.state_dict(),
+        "hook_state_type": None if hook_state is None else type(hook_state).__name__,
     }
     path = shard_path(directory, rank, world)
     tmp = f"{path}.tmp-{os.getpid()}"
@@ -123,8 +133,11 @@ def load_sharded(directory: str, optimizer=None, model: Optional[torch.nn.Module
         optimizer (Optimizer, optional): receives the saved optimizer state (default: None).
         model (Module, optional): receives the saved model state (default: None).
         hook_state (OneBitHookState, optional): receives the saved state of
-            `lbcomm.onebit_hook` (saved with ``save_sharded(hook_state=)``); load it
-            before the first backward pass of the new run (default: None).
+            `lbcomm.onebit_hook` or another compressor (saved with
+            ``save_sharded(hook_state=)``); load it before the first backward pass of the
+            new run. A shard that holds one, loaded with an optimizer (or a model, when
+            the shard holds no optimizer state) but without it, warns with a
+            `lbcomm.ddp.MissingHookStateWarning` (default: None).
         map_location (optional): passed to torch.load (default: "cpu"; the state is copied
             into the optimizer's own buffers on their device anyway).
         group (ProcessGroup, optional): the group of this run, a torch.distributed group
@@ -162,6 +175,9 @@ def load_sharded(directory: str, optimizer=None, model: Optional[torch.nn.Module
                              ("hook_state", hook_state, hook_sd)):
         if obj is not None and saved is None:
             raise ValueError(f"load_sharded: {path!r} holds no {name} state (it was saved without one)")
+    if hook_state is None and hook_sd is not None and (
+            optimizer is not None or (model is not None and payload["optimizer"] is None)):
+        _warn_hook_state_left_out(path, payload.get("hook_state_type"))
     others = None
     if saved_world != world and elastic and (optimizer is not None or hook_state is not None):
         others = [_read(shard_path(directory, r, saved_world), map_location, weights_only, mmap=True)
@@ -183,6 +199,18 @@ def load_sharded(directory: str, optimizer=None, model: Optional[torch.nn.Module
                                  "the error feedback)")
         hook_state.load_state_dict(hook_sd, all_ranks=all_ranks)
     return {"extra": payload["extra"], "exact": saved_world == world, "saved_world_size": saved_world, "path": path}
+
+
+def _warn_hook_state_left_out(path: str, saved_type: Optional[str]) -> None:
+    """A resume that restores the optimizer (or the model) but leaves the shard's hook
+    state out: that state would start from zero and the run would diverge, silently."""
+    held = (f"the state of a {saved_type}" if saved_type else
+            "a hook state (the state of a OneBitHookState, DCTHookState, OneBitHSDPState or OneBitLocalUpdates)")
+    msg = (f"lbcomm.load_sharded: {path!r} holds {held}, saved with save_sharded(..., hook_state=), but this call "
+           "does not restore it: its error feedback and counters start from zero, so the run does not continue as "
+           f"the checkpointed one would. Pass hook_state=<this run's {saved_type or 'hook state'}> to load_sharded, "
+           "before the first backward pass")
+    warnings.warn(msg, MissingHookStateWarning, stacklevel=3)
 
 
 def _read(path: str, map_location: Any, weights_only: bool, mmap: bool = False) -> Dict[str, Any]:

@@ -13,7 +13,9 @@ __all__ = ["ResumeCheck", "MissingHookStateWarning"]
 
 
 class MissingHookStateWarning(RuntimeWarning):
-    """The optimizer was restored from a checkpoint, the hook state was not."""
+    """The optimizer was restored from a checkpoint, the hook state was not: warned at the
+    hook's first call (`ResumeCheck`) and by `lbcomm.load_sharded` when the shard holds a
+    hook state (or `OneBitLocalUpdates`' state) that the call does not restore."""
 
 
 class ResumeCheck:

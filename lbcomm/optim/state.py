@@ -6,8 +6,9 @@ when a parameter starts requiring grad; `attach_views` exposes it per parameter.
 
 Checkpoints: ``optimizer.state_dict()`` is torch's (per-parameter state: views of the flat
 buffers and fp32 scalars; the param groups with the hyperparameters) plus an ``"lbcomm"``
-entry with what is not per parameter: the format version, the layout, the step counter,
-the names of the per-parameter buffers that differ between ranks (``rank_local``), and for
+entry with what is not per parameter: the format version, the class that saved it
+(``class``), the layout, the step counter, the names of the per-parameter buffers that
+differ between ranks (``rank_local``), and for
 a 1-bit optimizer its stage's state (``frozen``, the mask, ``compression``: this
 rank's compression errors, with the ``world_size`` and ``topology`` they belong to, which
 `lbcomm.checkpoint.redistribute_optimizer_state` reads for an elastic resume).
@@ -29,7 +30,7 @@ from ..common import FLOAT_DTYPES
 from .flat import FlatLayout, local_tensor
 
 __all__ = ["STATE_VERSION", "READABLE_VERSIONS", "build_layout", "attach_views", "prepare", "param_indices",
-           "save_hook", "load_pre_hook", "load_post_hook", "restore", "rank_mean"]
+           "save_hook", "load_pre_hook", "load_post_hook", "restore", "rank_mean", "state_class"]
 
 STATE_VERSION = 2
 READABLE_VERSIONS = (STATE_VERSION,)
@@ -134,11 +135,21 @@ def save_hook(opt, sd: Dict[str, Any]) -> Dict[str, Any]:
     return sd
 
 
+def state_class(opt) -> str:
+    """The lbcomm optimizer class whose state `opt` keeps: the first lbcomm class in its
+    MRO, so that a user's subclass saves and loads the state of the class it extends."""
+    for cls in type(opt).__mro__:
+        if cls.__module__.startswith("lbcomm."):
+            return cls.__name__
+    return type(opt).__name__
+
+
 def base_extra_state(opt) -> Dict[str, Any]:
     """The ``"lbcomm"`` entry every optimizer writes."""
     L = opt._layout
     index = param_indices(opt)
-    return {"version": STATE_VERSION, "layout": None if L is None else [index[id(p)] for p in L.params],
+    return {"version": STATE_VERSION, "class": state_class(opt),
+            "layout": None if L is None else [index[id(p)] for p in L.params],
             "numels": None if L is None else list(L.numels), "global_step": opt._global_step,
             "skipped_steps": opt.skipped_steps, "rank_local": list(opt.rank_local_buffers())}
 
@@ -150,7 +161,11 @@ def rank_mean(tensors) -> Tensor:
 
 def load_pre_hook(opt, sd: Dict[str, Any]) -> Dict[str, Any]:
     """torch's load pre hook: check the entry, keep the per-parameter state for `restore`
-    (torch would cast it to the parameters' dtype; fp16/bf16 parameters keep fp32 state)."""
+    (torch would cast it to the parameters' dtype; fp16/bf16 parameters keep fp32 state).
+
+    Every optimizer class keeps other buffers and stages, so a state dict loads only into
+    the class that saved it (``"class"`` in the entry); state dicts written before the
+    entry recorded it fall back to the checks on its stages and buffers."""
     extra = sd.get("lbcomm")
     name = type(opt).__name__
     if extra is None:
@@ -159,6 +174,11 @@ def load_pre_hook(opt, sd: Dict[str, Any]) -> Dict[str, Any]:
     if extra.get("version") not in READABLE_VERSIONS:
         raise ValueError(f"{name}.load_state_dict: unsupported lbcomm state version {extra.get('version')!r} (this "
                          f"lbcomm reads {', '.join(map(str, READABLE_VERSIONS))})")
+    saved_class, mine = extra.get("class"), state_class(opt)
+    if saved_class is not None and saved_class != mine:
+        raise ValueError(f"{name}.load_state_dict: the state dict was saved by {saved_class} and is being loaded "
+                         f"into {mine}; their states differ (buffers, stages, counters), so it cannot be loaded "
+                         f"here: load it into {saved_class}, the class that saved it")
     if (opt._onebit is not None) != ("frozen" in extra):
         raise ValueError(f"{name}.load_state_dict: the state dict was saved by an optimizer "
                          f"{'with' if 'frozen' in extra else 'without'} a 1-bit stage; load it into the optimizer "
@@ -196,6 +216,7 @@ def restore(opt, state: Dict[Any, Dict[str, Any]], extra: Dict[str, Any]) -> Non
         raise ValueError(f"{name}.load_state_dict: no state for parameters {missing} of the saved layout; the state "
                          "dict is incomplete")
     for n in list(state[order[0]]) if order else []:
+        _check_saved_size(opt, n, [state[k].get(n) for k in order], L.total)
         if n in opt._vectors:
             opt._vectors[n].copy_(torch.stack([state[k][n].reshape(()) for k in order]))
         else:
@@ -203,3 +224,17 @@ def restore(opt, state: Dict[Any, Dict[str, Any]], extra: Dict[str, Any]) -> Non
                 opt._flat[n] = torch.zeros(L.total, dtype=torch.float32, device=opt._device(L))
             opt._flat[n].copy_(torch.cat([state[k][n].reshape(-1) for k in order]))
     opt._attach_views()
+
+
+def _check_saved_size(opt, n: str, saved, total: int) -> None:
+    """A saved per-parameter state `n` that does not fit this optimizer's (a state dict
+    of another class, saved before the ``"lbcomm"`` entry named it)."""
+    per_param = n in opt._vectors
+    ok = all(isinstance(t, torch.Tensor) for t in saved) and (
+        all(t.numel() == 1 for t in saved) if per_param else sum(t.numel() for t in saved) == total)
+    if not ok:
+        name = type(opt).__name__
+        raise ValueError(f"{name}.load_state_dict: the saved per-parameter state {n!r} has other sizes than "
+                         f"{name} keeps ({'one value per parameter' if per_param else 'one value per element'}), so "
+                         "the state dict was saved by another optimizer class; load it into the optimizer class "
+                         "that saved it")
