@@ -1,6 +1,6 @@
 """The exceptions lbcomm raises for a misconfigured stack (docs/troubleshooting.md)."""
 
-__all__ = ["DoubleCompressionError", "AveragedGradientsError"]
+__all__ = ["DoubleCompressionError", "AveragedGradientsError", "NotInitializedError", "NotCompressedWarning"]
 
 
 class DoubleCompressionError(RuntimeError):
@@ -10,3 +10,13 @@ class DoubleCompressionError(RuntimeError):
 class AveragedGradientsError(RuntimeError):
     """A 1-bit optimizer received gradients that are identical on every rank: something
     (DDP's full-precision allreduce, or a compressing hook) has already averaged them."""
+
+
+class NotInitializedError(RuntimeError):
+    """The launcher started several ranks (torchrun's WORLD_SIZE, or mpirun without mpi4py)
+    but torch.distributed is not initialized: each rank would train alone, nothing averaged."""
+
+
+class NotCompressedWarning(UserWarning):
+    """A 1-bit optimizer was checkpointed, or its run ended, before it ever compressed:
+    every step so far averaged the gradients in full precision (freeze_step not reached)."""

