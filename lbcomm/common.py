@@ -5,8 +5,8 @@ from typing import Any, Dict, Generator, Optional
 
 import torch
 
-__all__ = ["STATS_KEYS", "compressor_stats", "FLOAT_DTYPES", "NONFINITE_POLICIES", "NonFiniteError", "completed_future", "new_future", "drive",
-           "ring_allreduce_bytes"]
+__all__ = ["STATS_KEYS", "compressor_stats", "error_ratio", "FLOAT_DTYPES", "NONFINITE_POLICIES", "NonFiniteError",
+           "completed_future", "new_future", "drive", "ring_allreduce_bytes"]
 
 # Tensors the compressed allreduce takes: fp16/bf16 are upcast into the fp32 error domain.
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -102,13 +102,22 @@ def report_exact_share(log, who: str, what: str, exact: int, total: int, limit: 
 STATS_KEYS = ("compressed_calls", "skipped_calls", "bytes_sent", "error_norm")
 
 
+def error_ratio(error_norm: float, sent_norm: float) -> float:
+    """``error_norm`` relative to the norm of what was last sent (0.0 when nothing was sent
+    yet). The error of one 1-bit compression with RMS block scales is at most sqrt(2) times
+    its input, so a ratio at or above about 1 means the error feedback carries as much as
+    the wire does (most of the signal waits in the errors)."""
+    return error_norm / sent_norm if sent_norm > 0 else 0.0
+
+
 def compressor_stats(reducer) -> Dict[str, Any]:
     """The `STATS_KEYS` of one reducer as plain numbers (all zero for None, a reducer not
     made yet): ``bytes_sent`` counts its compressed calls at `bytes_per_call` (a skipped
-    call sends only the small finiteness agreement)."""
+    call sends only the small finiteness agreement). Also ``error_ratio``: ``error_norm``
+    over the reducer's ``last_sent_norm`` (see `error_ratio`), so that the error has a scale."""
     if reducer is None:
-        return {"compressed_calls": 0, "skipped_calls": 0, "bytes_sent": 0, "error_norm": 0.0}
+        return {"compressed_calls": 0, "skipped_calls": 0, "bytes_sent": 0, "error_norm": 0.0, "error_ratio": 0.0}
     done = reducer.calls - reducer.skipped
-    err = reducer.worker_error.double().square().sum() + reducer.server_error.double().square().sum()
+    err = float(reducer.worker_error.double().square().sum() + reducer.server_error.double().square().sum()) ** 0.5
     return {"compressed_calls": done, "skipped_calls": reducer.skipped, "bytes_sent": done * reducer.bytes_per_call(),
-            "error_norm": float(err) ** 0.5}
+            "error_norm": err, "error_ratio": error_ratio(err, reducer.last_sent_norm)}

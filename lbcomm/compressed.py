@@ -145,6 +145,8 @@ class CompressionState:
         self.skipped = 0
         self.last_skipped = False
         self._zeroed: Optional[Tuple[Tensor, Tuple[int, int], Tensor]] = None  # zero_errors_at's server index
+        self._sent_sq: Optional[Tensor] = None  # squared norm of the last call's rows, decoded (0-dim float64)
+        self._counts: Optional[List[Tuple[Tensor, Tensor]]] = None  # real elements per block, per piece
 
     # ------------------------------------------------------------------ the Reducer protocol
     def reduce_(self, source: "Source", sink: "Sink", *, checked: bool = False, async_op: bool = False,
@@ -226,6 +228,33 @@ class CompressionState:
             lo, hi = span
             self._zeroed = (index, span, index[(index >= lo) & (index < hi)] - lo)
         self._server_error.index_fill_(0, self._zeroed[2], 0.0)
+
+    @property
+    def last_sent_norm(self) -> float:
+        """L2 norm of what this rank sent in its last compressed call, decoded: its
+        compressed x + e (every chunk) and its served chunk, sign times block scale per
+        element. Each block scale is the RMS of its block, so this is also the norm of what
+        was compressed (with the capped decode an estimate: caps below a block's scale
+        decode those coordinates smaller). Read from the block
+        scales of the wire rows, not from the data; 0.0 before the first compressed call of
+        this process (or after `load_state_dict`). The denominator of ``error_ratio`` in
+        `compression_stats`."""
+        return 0.0 if self._sent_sq is None else float(self._sent_sq) ** 0.5
+
+    def _block_counts(self, s: int) -> Tuple[Tensor, Tensor]:
+        """(worker [p, nb], server [nb]): the real (not padding) elements behind each block
+        scale of piece s, float64, for `last_sent_norm`."""
+        if self._counts is None:
+            p, m, n0 = self.world_size, self.chunk, self.numel
+            self._counts = []
+            for lo, hi in self.piece_spans:
+                step = self.block_size or max(hi - lo, 1)  # None: one scale per row
+                starts = torch.arange(lo, hi, step, dtype=torch.int64)
+                lengths = (starts + step).clamp(max=hi) - starts
+                firsts = torch.arange(p, dtype=torch.int64)[:, None] * m + starts
+                real = torch.minimum((n0 - firsts).clamp(min=0), lengths).to(torch.float64).to(self.device)
+                self._counts.append((real, real[self.rank]))
+        return self._counts[s]
 
     @property
     def padded_numel(self) -> int:
@@ -313,6 +342,7 @@ class CompressionState:
                 _log.warning("lbcomm: compression error buffers were saved for (numel, world_size, rank, block_size)="
                              "%s but this run has %s; resetting them to zero and continuing", layout, mine)
             return False
+        self._sent_sq = None  # what was last sent belongs to the errors just replaced
         self._worker_error.copy_(sd["worker_error"].reshape(self._worker_error.shape))
         self._server_error.copy_(sd["server_error"].reshape(self._server_error.shape))
         return True

@@ -154,6 +154,7 @@ class FlatCall:
             finite = all(bool(torch.isfinite(self._scales(w.gathered, s)).all()) for s, w in enumerate(wire))
             if not self._conclude(finite, errors_changed=True):
                 return self.result(False)
+            self._record_sent()
             self._decode()
             return self.result(True)
         finally:
@@ -278,6 +279,19 @@ class FlatCall:
         self._scales(wire.server_send, s).copy_(scales)
         wire.server_send[layout.scales_end:].copy_(self._header(s).view(torch.uint8))
         return wire.server_send
+
+    def _record_sent(self) -> None:
+        """Keep the squared norm of what this rank sent, decoded (`CompressionState.last_sent_norm`),
+        from the block scales of its rows: a pass over the scales only, kept as a tensor so
+        that nothing waits for a device here."""
+        st = self.state
+        total = None
+        for s, w in enumerate(st._wire):
+            worker_n, server_n = st._block_counts(s)
+            part = ((self._scales(w.send, s).double().square() * worker_n).sum()
+                    + (self._scales(w.server_send, s).double().square() * server_n).sum())
+            total = part if total is None else total + part
+        st._sent_sq = total
 
     def _decode(self) -> None:
         """Decode every server chunk into the sink: straight into a contiguous float32

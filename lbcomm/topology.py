@@ -212,6 +212,11 @@ class HierarchicalState:
         return self.compression.worker_error
 
     @property
+    def last_sent_norm(self) -> float:
+        """What the 1-bit stage sent in its last call (`CompressionState.last_sent_norm`)."""
+        return self.compression.last_sent_norm
+
+    @property
     def server_error(self) -> Tensor:
         return self.compression.server_error
 

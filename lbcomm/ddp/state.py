@@ -7,6 +7,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 import torch.distributed as dist
 
 from ..comm import world_info
+from ..common import error_ratio
 from ..compressed import CompressionState
 from ..config import CommConfig, resolve
 from ..reducer import resolve_topology
@@ -292,9 +293,13 @@ class OneBitHookState:
         * ``bytes_uncompressed``: what ring allreduces of the same buckets would have sent;
         * ``compression_ratio``: their ratio;
         * ``compressed_calls``, ``skipped_calls`` (non-finite buckets), ``iter``;
-        * ``error_norm``: see `error_norm`.
+        * ``error_norm``: see `error_norm`;
+        * ``error_ratio``: ``error_norm`` over the norm of what the units last sent (each
+          unit's `CompressionState.last_sent_norm`; 0.0 before the first compressed call).
         """
         sent, full = self.total_bytes_sent, self.total_bytes_uncompressed
+        err = self.error_norm()
+        last = math.sqrt(sum(u.compression.last_sent_norm ** 2 for u in self.planner.units()))
         return {
             "iter": self.iter,
             "bytes_sent": sent,
@@ -302,7 +307,8 @@ class OneBitHookState:
             "compression_ratio": full / sent if sent else 0.0,
             "compressed_calls": self.compressed_calls,
             "skipped_calls": self.skipped_calls,
-            "error_norm": self.error_norm(),
+            "error_norm": err,
+            "error_ratio": error_ratio(err, last),
         }
 
     # ------------------------------------------------------------------ checkpoints
