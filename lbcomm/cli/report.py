@@ -8,7 +8,8 @@ from typing import Dict, List, Optional, Sequence
 from .schema import write_json
 from .units import parse_rate
 
-__all__ = ["allreduce_header", "allreduce_table", "report_allreduce", "train_table", "report_train", "check_table",
+__all__ = ["SPREAD_LIMIT", "spread", "spread_warnings", "allreduce_header", "allreduce_table",
+           "report_allreduce", "train_table", "report_train", "check_table",
            "nodes_check_table", "nodes_grid_table", "grid_table", "advise_table", "emit"]
 
 
@@ -62,10 +63,45 @@ def allreduce_table(rows: List[Dict]) -> str:
     return "\n".join(lines)
 
 
+# p90/p10 of a row's timings above which its median is called unreliable. An allreduce
+# that the machine leaves alone varies by tens of percent between iterations; at twice,
+# a tenth of the iterations took over twice as long as another tenth (other processes,
+# frequency changes), and with few iterations the median shifts with where those land.
+SPREAD_LIMIT = 2.0
+
+
+def spread(row: Dict) -> float:
+    """p90 / p10 of a row's timings (inf when p10 is zero)."""
+    return row["p90_s"] / row["p10_s"] if row["p10_s"] > 0 else float("inf")
+
+
+def spread_warnings(rows: List[Dict], iters: int, limit: float = SPREAD_LIMIT) -> List[str]:
+    """One warning line per method whose timings spread beyond `limit` (p90/p10) at some
+    size (the worst one named): its medians may move a lot between runs, so the line asks
+    for more iterations. The JSON rows carry p10_s and p90_s, from which it follows."""
+    wide: Dict[str, List[Dict]] = {}
+    for r in rows:
+        if spread(r) > limit:
+            wide.setdefault(r["method"], []).append(r)
+    sizes = len({r["elements"] for r in rows})
+    more = max(100, 5 * iters)
+    lines = []
+    for method, flagged in wide.items():
+        worst = max(flagged, key=spread)
+        lines.append(f"# warning: {method} timings spread widely: p90/p10 = {spread(worst):.1f} at {worst['bytes']} B "
+                     f"(p10 {worst['p10_s'] * 1e3:.2f} ms, p90 {worst['p90_s'] * 1e3:.2f} ms), above {limit:g} at "
+                     f"{len(flagged)} of {sizes} size(s), so a median of {iters} iterations can change a lot "
+                     f"between runs (is the machine busy?). Rerun with a larger --iters (e.g. --iters {more}), on a "
+                     "quieter machine if you can")
+    return lines
+
+
 def report_allreduce(doc: Dict, json_path: Optional[str] = None, plot_path: Optional[str] = None) -> None:
     c = doc["config"]
     print(allreduce_header(c))
     print(allreduce_table(doc["rows"]))
+    for line in spread_warnings(doc["rows"], c["iters"]):
+        print(line)
     link = c.get("bandwidth")
     if link:
         for r in doc["rows"]:
