@@ -94,10 +94,16 @@ def _dim1_or_over(p, n) -> bool:
     return p.dim() <= 1 or p.numel() > n
 
 
-def freeze_of(task, a=None) -> int:
+def freeze_of(task, a=None, hook: bool = False):
     """The step of the 1-bit methods' freeze (ZeroOneAdam's var_freeze_step, the hooks'
-    start): `--freeze-at` of the run, 25 % by default."""
-    return max(2, round(getattr(a, "freeze_at", 0.25) * task.steps))
+    start): `--freeze-at` of the run, 25 % by default; "auto" for the optimizers with
+    `--freeze-at auto` (the hooks keep 25 %)."""
+    at = getattr(a, "freeze_at", 0.25)
+    if at == "auto":
+        if not hook:
+            return "auto"
+        at = 0.25
+    return max(2, round(at * task.steps))
 
 
 # the optimizer class (or factory: called as the class) of each lbcomm method; build() and
@@ -141,13 +147,17 @@ def build(method, model, lr, task, world, a, classes=None):
         # its bytes are reported
         opts = {**base, **extra}
         comm = lbcomm.CommConfig(**{k: opts.pop(k) for k in list(opts) if k in COMM_FIELDS})
-        ddp.hook_state = lbcomm.OneBitHookState(freeze_of(task, a), **opts, comm=comm)
+        ddp.hook_state = lbcomm.OneBitHookState(freeze_of(task, a, hook=True), **opts, comm=comm)
         ddp.register_comm_hook(ddp.hook_state, lbcomm.onebit_hook)
     if method == "lars_hook":  # onebit_hook averages the gradients: Lars does not average them again
         return ddp, lars(grads_averaged=True)
     if method == "adamw_hook":
         return ddp, torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=wd)
     return ddp, torch.optim.SGD(model.parameters(), lr=lr, momentum=SGD_MOMENTUM)
+
+
+def _freeze_at(text: str):
+    return "auto" if text == "auto" else float(text)
 
 
 def in_order(batches, k):
@@ -162,7 +172,7 @@ def one_run(rank, world, task, method, lr, a, classes=None):
     init = T.evaluate(task, model)
     steps, freeze = task.steps, freeze_of(task, a)
     schedule = getattr(a, "schedule", "cosine")
-    diverged, first_ratio, first_pmax = None, None, None
+    diverged, first_ratio, first_pmax, frozen_at = None, None, None, None
     every, trajectory = getattr(a, "trajectory", 0), []  # validation loss every `every` steps
     for step in range(steps):
         cur = lr * T.schedule_factor(schedule, step, steps)
@@ -184,6 +194,8 @@ def one_run(rank, world, task, method, lr, a, classes=None):
         except lbcomm.NonFiniteError:
             diverged = step + 1
             break
+        if frozen_at is None and getattr(opt, "local_steps_started", getattr(opt, "frozen", False)):
+            frozen_at = opt.global_step
         if before is not None:  # the first compressed step: largest |update| per coordinate / lr
             first_ratio = max(float((p.detach() - b).abs().max()) for p, b in zip(model.parameters(), before)) / cur
         if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
@@ -201,7 +213,7 @@ def one_run(rank, world, task, method, lr, a, classes=None):
     return {"task": task.name, "method": method, "lr": lr, "final": final, "init": init, "diverged": diverged,
             "bytes_sent": None if sent is None else sent["bytes_sent"],
             "bytes_uncompressed": None if sent is None else sent["bytes_uncompressed"],
-            "first_update_ratio": first_ratio, "param_max_at_first_update": first_pmax,
+            "first_update_ratio": first_ratio, "frozen_at": frozen_at, "param_max_at_first_update": first_pmax,
             "max_param": None if diverged else max(float(p.detach().abs().max()) for p in model.parameters()),
             **({"trajectory": trajectory + [[steps, final]]} if every else {})}
 
@@ -540,10 +552,10 @@ def parse_args(argv=None):
     p.add_argument("--schedule", choices=tuple(T.SCHEDULES), default="cosine",
                    help="the lr schedule of every run, both twins alike: "
                    + "; ".join(f"{k}: {v}" for k, v in T.SCHEDULES.items()).replace("%", "%%"))
-    p.add_argument("--freeze-at", type=float, default=0.25,
+    p.add_argument("--freeze-at", type=_freeze_at, default=0.25,
                    help="the 1-bit methods' freeze (ZeroOneAdam's var_freeze_step, the hooks' start) at this "
                    "fraction of each run (default: 0.25); with --schedule long_warmup, 0.5 freezes at the end "
-                   "of the lr warmup")
+                   "of the lr warmup; 'auto': the optimizers' freeze_step='auto' (the hooks at 0.25)")
     p.add_argument("--repeats", type=int, default=1,
                    help="run every (task, method, lr) this many times, each with another order of the same "
                    "batches (same data, initial weights), and rank the lrs by the mean final loss: for tasks "
@@ -569,7 +581,7 @@ def parse_args(argv=None):
     a = p.parse_args(argv)
     if a.repeats < 1:
         p.error(f"--repeats must be >= 1, got {a.repeats}")
-    if not 0 < a.freeze_at < 1:
+    if a.freeze_at != "auto" and not 0 < a.freeze_at < 1:
         p.error(f"--freeze-at must be a fraction of the run in (0, 1), got {a.freeze_at}")
     over = a.lars_options.get("exclude_over", 0)
     if isinstance(over, bool) or not isinstance(over, int) or over < 0:

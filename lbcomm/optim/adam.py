@@ -6,27 +6,21 @@ math is `functional` / `kernels`; rescale_variance is `rescale.VarianceRescale`)
 shared with `ZeroOneAdam`."""
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from torch import Tensor
 
 from ..config import CommConfig
-from ..common import compressor_stats
 from . import functional as F
 from . import kernels
 from .base import BaseOptimizer
 from .flat import FlatLayout
+from .freeze import check_freeze_option as check_freeze_step
 from .onebit import OneBitStage
 from .rescale import VECTORS as RESCALE_VECTORS
 from .rescale import VarianceRescale
 
 __all__ = ["OneBitAdam", "adamw_warmup_", "frozen_adamw_step_", "check_freeze_step"]
-
-
-def check_freeze_step(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"Invalid {name}: {value!r} (must be an int >= 1: the variance is frozen after that many "
-                         "warmup steps)")
 
 
 def adamw_warmup_(opt: BaseOptimizer, L: FlatLayout, active: List[bool], bounds: List[Optional[float]],
@@ -90,7 +84,7 @@ class OneBitAdam(BaseOptimizer):
         betas: Tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
-        freeze_step: int = 100000,
+        freeze_step: Union[int, str] = 100000,
         *,
         bias_correction: bool = True,
         rescale_variance: bool = True,
@@ -116,9 +110,16 @@ class OneBitAdam(BaseOptimizer):
         or a HierarchicalState, nodes of several ranks); None before the freeze and with one rank."""
         return self._onebit.reducer
 
+    @property
+    def frozen_after(self) -> Optional[int]:
+        """The step after which the variance was frozen (the fixed freeze option, or the step
+        "auto" decided on); None until then."""
+        return self._onebit.frozen_after(self.frozen)
+
     def compression_stats(self) -> Dict[str, Any]:
-        """The momentum reducer's `lbcomm.common.compressor_stats` (zeros before the freeze)."""
-        return compressor_stats(self._onebit.reducer)
+        """The momentum reducer's `lbcomm.common.compressor_stats` (zeros before the freeze),
+        and ``status``: "compressing", or why nothing is compressed (the warmup, one rank)."""
+        return self._onebit.stats()
 
     def bytes_per_step(self) -> Optional[Dict[str, int]]:
         """What this rank sends per compression-stage step: {"compressed", "exact" (the
@@ -168,7 +169,7 @@ class OneBitAdam(BaseOptimizer):
         super()._load_extra_state(state, extra)
 
     def _after_step(self, L: FlatLayout) -> None:
-        if not self.frozen and self._global_step >= self._option("freeze_step"):
+        if not self.frozen and self._onebit.freeze_due(L):
             self._onebit.freeze(L)
             self._rescale.record_reference(L)
             self._attach_views()

@@ -30,20 +30,25 @@ Sharded parameters (FSDP2): the shard's momentum is compressed over ``comm.proce
 """
 from __future__ import annotations
 
+import atexit
 import logging
+import warnings
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Union
 
 import torch
 from torch import Tensor
 
-from ..common import report_exact_share, ring_allreduce_bytes
+from ..common import compressor_stats, report_exact_share, ring_allreduce_bytes
 from ..compressed import NonFiniteError
+from ..errors import NotCompressedWarning
 from ..reducer import make_reducer, resolve_topology
 from ..topology import Topology
 from . import agree
 from . import functional as F
 from .exact import ExactPart
 from .flat import FlatLayout
+from .freeze import AUTO, MAX_STEP, AutoFreeze
 from .functional import STAGE
 from .mask import MomentumMask
 
@@ -55,6 +60,18 @@ _log = logging.getLogger(__name__)
 LR_RISE = 1.5
 
 Source = Callable[[int, int, Tensor], None]
+
+_LIVE: "weakref.WeakSet[OneBitStage]" = weakref.WeakSet()
+
+
+@atexit.register
+def _warn_never_compressed() -> None:
+    """At exit: a run of several ranks that never compressed says so (once per optimizer)."""
+    for stage in list(_LIVE):
+        try:
+            stage.warn_uncompressed("the run ended")
+        except Exception:  # noqa: BLE001 - the process group may be gone at exit
+            pass
 Sink = Union[Tensor, Callable[[int, int, Tensor], None]]
 
 
@@ -69,14 +86,16 @@ class OneBitStage:
         exact_numel (int): parameters of at most this many elements are averaged exactly.
         flat_only (bool): the optimizer runs on the flat reduction only (ZeroOneAdam):
             ``comm.topology`` "auto" resolves to flat, a Topology of several nodes is refused.
+        freeze_option (str): the name of the optimizer's freeze option (an int or "auto").
     """
 
     # per-parameter fp32 vectors the stage keeps in the optimizer's state (initial values);
     # max_update_bound: max_update="warmup"'s U_p, recorded at the freeze (-1: not recorded)
     VECTORS: Dict[str, float] = {"step": 0.0, "variance_step": 0.0, "max_update_bound": -1.0}
 
-    def __init__(self, opt, *, exact_numel: int, flat_only: bool = False):
+    def __init__(self, opt, *, exact_numel: int, flat_only: bool = False, freeze_option: str = "freeze_step"):
         self.opt = opt
+        self.freeze_option = freeze_option
         self.comm = opt.comm
         spec = self.comm.topology
         if flat_only and isinstance(spec, Topology) and not spec.flat:
@@ -98,6 +117,10 @@ class OneBitStage:
         self.exact = ExactPart(self, exact_numel)
         self.stats_ride: Optional[Tensor] = None  # gradient_stats' sample, to ride in grads_finite's allreduce
         self._stats_mean: Optional[Tensor] = None  # ... and its mean over the ranks
+        self.auto = AutoFreeze(type(opt).__name__, freeze_option)  # freeze_step="auto"'s decision
+        self._warned_uncompressed = False
+        self._warned_none = False
+        _LIVE.add(self)  # warned at exit if it never compressed
 
     # ------------------------------------------------------------------ layout
     def check_layout_change(self, what: str) -> None:
@@ -247,6 +270,98 @@ class OneBitStage:
         self.record_update_bounds(L)
         self._make_reducer(L)
 
+    def freeze_due(self, L: FlatLayout, vstep: str = "step", check: bool = True) -> bool:
+        """Whether the variance is to be frozen after the step just taken: at the step the
+        optimizer's freeze option names, or with "auto" when `AutoFreeze` decides (a check only
+        where `check`: ZeroOneAdam checks on its variance steps). `vstep`: the vector
+        counting the variance's steps (its bias correction)."""
+        opt = self.opt
+        value, t = opt._option(self.freeze_option), opt.global_step
+        if value != AUTO:
+            return t >= value
+        auto = self.auto
+        if auto.decided_at is not None:
+            return t >= auto.decided_at
+        if not (check and auto.due(t)):
+            return False
+        auto.sample(L.total, opt._device(L))
+        return auto.check(t, self._preconditioner(L, vstep), [g["lr"] for g in opt.param_groups], self._all_agree)
+
+    def frozen_after(self, done: bool) -> Optional[int]:
+        """The step after which the variance was frozen (`done`: it is), else None."""
+        if not done:
+            return None
+        value = self.opt._option(self.freeze_option)
+        return self.auto.decided_at if value == AUTO else value
+
+    def _preconditioner(self, L: FlatLayout, vstep: str):
+        """index -> sqrt(v^) at those flat coordinates (each with its parameter's bias correction)."""
+        opt = self.opt
+        steps = opt._vectors[vstep].tolist()
+        bc = []
+        for i, gi in enumerate(L.group_of):
+            group = opt.param_groups[gi]
+            b2 = group["betas"][1]
+            bc.append(1 - b2 ** steps[i] if group.get("bias_correction", True) and steps[i] > 0 else 1.0)
+        v = opt._flat["exp_avg_sq"]
+
+        def precond(index: Tensor) -> Tensor:
+            starts = torch.tensor(L.offsets, dtype=torch.long, device=index.device)
+            owner = (torch.searchsorted(starts, index, right=True) - 1).clamp_(min=0)
+            scale = torch.tensor(bc, dtype=torch.float64, device=index.device)[owner]
+            return (v[index].double() / scale).sqrt_()
+
+        return precond
+
+    def _all_agree(self, vote: bool) -> bool:
+        """The AND of every rank's vote (one 4-byte allreduce; the shard group's too)."""
+        opt = self.opt
+        tr, shards = opt.transport, opt._sharded()
+        if tr.world_size == 1 and not shards:
+            return vote
+        flag = torch.tensor([1.0 if vote else 0.0], device=opt._device(opt._layout))
+        want = 1
+        if tr.world_size > 1:
+            tr.all_reduce(flag, op="sum")
+            want *= tr.world_size
+        if shards:
+            opt.shard_transport.all_reduce(flag, op="sum")
+            want *= opt.shard_transport.world_size
+        return int(flag.item()) == want
+
+    def not_compressing(self) -> Optional[str]:
+        """Why nothing is compressed now, or None once the compression stage runs."""
+        opt = self.opt
+        if opt.transport.world_size == 1 and not opt._sharded():
+            return ("one rank: nothing to communicate (is torch.distributed initialized with the job's world size, "
+                    "or comm.process_group the group you meant?)")
+        if self.frozen:
+            return None
+        option = self.freeze_option
+        value = opt._option(option)
+        if opt.global_step == 0:
+            return "no step taken yet"
+        if value == AUTO:
+            last = self.auto.last_change
+            return (f"warmup: step {opt.global_step}, {option}='auto' has not frozen the variance yet (its last "
+                    f"relative change {'not measured yet' if last is None else format(last, '.3g')}; freezes at "
+                    f"most after step {MAX_STEP})")
+        return f"warmup: step {opt.global_step} of {option}={value}; full-precision averaging until then"
+
+    def warn_uncompressed(self, when: str) -> None:
+        """Warn once that `when` (a checkpoint, the end of the run) comes before any compression."""
+        if self._warned_uncompressed or self.frozen or self.opt.global_step == 0:
+            return
+        why, option = self.not_compressing(), self.freeze_option
+        if why is None or why.startswith("one rank"):
+            return
+        self._warned_uncompressed = True
+        fix = ("" if self.opt._option(option) == AUTO else
+               f". If the run is shorter than {option}, set it below the run's length, or to 'auto'")
+        warnings.warn(f"{type(self.opt).__name__}: {when} after {self.opt.global_step} steps without ever "
+                      f"compressing ({why}); every step so far averaged the gradients in full precision{fix}",
+                      NotCompressedWarning, stacklevel=3)
+
     def watch_lr(self, option: str = "freeze_step") -> None:
         """Log a warning, once, when a group's lr in the compression stage rises above
         LR_RISE times its lr at the first step this is called at (the one after the freeze,
@@ -288,10 +403,21 @@ class OneBitStage:
                   "at most mask_threshold x mean: %s, user masks: %s params)", name, opt.global_step, L.total, p,
                   self.comm.block_size, self.masked_coordinates, exact, below, len(self.masks.user))
 
+    def stats(self) -> Dict[str, Any]:
+        """The reducer's `lbcomm.common.compressor_stats` and ``status``: "compressing", or
+        why nothing is compressed (`not_compressing`)."""
+        return {**compressor_stats(self.reducer), "status": self.not_compressing() or "compressing"}
+
     def bytes_per_step(self) -> Optional[Dict[str, int]]:
-        """What this rank sends per compression-stage step (see `OneBitAdam.bytes_per_step`)."""
+        """What this rank sends per compression-stage step (see `OneBitAdam.bytes_per_step`);
+        None before the freeze and with one rank, with a warning, once, that says why."""
         L, st = self.opt._layout, self.reducer
         if st is None or L is None:
+            why = self.not_compressing() or "no step taken yet"
+            if not self._warned_none:
+                self._warned_none = True
+                warnings.warn(f"{type(self.opt).__name__}.bytes_per_step() is None: nothing is compressed yet ({why})",
+                              NotCompressedWarning, stacklevel=3)
             return None
         p = self.opt.transport.world_size
         part = self.exact.part(L)
@@ -480,15 +606,18 @@ class OneBitStage:
         return None if t is None else (t.nodes, t.local_size)
 
     def state_dict(self) -> Dict[str, Any]:
+        self.warn_uncompressed("a checkpoint was saved")
         return {"frozen": self.frozen, "world_size": self.opt.transport.world_size, "mask": self.masks.mask,
                 "user_masks": dict(self.masks.user), "topology": self._topology_key(),
-                "compression": None if self.reducer is None else self.reducer.state_dict()}
+                "compression": None if self.reducer is None else self.reducer.state_dict(),
+                "auto_freeze": self.auto.state_dict()}
 
     def begin_load(self, saved: Dict[str, Any]) -> None:
         """Before the optimizer rebuilds its layout: the freeze (it decides the buffers)."""
         self.frozen = bool(saved["frozen"])
         self.reducer = None
         self.masks.mask, self.masks.user = None, {}
+        self.auto.load_state_dict(saved.get("auto_freeze"))
 
     def finish_load(self, L: Optional[FlatLayout], saved: Dict[str, Any]) -> None:
         """After the layout: masks, and the reducer with this rank's saved errors."""

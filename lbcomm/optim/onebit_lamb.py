@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
 from ..config import CommConfig
-from ..common import compressor_stats, ring_allreduce_bytes
+from ..common import ring_allreduce_bytes
 from . import functional as F
 from .adam import check_freeze_step
 from .base import BaseOptimizer
@@ -60,7 +60,7 @@ class OneBitLamb(BaseOptimizer):
         betas: Tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
-        freeze_step: int = 100000,
+        freeze_step: Union[int, str] = 100000,
         *,
         coeff_range: Tuple[float, float] = (0.01, 10.0),
         trust_ratio: str = "max",
@@ -102,9 +102,16 @@ class OneBitLamb(BaseOptimizer):
         """The reducer of the momentum, as `OneBitAdam.compression_state`."""
         return self._onebit.reducer
 
+    @property
+    def frozen_after(self) -> Optional[int]:
+        """The step after which the variance was frozen (the fixed freeze option, or the step
+        "auto" decided on); None until then."""
+        return self._onebit.frozen_after(self.frozen)
+
     def compression_stats(self) -> Dict[str, Any]:
-        """The momentum reducer's `lbcomm.common.compressor_stats` (zeros before the freeze)."""
-        return compressor_stats(self._onebit.reducer)
+        """The momentum reducer's `lbcomm.common.compressor_stats` (zeros before the freeze),
+        and ``status``: "compressing", or why nothing is compressed (the warmup, one rank)."""
+        return self._onebit.stats()
 
     def bytes_per_step(self) -> Optional[Dict[str, int]]:
         """What this rank sends per compression-stage step, as `OneBitAdam.bytes_per_step`,
@@ -158,7 +165,7 @@ class OneBitLamb(BaseOptimizer):
         cf[idx] = F.track_coeff(cf[idx], c, self.param_groups[seg.group]["coeff_beta"])
 
     def _after_step(self, L: FlatLayout) -> None:
-        if not self.frozen and self._global_step >= self._option("freeze_step"):
+        if not self.frozen and self._onebit.freeze_due(L):
             self._onebit.freeze(L)
             for name in self._frozen_buffers:
                 self._flat[name] = torch.zeros_like(self._flat["exp_avg"])

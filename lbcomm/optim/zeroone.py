@@ -7,7 +7,7 @@ are in `ZeroOneAdam`'s docstring. It runs on the flat compressed reduction only.
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -15,9 +15,9 @@ from torch import Tensor
 from ..comm import get_transport
 from ..comm.counting import CountingTransport
 from ..config import CommConfig
-from ..common import compressor_stats
 from . import functional as F
 from .adam import adamw_warmup_, check_freeze_step, frozen_adamw_step_
+from .freeze import AUTO
 from .base import BaseOptimizer
 from .flat import FlatLayout
 from . import local_steps
@@ -55,7 +55,7 @@ class ZeroOneAdam(BaseOptimizer):
         betas: Tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
-        var_freeze_step: int = 100000,
+        var_freeze_step: Union[int, str] = 100000,
         *,
         var_update_scaler: int = 16,
         local_step_scaler: int = 32678,
@@ -74,7 +74,8 @@ class ZeroOneAdam(BaseOptimizer):
         self._counts = {k: 0 for k in _KINDS}
         super().__init__(params, defaults, comm)
         # the parameters of at most comm.exact_numel elements averaged exactly, the flat reduction only
-        self._onebit = OneBitStage(self, exact_numel=self.comm.exact_numel, flat_only=True)
+        self._onebit = OneBitStage(self, exact_numel=self.comm.exact_numel, flat_only=True,
+                                  freeze_option="var_freeze_step")
         self._rescale = self._local_stat = VarianceRescale(self)
 
     @staticmethod
@@ -122,9 +123,16 @@ class ZeroOneAdam(BaseOptimizer):
             return 1
         return min(2 ** (s["syncs"] // self._option("local_step_scaler")), self._option("local_step_clipper"))
 
+    @property
+    def frozen_after(self) -> Optional[int]:
+        """The step after which the variance was frozen for good (the fixed freeze option, or the step
+        "auto" decided on); None until then."""
+        return self._onebit.frozen_after(self.local_steps_started)
+
     def compression_stats(self) -> Dict[str, Any]:
-        """The momentum reducer's `lbcomm.common.compressor_stats` (zeros before the freeze)."""
-        return compressor_stats(self._onebit.reducer)
+        """The momentum reducer's `lbcomm.common.compressor_stats` (zeros before the first
+        step), and ``status``: "compressing", or why nothing is compressed."""
+        return self._onebit.stats()
 
     def comm_stats(self) -> Dict[str, int]:
         """What this rank has sent so far: ``bytes_sent``, ``rounds`` (collectives started; a
@@ -226,7 +234,8 @@ class ZeroOneAdam(BaseOptimizer):
         if kind == "variance":
             s["var_updates"] += 1
             nxt = t + 2 ** (s["var_updates"] // self._option("var_update_scaler"))
-            s["next_var"] = nxt if nxt <= self._option("var_freeze_step") else 0
+            limit = self._option("var_freeze_step")
+            s["next_var"] = nxt if limit == AUTO or nxt <= limit else 0
             if not self.frozen:  # the reducer and the mask, from the first step on
                 self._onebit.freeze(L)
                 self._attach_views()
@@ -238,7 +247,9 @@ class ZeroOneAdam(BaseOptimizer):
             s["syncs"] += 1
             s["next_sync"] = t + min(2 ** (s["syncs"] // self._option("local_step_scaler")),
                                      self._option("local_step_clipper"))
-        if not s["local"] and t >= self._option("var_freeze_step"):
+        # "auto" checks on the variance steps only: the variance changes on those
+        if not s["local"] and self._onebit.freeze_due(L, vstep="variance_step",
+                                                        check=kind == "variance"):
             self._start_local_steps(L)
 
     def _start_local_steps(self, L: FlatLayout) -> None:
