@@ -32,7 +32,7 @@ _log = logging.getLogger(__name__)
 
 AUTO = "auto"
 WINDOW = 10  # steps between two checks
-TOL = 0.05  # largest relative change of the sampled preconditioner over WINDOW steps
+TOL = 0.1  # largest relative change of the sampled preconditioner over WINDOW steps
 MIN_STEP = 20  # the earliest freeze
 MAX_STEP = 100000  # the latest freeze (the fixed default's step)
 SAMPLE = 4096  # coordinates of the sample
