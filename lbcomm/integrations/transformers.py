@@ -1,21 +1,26 @@
 """Hugging Face transformers: `LbcommCallback`, a ``TrainerCallback`` that makes the
 Trainer's DDP really use lbcomm and resume it exactly::
 
-    trainer = Trainer(model=model, args=args, optimizers=(lbcomm.OneBitAdam(...), scheduler), ...)
-    trainer.add_callback(LbcommCallback(trainer))
+    trainer = Trainer(model=model, args=args, optimizers=(lbcomm.OneBitAdam(...), scheduler), ...,
+                      callbacks=[LbcommCallback()])
     trainer.train()
 
-The callback is built with its Trainer (callbacks are handed the unwrapped model, not the
-DDP that wraps it) and added with the Trainer's public ``add_callback``.
+or, built with its Trainer, ``trainer.add_callback(LbcommCallback(trainer))``.
+
+The callback events hand callbacks the unwrapped model, not the DDP that wraps it
+(``trainer.model_wrapped``), which lbcomm attaches to. Built with its Trainer, the callback
+reads the DDP from it; built without (``callbacks=[LbcommCallback()]``), it takes the Trainer
+that raises ``on_train_begin`` (the nearest caller on the stack that is a Trainer holding
+this callback).
 
 * Train begin: registers the right DDP communication hook on ``trainer.model_wrapped``
   (`lbcomm.attach`): with a lbcomm optimizer passed as ``Trainer(optimizers=(opt, sched))``
   DDP stops its full-precision allreduce after the freeze; with
-  ``LbcommCallback(trainer, hook_state=lbcomm.OneBitHookState(...))`` (or a
+  ``LbcommCallback(hook_state=lbcomm.OneBitHookState(...))`` (or a
   `lbcomm.DCTHookState`) every gradient bucket of any optimizer goes through the 1-bit
   allreduce (or the thresholded sparse exchange; a 1-bit optimizer there raises
   `lbcomm.errors.DoubleCompressionError`).
-* Local updates: with ``LbcommCallback(trainer, local_updates=local)`` (a
+* Local updates: with ``LbcommCallback(local_updates=local)`` (a
   `lbcomm.OneBitLocalUpdates` whose inner optimizer is the Trainer's,
   ``Trainer(optimizers=(local.inner, scheduler))``) DDP communicates nothing
   (`lbcomm.ddp.local_gradients_hook`): every rank steps on its own gradient, and the
@@ -36,23 +41,27 @@ DDP that wraps it) and added with the Trainer's public ``add_callback``.
   its own files, every rank loads its shard, so the continuation is bitwise identical to
   a run that never stopped (same world size).
 * Gradient norm and clipping: after the freeze of a lbcomm optimizer every rank holds its
-  local gradient, and the Trainer's clipping (``TrainingArguments(max_grad_norm=x)``)
-  would clip each by its own norm; the Trainer offers no place to change that, so with a
-  lbcomm optimizer the callback refuses ``max_grad_norm > 0`` and clips itself:
-  ``TrainingArguments(max_grad_norm=0)`` with ``LbcommCallback(trainer, max_grad_norm=x)``
-  clips by the optimizer's `clip_grad_norm_` (one norm for every rank: one scalar
-  allreduce after the freeze, none before) just before every optimizer step
-  (``on_pre_optimizer_step``) and logs that shared norm as ``lbcomm_grad_norm``. The
-  Trainer's own logged ``grad_norm`` stays this rank's norm (the same on every rank
-  before the freeze, local after it). With ``hook_state=`` the hook averages the
-  gradients, so the Trainer's own clipping and norm are already the same on every rank.
+  local gradient, and the Trainer's clipping (``TrainingArguments(max_grad_norm=x)``, 1.0
+  by default) would clip each by its own norm; the Trainer offers no place to change how
+  it clips, so with a lbcomm optimizer the callback takes the clipping over: it sets
+  ``args.max_grad_norm`` to 0 when training begins (saying so once, with a
+  `ClippingTakenOverWarning`) and clips at that norm by the optimizer's `clip_grad_norm_`
+  (one norm for every rank: one scalar allreduce after the freeze, none before) just
+  before every optimizer step (``on_pre_optimizer_step``), logging that shared norm as
+  ``lbcomm_grad_norm``. ``LbcommCallback(max_grad_norm=x)`` clips at x instead (then
+  ``TrainingArguments(max_grad_norm=0)`` keeps it quiet). The Trainer's own logged
+  ``grad_norm`` stays this rank's norm (the same on every rank before the freeze, local
+  after it). With ``hook_state=`` the hook averages the gradients, so the Trainer's own
+  clipping and norm are already the same on every rank, and the callback leaves them.
 
 Requires ``transformers``; lbcomm itself does not.
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import os
+import warnings
 from typing import Callable, Optional, Union
 
 from transformers import Trainer, TrainerCallback
@@ -62,20 +71,28 @@ from ..comm import get_transport
 from ..ddp import DCTHookState, OneBitHookState
 from ..local import OneBitLocalUpdates
 from .attach import (LBCOMM_OPTIMIZERS, attach, check_callback_args, check_local_updates, check_not_communicating,
-                     make_local_updates, refuse_norm_clipping, unwrap_optimizer)
+                     make_local_updates, unwrap_optimizer)
 
-__all__ = ["LbcommCallback"]
+__all__ = ["LbcommCallback", "ClippingTakenOverWarning"]
 
 _log = logging.getLogger(__name__)
+
+
+class ClippingTakenOverWarning(UserWarning):
+    """`LbcommCallback` turned the Trainer's clipping by norm off
+    (``TrainingArguments.max_grad_norm`` set to 0) and clips itself by one norm shared by
+    all ranks: the Trainer's clipping would use each rank's own norm of its local gradient."""
 
 
 class LbcommCallback(TrainerCallback):
     """Attach lbcomm to the Trainer's DDP and keep every rank's lbcomm state in its checkpoints.
 
     Args:
-        trainer (Trainer): the Trainer this callback serves; add the callback to it with
-            ``trainer.add_callback(LbcommCallback(trainer, ...))``. Its DDP is read from
-            ``trainer.model_wrapped`` when training begins.
+        trainer (Trainer, optional): the Trainer this callback serves, for
+            ``trainer.add_callback(LbcommCallback(trainer, ...))``; its DDP is read from
+            ``trainer.model_wrapped`` when training begins. Leave it out to pass the callback
+            to the Trainer, ``Trainer(..., callbacks=[LbcommCallback(...)])``: it then serves
+            the Trainer that raises ``on_train_begin`` (default: None).
         hook_state (OneBitHookState or DCTHookState, optional): compress the gradients of
             an optimizer that does not communicate by itself with `lbcomm.onebit_hook` (or
             `lbcomm.dct_hook`); leave it None when the Trainer's optimizer is a lbcomm
@@ -99,24 +116,31 @@ class LbcommCallback(TrainerCallback):
             ranks reset) (default: True).
         max_grad_norm (float, optional): clip the gradients of the lbcomm optimizer by one
             norm shared by all ranks (`lbcomm.optim.BaseOptimizer.clip_grad_norm_`) before
-            every optimizer step and log it as ``lbcomm_grad_norm``; needs
-            ``TrainingArguments(max_grad_norm=0)`` (default: None, no clipping).
+            every optimizer step and log it as ``lbcomm_grad_norm``. Default None: with a
+            lbcomm optimizer, clip at ``TrainingArguments.max_grad_norm`` the same way
+            (taken over from the Trainer, which would clip each rank by its own norm); no
+            clipping when that is 0. Given, it replaces ``TrainingArguments.max_grad_norm``
+            (a ``ClippingTakenOverWarning`` unless that is 0).
 
     Raises (when training begins):
-        ValueError: a lbcomm optimizer with ``TrainingArguments(max_grad_norm > 0)`` (the
-            Trainer would clip every rank by its own norm: set it to 0 and pass
-            ``max_grad_norm=`` here); neither a lbcomm optimizer nor a hook state nor local
-            updates; local updates whose inner optimizer is not the Trainer's; the
-            callback was added to another Trainer than its own.
+        ValueError: neither a lbcomm optimizer nor a hook state nor local updates; local
+            updates whose inner optimizer is not the Trainer's; the callback was built with
+            another Trainer than the one it was added to; built without its Trainer, it
+            found none raising ``on_train_begin`` on more than one process.
         lbcomm.errors.DoubleCompressionError: a hook state with a 1-bit optimizer.
+
+    Warns (when training begins, on the main process):
+        ClippingTakenOverWarning: a lbcomm optimizer with ``TrainingArguments(max_grad_norm
+            > 0)`` (the default 1.0): the callback sets it to 0 and clips by the shared norm
+            itself.
 
     Example::
 
         >>> # xdoctest: +SKIP
         >>> opt = lbcomm.OneBitAdam(model.parameters(), lr=1e-3, freeze_step=1000)
-        >>> args = TrainingArguments(..., max_grad_norm=0)
-        >>> trainer = Trainer(model=model, args=args, train_dataset=ds, optimizers=(opt, None))
-        >>> trainer.add_callback(LbcommCallback(trainer, max_grad_norm=1.0))
+        >>> args = TrainingArguments(...)                    # max_grad_norm=1.0: the callback clips
+        >>> trainer = Trainer(model=model, args=args, train_dataset=ds, optimizers=(opt, None),
+        ...                   callbacks=[LbcommCallback()])
         >>> trainer.train()                                  # or resume_from_checkpoint=True
         >>> # local updates: any torch optimizer inside, the ranks meet every 32 steps
         >>> inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -125,16 +149,19 @@ class LbcommCallback(TrainerCallback):
         >>> trainer.add_callback(LbcommCallback(trainer, local_updates=local))
     """
 
-    def __init__(self, trainer: Trainer, hook_state: Optional[Union[OneBitHookState, DCTHookState]] = None, *,
+    def __init__(self, trainer: Optional[Trainer] = None,
+                 hook_state: Optional[Union[OneBitHookState, DCTHookState]] = None, *,
                  local_updates: Optional[Union[OneBitLocalUpdates, Callable[..., OneBitLocalUpdates]]] = None,
                  warmup_fp16: bool = False,
                  resume_from_checkpoint: Optional[str] = None, strict: bool = True,
                  max_grad_norm: Optional[float] = None):
-        if not isinstance(trainer, Trainer):
+        if trainer is not None and not isinstance(trainer, Trainer):
             raise TypeError(f"LbcommCallback: the first argument is the transformers Trainer the callback serves, got "
-                            f"{type(trainer).__name__}: trainer.add_callback(LbcommCallback(trainer, hook_state=...))")
+                            f"{type(trainer).__name__}: trainer.add_callback(LbcommCallback(trainer, hook_state=...)), "
+                            "or Trainer(..., callbacks=[LbcommCallback(hook_state=...)]) with keyword arguments only")
         check_callback_args("LbcommCallback", hook_state, max_grad_norm, local_updates)
-        self.trainer = trainer
+        self.trainer = trainer  # built without it: the Trainer that raises on_train_begin
+        self._own_trainer = trainer is not None
         self.hook_state = hook_state
         # the local updates, or the function that builds them when training begins
         self.local_updates = local_updates if isinstance(local_updates, OneBitLocalUpdates) else None
@@ -142,14 +169,16 @@ class LbcommCallback(TrainerCallback):
         self.warmup_fp16 = warmup_fp16
         self.resume_from_checkpoint = resume_from_checkpoint
         self.strict = strict
-        self.max_grad_norm = max_grad_norm
+        self.max_grad_norm = max_grad_norm  # the clip applied; taken from TrainingArguments when not given
+        self._clip_given = max_grad_norm is not None
         self.grad_norm = None  # the last norm the optimizer's clip_grad_norm_ returned (0-dim tensor)
         self.ddp = None
+        self._model = None  # the Trainer's (unwrapped) model, from train begin on
         self._optimizer = None
         self._transport = None  # the world's transport (rank, world size, the exit barrier), made at train begin
 
     # ------------------------------------------------------------------ attach
-    def _lbcomm_optimizer(self, args, optimizer):
+    def _lbcomm_optimizer(self, optimizer):
         """The lbcomm optimizer to attach (None with a hook state or local updates), after
         every check of the settings, so that a refused setup registers nothing."""
         if self.local_updates is not None:  # the Trainer's optimizer must be the inner one
@@ -168,29 +197,73 @@ class LbcommCallback(TrainerCallback):
             raise ValueError(f"LbcommCallback: the Trainer's optimizer is {type(opt).__name__}, not a lbcomm "
                              "optimizer, and neither hook_state nor local_updates was given, so nothing would be "
                              "compressed. Pass optimizers=(lbcomm.OneBitAdam(model.parameters(), ...), scheduler) to "
-                             "the Trainer, or LbcommCallback(trainer, hook_state=lbcomm.OneBitHookState(start_iter="
-                             "...)) for this optimizer")
-        if args.max_grad_norm and args.max_grad_norm > 0:
-            clip = args.max_grad_norm
-            refuse_norm_clipping(f"TrainingArguments(max_grad_norm={clip})", "set TrainingArguments(max_grad_norm=0)",
-                                 f"LbcommCallback(trainer, max_grad_norm={clip})", type(opt).__name__,
-                                 self.max_grad_norm)
+                             "the Trainer, or LbcommCallback(hook_state=lbcomm.OneBitHookState(start_iter=...)) for "
+                             "this optimizer")
         return opt
 
+    def _take_over_clipping(self, args, state, optimizer_name):
+        """Turn the Trainer's clipping off (it reads ``args.max_grad_norm`` at every step)
+        and clip by the shared norm instead, at the callback's own max_grad_norm when
+        given, else at the Trainer's."""
+        clip = args.max_grad_norm
+        if not self._clip_given:
+            self.max_grad_norm = clip
+        args.max_grad_norm = 0.0
+        if not state.is_world_process_zero:  # said once, by the main process
+            return
+        why = (f"TrainingArguments(max_grad_norm={clip}) would clip every rank's gradient by its own norm, and with "
+               f"lbcomm.{optimizer_name} the gradients are local to each rank (after the freeze; always with Lamb)")
+        if self._clip_given:
+            msg = (f"LbcommCallback: clipping at LbcommCallback(max_grad_norm={self.max_grad_norm}) by one norm "
+                   f"for all ranks (logged as lbcomm_grad_norm) and setting the Trainer's max_grad_norm to 0: {why}. "
+                   "Pass TrainingArguments(max_grad_norm=0) to silence this")
+        else:
+            msg = (f"LbcommCallback: clipping at max_grad_norm={clip} by one norm for all ranks (logged as "
+                   f"lbcomm_grad_norm) instead of the Trainer, whose max_grad_norm is set to 0: {why}. Pass "
+                   f"TrainingArguments(max_grad_norm=0) and LbcommCallback(max_grad_norm={clip}) to silence this")
+        warnings.warn(msg, ClippingTakenOverWarning, stacklevel=2)
+
+    def _calling_trainer(self) -> Optional[Trainer]:
+        """The Trainer raising the current event: the nearest caller on the stack whose
+        ``self`` is a Trainer holding this callback (the event's arguments carry the
+        unwrapped model, not the DDP)."""
+        frame = inspect.currentframe()
+        try:
+            while frame is not None:
+                owner = frame.f_locals.get("self")
+                if isinstance(owner, Trainer) and any(cb is self for cb in owner.callback_handler.callbacks):
+                    return owner
+                frame = frame.f_back
+        finally:
+            del frame
+        return None
+
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
-        if model is not None and model is not self.trainer.model:
-            raise ValueError("LbcommCallback: this callback was built for another Trainer; add "
-                             "LbcommCallback(trainer) to the Trainer it was built with")
-        if self._make_local is not None:
-            self.local_updates = make_local_updates("LbcommCallback", self._make_local, self.trainer.model, [optimizer])
-        self._optimizer = self._lbcomm_optimizer(args, optimizer)
         if self._transport is None:
             self._transport = get_transport(None, backend="torch")
-        if self._optimizer is not None:
-            self.ddp = attach(self.trainer.model_wrapped, self._optimizer, warmup_fp16=self.warmup_fp16)
+        if self._own_trainer:
+            if model is not None and model is not self.trainer.model:
+                raise ValueError("LbcommCallback: this callback was built for another Trainer; add "
+                                 "LbcommCallback(trainer) to the Trainer it was built with")
         else:
-            self.ddp = attach(self.trainer.model_wrapped, self._rank_local(), optimizer=optimizer,
-                              warmup_fp16=self.warmup_fp16)
+            self.trainer = self._calling_trainer()
+            if self.trainer is None and self._transport.world_size > 1:
+                raise ValueError("LbcommCallback: built without its Trainer, the callback serves the Trainer that "
+                                 "raises on_train_begin, and found none on the call stack (the event carries the "
+                                 "unwrapped model, not the DistributedDataParallel lbcomm attaches to). Build it "
+                                 "with its Trainer: trainer.add_callback(LbcommCallback(trainer, ...))")
+        self._model = self.trainer.model if self.trainer is not None else model
+        if self._make_local is not None:
+            self.local_updates = make_local_updates("LbcommCallback", self._make_local, self._model, [optimizer])
+        self._optimizer = self._lbcomm_optimizer(optimizer)
+        # one process without a Trainer (the event called by hand): no DDP, nothing to attach
+        wrapped = self.trainer.model_wrapped if self.trainer is not None else model
+        if self._optimizer is not None:
+            self.ddp = attach(wrapped, self._optimizer, warmup_fp16=self.warmup_fp16)
+        else:
+            self.ddp = attach(wrapped, self._rank_local(), optimizer=optimizer, warmup_fp16=self.warmup_fp16)
+        if self._optimizer is not None and args.max_grad_norm and args.max_grad_norm > 0:
+            self._take_over_clipping(args, state, type(self._optimizer).__name__)
         if state.global_step > 0:
             self._restore(args, state)
 
@@ -204,7 +277,7 @@ class LbcommCallback(TrainerCallback):
         error feedback differs between ranks); with local updates the inner optimizer's
         state and the model's weights, both this rank's own between synchronizations."""
         if self.local_updates is not None:
-            return self.local_updates.inner, self.trainer.model
+            return self.local_updates.inner, self._model
         return self._optimizer, None
 
     # ------------------------------------------------------------------ checkpoints

@@ -14,11 +14,10 @@ data = [{"input_ids": t, "labels": t} for t in tokens]
 opt = lbcomm.OneBitAdam(model.parameters(), lr=3e-3, freeze_step=4)
 args = TrainingArguments(output_dir=sys.argv[1], max_steps=9, per_device_train_batch_size=2,
                          gradient_accumulation_steps=2, save_steps=3, save_total_limit=2,
-                         max_grad_norm=0,  # the Trainer would clip each rank by its own norm: the callback clips
                          report_to="none", use_cpu=True, ddp_backend="gloo", ddp_find_unused_parameters=False)
-trainer = Trainer(model=model, args=args, train_dataset=data, optimizers=(opt, None))
-# attaches lbcomm to the Trainer's DDP, clips by one norm for all ranks, one shard per rank in checkpoint-N/
-trainer.add_callback(LbcommCallback(trainer, max_grad_norm=1.0))
+# attaches lbcomm to the Trainer's DDP, one shard per rank in checkpoint-N/; clips at max_grad_norm (1.0 by
+# default) by one norm for all ranks in place of the Trainer, which would clip each rank by its own norm
+trainer = Trainer(model=model, args=args, train_dataset=data, optimizers=(opt, None), callbacks=[LbcommCallback()])
 trainer.train(resume_from_checkpoint=f"{sys.argv[1]}/checkpoint-6" if "--resume" in sys.argv else None)
 print(f"rank {trainer.args.process_index}: compression stage sends {opt.bytes_per_step()['total']} bytes per step, "
       f"{sum(p.numel() for p in model.parameters()) * 4} bytes of fp32 gradients")
