@@ -1,6 +1,6 @@
 """The exceptions lbcomm raises for a misconfigured stack (docs/troubleshooting.md)."""
 
-__all__ = ["DoubleCompressionError", "AveragedGradientsError", "NotInitializedError", "NotCompressedWarning"]
+__all__ = ["DoubleCompressionError", "AveragedGradientsError", "NotInitializedError", "NotCompressedWarning", "ReplicaDivergenceError"]
 
 
 class DoubleCompressionError(RuntimeError):
@@ -20,3 +20,9 @@ class NotInitializedError(RuntimeError):
 class NotCompressedWarning(UserWarning):
     """A 1-bit optimizer was checkpointed, or its run ended, before it ever compressed:
     every step so far averaged the gradients in full precision (freeze_step not reached)."""
+
+
+class ReplicaDivergenceError(RuntimeError):
+    """The parameters differ between the ranks although every rank applied the same update:
+    something changes them outside the optimizer (per-rank initialization, an embedding's
+    max_norm renormalizing the rows each rank looks up in place)."""

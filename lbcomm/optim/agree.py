@@ -19,7 +19,8 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from ..errors import AveragedGradientsError
+from ..errors import AveragedGradientsError, ReplicaDivergenceError
+from .flat import local_tensor
 
 __all__ = ["replica_slots", "replicas_identical", "averaged_grads_error", "clip_grad_norm_", "over_shards",
            "per_tensor"]
@@ -148,3 +149,27 @@ def per_tensor(opt, L, local: Tensor, op: str = "sum", full: bool = False):
     elif not full:
         return local
     return (out, where) if full else out[where]
+
+
+def check_params_identical(opt, L) -> None:
+    """After the first step and at the freeze: raise `ReplicaDivergenceError` when the
+    parameters differ between the ranks of ``comm.process_group`` (one allreduce of
+    2 x world_size checksums). Every rank applied the same update, so a difference comes
+    from outside the optimizer, and after the freeze no averaging would pull the replicas
+    back together."""
+    tr = opt.transport
+    if tr.world_size == 1 or not L.params:
+        return
+    slots = replica_slots([local_tensor(p).detach() for p in L.params], tr.rank, tr.world_size, opt._device(L))
+    tr.all_reduce(slots, op="sum")
+    rows = slots.view(-1, 2)
+    if bool(torch.isnan(rows).any()) or bool((rows == rows[0]).all()):
+        return  # identical (or not finite, which the non-finite policy reports)
+    raise ReplicaDivergenceError(
+        f"{type(opt).__name__}: after step {opt.global_step} the parameters differ between the {tr.world_size} "
+        "ranks, although every rank applied the same averaged update: something changes them outside the "
+        "optimizer, so the replicas drift apart (and after the freeze nothing pulls them back). Common causes: "
+        "each rank initialized the model with another seed (call torch.manual_seed with the same seed on every "
+        "rank before building the model, or broadcast rank 0's parameters), or an nn.Embedding / nn.EmbeddingBag "
+        "with max_norm, which renormalizes the rows each rank looks up in place during the forward pass (drop "
+        "max_norm, or renormalize the weights after optimizer.step() on every rank alike)")

@@ -262,7 +262,10 @@ class BaseOptimizer(Optimizer):
             self.skipped_steps += 1
             return loss
         self._global_step += 1
+        was_frozen = self.frozen
         self._after_step(L)
+        if self._onebit is not None and (self._global_step == 1 or self.frozen != was_frozen):
+            agree.check_params_identical(self, L)  # the 1-bit optimizers' replicas must stay bitwise identical
         return loss
 
     def _take_step(self, L: FlatLayout) -> bool:
