@@ -98,8 +98,9 @@ def report_exact_share(log, who: str, what: str, exact: int, total: int, limit: 
 
 #: The keys of every lbcomm compressor's ``compression_stats()`` (reducers, hook states,
 #: optimizers): calls that compressed, calls skipped for NaN/Inf, the bytes this rank sent,
-#: and the norm of its error feedback.
-STATS_KEYS = ("compressed_calls", "skipped_calls", "bytes_sent", "error_norm")
+#: the norm of its error feedback, and that norm over the norm of what it last sent
+#: (`error_ratio`, so that the error has a scale).
+STATS_KEYS = ("compressed_calls", "skipped_calls", "bytes_sent", "error_norm", "error_ratio")
 
 
 def error_ratio(error_norm: float, sent_norm: float) -> float:
@@ -113,8 +114,8 @@ def error_ratio(error_norm: float, sent_norm: float) -> float:
 def compressor_stats(reducer) -> Dict[str, Any]:
     """The `STATS_KEYS` of one reducer as plain numbers (all zero for None, a reducer not
     made yet): ``bytes_sent`` counts its compressed calls at `bytes_per_call` (a skipped
-    call sends only the small finiteness agreement). Also ``error_ratio``: ``error_norm``
-    over the reducer's ``last_sent_norm`` (see `error_ratio`), so that the error has a scale."""
+    call sends only the small finiteness agreement); ``error_ratio`` is ``error_norm`` over
+    the reducer's ``last_sent_norm`` (see `error_ratio`)."""
     if reducer is None:
         return {"compressed_calls": 0, "skipped_calls": 0, "bytes_sent": 0, "error_norm": 0.0, "error_ratio": 0.0}
     done = reducer.calls - reducer.skipped

@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from .common import NONFINITE_POLICIES, NonFiniteError
+from .common import NONFINITE_POLICIES, NonFiniteError, error_ratio
 
 __all__ = ["Sparsifier", "DCTReducer", "check_density", "check_refresh_every", "pack", "unpack", "gather_v_bytes"]
 
@@ -65,7 +65,8 @@ class Sparsifier:
             every nonzero entry) (default: None).
     """
 
-    __slots__ = ("numel", "density", "refresh_every", "keep_residual", "fixed", "residual", "threshold", "steps")
+    __slots__ = ("numel", "density", "refresh_every", "keep_residual", "fixed", "residual", "threshold", "steps",
+                 "_sent_norm")
 
     def __init__(self, numel: int, density: float, refresh_every: int, *, residual: bool = True,
                  threshold: Optional[float] = None, device=None):
@@ -80,6 +81,7 @@ class Sparsifier:
         self.residual = torch.zeros(self.numel, dtype=torch.float32, device=device) if residual else None
         self.threshold: Optional[float] = self.fixed  # None: refresh at the next call
         self.steps = 0
+        self._sent_norm: Optional[Tensor] = None  # norm of the last committed call's values (0-dim float64)
 
     def due(self) -> bool:
         """The next call refreshes the threshold."""
@@ -101,8 +103,13 @@ class Sparsifier:
         index = (mag >= max(thr, _TINY)).nonzero().squeeze(1)
         return acc, index, thr
 
-    def commit(self, acc: Tensor, index: Tensor, threshold: float, exclude: Optional[Tensor] = None) -> None:
-        """The call went through: what was not sent becomes the residual."""
+    def commit(self, acc: Tensor, index: Tensor, threshold: float, exclude: Optional[Tensor] = None,
+               sent: Optional[Tensor] = None) -> None:
+        """The call went through: what was not sent becomes the residual. `sent`: the values
+        sent (acc at index), as gathered for the wire; their norm is kept for
+        `last_sent_norm` (gathered here when not given)."""
+        sent = acc.index_select(0, index) if sent is None else sent
+        self._sent_norm = torch.linalg.vector_norm(sent, dtype=torch.float64)  # no device sync here
         if self.residual is not None:
             acc.index_fill_(0, index, 0.0)
             if exclude is not None:
@@ -111,10 +118,18 @@ class Sparsifier:
         self.threshold = threshold
         self.steps += 1
 
+    @property
+    def last_sent_norm(self) -> float:
+        """L2 norm of the values the last committed call sent (the denominator of
+        ``error_ratio``); 0.0 before the first one of this process, after `reset` and after
+        `load_state_dict`."""
+        return 0.0 if self._sent_norm is None else float(self._sent_norm)
+
     def reset(self) -> None:
         if self.residual is not None:
             self.residual.zero_()
         self.threshold, self.steps = self.fixed, 0
+        self._sent_norm = None
 
     def state_dict(self) -> Dict[str, Any]:
         return {"residual": None if self.residual is None else self.residual.clone(), "threshold": self.threshold,
@@ -130,6 +145,7 @@ class Sparsifier:
             self.residual = res.to(self.residual.device, torch.float32, copy=True).reshape(-1)
         self.threshold = self.fixed if self.fixed is not None else sd["threshold"]
         self.steps = int(sd["steps"])
+        self._sent_norm = None  # what was last sent belongs to the residual just replaced
 
 
 def index_dtype(numel: int) -> torch.dtype:
@@ -206,7 +222,8 @@ class DCTReducer:
         sp, ex = self.sparsifier, self.excluded
         acc, index, thr = sp.select(source, ex)
         ok = bool(torch.isfinite(acc).all())
-        parts = self.transport.all_gather_v(pack(index, acc.index_select(0, index), self.numel, ok))
+        mine = acc.index_select(0, index)
+        parts = self.transport.all_gather_v(pack(index, mine, self.numel, ok))
         self.last_bytes = gather_v_bytes(parts)
         self.total_bytes += self.last_bytes
         got = [unpack(x, self.numel) for x in parts]
@@ -221,7 +238,7 @@ class DCTReducer:
         for idx, vals in got:
             out.index_add_(0, idx, vals)
         sink.reshape(-1).copy_(out.div_(self.world_size))
-        sp.commit(acc, index, thr, ex)
+        sp.commit(acc, index, thr, ex, sent=mine)
         self.sent_entries += index.numel()
         self.offered_entries += self.numel - (0 if ex is None else ex.numel())
         return True
@@ -242,13 +259,23 @@ class DCTReducer:
     def zero_errors_at(self, index: Tensor) -> None:
         self.sparsifier.residual.index_fill_(0, index.to(self.device), 0.0)
 
+    @property
+    def last_sent_norm(self) -> float:
+        """L2 norm of the values this rank sent in its last call that went through
+        (`Sparsifier.last_sent_norm`); 0.0 before the first one of this process."""
+        return self.sparsifier.last_sent_norm
+
     def reset(self) -> None:
         self.sparsifier.reset()
 
     def compression_stats(self) -> Dict[str, Any]:
+        """The keys every lbcomm compressor reports (`lbcomm.common.STATS_KEYS`; ``error_norm``
+        is the residual's, ``error_ratio`` that over `last_sent_norm`) and ``sent_fraction``
+        (pairs sent / entries offered)."""
         done = self.calls - self.skipped
+        err = float(self.sparsifier.residual.double().norm())
         return {"compressed_calls": done, "skipped_calls": self.skipped, "bytes_sent": self.total_bytes,
-                "error_norm": float(self.sparsifier.residual.double().norm()),
+                "error_norm": err, "error_ratio": error_ratio(err, self.last_sent_norm),
                 "sent_fraction": self.sent_entries / self.offered_entries if self.offered_entries else 0.0}
 
     def state_dict(self) -> Dict[str, Any]:

@@ -45,6 +45,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch import Tensor
 
+from .common import error_ratio
 from .dct import Sparsifier, check_density, check_refresh_every, pack, unpack
 
 __all__ = ["DCTBoundary"]
@@ -68,6 +69,8 @@ class DCTBoundary:
         bytes_sent (int): payload bytes this rank sent so far (lengths included: 8 bytes
             per message); ``activation_bytes`` / ``gradient_bytes`` split it by direction.
         sent_fraction (float): activations sent / activations offered (the sender).
+        calls (int): thresholded messages this rank sent: activations (the sender) or
+            their gradients (the receiver); 0 for the dense exchange.
     """
 
     def __init__(self, transport, *, density: Optional[float] = 0.01, refresh_every: int = 1000,
@@ -91,6 +94,7 @@ class DCTBoundary:
         self._shape: Optional[Tuple[int, ...]] = None
         self.activation_bytes = self.gradient_bytes = 0
         self.sent_entries = self.offered_entries = 0
+        self.calls = 0
 
     @property
     def bytes_sent(self) -> int:
@@ -129,10 +133,12 @@ class DCTBoundary:
             sp = self.sparsifier = Sparsifier(flat.numel(), self.density, self.refresh_every,
                                               residual=self.residual, threshold=self.threshold, device=flat.device)
         acc, index, thr = sp.select(flat)
-        self.activation_bytes += self._send(pack(index, acc.index_select(0, index), flat.numel()))
-        sp.commit(acc, index, thr)
+        vals = acc.index_select(0, index)
+        self.activation_bytes += self._send(pack(index, vals, flat.numel()))
+        sp.commit(acc, index, thr, sent=vals)
         self._index = index
         self.sent_entries += index.numel()
+        self.calls += 1
 
     def recv_grad(self) -> Tensor:
         """The gradient of the loss with respect to the last activations sent (zero where
@@ -175,7 +181,23 @@ class DCTBoundary:
         g = torch.zeros(n) if grad is None else grad.detach().reshape(-1).float()
         if self._index is not None:
             g = g.index_select(0, self._index)
+            self.calls += 1
         self.gradient_bytes += self._send(g.contiguous().view(torch.uint8))
+
+    # ------------------------------------------------------------------ statistics
+    def compression_stats(self) -> Dict[str, Any]:
+        """The keys every lbcomm compressor reports (`lbcomm.common.STATS_KEYS`), as they
+        apply to the thresholded exchange: ``compressed_calls`` (`calls`), ``skipped_calls``
+        (always 0: the boundary has no NaN/Inf agreement and never skips an exchange),
+        ``bytes_sent``, ``error_norm`` (the norm of the sender's residual: what waits to be
+        sent; 0 on the receiver, with ``residual=False`` and for the dense exchange) and
+        ``error_ratio`` (that norm over the norm of the activations the last `send` sent);
+        plus ``sent_fraction``."""
+        sp = self.sparsifier
+        err = 0.0 if sp is None or sp.residual is None else float(sp.residual.double().norm())
+        return {"compressed_calls": self.calls, "skipped_calls": 0, "bytes_sent": self.bytes_sent,
+                "error_norm": err, "error_ratio": error_ratio(err, 0.0 if sp is None else sp.last_sent_norm),
+                "sent_fraction": self.sent_fraction}
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> Dict[str, Any]:
@@ -183,7 +205,7 @@ class DCTBoundary:
         return {"sparsifier": None if self.sparsifier is None else self.sparsifier.state_dict(),
                 "numel": None if self.sparsifier is None else self.sparsifier.numel,
                 "activation_bytes": self.activation_bytes, "gradient_bytes": self.gradient_bytes,
-                "sent_entries": self.sent_entries, "offered_entries": self.offered_entries}
+                "sent_entries": self.sent_entries, "offered_entries": self.offered_entries, "calls": self.calls}
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
         if sd.get("sparsifier") is not None:
@@ -192,3 +214,4 @@ class DCTBoundary:
             self.sparsifier.load_state_dict(sd["sparsifier"])
         for k in ("activation_bytes", "gradient_bytes", "sent_entries", "offered_entries"):
             setattr(self, k, int(sd[k]))
+        self.calls = int(sd.get("calls", 0))  # absent from states saved before it was counted

@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from .comm import get_transport, world_info
-from .common import report_exact_share
+from .common import error_ratio, report_exact_share
 from .compressed import CompressionState
 from .config import CommConfig, resolve
 from .ddp.normalize import GradientStats
@@ -141,11 +141,15 @@ class OneBitHSDPState:
         """Totals since the start (carried over by checkpoints), plain numbers: ``calls``
         (hook calls of every group), ``compressed_calls``, ``skipped_calls`` (non-finite
         shards), ``bytes_sent`` (across the nodes, compressed calls and exact means; the
-        full-precision start is not counted) and ``error_norm`` (this rank's error feedback)."""
-        err = sum(float(st.worker_error.double().square().sum()) + float(st.server_error.double().square().sum())
-                  for st in self.states.values())
+        full-precision start is not counted), ``error_norm`` (this rank's error feedback) and
+        ``error_ratio`` (that norm over the root-sum-square of what each group's reducer last
+        sent, its ``last_sent_norm``; 0.0 before the first compressed call)."""
+        err = math.sqrt(sum(float(st.worker_error.double().square().sum()) +
+                            float(st.server_error.double().square().sum()) for st in self.states.values()))
+        sent = math.sqrt(sum(st.last_sent_norm ** 2 for st in self.states.values()))
         return {"calls": sum(self.calls.values()), "compressed_calls": sum(st.calls for st in self.states.values()),
-                "skipped_calls": self.skipped_calls, "bytes_sent": self.bytes_sent, "error_norm": math.sqrt(err)}
+                "skipped_calls": self.skipped_calls, "bytes_sent": self.bytes_sent, "error_norm": err,
+                "error_ratio": error_ratio(err, sent)}
 
     def state_dict(self) -> Dict[str, Any]:
         """This rank's error feedback per parameter group (one shard per rank)."""

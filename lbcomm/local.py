@@ -46,7 +46,7 @@ import torch
 from torch import Tensor
 
 from .comm import get_transport
-from .common import NonFiniteError, compressor_stats, ring_allreduce_bytes
+from .common import NonFiniteError, compressor_stats, error_ratio, ring_allreduce_bytes
 from .config import CommConfig, resolve
 from .ddp.worker import BucketWorker
 from .errors import AveragedGradientsError
@@ -404,12 +404,16 @@ class OneBitLocalUpdates:
     def compression_stats(self) -> Dict[str, Any]:
         """The keys every lbcomm compressor reports (`lbcomm.common.STATS_KEYS`): compressed
         synchronizations, skipped ones (non-finite Δ), bytes this rank sent (the exact part
-        included) and the norm of its error feedback; plus inner steps, synchronizations and
-        the bytes per sync and per inner step."""
-        errs = [compressor_stats(f.reducer)["error_norm"] for f in self.fragments]
+        included), the norm of its error feedback and ``error_ratio``, that norm over the
+        root-sum-square of what each fragment's reducer last sent (its ``last_sent_norm``; 0.0
+        before the first compressed synchronization and without compression); plus inner
+        steps, synchronizations and the bytes per sync and per inner step."""
+        reducers = [f.reducer for f in self.fragments if f.reducer is not None]
+        err = math.sqrt(sum(compressor_stats(r)["error_norm"] ** 2 for r in reducers))
+        sent = math.sqrt(sum(r.last_sent_norm ** 2 for r in reducers))
         done = self.syncs - self.skipped
         return {"compressed_calls": done if self.compress else 0, "skipped_calls": self.skipped,
-                "bytes_sent": self.bytes_sent, "error_norm": math.sqrt(sum(e * e for e in errs)),
+                "bytes_sent": self.bytes_sent, "error_norm": err, "error_ratio": error_ratio(err, sent),
                 "inner_steps": self.inner_steps, "syncs": self.syncs, "bytes_per_sync": self.bytes_per_sync(),
                 "bytes_per_inner_step": self.bytes_per_inner_step(),
                 "fp32_bytes_per_step": self.fp32_bytes_per_step()}

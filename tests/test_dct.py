@@ -88,7 +88,8 @@ def _reference_run(rank, p):
     tr = CountingTransport(get_transport(backend="torch"))
     parts = tr.all_gather_v(torch.arange(5 * rank, dtype=torch.uint8))
     return {"params": [q.detach().clone() for q in model.parameters()], "rec": rec, "units": _units(state),
-            "stats": state.compression_stats(), "sd": state.state_dict(), "parts": parts, "counted": tr.bytes_sent}
+            "stats": state.compression_stats(), "sd": state.state_dict(), "parts": parts, "counted": tr.bytes_sent,
+            "sent_norms": [u.compression.last_sent_norm for u in state.planner.units()]}
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +137,9 @@ def test_dct_hook_keeps_replicas_identical_and_reports(three):
     assert stats["compressed_calls"] > 0 and stats["skipped_calls"] == 0 and stats["error_norm"] > 0
     assert 0 < stats["sent_fraction"] < 0.5 and stats["compression_ratio"] > 1
     assert stats["iter"] == STEPS
+    # the residuals over the values the units sent in their last exchange
+    sent = sum(x * x for x in three[0]["sent_norms"]) ** 0.5
+    assert sent > 0 and stats["error_ratio"] == pytest.approx(stats["error_norm"] / sent, rel=1e-9)
 
 
 def test_all_gather_v_of_lengths_that_differ(three):
@@ -267,7 +271,14 @@ def test_reducer_on_one_process_is_the_mean_of_identical_ranks():
     assert torch.equal(out, torch.where(sent, x, torch.zeros(())) * 2 / 2)
     assert torch.equal(red.worker_error, torch.where(sent, torch.zeros(()), x))
     assert red.bytes_per_call() == 8 + 8 + 10 * 8
-    assert set(STATS_KEYS) <= set(red.compression_stats())
+    stats = red.compression_stats()
+    assert set(STATS_KEYS) <= set(stats)
+    # what was sent, and what stayed: their norms split the input's
+    assert red.last_sent_norm == pytest.approx(float(x[sent].double().norm()), rel=1e-6)
+    assert stats["error_norm"] == pytest.approx(float(x[~sent].double().norm()), rel=1e-6)
+    assert stats["error_ratio"] == pytest.approx(stats["error_norm"] / red.last_sent_norm, rel=1e-12)
+    red.reset()
+    assert red.last_sent_norm == 0.0 and red.compression_stats()["error_ratio"] == 0.0
 
 
 def test_clear_errors():
@@ -333,7 +344,8 @@ def _mp_run(rank, p):
         losses, params = _mp_steps(rank, tr, link)
         out[name] = {"losses": losses, "params": params, "bytes": link.bytes_sent, "counted": tr.bytes_sent,
                      "act": link.activation_bytes, "grad": link.gradient_bytes, "sent": link.sent_entries,
-                     "offered": link.offered_entries, "sd": link.state_dict()}
+                     "offered": link.offered_entries, "sd": link.state_dict(), "stats": link.compression_stats(),
+                     "last_sent": None if link.sparsifier is None else link.sparsifier.last_sent_norm}
     return out
 
 
@@ -351,6 +363,17 @@ def test_dct_mp_sparse_exchange_equals_dense_at_threshold_0():
     assert z["act"] == 4 * 16 + 8 * z["sent"] and res[1]["zero"]["grad"] == 4 * 8 + 4 * z["sent"]
     assert s["act"] == 4 * 16 + 8 * s["sent"] and 0.2 * n < s["sent"] < 0.5 * n
     assert s["sd"]["sparsifier"]["residual"].abs().sum() > 0
+    # statistics: the thresholded messages of each side, the sender's residual over what it last sent
+    for r in range(2):
+        for name, run in res[r].items():
+            st = run["stats"]
+            assert set(STATS_KEYS) <= set(st) and st["skipped_calls"] == 0 and st["bytes_sent"] == run["bytes"]
+            assert st["compressed_calls"] == (0 if name == "dense" else 4), (r, name, st)
+            if r == 1 or name != "sparse":  # no residual: the receiver, the dense exchange, threshold 0
+                assert st["error_norm"] == 0.0 == st["error_ratio"], (r, name, st)
+    st, residual = s["stats"], s["sd"]["sparsifier"]["residual"]
+    assert st["error_norm"] == pytest.approx(float(residual.double().norm()), rel=1e-12) and s["last_sent"] > 0
+    assert st["error_ratio"] == pytest.approx(st["error_norm"] / s["last_sent"], rel=1e-12)
     # a quarter of the activations: the losses move away from the dense run's but stay close
     torch.testing.assert_close(torch.stack(res[1]["sparse"]["losses"]), torch.stack(res[1]["dense"]["losses"]),
                                rtol=0.2, atol=0.2)

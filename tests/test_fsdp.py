@@ -269,7 +269,7 @@ def test_hsdp_state_takes_comm_and_redistributes_like_compression_state():
         fsdp.OneBitHSDPState(None, start_iter=-1)
     state = fsdp.OneBitHSDPState(None)
     assert state.comm == CommConfig() and state.compression_stats() == {
-        "calls": 0, "compressed_calls": 0, "skipped_calls": 0, "bytes_sent": 0, "error_norm": 0.0}
+        "calls": 0, "compressed_calls": 0, "skipped_calls": 0, "bytes_sent": 0, "error_norm": 0.0, "error_ratio": 0.0}
     n, old = 10, 2
     m = chunk_size(n, old)
     saved = []

@@ -100,7 +100,6 @@ def test_mpirun_without_mpi4py_or_with_backend_torch(no_launcher):
     assert get_transport(backend="torch").world_size == 1
 
 
-@pytest.mark.multiproc
 def test_torchrun_script_without_init_process_group_fails_on_every_rank(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)

@@ -1,17 +1,43 @@
-"""One state contract for every compressor: the reducers, the DDP hook state and the 1-bit
-optimizers all report `compression_stats()` with the same keys (plain numbers), and save
-and restore their error feedback with `state_dict` / `load_state_dict`."""
+"""One state contract for every compressor: the reducers, the DDP hook state, the 1-bit
+optimizers and the model-parallel DCT boundary all report `compression_stats()` with the
+same keys (plain numbers), and save and restore their error feedback with `state_dict` /
+`load_state_dict`."""
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import lbcomm
 from dist_util import run_ranks
+from lbcomm.comm import get_transport
 from lbcomm.common import STATS_KEYS
+from lbcomm.dct_mp import DCTBoundary
 
 
 def _plain(stats):
     return all(isinstance(stats[k], (int, float)) and not isinstance(stats[k], bool) for k in STATS_KEYS)
+
+
+def _boundary(rank, g):
+    """A few thresholded exchanges across a DCTBoundary: rank 0 sends activations, rank 1
+    sends their gradients back. Its stats, and those of a fresh boundary before and after
+    loading its state_dict."""
+    link = DCTBoundary(get_transport(backend="torch"), density=0.25, refresh_every=2)
+    fresh = DCTBoundary(get_transport(backend="torch"), density=0.25, refresh_every=2)
+    out = {"fresh": fresh.compression_stats()}
+    w = torch.randn(16, 4, generator=g)
+    for _ in range(3):
+        if rank == 0:
+            x = torch.randn(8, 16, generator=g, requires_grad=True)
+            link.send(x)
+            x.backward(link.recv_grad())
+        else:
+            x = link.recv((8, 16))
+            (x @ w).pow(2).mean().backward()
+            link.send_grad(x.grad)
+    out["stats"] = link.compression_stats()
+    fresh.load_state_dict(link.state_dict())
+    out["loaded"] = fresh.compression_stats()
+    return out
 
 
 def _contract(rank, p):
@@ -34,6 +60,9 @@ def _contract(rank, p):
     sgd = torch.optim.SGD(ddp_model.parameters(), lr=1e-2)
     lbcomm.attach(ddp_model, hook, optimizer=sgd)
     out["fresh_optimizer"] = opt.compression_stats()
+    out["fresh_onebit"] = [o.compression_stats() for o in (
+        lbcomm.OneBitLamb(nn.Linear(4, 4).parameters(), lr=1e-3, freeze_step=2),
+        lbcomm.ZeroOneAdam(nn.Linear(4, 4).parameters(), lr=1e-3))]
     for _ in range(5):
         data = torch.randn(8, 64, generator=g)
         for m, o in ((model, opt), (ddp_model, sgd)):
@@ -42,18 +71,36 @@ def _contract(rank, p):
             o.step()
     out["optimizer"] = opt.compression_stats()
     out["hook"] = hook.compression_stats()
+    out["boundary"] = _boundary(rank, g)
     return out
 
 
+def _zeros(stats):
+    return {k: stats[k] for k in STATS_KEYS} == dict.fromkeys(STATS_KEYS, 0)
+
+
 def test_every_compressor_reports_the_same_statistics():
-    for res in run_ranks(_contract, 2, timeout=300):
-        for who in ("reducer", "optimizer", "hook"):
+    for rank, res in enumerate(run_ranks(_contract, 2, timeout=300)):
+        res["boundary_stats"] = res["boundary"]["stats"]
+        # the sender holds the residual; the receiver sends gradients and holds none
+        for who in ("reducer", "optimizer", "hook") + (("boundary_stats",) if rank == 0 else ()):
             stats = res[who]
             assert set(STATS_KEYS) <= set(stats) and _plain(stats), (who, stats)
-            assert stats["compressed_calls"] > 0 and stats["bytes_sent"] > 0 and stats["error_norm"] > 0, (who, stats)
+            assert all(stats[k] > 0 for k in STATS_KEYS if k != "skipped_calls"), (who, stats)
             assert stats["skipped_calls"] == 0, (who, stats)
-        assert res["fresh_optimizer"] == {"compressed_calls": 0, "skipped_calls": 0, "bytes_sent": 0,
-                                          "error_norm": 0.0}
+        # a fresh 1-bit optimizer: the keys every compressor reports, all zero, and why it is not compressing
+        for fresh in [res["fresh_optimizer"]] + res["fresh_onebit"]:
+            assert set(fresh) == set(STATS_KEYS) | {"status"} and _plain(fresh) and _zeros(fresh), fresh
+            assert isinstance(fresh["status"], str) and fresh["status"] and fresh["status"] != "compressing", fresh
+        assert res["optimizer"]["status"] == "compressing"
         assert res["optimizer"]["compressed_calls"] == 3  # steps 3, 4 and 5 compress
         assert res["reducer"]["compressed_calls"] == 1
         assert res["reducer_load"] is True and res["reducer_same"]
+        link = res["boundary"]
+        assert set(STATS_KEYS) <= set(link["fresh"]) and _plain(link["fresh"]) and _zeros(link["fresh"]), link
+        assert link["stats"]["compressed_calls"] == 3 and link["stats"]["bytes_sent"] > 0, link
+        if rank == 1:
+            assert link["stats"]["error_norm"] == 0.0 == link["stats"]["error_ratio"], link
+        # restored: the counters and the residual; the ratio waits for the next send
+        assert {k: link["loaded"][k] for k in STATS_KEYS if k != "error_ratio"} == \
+            {k: link["stats"][k] for k in STATS_KEYS if k != "error_ratio"} and link["loaded"]["error_ratio"] == 0.0

@@ -52,10 +52,35 @@ def _ratios(rank, p):
     out["optimizer"] = opt.compression_stats()
     out["hook"] = hook.compression_stats()
     out["hook_sent"] = [u.compression.last_sent_norm for u in hook.planner.units()]
+
+    # DmSGD's compressed gossip: what it sent is what its own estimate moved by, decoded
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64))
+    gossip = lbcomm.DmSGD(model.parameters(), lr=1e-2, compress=True, comm=lbcomm.CommConfig(block_size=256))
+    for _ in range(4):
+        before = [gossip.state[q]["sent_estimate_0"].clone() for q in model.parameters()] if gossip.state else []
+        gossip.zero_grad()
+        model(torch.randn(8, 64, generator=g)).pow(2).mean().backward()
+        gossip.step()
+    moved = sum(float((gossip.state[q]["sent_estimate_0"] - b).double().square().sum())
+                for q, b in zip(model.parameters(), before))
+    out["dmsgd"], out["dmsgd_sent"] = gossip.compression_stats(), math.sqrt(moved)
+    out["dmsgd_fp32"] = lbcomm.DmSGD(nn.Linear(4, 4).parameters(), lr=1e-2).compression_stats()
+
+    # local updates in two fragments: the fragments' reducers together
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64))
+    inner = torch.optim.SGD(model.parameters(), lr=1e-2)
+    local = lbcomm.OneBitLocalUpdates(model.parameters(), inner, 2, fragments=2,
+                                      comm=lbcomm.CommConfig(exact_numel=0))
+    for _ in range(8):
+        inner.zero_grad()
+        model(torch.randn(8, 64, generator=g)).pow(2).mean().backward()
+        inner.step()
+        local.step()
+    out["local"] = local.compression_stats()
+    out["local_sent"] = [f.reducer.last_sent_norm for f in local.fragments]
     return out
 
 
-@pytest.mark.multiproc
 def test_error_ratio_is_the_error_norm_over_what_was_sent():
     for res in run_ranks(_ratios, 2, timeout=300):
         for stats, sent_sq, last_sent in res["flat"]:
@@ -67,6 +92,15 @@ def test_error_ratio_is_the_error_norm_over_what_was_sent():
             assert 0.1 < res[who]["error_ratio"] <= math.sqrt(2), (who, res[who])
         hook, sent = res["hook"], math.sqrt(sum(s * s for s in res["hook_sent"]))
         assert sent > 0 and hook["error_ratio"] == pytest.approx(hook["error_norm"] / sent, rel=1e-9)
+        # DmSGD: the message's RMS block scales give it the norm of y - x^, what the estimate moved by
+        dm = res["dmsgd"]
+        assert dm["error_ratio"] == pytest.approx(dm["error_norm"] / res["dmsgd_sent"], rel=1e-4)
+        assert 0.1 < dm["error_ratio"] <= math.sqrt(2), dm
+        assert res["dmsgd_fp32"]["error_ratio"] == 0.0 == res["dmsgd_fp32"]["error_norm"]
+        local, sent = res["local"], math.sqrt(sum(s * s for s in res["local_sent"]))
+        assert len(res["local_sent"]) == 2 and min(res["local_sent"]) > 0
+        assert local["error_ratio"] == pytest.approx(local["error_norm"] / sent, rel=1e-9)
+        assert 0.1 < local["error_ratio"] <= math.sqrt(2), local
 
 
 def test_error_ratio_is_zero_before_anything_was_sent():

@@ -41,6 +41,9 @@ ALLREDUCE_ROW_FIELDS = {
     "speedup_vs_fp32": ((float, type(None)), "fp32 median_s / this median_s at the same size; null without fp32"),
     "inter_node_bytes": ((int, type(None)), "bytes per call that crossed the links between emulated nodes, read "
                                             "from the interface counters (all nodes); null: not on emulated nodes"),
+    # the printed report warns above its SPREAD_LIMIT (lbcomm/cli/report.py)
+    "spread_p90_p10": ((float, type(None)), "p90_s / p10_s: above 2 the printed report warns that the median may "
+                                            "change a lot between runs; null when p10_s is 0"),
 }
 ALLREDUCE_CONFIG_FIELDS = {
     "world_size": (int, "ranks"),
@@ -58,7 +61,8 @@ ALLREDUCE_CONFIG_FIELDS = {
     "ranks_per_node": (int, "ranks per (emulated) node; 1: one namespace per rank"),
 }
 # Fields added after version 1 was published: documents written before may lack them.
-OPTIONAL_FIELDS = {"inter_node_bytes", "ranks_per_node", "speedup_vs_hsdp", "inter_node_bytes_per_step"}
+OPTIONAL_FIELDS = {"inter_node_bytes", "ranks_per_node", "speedup_vs_hsdp", "inter_node_bytes_per_step",
+                   "spread_p90_p10"}
 HOST_FIELDS = {
     "torch": (str, "torch version"),
     "lbcomm": (str, "lbcomm version"),
@@ -142,7 +146,8 @@ def allreduce_rows(rows: List[Dict]) -> List[Dict]:
              "p90_s": float(r["p90_s"]), "algbw_GBps": float(r["algbw_gbps"]), "busbw_GBps": float(r["busbw_gbps"]),
              "wire_bytes_per_rank": int(r["wire_bytes"]),
              "speedup_vs_fp32": None if r.get("speedup_vs_fp32") is None else float(r["speedup_vs_fp32"]),
-             "inter_node_bytes": None if r.get("inter_node_bytes") is None else int(r["inter_node_bytes"])}
+             "inter_node_bytes": None if r.get("inter_node_bytes") is None else int(r["inter_node_bytes"]),
+             "spread_p90_p10": float(r["p90_s"]) / float(r["p10_s"]) if r["p10_s"] > 0 else None}
             for r in rows]
 
 

@@ -7,6 +7,7 @@ background thread are those of `onebit_hook` (`lbcomm.ddp.units`, `lbcomm.ddp.wo
 """
 import functools
 import logging
+import math
 from typing import Any, Dict, Optional, Sequence
 
 import torch
@@ -14,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from ..comm import world_info
-from ..common import FLOAT_DTYPES, completed_future, report_exact_share, ring_allreduce_bytes
+from ..common import FLOAT_DTYPES, completed_future, error_ratio, report_exact_share, ring_allreduce_bytes
 from ..config import CommConfig, resolve
 from ..dct import DCTReducer, check_density, check_refresh_every
 from ..exact import ExactMean
@@ -143,14 +144,18 @@ class DCTHookState:
         (sparse exchanges, exact means, and the full-precision start as ring allreduces),
         ``bytes_uncompressed`` (ring allreduces of the same buckets), ``compression_ratio``,
         ``compressed_calls``, ``skipped_calls`` (non-finite buckets), ``iter``, ``error_norm``
-        (the residuals) and ``sent_fraction`` (pairs sent / entries offered, over the
-        compressed calls: the density actually reached)."""
+        (the residuals), ``error_ratio`` (``error_norm`` over the norm of the values the units
+        sent in their last exchange, each unit's `lbcomm.dct.DCTReducer.last_sent_norm`; 0.0
+        before the first compressed call) and ``sent_fraction`` (pairs sent / entries
+        offered, over the compressed calls: the density actually reached)."""
         sent, full = self.total_bytes_sent, self.total_bytes_uncompressed
         units = self.planner.units()
         offered = sum(u.compression.offered_entries for u in units)
+        err = self.error_norm()
+        last = math.sqrt(sum(u.compression.last_sent_norm ** 2 for u in units))
         return {"iter": self.iter, "bytes_sent": sent, "bytes_uncompressed": full,
                 "compression_ratio": full / sent if sent else 0.0, "compressed_calls": self.compressed_calls,
-                "skipped_calls": self.skipped_calls, "error_norm": self.error_norm(),
+                "skipped_calls": self.skipped_calls, "error_norm": err, "error_ratio": error_ratio(err, last),
                 "sent_fraction": sum(u.compression.sent_entries for u in units) / offered if offered else 0.0}
 
     # ------------------------------------------------------------------ checkpoints

@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch import Tensor
 
-from ..common import ring_allreduce_bytes
+from ..common import error_ratio, ring_allreduce_bytes
 from ..config import CommConfig
 from ..errors import AveragedGradientsError
 from . import agree
@@ -77,6 +77,7 @@ class DecentLaM(BaseOptimizer):
             self._check_combination(group)
         self.gossip = Gossip(topology, self.transport, compress, self.comm.block_size, name, consensus_step)
         self._agree_bytes = 0
+        self._sent_norm: Optional[Tensor] = None  # compress: norm of the last message, decoded (0-dim)
         self._x: Optional[Tensor] = None
         self._y: Optional[Tensor] = None
 
@@ -175,6 +176,9 @@ class DecentLaM(BaseOptimizer):
             else:  # y = x - lr g
                 torch.add(x[sl], g[sl], alpha=-group["lr"], out=y[sl])
         estimates = {n: self._flat[n] for n in self.gossip.buffer_names()}
+        if self.compress:  # the message is y - x^ with RMS block scales: decoded, it has that difference's norm
+            out = self.gossip.neighbours(self._global_step).out_channel
+            self._sent_norm = torch.dist(y, estimates[f"sent_estimate_{out}"])
         z = self.gossip.exchange(y, self._global_step, estimates)()  # z = W y
         if self.algorithm == "decentlam":
             for group, sl in ranges:
@@ -193,11 +197,15 @@ class DecentLaM(BaseOptimizer):
     def compression_stats(self) -> Dict[str, Any]:
         """This rank's communication so far (`lbcomm.common.STATS_KEYS`): neighbour
         exchanges (compressed or not), steps skipped for NaN/Inf, the bytes sent (the
-        exchanges and the agreement allreduce) and the norm of what the compressed
-        estimate still misses (0 without compression)."""
+        exchanges and the agreement allreduce), the norm of what the compressed estimate
+        still misses and ``error_ratio``, that norm over the norm of the last message sent,
+        decoded (0 without compression, and before the first compressed exchange of this
+        process)."""
         gs = self.gossip
+        sent = 0.0 if self._sent_norm is None else float(self._sent_norm)
         return {"compressed_calls": gs.calls, "skipped_calls": self.skipped_steps,
-                "bytes_sent": gs.bytes_sent + self._agree_bytes, "error_norm": gs.error_norm}
+                "bytes_sent": gs.bytes_sent + self._agree_bytes, "error_norm": gs.error_norm,
+                "error_ratio": error_ratio(gs.error_norm, sent)}
 
     def bytes_per_step(self) -> int:
         """Bytes this rank sends per step for the current layout: its neighbour messages
@@ -228,6 +236,7 @@ class DecentLaM(BaseOptimizer):
                              "the same world size, rank, topology and options")
         super()._load_extra_state(saved, extra)
         self._probe_warmup = bool(d["probe"])
+        self._sent_norm = None  # the last message belongs to the estimates just replaced
 
 
 class DmSGD(DecentLaM):
