@@ -40,6 +40,16 @@ ALL = "*"
 
 # module -> the tests that start ranks (ALL: every test of the module)
 MULTIPROC = {
+    "test_auto_freeze": {"test_auto_freeze_decides_as_the_reference_on_every_rank",
+                         "test_auto_freeze_run_equals_the_simulation_with_that_fixed_step",
+                         "test_a_resume_mid_warmup_freezes_at_the_same_step_bitwise",
+                         "test_zeroone_var_freeze_step_auto_starts_the_local_steps_on_every_rank",
+                         "test_before_the_freeze_bytes_stats_and_checkpoints_say_why_nothing_is_compressed",
+                         "test_a_run_that_ends_before_the_freeze_says_so"},
+    "test_bitwise_replicas": ALL,
+    "test_integrations_trainer_defaults": {"test_default_arguments_with_a_onebit_optimizer_clip_by_the_shared_norm",
+                                           "test_default_arguments_with_the_hook_keep_the_trainers_clipping"},
+    "test_resume_warnings": ALL,
     "test_allreduce": {"test_matches_reference_and_invariant", "test_half_inputs_across_ranks",
                        "test_async_matches_sync", "test_pieces_are_bitwise_the_whole",
                        "test_weights_fused_match_reference_and_divide_multiply", "test_automatic_pieces",
@@ -184,6 +194,9 @@ SLOW = {
     "test_elastic": {"test_load_sharded_redistributes_the_error_feedback[2-4]",
                      "test_load_sharded_redistributes_the_error_feedback[4-2]",
                      "test_hook_and_dcp_elastic_resume_4_to_2_to_4"},
+    "test_auto_freeze": MULTIPROC["test_auto_freeze"],
+    "test_bitwise_replicas": ALL,
+    "test_integrations_trainer_defaults": MULTIPROC["test_integrations_trainer_defaults"],
     "test_exit": ALL,
     "test_fsdp": ALL,
     "test_fsdp_optim": ALL,

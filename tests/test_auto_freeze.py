@@ -182,7 +182,6 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.multiproc
 def test_a_run_that_ends_before_the_freeze_says_so(tmp_path):
     script = tmp_path / "short.py"
     script.write_text(SCRIPT)

@@ -178,8 +178,6 @@ def _check_shared_clip(r, clip=1.0):
     assert any(r[0]["logged"][s]["grad_norm"] > 1.0 for s in range(1, STEPS + 1))  # the Trainer did not clip
 
 
-@pytest.mark.slow
-@pytest.mark.multiproc
 @pytest.mark.parametrize("kind", ["onebit_adam", "onebit_adam_callbacks"])
 def test_default_arguments_with_a_onebit_optimizer_clip_by_the_shared_norm(kind, tmp_path):
     """OneBitAdam via optimizers=(opt, None), TrainingArguments' default max_grad_norm=1.0,
@@ -205,8 +203,6 @@ def test_default_arguments_with_a_onebit_optimizer_clip_by_the_shared_norm(kind,
                            f"rank {rank} resumed optimizer ")
 
 
-@pytest.mark.slow
-@pytest.mark.multiproc
 def test_default_arguments_with_the_hook_keep_the_trainers_clipping(tmp_path):
     """AdamW with callbacks=[LbcommCallback(hook_state=OneBitHookState(FREEZE))] and the
     default max_grad_norm=1.0: the hook averages the gradients, so the Trainer's own clip is

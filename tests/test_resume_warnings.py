@@ -17,7 +17,6 @@ from lbcomm.ddp import MissingHookStateWarning
 from lbcomm.optim import BaseOptimizer
 from dist_util import run_ranks
 
-pytestmark = pytest.mark.multiproc
 
 # every lbcomm optimizer class: its options, 1-bit stages frozen after two steps
 KW = {
