@@ -267,9 +267,10 @@ OneBitAdam.__doc__ = r"""Implements 1-bit Adam: AdamW in the warmup, then a froz
             gradient and its square (default: (0.9, 0.999))
         eps (float, optional): term added to the denominator (default: 1e-8)
         weight_decay (float, optional): decoupled weight decay, as in AdamW (default: 1e-2)
-        freeze_step (int, optional): warmup steps; the variance is frozen after this step and
-            the momentum is compressed from the next one on. 15-25 % of the training is a
-            good start (default: 100000)
+        freeze_step (int or str, optional): warmup steps; the variance is frozen after this
+            step and the momentum is compressed from the next one on; "auto": the optimizer
+            freezes it once it has settled and the lr warmup is over (`lbcomm.optim.freeze`,
+            docs/optimizers.md) (default: 100000)
         bias_correction (bool, optional): divide m by 1-b1^t and v by 1-b2^t (the latter
             frozen at freeze_step); False gives the published formulas (default: True)
         rescale_variance (bool, optional): scale each parameter tensor's frozen variance by

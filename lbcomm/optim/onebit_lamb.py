@@ -593,8 +593,9 @@ OneBitLamb.__doc__ = r"""Implements 1-bit LAMB: LAMB in the warmup, then a froze
             gradient and its square (default: (0.9, 0.999))
         eps (float, optional): term added to the denominator (default: 1e-8)
         weight_decay (float, optional): weight decay added to the update (default: 0)
-        freeze_step (int, optional): warmup steps before the variance is frozen and the
-            momentum compressed (default: 100000)
+        freeze_step (int or str, optional): warmup steps before the variance is frozen and
+            the momentum compressed; "auto": once the variance has settled and the lr warmup
+            is over, as `OneBitAdam`'s (default: 100000)
         coeff_range (Tuple[float, float], optional): (min_coeff, max_coeff), the bounds of
             the LAMB coefficient (default: (0.01, 10.0))
         trust_ratio (str, optional): the compression stage's layer coefficient: "live"

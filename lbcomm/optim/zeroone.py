@@ -418,8 +418,9 @@ ZeroOneAdam.__doc__ = r"""Implements 0/1 Adam (Lu et al., 2022, "Maximizing Comm
             gradient and its square (default: (0.9, 0.999))
         eps (float, optional): term added to the denominator (default: 1e-8)
         weight_decay (float, optional): decoupled weight decay, as in AdamW (default: 1e-2)
-        var_freeze_step (int, optional): the last step at which the variance may be updated;
-            local steps from the next one on (default: 100000)
+        var_freeze_step (int or str, optional): the last step at which the variance may be
+            updated; local steps from the next one on; "auto": decided on the variance steps
+            by the rule of `OneBitAdam`'s freeze_step="auto" (default: 100000)
         var_update_scaler (int, optional): :math:`\kappa`: the variance is updated
             :math:`\kappa` times at each interval 1, 2, 4, ... (default: 16)
         local_step_scaler (int, optional): :math:`\alpha`: the sync interval doubles every
