@@ -1,0 +1,201 @@
+"""A fault race on loopback: `lbcomm.ft.FaultTolerantLocalUpdates` with the 1-bit outer
+exchange against the fp32 one (compress=False, torchft's DiLoCo exchange), each with and
+without a fault, from one run (docs/internet.md).
+
+Every run starts a torchft Lighthouse in this process (127.0.0.1) and --replicas replica
+groups of one process each. With a fault, the last replica crashes (os._exit) at a third of
+the inner steps and is restarted --restart-after seconds later; it heals from a live peer
+and trains on. Reported per run: the final held-out loss of the committed model, the time
+to --target (a held-out loss), the bytes each replica sent, and the recovery phases:
+detect (the crash to the survivors' first committed quorum without it), rejoin (the restart
+to the restarted replica's first committed synchronization), of which quorum (its wait in
+start_quorum, the checkpoint fetch included), heal (loading the peer's state) and first
+step (its first exchange and commit).
+
+    python -m bench.ft_race                  # 3 replicas, 900 inner steps, H=10
+    python -m bench.ft_race --replicas 4 --json out.json
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+
+import torch
+
+DIM, HIDDEN = 32, 256
+
+
+def _data(seed, n=64):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(DIM, 1, generator=torch.Generator().manual_seed(7))
+    x = torch.randn(n, DIM, generator=g)
+    return x, torch.tanh(x @ w) + 0.05 * torch.randn(n, 1, generator=g)
+
+
+def worker(a) -> None:
+    import torch.distributed as dist
+    from torchft import Manager, ProcessGroupGloo
+
+    from lbcomm.ft import FaultTolerantLocalUpdates
+
+    torch.set_num_threads(1)  # several replicas share the cores
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    pg = ProcessGroupGloo(timeout=timedelta(seconds=15))
+    manager = Manager(pg=pg, load_state_dict=None, state_dict=None, min_replica_size=2, use_async_quorum=False,
+                      replica_id=f"replica_{a.replica}", lighthouse_addr=a.lighthouse, rank=0, world_size=1,
+                      store_addr="127.0.0.1", store_port=store.port, hostname="127.0.0.1",
+                      timeout=timedelta(seconds=15), quorum_timeout=timedelta(seconds=120))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(DIM, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, 1))
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    local = FaultTolerantLocalUpdates(model.parameters(), inner, a.sync_every, manager=manager, pg=pg,
+                                      compress=bool(a.compress), exact_numel=300)
+    xe, ye = _data(999, 1024)
+    step_seed = 10_000 * (a.replica + 1) + 1_000_000 * a.incarnation
+    log = []
+    while local.inner_steps < a.steps:
+        x, y = _data(step_seed + local.inner_steps)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        inner.zero_grad()
+        loss.backward()
+        inner.step()
+        time.sleep(a.step_sleep)  # the compute of a real step
+        if a.die_at and local.inner_steps + 1 == a.die_at:
+            with open(a.out + ".died", "w") as f:
+                f.write(str(time.time()))
+            os._exit(17)
+        if local.step():
+            with torch.no_grad():
+                ev = float(torch.nn.functional.mse_loss(model(xe), ye))
+            log.append({"t": time.time(), "step": manager.current_step(), "eval": ev, **local.last_sync})
+    with open(a.out, "w") as f:
+        json.dump({"log": log, "stats": local.stats(), "inner_steps": local.inner_steps}, f)
+    manager.shutdown(wait=False)
+    os._exit(0)
+
+
+def run(args, compress: bool, fault: bool, tmp: str) -> dict:
+    from torchft.coordination import LighthouseServer
+
+    lh = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=args.join_timeout_ms,
+                          quorum_tick_ms=20, heartbeat_timeout_ms=args.heartbeat_timeout_ms)
+    tag = f"{'1bit' if compress else 'fp32'}_{'fault' if fault else 'clean'}"
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
+
+    def start(i, incarnation=0, die_at=0):
+        out = os.path.join(tmp, f"{tag}_r{i}_{incarnation}.json")
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--replica", str(i), "--incarnation",
+               str(incarnation), "--lighthouse", lh.address(), "--out", out, "--compress", str(int(compress)),
+               "--steps", str(args.steps), "--sync-every", str(args.sync_every), "--step-sleep", str(args.step_sleep),
+               "--die-at", str(die_at)]
+        return subprocess.Popen(cmd, env=env, stdout=open(out + ".log", "w"), stderr=subprocess.STDOUT), out
+
+    victim = args.replicas - 1
+    procs, outs = [], []
+    t_restart = None
+    try:
+        for i in range(args.replicas):
+            p, o = start(i, die_at=args.steps // 3 if fault and i == victim else 0)
+            procs.append(p)
+            outs.append(o)
+        t0 = time.time()
+        if fault:
+            procs[victim].wait(timeout=args.timeout)
+            time.sleep(args.restart_after)
+            p, o = start(victim, incarnation=1)
+            t_restart = time.time()
+            procs.append(p)
+            outs.append(o)
+        for p in procs[:victim]:
+            p.wait(timeout=args.timeout)
+        if fault:
+            try:
+                procs[-1].wait(timeout=30)
+            except subprocess.TimeoutExpired:  # came after the others finished: reported as not rejoined
+                pass
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
+        lh.shutdown()
+    res = [json.load(open(o)) if os.path.exists(o) else None for o in outs]
+    ref = res[0]
+    log = ref["log"]
+    final = log[-1]["eval"]
+    hit = next((e["t"] - t0 for e in log if e["eval"] <= args.target), None)
+    row = {"run": tag, "final_loss": final, "time_to_target_s": hit, "wall_s": log[-1]["t"] - t0,
+           "syncs": ref["stats"]["syncs"], "bytes_per_replica": ref["stats"]["bytes_sent"],
+           "failed_attempts": ref["stats"]["failed"]}
+    if fault:
+        died = float(open(outs[victim] + ".died").read())
+        after = [e for e in log if e["t"] > died and e["members"] < args.replicas]
+        row["detect_s"] = after[0]["t"] - died if after else None
+        joiner = res[-1]
+        if joiner and joiner["log"]:
+            first = joiner["log"][0]
+            row.update(rejoin_s=first["t"] - t_restart, quorum_s=first["quorum_s"],
+                       heal_s=first.get("heal_apply_s"), first_step_s=first["exchange_s"] + first["commit_s"])
+        else:
+            row["rejoin_s"] = None
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--replica", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--incarnation", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--lighthouse", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--out", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--compress", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--die-at", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--replicas", type=int, default=3, help="replica groups (3 or 4)")
+    ap.add_argument("--steps", type=int, default=900, help="inner steps per replica")
+    ap.add_argument("--sync-every", type=int, default=10, help="H")
+    ap.add_argument("--step-sleep", type=float, default=0.05, help="seconds of emulated compute per inner step")
+    ap.add_argument("--restart-after", type=float, default=10.0, help="seconds from the crash to the restart")
+    ap.add_argument("--target", type=float, default=0.15, help="held-out loss of the time-to-target column")
+    ap.add_argument("--join-timeout-ms", type=int, default=5000)
+    ap.add_argument("--heartbeat-timeout-ms", type=int, default=1000)
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds a run may take")
+    ap.add_argument("--json", help="write the rows here")
+    a = ap.parse_args()
+    if a.worker:
+        worker(a)
+        return
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="ft_race_") as tmp:
+        for compress in (True, False):
+            for fault in (False, True):
+                rows.append(run(a, compress, fault, tmp))
+                print(json.dumps(rows[-1]), flush=True)
+    cols = ["run", "final_loss", "time_to_target_s", "wall_s", "syncs", "bytes_per_replica", "failed_attempts",
+            "detect_s", "rejoin_s", "quorum_s", "heal_s", "first_step_s"]
+
+    def fmt(v):
+        return "-" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))
+
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for r in rows:
+        print("| " + " | ".join(fmt(r.get(c)) for c in cols) + " |")
+    by = {r["run"]: r for r in rows}
+    for mode in ("1bit", "fp32"):
+        c, f = by[f"{mode}_clean"], by[f"{mode}_fault"]
+        print(f"{mode}: final loss fault/clean = {f['final_loss'] / c['final_loss']:.3f}")
+    print(f"bytes per replica 1bit/fp32 (clean) = "
+          f"{by['1bit_clean']['bytes_per_replica'] / by['fp32_clean']['bytes_per_replica']:.4f}")
+    print(f"final loss 1bit/fp32: clean {by['1bit_clean']['final_loss'] / by['fp32_clean']['final_loss']:.3f}, "
+          f"fault {by['1bit_fault']['final_loss'] / by['fp32_fault']['final_loss']:.3f}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

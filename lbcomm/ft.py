@@ -1,0 +1,392 @@
+"""`FaultTolerantLocalUpdates`: lbcomm's local updates (DiLoCo with the 1-bit
+error-feedback outer exchange) over torchft, for training across the internet with
+replica groups that leave and join without a restart (docs/internet.md).
+
+Every replica group trains H (`sync_every`) inner steps on its own; at each
+synchronization it asks torchft's Manager for a quorum (``start_quorum``: the Lighthouse
+decides which replica groups take part, the Manager reconfigures its process group and a
+replica group that is behind heals from a live peer), averages the outer pseudo-gradient
+over the quorum through lbcomm's compressed allreduce on that group (`TorchFTTransport`:
+the one path to the network), and steps the outer Nesterov optimizer only when the Manager
+agrees to commit (``should_commit``). A failed exchange (a peer died during it) is reported
+to the Manager; the synchronization is then retried at once with a new quorum from the
+same local progress (``max_attempts``), and only when every attempt fails is the round
+discarded (the parameters return to the round's start).
+
+torchft is optional: importing `lbcomm` does not import it; this module imports it when an
+object is built and says ``pip install torchft`` when it is missing.
+
+Design decisions (the error feedback across membership changes):
+
+* What a replica group holds of the compression: its worker error e (length n, the padded
+  input) and the server error s of the chunk it serves (n / p). The error-feedback
+  invariant of a run of calls with a fixed membership R of p members is
+  sum_t out_t = sum_t mean_R(x_t) - mean_R(e_T) - concat_k(s_k,T) + mean_R(e_0) +
+  concat_k(s_k,0): what is still owed after call T is E = mean_R(e) + concat_k(s_k).
+* A membership change (another set of members, another rank order, or any member whose
+  last exchange failed) is detected by every member alike from one small all-gather at the
+  start of each exchange (a random id per process, the id list its error feedback was
+  built for, its call count). Then every member builds a new reducer for the new quorum
+  R' (p' members) and folds what it owed into its new worker error, without
+  communicating: e' = (p'/p) e + p' s (s added on the span it served); s' = 0. Then
+  mean_R'(e') = (1/p) sum_S e + concat_{k in S} s_k: exactly the survivors' (S) share of
+  E is carried into the new membership, and the new server chunks (their partition n / p'
+  changed with p) start at zero, so nothing has to be redistributed over the network.
+  The invariant then holds over each run of calls with a fixed membership, starting
+  from the folded errors (tests/test_ft.py checks it on the survivors).
+* What a leaving replica group owed, (1/p) e + its s, is lost: a bounded error of the
+  order of one round's compression error, never accumulated.
+* A joining (or restarted, or healing) replica group starts with zero error feedback: it
+  owes nothing, which keeps the survivors' invariant exact. It heals from a live peer
+  through the Manager's state-dict callbacks (``register_state_dict_fn``): the anchor
+  θ_start, the outer momentum, the inner optimizer's state, the peer's current weights and
+  the counters; the compressed call count is agreed in the all-gather above. Since the
+  peer serves its weights at the synchronization, the joiner's first pseudo-gradient is
+  the peer's (that peer's data counts twice in that one round, as in torchft's DiLoCo);
+  after that synchronization the joiner is bitwise the survivors.
+* An exchange that fails part way restores this member's error buffers to what they were
+  before it (a snapshot taken per exchange, n + n / p floats), so a retry does not count
+  the failed round's input twice.
+
+``compress=False`` averages the pseudo-gradient with a plain fp32 allreduce over the same
+group: torchft's DiLoCo exchange, for comparison. Parameters of at most ``exact_numel``
+elements are averaged exactly in fp32 beside the compressed call (their error feedback held
+at zero), as in `lbcomm.OneBitLocalUpdates`.
+
+Not done here: the node topology (hierarchical reduction), streaming fragments and
+overlap; every replica group is one process (or the replica group's own data parallelism
+stays inside it), and the exchange is flat over the quorum. The Manager must be created
+with ``use_async_quorum=False``: every member of the group then takes part in every
+exchange (a healing member heals before it, inside ``start_quorum``).
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import logging
+import os
+import struct
+import time
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .common import ring_allreduce_bytes
+from .compressed import CompressionState
+from .config import DEFAULT_BLOCK_SIZE
+from .exact import exact_index
+
+__all__ = ["FaultTolerantLocalUpdates", "require_torchft"]
+
+_log = logging.getLogger(__name__)
+_KEY = "lbcomm_local_updates"
+
+
+def require_torchft():
+    """The torchft module; a clear ImportError when it is not installed."""
+    try:
+        import torchft
+    except ImportError as exc:
+        raise ImportError("lbcomm.ft needs torchft (fault-tolerant replica groups): pip install torchft") from exc
+    return torchft
+
+
+def _members_hash(members: Optional[Tuple[int, ...]]) -> int:
+    if members is None:
+        return 0
+    digest = hashlib.blake2b(struct.pack(f"<{len(members)}q", *members), digest_size=8).digest()
+    return struct.unpack("<q", digest)[0] or 1
+
+
+class FaultTolerantLocalUpdates:
+    """Local updates with the 1-bit error-feedback outer exchange over a torchft Manager:
+    replica groups may leave and join between synchronizations (see the module docs).
+
+    Call `step` right after ``inner.step()`` at every inner step; every `sync_every` steps
+    it synchronizes with the current quorum and returns True when the outer step was
+    committed.
+
+    Args:
+        params (iterable of Tensor): the parameters, the same set as `inner`'s.
+        inner (torch.optim.Optimizer): the optimizer of the inner steps.
+        sync_every (int): H, inner steps per round.
+        manager: a ``torchft.Manager`` created with ``use_async_quorum=False`` (its
+            ``load_state_dict``/``state_dict`` may be None: this object registers its own
+            state under the key "lbcomm_local_updates", the weights included).
+        pg: the torchft process group given to the Manager (``Manager(pg=pg, ...)``).
+        outer_lr (float): the outer SGD's learning rate (default: 0.7).
+        outer_momentum (float): its momentum (default: 0.9).
+        nesterov (bool, optional): default: Nesterov when ``outer_momentum > 0``.
+        compress (bool): True: the 1-bit error-feedback allreduce; False: plain fp32
+            (torchft's DiLoCo exchange) (default: True).
+        block_size (int or None): elements per scale block (default: 2048).
+        exact_numel (int): parameters of at most this many elements are averaged exactly
+            (default: 4096).
+        max_attempts (int): quorums tried per synchronization before the round is
+            discarded (default: 3).
+        trace (bool): keep the last exchange's input, output and error buffers in
+            `last_trace` (for tests of the error-feedback invariant) (default: False).
+    """
+
+    def __init__(self, params: Iterable[Tensor], inner: torch.optim.Optimizer, sync_every: int, *, manager, pg,
+                 outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: Optional[bool] = None,
+                 compress: bool = True, block_size: Optional[int] = DEFAULT_BLOCK_SIZE, exact_numel: int = 4096,
+                 max_attempts: int = 3, trace: bool = False):
+        require_torchft()
+        name = type(self).__name__
+        self.params: List[Tensor] = list(params)
+        if not self.params:
+            raise ValueError(f"{name}: got no parameters")
+        if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+            raise ValueError(f"{name}: invalid sync_every {sync_every!r} (an int >= 1: inner steps per round)")
+        if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
+            raise ValueError(f"{name}: invalid max_attempts {max_attempts!r} (an int >= 1)")
+        if {id(p) for g in inner.param_groups for p in g["params"]} != {id(p) for p in self.params}:
+            raise ValueError(f"{name}: params must be exactly the inner optimizer's parameters")
+        if not isinstance(compress, bool):
+            raise TypeError(f"{name}: compress must be a bool (False: plain fp32 allreduce, DiLoCo itself)")
+        self.inner, self.sync_every, self.compress = inner, sync_every, compress
+        self.manager, self.pg = manager, pg
+        self.block_size, self.max_attempts, self.trace = block_size, max_attempts, trace
+        nesterov = outer_momentum > 0 if nesterov is None else nesterov
+        device = self.params[0].device
+        self.anchor = torch.cat([p.detach().reshape(-1).float() for p in self.params])
+        self.numel = self.anchor.numel()
+        self.outer = torch.optim.SGD([self.anchor], lr=outer_lr, momentum=outer_momentum, nesterov=nesterov)
+        self._buf = torch.empty_like(self.anchor)
+        self._exact = exact_index([p.numel() for p in self.params], exact_numel, device=device) if compress else None
+        self.uid = struct.unpack("<q", os.urandom(8))[0] or 1  # this process: a restarted replica is a new member
+        self._reducer: Optional[CompressionState] = None
+        self._members: Optional[Tuple[int, ...]] = None  # the membership the error feedback belongs to
+        self._owed: Optional[Tuple[int, int, Tensor, Tensor]] = None  # (p, rank, e, s) without a live reducer
+        self._calls = 0
+        self._dirty = False  # the last exchange failed: the next one rebuilds the reducer
+        self._healed = False
+        self.inner_steps = self.syncs = self.skipped = self.failed = self.heals = self.bytes_sent = 0
+        self.last_sync: Dict[str, Any] = {}
+        self.last_trace: Optional[Dict[str, Any]] = None
+        manager.register_state_dict_fn(_KEY, self._load_peer_state, self._peer_state)
+
+    # ------------------------------------------------------------------ the step
+    @torch.no_grad()
+    def step(self) -> bool:
+        """Count one inner step; synchronize every `sync_every` steps. True when an outer
+        step was committed at this step."""
+        self.inner_steps += 1
+        if self.inner_steps % self.sync_every:
+            return False
+        return self.sync()
+
+    @torch.no_grad()
+    def sync(self) -> bool:
+        """One synchronization: quorum (and healing), exchange, commit, outer step; retried
+        with a new quorum when the exchange fails. True when committed."""
+        info: Dict[str, Any] = {"attempts": 0, "quorum_s": 0.0, "exchange_s": 0.0, "commit_s": 0.0,
+                                "healed": False, "members": 0, "rebuilt": False}
+        self.last_sync = info
+        for attempt in range(self.max_attempts):
+            info["attempts"] = attempt + 1
+            t0 = time.perf_counter()
+            self._healed = False
+            self.manager.start_quorum()  # heals this replica group here when it is behind
+            t1 = time.perf_counter()
+            info["quorum_s"] += t1 - t0
+            info["healed"] = info["healed"] or self._healed
+            ok = self._exchange(info)
+            t2 = time.perf_counter()
+            info["exchange_s"] += t2 - t1
+            commit = self.manager.should_commit()
+            info["commit_s"] += time.perf_counter() - t2
+            if commit:
+                if ok:
+                    self._outer_step()
+                else:  # non-finite on some member: every member discards the round alike
+                    self.skipped += 1
+                    _log.warning("%s: the outer pseudo-gradient holds NaN/Inf on some replica group at inner step "
+                                 "%s; the round is discarded on every one", type(self).__name__, self.inner_steps)
+                self._write()
+                self.syncs += 1
+                return ok
+            self.failed += 1
+            self._dirty = True
+            _log.warning("%s: synchronization at inner step %s not committed (attempt %s of %s: %s); retrying with a "
+                         "new quorum", type(self).__name__, self.inner_steps, attempt + 1, self.max_attempts,
+                         self.manager.errored())
+        _log.warning("%s: no synchronization committed in %s attempts at inner step %s; the round is discarded "
+                     "(weights back to its start)", type(self).__name__, self.max_attempts, self.inner_steps)
+        self._write()
+        return False
+
+    def _delta_(self) -> Tensor:
+        """Δ = θ_start − θ into the buffer (compressed: u = β b + Δ, the outer momentum)."""
+        buf = self._buf
+        torch.cat([p.detach().reshape(-1).float() for p in self.params], out=buf)
+        torch.sub(self.anchor, buf, out=buf)
+        beta, mom = self._momentum()
+        if mom is not None:
+            buf.add_(mom, alpha=beta)
+        return buf
+
+    def _momentum(self) -> Tuple[float, Optional[Tensor]]:
+        beta = self.outer.param_groups[0]["momentum"]
+        if not (beta and self.compress):
+            return beta, None
+        return beta, self.outer.state.get(self.anchor, {}).get("momentum_buffer")
+
+    def _exchange(self, info: Dict[str, Any]) -> bool:
+        """The mean of Δ (or u) over the quorum into the buffer. False: non-finite on some
+        member. A failure of the network is reported to the Manager (its should_commit
+        then refuses) and the error feedback restored."""
+        from .comm.torchft import TorchFTTransport
+
+        buf = self._delta_()
+        p, rank = self.manager.num_participants(), self.manager.participating_rank()
+        info["members"] = p
+        if rank is None:
+            raise RuntimeError(f"{type(self).__name__}: this replica group is not part of the quorum; create the "
+                               "torchft Manager with use_async_quorum=False")
+        snapshot = None
+        try:
+            xport = TorchFTTransport(self.pg, rank, p)
+            if not self.compress:
+                xport.all_reduce(buf, "mean")
+                self.bytes_sent += int(ring_allreduce_bytes(4 * self.numel, p))
+                return bool(torch.isfinite(buf).all())
+            if p == 1:  # alone: nothing to average, the error feedback waits for company
+                return bool(torch.isfinite(buf).all())
+            info["rebuilt"] = self._agree_members(xport)
+            red = self._reducer
+            snapshot = (red.worker_error.clone(), red.server_error.clone(), red.calls)
+            if self.trace:
+                self.last_trace = {"x": buf.clone(), "e0": red.worker_error[:self.numel].clone(),
+                                   "s0": red.server_error.clone(), "span": red.served_span(),
+                                   "members": self._members, "rebuilt": info["rebuilt"]}
+            exact = None
+            if self._exact is not None:
+                vals = buf.index_select(0, self._exact)
+                gathered = torch.empty(p * vals.numel(), dtype=torch.float32)
+                xport.all_gather(gathered.view(torch.uint8), vals.view(torch.uint8))
+                exact = gathered.view(p, -1).sum(0) / p
+            ok = bool(red.reduce_(buf, buf))
+            self._calls = red.calls
+            if ok:
+                if exact is not None:
+                    buf.index_copy_(0, self._exact, exact)
+                    red.zero_errors_at(self._exact)
+                self.bytes_sent += red.bytes_per_call() + (4 * self._exact.numel() * (p - 1)
+                                                           if self._exact is not None else 0)
+                if self.trace:
+                    self.last_trace.update(out=buf.clone(), e1=red.worker_error[:self.numel].clone(),
+                                           s1=red.server_error.clone())
+            return ok
+        except Exception as exc:  # noqa: BLE001 - a peer left: handed to the Manager
+            _log.warning("%s: the exchange failed (%s: %s); reported to the torchft Manager", type(self).__name__,
+                         type(exc).__name__, exc)
+            self.manager.report_error(exc)
+            if snapshot is not None:  # what this member owed before the failed call
+                red = self._reducer
+                self._owed = (red.world_size, red.rank, snapshot[0], snapshot[1])
+                self._calls = snapshot[2]
+                self._reducer = None
+            return False
+
+    def _agree_members(self, xport) -> bool:
+        """One all-gather of (id, membership of the error feedback, calls, failed): on a
+        membership change every member rebuilds its reducer for the quorum and folds what
+        it owed into it (module docs). True when rebuilt."""
+        p = xport.world_size
+        red = self._reducer
+        calls = red.calls if red is not None else self._calls
+        mine = torch.tensor([self.uid, _members_hash(self._members), calls,
+                             int(self._dirty or red is None)], dtype=torch.int64)
+        everyone = torch.empty(p * 4, dtype=torch.int64)
+        xport.all_gather(everyone.view(torch.uint8), mine.view(torch.uint8))
+        rows = everyone.view(p, 4).tolist()
+        members = tuple(r[0] for r in rows)
+        same = all(r[1] == _members_hash(members) and r[2] == rows[0][2] and not r[3] for r in rows)
+        if same and red is not None:
+            return False
+        owed = None
+        if red is not None:
+            owed = (red.world_size, red.rank, red.worker_error, red.server_error)
+        elif self._owed is not None:
+            owed = self._owed
+        new = CompressionState(self.numel, transport=xport, device=self.anchor.device, block_size=self.block_size,
+                               nonfinite="skip")
+        if owed is not None and not self._healed:
+            old_p, old_rank, e, s = owed
+            n = self.numel
+            e_new = new.worker_error
+            e_new[:n].copy_(e[:n]).mul_(p / old_p)
+            lo = min(n, old_rank * s.numel())
+            hi = min(n, lo + s.numel())
+            e_new[lo:hi].add_(s[:hi - lo], alpha=p)
+        new.calls = max(r[2] for r in rows)
+        _log.info("%s: membership changed (%s members, this one rank %s): error feedback folded into the new "
+                  "reducer%s", type(self).__name__, p, xport.rank, " (healed: starts at zero)" if self._healed else "")
+        self._reducer, self._members, self._owed, self._dirty = new, members, None, False
+        return True
+
+    def _outer_step(self) -> None:
+        buf = self._buf
+        beta, mom = self._momentum()
+        if mom is not None:
+            buf.sub_(mom, alpha=beta)
+        self.anchor.grad = buf
+        self.outer.step()
+        self.anchor.grad = None
+
+    def _write(self) -> None:
+        """θ <- θ_start, the committed model (identical on every member)."""
+        o = 0
+        for p in self.params:
+            n = p.numel()
+            p.detach().copy_(self.anchor[o:o + n].view_as(p))
+            o += n
+
+    # ------------------------------------------------------------------ healing
+    def _peer_state(self) -> Dict[str, Any]:
+        """What a healing replica group receives from this one (copies: the Manager
+        serves them while this one goes on)."""
+        return {"anchor": self.anchor.detach().clone(), "outer": copy.deepcopy(self.outer.state_dict()),
+                "inner": copy.deepcopy(self.inner.state_dict()),
+                "params": [p.detach().clone() for p in self.params],
+                "counters": {"inner_steps": self.inner_steps, "syncs": self.syncs, "skipped": self.skipped,
+                             "calls": self._reducer.calls if self._reducer is not None else self._calls}}
+
+    def _load_peer_state(self, sd: Dict[str, Any]) -> None:
+        """Heal from a live peer: its anchor, outer momentum, inner state and weights; the
+        error feedback starts at zero (module docs)."""
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            self.anchor.copy_(sd["anchor"])
+            for p, v in zip(self.params, sd["params"]):
+                p.detach().copy_(v)
+        self.outer.load_state_dict(sd["outer"])
+        self.inner.load_state_dict(sd["inner"])
+        c = sd["counters"]
+        self.inner_steps, self.syncs, self.skipped = c["inner_steps"], c["syncs"], c["skipped"]
+        self._calls = c["calls"]
+        self._reducer, self._members, self._owed, self._dirty = None, None, None, True
+        self._healed = True
+        self.heals += 1
+        self.last_sync["heal_apply_s"] = time.perf_counter() - t0
+        _log.info("%s: healed from a live peer at inner step %s", type(self).__name__, self.inner_steps)
+
+    # ------------------------------------------------------------------ figures
+    def error_feedback(self) -> Optional[Dict[str, Any]]:
+        """This member's error feedback now: worker error (the first numel elements),
+        server error, the span it serves and the membership; None before the first
+        compressed exchange."""
+        red = self._reducer
+        if red is None:
+            return None
+        return {"worker_error": red.worker_error[:self.numel].clone(), "server_error": red.server_error.clone(),
+                "span": red.served_span(), "members": self._members}
+
+    def stats(self) -> Dict[str, Any]:
+        """Counters: inner steps, committed synchronizations, discarded (non-finite) ones,
+        failed attempts, heals, bytes this member sent."""
+        return {"inner_steps": self.inner_steps, "syncs": self.syncs, "skipped": self.skipped, "failed": self.failed,
+                "heals": self.heals, "bytes_sent": self.bytes_sent}

@@ -1,0 +1,94 @@
+"""One replica group (one process) of the torchft tests (tests/test_ft.py): a small
+regression model trained with `lbcomm.ft.FaultTolerantLocalUpdates` against a Lighthouse.
+
+It leaves with os._exit at inner step --die-at (a crash), and otherwise stops at the first
+synchronization after which it has seen --stop-after committed synchronizations of
+--full members (the survivors count from their first smaller quorum after inner step
+--count-from), so that every
+member stops at the same synchronization. Its records (per committed synchronization: the
+Manager's step, the members, a hash of the model, the exchange's trace) go to --out.
+"""
+import argparse
+import hashlib
+import os
+import sys
+import time
+from datetime import timedelta
+
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--replica", type=int, required=True)
+    ap.add_argument("--incarnation", type=int, default=0)
+    ap.add_argument("--lighthouse", required=True)
+    ap.add_argument("--sync-every", type=int, default=5)
+    ap.add_argument("--die-at", type=int, default=0)
+    ap.add_argument("--full", type=int, default=3)
+    ap.add_argument("--stop-after", type=int, default=3)
+    ap.add_argument("--count-from", type=int, default=0)
+    ap.add_argument("--max-steps", type=int, default=3000)
+    ap.add_argument("--compress", type=int, default=1)
+    ap.add_argument("--step-sleep", type=float, default=0.03)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+
+    import torch.distributed as dist
+    from torchft import Manager, ProcessGroupGloo
+
+    from lbcomm.ft import FaultTolerantLocalUpdates
+
+    torch.set_num_threads(1)  # three replicas share the cores
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    pg = ProcessGroupGloo(timeout=timedelta(seconds=10))
+    manager = Manager(pg=pg, load_state_dict=None, state_dict=None, min_replica_size=2, use_async_quorum=False,
+                      replica_id=f"replica_{a.replica}", lighthouse_addr=a.lighthouse, rank=0, world_size=1,
+                      store_addr="127.0.0.1", store_port=store.port, hostname="127.0.0.1",
+                      timeout=timedelta(seconds=10), quorum_timeout=timedelta(seconds=60),
+                      connect_timeout=timedelta(seconds=10))
+    torch.manual_seed(100 + 10 * a.replica + a.incarnation)  # a restarted replica starts elsewhere: it must heal
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+    inner = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    local = FaultTolerantLocalUpdates(model.parameters(), inner, a.sync_every, manager=manager, pg=pg,
+                                      compress=bool(a.compress), block_size=256, exact_numel=100, trace=True)
+    teacher = torch.Generator().manual_seed(7)
+    w_true = torch.randn(16, 1, generator=teacher)
+    data = torch.Generator().manual_seed(1000 + 10 * a.replica + a.incarnation)
+    records, seen_small, full_after, loss = [], a.incarnation > 0, 0, float("nan")
+    while local.inner_steps < a.max_steps:
+        x = torch.randn(32, 16, generator=data)
+        y = torch.tanh(x @ w_true)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        inner.zero_grad()
+        loss.backward()
+        inner.step()
+        if a.die_at and local.inner_steps + 1 == a.die_at:
+            os._exit(17)  # a crash: no goodbye to anyone
+        if local.step():
+            info = local.last_sync
+            anchor = local.anchor.detach().clone()
+            rec = {"step": manager.current_step(), "inner_steps": local.inner_steps, "members": info["members"],
+                   "healed": info["healed"], "attempts": info["attempts"], "rebuilt": info["rebuilt"],
+                   "sha": hashlib.sha256(anchor.numpy().tobytes()).hexdigest(), "loss": float(loss)}
+            tr = local.last_trace
+            if tr is not None and "out" in tr:
+                rec["trace"] = {k: tr[k] for k in ("x", "out", "e0", "e1", "s0", "s1", "span", "members", "rebuilt")}
+                local.last_trace = None
+            records.append(rec)
+            if info["members"] < a.full and local.inner_steps >= a.count_from:
+                seen_small = True
+            elif seen_small:
+                full_after += 1
+            if full_after >= a.stop_after:
+                break
+        time.sleep(a.step_sleep)
+    torch.save({"records": records, "anchor": local.anchor.detach().clone(), "uid": local.uid,
+                "stats": local.stats(), "loss": float(loss)}, a.out)
+    manager.shutdown(wait=False)
+    sys.stdout.flush()
+    os._exit(0)  # the Manager's threads need no orderly teardown
+
+
+if __name__ == "__main__":
+    main()
