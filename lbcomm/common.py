@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any, Dict, Generator, Optional
 
 import torch
+from .errors import NonFiniteError
 
 __all__ = ["STATS_KEYS", "compressor_stats", "error_ratio", "FLOAT_DTYPES", "NONFINITE_POLICIES", "NonFiniteError",
            "completed_future", "new_future", "drive", "ring_allreduce_bytes"]
@@ -13,11 +14,6 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # What a call does when an input holds NaN/Inf: raise on every rank, or skip the call
 # (see `lbcomm.compressed.CompressionState` and docs/concepts.md).
 NONFINITE_POLICIES = ("raise", "skip")
-
-
-class NonFiniteError(FloatingPointError):
-    """A compressed allreduce saw NaN/Inf; raised on every rank (the message says whether
-    the error buffers are unchanged or were reset)."""
 
 
 def new_future(device: Optional[torch.device] = None) -> torch.futures.Future:

@@ -8,14 +8,9 @@ from earlier steps while the hook state was never loaded (nor has run before).
 """
 import warnings
 from typing import Optional
+from ..errors import MissingHookStateWarning
 
 __all__ = ["ResumeCheck", "MissingHookStateWarning"]
-
-
-class MissingHookStateWarning(RuntimeWarning):
-    """The optimizer was restored from a checkpoint, the hook state was not: warned at the
-    hook's first call (`ResumeCheck`) and by `lbcomm.load_sharded` when the shard holds a
-    hook state (or `OneBitLocalUpdates`' state) that the call does not restore."""
 
 
 class ResumeCheck:

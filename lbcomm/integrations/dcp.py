@@ -51,18 +51,13 @@ from torch.distributed.checkpoint import DefaultLoadPlanner
 from ..checkpoint import redistribute_optimizer_state
 from ..comm import world_info
 from .attach import LBCOMM_OPTIMIZERS, unwrap_optimizer
+from ..errors import MissingRankLocalError
 
 __all__ = ["RankLocal", "LoadPlanner", "MissingRankLocalError"]
 
 _log = logging.getLogger(__name__)
 _KEY = re.compile(r"rank(\d+)-of-(\d+)")
 _HOLDS = "holds:"  # the key (with the class name) that records what a RankLocal saved
-
-
-class MissingRankLocalError(ValueError):
-    """A DCP checkpoint holds the per-rank state of a lbcomm object (saved with `RankLocal`)
-    that the load does not restore. Raised by `LoadPlanner` inside ``dcp.load``, which
-    reports it in its ``CheckpointException`` (``failures`` holds it per rank)."""
 
 
 class _RankEntries(dict):

@@ -70,18 +70,13 @@ from ..checkpoint import load_sharded, save_sharded, shard_path
 from ..comm import get_transport
 from ..ddp import DCTHookState, OneBitHookState
 from ..local import OneBitLocalUpdates
+from ..errors import ClippingTakenOverWarning
 from .attach import (LBCOMM_OPTIMIZERS, attach, check_callback_args, check_local_updates, check_not_communicating,
                      make_local_updates, unwrap_optimizer)
 
 __all__ = ["LbcommCallback", "ClippingTakenOverWarning"]
 
 _log = logging.getLogger(__name__)
-
-
-class ClippingTakenOverWarning(UserWarning):
-    """`LbcommCallback` turned the Trainer's clipping by norm off
-    (``TrainingArguments.max_grad_norm`` set to 0) and clips itself by one norm shared by
-    all ranks: the Trainer's clipping would use each rank's own norm of its local gradient."""
 
 
 class LbcommCallback(TrainerCallback):
