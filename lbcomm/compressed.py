@@ -14,7 +14,7 @@ Pipelining (`CompressionState`'s `pieces`): only tensors of at least PIECE_MIN e
 chunk and piece are cut (block_size=None, one scale per tensor, is never cut).
 
 Non-finite input and the error buffers (no spare copies: the state is 4 bytes per element
-for the worker error, 4 / p for the server error, about 0.4 for the wire buffers). Before
+for the worker error, 4 / p for the server error, about 0.3 for the wire buffers). Before
 phase 0 writes anything, every rank checks its own input (`isfinite(x.sum())`, an exact
 check only when that sum is not finite) and one small all_reduce(max) tells every rank
 whether any rank saw NaN/Inf, and whether every rank makes the same call (size, block
@@ -38,7 +38,7 @@ from torch import Tensor
 from .comm import get_transport
 from .common import NONFINITE_POLICIES, NonFiniteError, compressor_stats, drive, ring_allreduce_bytes
 from .config import DEFAULT_BLOCK_SIZE
-from .flatcall import FlatCall, Sink, Source
+from .flatcall import Cap, FlatCall, Sink, Source
 from .wire import AGREEMENT_BYTES, ALIGN, check_block_size, chunk_size, piece_spans, row_layout
 
 __all__ = ["CompressionState", "compressed_allreduce_", "compressed_allreduce", "reduce_", "NonFiniteError",
@@ -58,12 +58,14 @@ STAGING_MIN = 1 << 18
 
 class _WireBuffers(NamedTuple):
     """The uint8 buffers of one piece: rows sent to / received from every rank in the
-    all-to-all, this rank's server row, and every rank's server row after the all-gather."""
+    all-to-all, this rank's server row, and every rank's server row after the all-gather.
+    `gathered` is `recv` itself: the piece's server compress has consumed the received
+    rows before its all-gather is started."""
 
     send: Tensor  # [p, row_bytes]
     recv: Tensor  # [p, row_bytes]
     server_send: Tensor  # [row_bytes]
-    gathered: Tensor  # [p, row_bytes]
+    gathered: Tensor  # [p, row_bytes], the storage of recv
 
 
 class CompressionState:
@@ -137,7 +139,7 @@ class CompressionState:
         self._worker_error = torch.zeros(self.world_size, self.chunk, **f32)
         self._server_error = torch.zeros(self.chunk, **f32)
         self._wire: Optional[List[_WireBuffers]] = None  # allocated on first use
-        self._staging: Optional[Tensor] = None  # fp32, for callable sources/sinks and half outputs
+        self._staging: Optional[Tensor] = None  # fp32, for callable sources/sinks, half outputs, computed caps
         self._busy = False
         self._verified = False
         self._foreign_shard: Optional[str] = None  # why the errors were reset at a load (warned at the next call)
@@ -150,7 +152,7 @@ class CompressionState:
 
     # ------------------------------------------------------------------ the Reducer protocol
     def reduce_(self, source: "Source", sink: "Sink", *, checked: bool = False, async_op: bool = False,
-                weights: Optional[Tensor] = None, cap: Optional[Tensor] = None):
+                weights: Optional[Tensor] = None, cap: Optional[Cap] = None):
         """`lbcomm.compressed.reduce_` with this state (the `lbcomm.reducer.Reducer` call)."""
         return reduce_(self, source, sink, checked=checked, async_op=async_op, weights=weights, cap=cap)
 
@@ -356,9 +358,11 @@ class CompressionState:
         if self._wire is None:
             p = self.world_size
             u8 = dict(dtype=torch.uint8, device=self.device)
-            self._wire = [_WireBuffers(torch.empty(p, r.row_bytes, **u8), torch.empty(p, r.row_bytes, **u8),
-                                       torch.empty(r.row_bytes, **u8), torch.empty(p, r.row_bytes, **u8))
-                          for r in self._row_layouts]
+            self._wire = []
+            for r in self._row_layouts:
+                recv = torch.empty(p, r.row_bytes, **u8)
+                self._wire.append(_WireBuffers(torch.empty(p, r.row_bytes, **u8), recv,
+                                               torch.empty(r.row_bytes, **u8), recv))
             _log.info("lbcomm: compressed allreduce of %s elements over %s ranks: chunk %s, block_size %s, "
                       "%s piece(s), %s bytes sent per call", self.numel, p, self.chunk, self.block_size,
                       len(self.piece_spans), self.bytes_per_call())
@@ -377,16 +381,37 @@ class CompressionState:
             self._staging = torch.empty(n, dtype=torch.float32, device=self.device)
         return self._staging
 
+    def _cap_staging_buffer(self) -> Tensor:
+        """`_staging_cap` fp32 elements for computed caps, beside the values' range: the
+        second `_staging_cap` elements of the staging buffer (computed caps need block
+        scales, so no range of values is longer)."""
+        n = self._staging_cap
+        return self._staging_buffer(2 * n)[n:2 * n]
+
+    def share_staging(self, buffer: Tensor) -> None:
+        """Stage callable sources, sinks and computed caps through `buffer` (1-D contiguous
+        fp32 on the state's device) instead of a buffer of the state's own: an owner whose
+        scratch buffer is idle during the calls (an optimizer's staging buffer) lends it,
+        and the two cost the memory of one. A call that needs more than it holds allocates
+        its own as before. The owner must not touch it while a call is in flight."""
+        if buffer.dtype != torch.float32 or buffer.dim() != 1 or not buffer.is_contiguous() \
+                or buffer.device != self.device:
+            raise ValueError(f"share_staging: expected a 1-D contiguous float32 tensor on {self.device}, got "
+                             f"{buffer.dtype} {tuple(buffer.shape)} on {buffer.device}")
+        self._ensure_idle()
+        if self._staging is None or buffer.numel() >= self._staging.numel():
+            self._staging = buffer
+
 
 def _run(name: str, state: CompressionState, source: Source, sink: Sink, checked: bool,
-         result: Callable[[bool], Any], weights: Optional[Tensor], async_op: bool, cap: Optional[Tensor] = None):
+         result: Callable[[bool], Any], weights: Optional[Tensor], async_op: bool, cap: Optional[Cap] = None):
     if not isinstance(state, CompressionState):
         raise TypeError(f"{name}: state must be a CompressionState, got {type(state).__name__}")
     return drive(FlatCall(name, state, source, sink, checked, result, weights, cap).steps(), state.device, async_op)
 
 
 def reduce_(state: CompressionState, source: Source, sink: Sink, *, checked: bool = False, async_op: bool = False,
-            weights: Optional[Tensor] = None, cap: Optional[Tensor] = None):
+            weights: Optional[Tensor] = None, cap: Optional[Cap] = None):
     """The compressed allreduce that every entry point, optimizer and hook goes through:
     the approximate MEAN of `source` over the ranks of the state's group, into `sink`.
 
@@ -431,8 +456,13 @@ def reduce_(state: CompressionState, source: Source, sink: Sink, *, checked: boo
             whose bound is at least the block's RMS (the bounded ones would otherwise
             deflate it), and the error feedback keeps what the bound held back, within
             +-3 c_i, to deliver it in later calls. Needs a block size and no weights.
-            The wire format and bytes are unchanged. 1-bit Adam passes the momentum whose
-            step is max_update's bound (default: None).
+            The wire format and bytes are unchanged. Or a callable ``cap(lo, hi, buf)``
+            (or a `lbcomm.flatcall.ComputedCaps`) that writes the caps of elements
+            [lo, hi) into the fp32 `buf`, as a callable source writes its values: the call
+            asks for each range when it needs it (each possibly more than once), through a
+            bounded staging buffer, so the caps never exist whole; the result is bitwise
+            that of the same caps passed as a tensor. 1-bit Adam passes the momentum whose
+            step is max_update's bound, computed from its frozen variance (default: None).
 
     Returns:
         True when the result was written, False when the call was skipped for non-finite

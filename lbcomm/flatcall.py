@@ -39,14 +39,44 @@ from torch import Tensor
 
 from . import ops
 from .common import FLOAT_DTYPES, NonFiniteError
-from .wire import agreement_vector, block_ranges, check_headers, encode_header, read_agreement
+from .wire import agreement_vector, block_ranges, check_headers, encode_header, num_blocks, read_agreement
 
-__all__ = ["FlatCall", "check_tensor", "check_weights", "Source", "Sink"]
+__all__ = ["FlatCall", "check_tensor", "check_weights", "check_cap", "ComputedCaps", "Source", "Sink", "Cap"]
 
 _log = logging.getLogger(__name__)
 
 Source = Union[Tensor, Callable[[int, int, Tensor], Any]]
 Sink = Union[Tensor, Callable[[int, int, Tensor], Any]]
+
+
+class ComputedCaps:
+    """Caps of the capped decode produced on demand: ``fill(lo, hi, buf)`` writes the fp32
+    caps of input elements [lo, hi) into `buf` (hi - lo elements), as a callable source
+    writes its values. The call asks for each range when it needs it, through the state's
+    bounded staging buffer, so the caps of the whole input never exist at once. Sliced like a
+    tensor: ``caps[lo:hi]`` are the caps of elements lo..hi-1 (a call on part of the input
+    takes its part)."""
+
+    __slots__ = ("fill_fn", "offset", "numel")
+
+    def __init__(self, fill: Callable[[int, int, Tensor], Any], numel: int, offset: int = 0):
+        self.fill_fn, self.numel, self.offset = fill, numel, offset
+
+    def fill(self, lo: int, hi: int, buf: Tensor) -> Tensor:
+        """The caps of elements [lo, hi) written into (and returned as) buf[:hi - lo]."""
+        out = buf[:hi - lo]
+        if hi > lo:
+            self.fill_fn(self.offset + lo, self.offset + hi, out)
+        return out
+
+    def __getitem__(self, s: slice) -> "ComputedCaps":
+        lo, hi, step = s.indices(self.numel)
+        if step != 1:
+            raise ValueError("ComputedCaps: only contiguous slices")
+        return ComputedCaps(self.fill_fn, max(hi - lo, 0), self.offset + lo)
+
+
+Cap = Union[Tensor, ComputedCaps, Callable[[int, int, Tensor], Any]]
 
 
 def check_tensor(name: str, t: Tensor, numel: int, device: torch.device, what: str, kind: str) -> None:
@@ -76,26 +106,32 @@ def check_weights(name: str, weights: Optional[Tensor], numel: int, device: torc
     return weights.reshape(-1)
 
 
-def check_cap(name: str, cap: Optional[Tensor], numel: int, device: torch.device, block_size: Optional[int],
-              weights: Optional[Tensor]) -> Optional[Tensor]:
-    """Per-coordinate caps of the capped decode (see `lbcomm.compressed.reduce_`), flat, or None."""
+def check_cap(name: str, cap: Optional[Cap], numel: int, device: torch.device, block_size: Optional[int],
+              weights: Optional[Tensor]) -> Union[None, Tensor, ComputedCaps]:
+    """Per-coordinate caps of the capped decode (see `lbcomm.compressed.reduce_`): a flat
+    tensor, a `ComputedCaps` (a callable cap(lo, hi, buf) is wrapped in one), or None."""
     if cap is None:
         return None
-    if not isinstance(cap, Tensor) or cap.dtype != torch.float32 or cap.numel() != numel or cap.device != device:
+    if isinstance(cap, ComputedCaps) or (callable(cap) and not isinstance(cap, Tensor)):
+        cap = cap if isinstance(cap, ComputedCaps) else ComputedCaps(cap, numel)
+        if cap.numel != numel:
+            raise ValueError(f"{name}: cap covers {cap.numel} elements, the state was built for {numel}")
+    elif not isinstance(cap, Tensor) or cap.dtype != torch.float32 or cap.numel() != numel or cap.device != device:
         got = f"{cap.dtype} {tuple(cap.shape)} on {cap.device}" if isinstance(cap, Tensor) else type(cap).__name__
-        raise ValueError(f"{name}: cap must be a float32 tensor of {numel} elements on {device}, got {got}")
+        raise ValueError(f"{name}: cap must be a float32 tensor of {numel} elements on {device}, or a callable "
+                         f"cap(lo, hi, buf), got {got}")
     if block_size is None:
         raise ValueError(f"{name}: the capped decode needs blocks (this state has block_size=None: one scale)")
     if weights is not None:
         raise ValueError(f"{name}: cap and weights cannot be combined")
-    return cap.reshape(-1)
+    return cap if isinstance(cap, ComputedCaps) else cap.reshape(-1)
 
 
 class FlatCall:
     """One compressed allreduce: validation, the schedule and the phases."""
 
     def __init__(self, name: str, state, source: Source, sink: Sink, checked: bool,
-                 result: Callable[[bool], Any], weights: Optional[Tensor] = None, cap: Optional[Tensor] = None):
+                 result: Callable[[bool], Any], weights: Optional[Tensor] = None, cap: Optional[Cap] = None):
         self.name, self.state, self.checked, self.result = name, state, bool(checked), result
         kind = type(state).__name__
         if isinstance(source, Tensor):
@@ -113,6 +149,8 @@ class FlatCall:
         cap = check_cap(name, cap, state.numel, state.device, state.block_size, weights)
         state._ensure_idle()
         self.source, self.sink, self.weights, self.cap = source, sink, weights, cap
+        # computed caps: every phase runs range by range (whole blocks, the staging size)
+        self.computed = isinstance(cap, ComputedCaps)
         self.flat_source: Optional[Tensor] = None  # the tensor source as one flat view (made on first use)
 
     # ---------------------------------------------------------------- schedule
@@ -226,6 +264,15 @@ class FlatCall:
             self.source(lo, hi, buf)
         return buf
 
+    def _caps(self, lo: int, hi: int) -> Optional[Tensor]:
+        """The caps of input elements [lo, hi): a view of tensor caps, or computed caps in
+        the state's cap staging buffer (reused by the next range)."""
+        if self.cap is None:
+            return None
+        if self.computed:
+            return self.cap.fill(lo, hi, self.state._cap_staging_buffer())
+        return self.cap[lo:hi]
+
     def _scales(self, rows: Tensor, s: int) -> Tensor:
         layout = self.state._row_layouts[s]
         return rows[..., layout.sign_bytes:layout.scales_end].view(torch.float32)
@@ -237,20 +284,21 @@ class FlatCall:
         send, layout = st._wire[s].send, st._row_layouts[s]
         lo, hi = st.piece_spans[s]
         q8, block, m, n0 = layout.sign_bytes, st.block_size, st.chunk, st.numel
-        if len(st.piece_spans) == 1 and (block is None or isinstance(self.source, Tensor)):
+        direct = isinstance(self.source, Tensor) and not self.computed  # no staging needed
+        if len(st.piece_spans) == 1 and (block is None or direct):
             # one kernel call over every chunk (the only way with one scale for everything)
             packed, scales = ops.worker_compress(self._input(0, n0), st._worker_error, block,
                                                  weights=self.weights, cap=self.cap)
             send[:, :q8].copy_(packed)
             self._scales(send, s).copy_(scales)
         else:
-            cap = hi - lo if isinstance(self.source, Tensor) else st._staging_cap
+            span = hi - lo if direct else st._staging_cap
             for j in range(st.world_size):
-                for a, b in block_ranges(lo, hi, block, cap):
+                for a, b in block_ranges(lo, hi, block, span):
                     g0 = j * m + a
                     g1 = max(g0, min(j * m + b, n0))
                     w = None if self.weights is None else self.weights[g0:g1]
-                    c = None if self.cap is None else self.cap[g0:g1]
+                    c = self._caps(g0, g1)
                     packed, scales = ops.worker_compress(self._input(g0, g1), st._worker_error[j, a:b], block,
                                                          weights=w, cap=c)
                     send[j, (a - lo) // 8:(b - lo) // 8].copy_(packed)
@@ -270,13 +318,19 @@ class FlatCall:
             st.reset()  # phase 0 has already updated the worker error
             raise
         lo, hi = st.piece_spans[s]
-        real = min(max(st.numel - st.rank * st.chunk - lo, 0), hi - lo)
-        first = st.rank * st.chunk + lo
-        cap = None if self.cap is None else self.cap[first:first + real]
-        packed, scales = ops.server_compress(wire.recv[:, :layout.sign_bytes], self._scales(wire.recv, s),
-                                             st._server_error[lo:hi], st.block_size, real, cap=cap)
-        wire.server_send[:layout.sign_bytes].copy_(packed)
-        self._scales(wire.server_send, s).copy_(scales)
+        block, base = st.block_size, st.rank * st.chunk
+        # computed caps: runs of whole blocks through the cap staging buffer (every block is
+        # reduced on its own, so the result is that of one run)
+        for a, b in block_ranges(lo, hi, block, st._staging_cap) if self.computed else [(lo, hi)]:
+            real = min(max(st.numel - base - a, 0), b - a)
+            first = (a - lo) // block if block else 0
+            count = num_blocks(b - a, block)
+            packed, scales = ops.server_compress(wire.recv[:, (a - lo) // 8:(b - lo) // 8],
+                                                 self._scales(wire.recv, s)[:, first:first + count],
+                                                 st._server_error[a:b], block, real,
+                                                 cap=self._caps(base + a, base + a + real))
+            wire.server_send[(a - lo) // 8:(b - lo) // 8].copy_(packed)
+            self._scales(wire.server_send, s)[first:first + count].copy_(scales)
         wire.server_send[layout.scales_end:].copy_(self._header(s).view(torch.uint8))
         return wire.server_send
 
@@ -299,7 +353,7 @@ class FlatCall:
         st, sink = self.state, self.sink
         block, m, n0 = st.block_size, st.chunk, st.numel
         whole, write, copy_back = self._sink_target()
-        if whole is not None and len(st.piece_spans) == 1:
+        if whole is not None and len(st.piece_spans) == 1 and not self.computed:
             g = st._wire[0].gathered
             ops.unpack_into(g[:, :st._row_layouts[0].sign_bytes], self._scales(g, 0), block, whole,
                             weights=self.weights, cap=self.cap)
@@ -307,7 +361,8 @@ class FlatCall:
             for s, (lo, hi) in enumerate(st.piece_spans):
                 g = st._wire[s].gathered
                 for k in range(st.world_size):
-                    for a, b in block_ranges(lo, hi, block, hi - lo if write is None else st._staging_cap):
+                    span = hi - lo if write is None and not self.computed else st._staging_cap
+                    for a, b in block_ranges(lo, hi, block, span):
                         g0, g1 = k * m + a, min(k * m + b, n0)
                         if g1 <= g0:
                             continue
@@ -316,7 +371,7 @@ class FlatCall:
                         scales = self._scales(g[k:k + 1], s)[:, first:first + count]
                         out = whole[g0:g1] if write is None else st._staging_buffer(st._staging_cap)[:g1 - g0]
                         w = None if self.weights is None else self.weights[g0:g1]
-                        c = None if self.cap is None else self.cap[g0:g1]
+                        c = self._caps(g0, g1)
                         ops.unpack_into(g[k:k + 1, (a - lo) // 8:(b - lo) // 8], scales, block, out, weights=w,
                                         cap=c)
                         if write is not None:

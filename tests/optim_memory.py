@@ -8,13 +8,21 @@ parameters and gradients are excluded. Run on 4 gloo ranks, past the freeze:
     PYTHONPATH=$PWD python tests/optim_memory.py [numel [timed steps]]
 
 With timed steps, the median time of optimizer.step() in the compression stage is
-printed too (no bandwidth limit: the compute and loopback cost of a step).
+printed too (no bandwidth limit: the compute and loopback cost of a step). Under each
+total, `breakdown` lists what holds the bytes (the same tensors, each storage once, named
+by the shortest path from the optimizer; the rows add up to the total).
+
+ZeroOneAdam is measured in its 1-bit stage (variance steps at 1 and 3, 1-bit steps at 2
+and 4) and, as ZeroOneAdam/local, in its local-step stage (var_freeze_step=2: the anchor
+and the accumulated update on top).
 """
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
+from collections import deque
 
 import torch
 from torch import nn
@@ -25,7 +33,7 @@ from bench.convergence import state_bytes
 
 # OneBitLamb/decoded: the live ratio on the decoded direction's norm (norm_samples=0), the
 # rule before the estimated norm: what the estimate costs, in the same process
-KINDS = ("AdamW", "OneBitAdam", "Lamb", "OneBitLamb", "OneBitLamb/decoded")
+KINDS = ("AdamW", "OneBitAdam", "Lamb", "OneBitLamb", "OneBitLamb/decoded", "ZeroOneAdam", "ZeroOneAdam/local")
 
 
 def make(kind: str, params):
@@ -35,7 +43,48 @@ def make(kind: str, params):
         return lbcomm.Lamb(params, lr=1e-3)
     if kind == "OneBitLamb/decoded":
         return lbcomm.OneBitLamb([{"params": list(params), "norm_samples": 0}], lr=1e-3, freeze_step=2)
+    if kind == "ZeroOneAdam":
+        return lbcomm.ZeroOneAdam(params, lr=1e-3, var_update_scaler=1)
+    if kind == "ZeroOneAdam/local":
+        return lbcomm.ZeroOneAdam(params, lr=1e-3, var_freeze_step=2)
     return getattr(lbcomm, kind)(params, lr=1e-3, freeze_step=2)
+
+
+def breakdown(opt, model):
+    """{name: bytes} of the tensors `state_bytes` counts, each storage under the shortest
+    path from the optimizer that reaches it (piece and rank indices folded into [*], so
+    that e.g. all wire buffers of one kind add up in one row)."""
+    exclude = {q.untyped_storage().data_ptr() for q in model.parameters()}
+    exclude |= {q.grad.untyped_storage().data_ptr() for q in model.parameters() if q.grad is not None}
+    seen, visited, rows = set(), set(), {}
+    todo = deque((k, v, 1) for k, v in vars(opt).items() if k != "param_groups")
+    while todo:  # breadth first: each object at its least depth, state_bytes' depth limit
+        path, o, depth = todo.popleft()
+        if depth > 8:
+            continue
+        if isinstance(o, torch.Tensor):
+            ptr = o.untyped_storage().data_ptr()
+            if ptr not in exclude and ptr not in seen:
+                seen.add(ptr)
+                name = re.sub(r"\[\d+\]", "[*]", path)
+                rows[name] = rows.get(name, 0) + o.untyped_storage().nbytes()
+            continue
+        if id(o) in visited:
+            continue
+        if isinstance(o, dict):
+            visited.add(id(o))
+            todo.extend((f"{path}[{k if isinstance(k, (str, int)) else type(k).__name__}]", v, depth + 1)
+                        for k, v in o.items())
+        elif isinstance(o, tuple) and hasattr(o, "_fields"):
+            visited.add(id(o))
+            todo.extend((f"{path}.{k}", v, depth + 1) for k, v in zip(o._fields, o))
+        elif isinstance(o, (list, tuple)):
+            visited.add(id(o))
+            todo.extend((f"{path}[{i}]", v, depth + 1) for i, v in enumerate(o))
+        elif type(o).__module__.startswith("lbcomm"):
+            visited.add(id(o))
+            todo.extend((f"{path}.{k}", v, depth + 2) for k, v in vars(o).items())
+    return rows
 
 
 def measure(rank, p, numel, steps=4, timed=0):
@@ -51,7 +100,8 @@ def measure(rank, p, numel, steps=4, timed=0):
                 q.grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(t * 10 + rank))
             opt.step()
         n = sum(q.numel() for q in net.parameters())
-        out[kind] = {"bytes": state_bytes(opt, net)[0] / n}
+        out[kind] = {"bytes": state_bytes(opt, net)[0] / n,
+                     "parts": {k: v / n for k, v in breakdown(opt, net).items()}}
         times = []
         for t in range(timed):  # the compression stage's step (gradients already in place)
             torch.distributed.barrier()
@@ -73,3 +123,11 @@ if __name__ == "__main__":
     for kind, r in res[0].items():
         ms = "" if r["step_ms"] is None else f"   step {r['step_ms']:7.1f} ms (median of {timed})"
         print(f"  {kind:<18} {r['bytes']:6.2f}{ms}")
+        if abs(sum(r["parts"].values()) - r["bytes"]) > 1e-9:
+            print(f"    (the breakdown adds up to {sum(r['parts'].values()):.2f})")
+        small = sum(v for v in r["parts"].values() if v < 0.005)
+        for name, v in sorted(r["parts"].items(), key=lambda kv: -kv[1]):
+            if v >= 0.005:
+                print(f"    {v:6.3f}  {name}")
+        if small:
+            print(f"    {small:6.3f}  (rows under 0.005 each: vectors, masks, counts)")

@@ -108,8 +108,7 @@ class OneBitStage:
         self._topology_resolved = False
         self.reducer = None  # the Reducer of the momentum (None before the freeze and with one rank)
         self.masks = MomentumMask(opt)
-        self._stage: Optional[Tensor] = None  # bounded staging buffer of the one-rank path
-        self._caps: Optional[Tensor] = None  # decode_caps' buffer (recomputed every step, not saved)
+        self._stage: Optional[Tensor] = None  # bounded staging buffer (lent to a flat reducer, `_make_reducer`)
         self._warned_no_blocks = False
         self._freeze_lrs: Optional[List[float]] = None  # each group's lr at the freeze (see watch_lr)
         self._warned_lr_rise = False
@@ -142,7 +141,8 @@ class OneBitStage:
         return [p.requires_grad and steps[i] > 0 for i, p in enumerate(L.params)]
 
     def stage_buffer(self, L: FlatLayout) -> Tensor:
-        """A bounded fp32 buffer of min(numel, STAGE) elements for staged passes."""
+        """A bounded fp32 buffer of min(numel, STAGE) elements for staged passes; idle
+        during the momentum's reduction, which stages its ranges through it."""
         if self._stage is None:
             self._stage = torch.empty(min(L.total, STAGE), dtype=torch.float32, device=self.opt._device(L))
         return self._stage
@@ -183,15 +183,19 @@ class OneBitStage:
         return out
 
     def decode_caps(self, L: FlatLayout, segs, factors, bounds: List[Optional[float]],
-                    scale: Optional[Tensor] = None) -> Optional[Tensor]:
+                    scale: Optional[Tensor] = None) -> Optional[Callable[[int, int, Tensor], None]]:
         """max_update's bound moved into the compressed allreduce (comm.capped_decode): per
         coordinate, the momentum whose Adam step is exactly the bound,
         c = U bc1 (sqrt(v^) + eps) with this step's bias corrections (`segs`, steps advanced)
         and rescale factors, times the parameter's `scale` when the reduced momentum is
         scaled (OneBitLamb), +inf where no bound applies; the reducer decodes every value
         to at most c and its error feedback keeps the rest (`lbcomm.compressed.reduce_`).
-        None when nothing is capped: one rank, capped_decode False, no bound, or no blocks
-        (one scale per tensor; warned once)."""
+        Returned as a callable cap(lo, hi, buf) that computes the caps of flat elements
+        [lo, hi) from the variance when the reducer asks for them (range by range, into
+        its bounded staging), so no model-sized buffer holds them; each element goes
+        through the same operations as in `lbcomm.optim.reference.decode_caps`. None when
+        nothing is capped: one rank, capped_decode False, no bound, or no blocks (one
+        scale per tensor; warned once)."""
         if self.reducer is None or self.comm.capped_decode is False or all(b is None for b in bounds):
             return None
         if self.comm.block_size is None:  # asked for explicitly: a warning; by default: info
@@ -202,25 +206,28 @@ class OneBitStage:
                          type(self.opt).__name__)
             return None
         opt, v = self.opt, self.opt._flat["exp_avg_sq"]
-        if self._caps is None or self._caps.numel() != L.total:
-            self._caps = torch.empty(L.total, dtype=torch.float32, device=opt._device(L))
-        caps, done = self._caps, [False] * len(L.params)
+        # per parameter: (a, b) with c = a sqrt(v) + b (U bc1 (sqrt(v) / sqrt(bc2') + eps)), None: uncapped
+        coeffs: List[Optional[tuple]] = [None] * len(L.params)
         for seg in segs:
             group = opt.param_groups[seg.group]
             bc1, bc2 = opt._bias_corrections(group, seg)
             for i in seg.idx:
                 if bounds[i] is not None:
-                    o, k = L.offsets[i], L.numels[i]
-                    # U bc1 (sqrt(v) / sqrt(bc2') + eps) in three passes (the simulation's order)
-                    a, b = F.cap_coefficients(bounds[i], bc1, F.rescaled_bc2(bc2, factors, i), group["eps"])
-                    c = torch.sqrt(v[o:o + k], out=caps[o:o + k]).mul_(a).add_(b)
-                    if scale is not None:
-                        c.mul_(scale[i])
-                    done[i] = True
-        for i, d in enumerate(done):  # no bound here: nothing capped
-            if not d:
-                caps[L.offsets[i]:L.offsets[i] + L.numels[i]].fill_(float("inf"))
-        return caps
+                    coeffs[i] = F.cap_coefficients(bounds[i], bc1, F.rescaled_bc2(bc2, factors, i), group["eps"])
+
+        def cap(lo: int, hi: int, buf: Tensor) -> None:
+            for i, a, b in L.overlapping(lo, hi):
+                o = L.offsets[i]
+                out = buf[o + a - lo:o + b - lo]
+                if coeffs[i] is None:  # no bound here: nothing capped
+                    out.fill_(float("inf"))
+                    continue
+                # the sqrt, its multiply and its add in three passes (the simulation's order)
+                torch.sqrt(v[o + a:o + b], out=out).mul_(coeffs[i][0]).add_(coeffs[i][1])
+                if scale is not None:
+                    out.mul_(scale[i])
+
+        return cap
 
     # ------------------------------------------------------------------ the mask (see `mask`)
     def set_momentum_mask(self, param: Tensor, mask: Optional[Tensor]) -> None:
@@ -258,6 +265,11 @@ class OneBitStage:
             # non-finite calls are skipped inside: the optimizer applies comm.nonfinite itself
             self.reducer = make_reducer(L.total, self.comm.replace(nonfinite="skip"), device=opt._device(L),
                                         topology=self._resolve_topology(), transport=opt.transport)
+            # a flat reducer stages its ranges (the momentum's source and sink, the caps)
+            # through the stage buffer, idle during the call: one buffer for both
+            share = getattr(self.reducer, "share_staging", None)
+            if share is not None:
+                share(self.stage_buffer(L))
 
     def freeze(self, L: FlatLayout) -> None:
         """The end of the warmup: variance step, mask, bounds and reducer (the optimizer adds
@@ -535,7 +547,7 @@ class OneBitStage:
             opt._vectors["step"].copy_(steps)
         return applied, bounds, segs, factors
 
-    def reduce_momentum(self, L: FlatLayout, source: Source, sink: Sink, cap: Optional[Tensor] = None) -> bool:
+    def reduce_momentum(self, L: FlatLayout, source: Source, sink: Sink, cap: Optional[Source] = None) -> bool:
         """The compressed allreduce of the new momentum, the one place that meets it: the
         input comes from `source`, the masked result goes to `sink` (a tensor decoded into,
         or a callable sink(lo, hi, values) called range by range in order). Returns False,
@@ -572,7 +584,7 @@ class OneBitStage:
             self._check_shards_agree(applied)
         return applied
 
-    def _reduce(self, source: Source, sink: Sink, cap: Optional[Tensor] = None) -> bool:
+    def _reduce(self, source: Source, sink: Sink, cap: Optional[Source] = None) -> bool:
         try:  # every rank sees every server scale, so all ranks agree on the verdict
             return bool(self.reducer.reduce_(source, sink, checked=True, cap=cap))
         except NonFiniteError:

@@ -243,6 +243,10 @@ class ZeroOneAdam(BaseOptimizer):
             else:
                 self._onebit.build_mask(L)  # the variance changed
             self._rescale.record_reference(L)
+            # 1-bit steps follow: the averaged gradients' buffer is dead until the next
+            # variance step allocates it again
+            if s["next_var"] != t + 1:
+                self._grad_buf = None
         elif kind == "sync":
             s["syncs"] += 1
             s["next_sync"] = t + min(2 ** (s["syncs"] // self._option("local_step_scaler")),
