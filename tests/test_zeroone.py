@@ -324,9 +324,10 @@ def test_comm_stats_count_what_each_kind_of_step_sends(four_ranks):
     # 1-bit steps cost the same, but the first (a layout handshake, the averaged-grads probe)
     assert per_kind["onebit"][1:] == [(sync_bytes, 3)] * 3 and per_kind["onebit"][0][0] > sync_bytes
     # variance steps: the fp32 gradient allreduce (+ 8 has-grad flags; the first also
-    # carries the averaged-grads probe, 2 floats per rank)
+    # carries the averaged-grads probe, 2 floats per rank, and is followed by the check that
+    # every rank holds the same parameters, 2 floats per rank in an allreduce of its own)
     assert per_kind["variance"][1:] == [(ring(4 * (n + 8)), 1)] * 3
-    assert per_kind["variance"][0] == (ring(4 * (n + 8 + 2 * p)), 1)
+    assert per_kind["variance"][0] == (ring(4 * (n + 8 + 2 * p)) + ring(4 * 2 * p), 2)
     last = rec["stats"][-1]
     assert (last["variance_steps"], last["onebit_steps"], last["sync_steps"], last["local_steps"]) == (4, 4, 7, 13)
 
@@ -390,7 +391,7 @@ def test_state_dict_before_the_first_step_and_validation():
         _backward(model, opt, 0, t)
         opt.step()
     assert opt.local_steps_started and opt.sync_interval == 4  # syncs at 4 and 6, the next at 10
-    with pytest.raises(ValueError, match="no 'zero_one' entry"):
+    with pytest.raises(ValueError, match="saved by OneBitAdam and is being loaded into ZeroOneAdam"):
         opt.load_state_dict(lbcomm.OneBitAdam(model.parameters(), freeze_step=2).state_dict())
     for kw, match in [(dict(var_freeze_step=0), "Invalid var_freeze_step"),
                       (dict(local_step_clipper=0), "Invalid local_step_clipper"),
