@@ -197,6 +197,34 @@ def test_suite_reports_the_ratio_at_every_lr_of_the_grid():
     assert T.schedule_factor("long_warmup", 24, 100) == 0.5 and T.schedule_factor("long_warmup", 49, 100) == 1.0
 
 
+def test_decay_to_zero_schedules_and_the_conv_task():
+    """cosine_zero and linear: the warmup's 10 %, then a decay to zero (half the peak midway
+    through the decay); the conv task: a GroupNorm CNN, deterministic data from its seed, in
+    the suite's task list with the shared lr grids."""
+    from bench import suite
+    from bench import tasks as T
+
+    for s in ("cosine_zero", "linear"):
+        assert s in T.SCHEDULES and suite.parse_args(["--schedule", s]).schedule == s
+        f = [T.schedule_factor(s, step, 100) for step in range(101)]
+        assert f[0] == 0.1 and f[9] == 1.0 and f[10] == 1.0  # warmup end: the peak
+        assert f[55] == pytest.approx(0.5)  # the decay's midpoint
+        assert f[100] == 0.0 and 0.0 < f[99] < 0.03  # the end: zero
+        assert all(a >= b for a, b in zip(f[10:], f[11:]))
+    assert T.schedule_factor("cosine_zero", 32, 100) == pytest.approx(0.5 * (1 + math.cos(math.pi * 22 / 90)))
+    assert T.schedule_factor("linear", 32, 100) == pytest.approx(1 - 22 / 90)
+    with pytest.raises(ValueError, match="unknown schedule"):
+        T.schedule_factor("cosine_zero_", 5, 100)
+    assert "conv" in T.TASKS and "conv" in suite.parse_args([]).tasks
+    t1, t2 = T.make_task("conv"), T.make_task("conv")
+    assert t1.steps == 240 and t1.grids == T.GRIDS
+    b1 = t1.batch(3)
+    assert b1[0].shape == (128, 3, 16, 16) and all((x == y).all() for x, y in zip(b1, t2.batch(3)))
+    model = t1.make_model()
+    assert any(isinstance(m, torch.nn.GroupNorm) for m in model.modules())
+    assert math.isclose(T.evaluate(t1, model), T.evaluate(t2, t2.make_model()))
+
+
 def test_suite_report_over_seeds_counts_cells_over_target_where_the_twin_converged(capsys):
     """Several saved runs together: the worst cell over all of them, and the cells over the
     target, also counted among the lrs where the twin has at most CONVERGED_LEFT of its
