@@ -6,6 +6,12 @@ Each rank (one thread) first runs the CLI's own timing (`lbcomm.cli.allreduce.me
 methods onebit and fp32), then times the plain loop the same way (barrier, call, slowest
 rank's median), on the same tensor size; the ratio plain / CLI should stay near 1.
 
+Both are also set against the testbed's limit of one call, as ``lbcomm-bench allreduce``
+reports it (docs/cli.md): max(wire time of the bytes sent at the emulated link's TCP
+payload rate, local compute of the call's kernels timed on the ranks). The in-place call
+runs the same kernels on the same sizes and sends the same bytes as the CLI's onebit
+method, so it is held to the CLI row's limit.
+
     python -m bench.plain_call                          # 4 ranks, 8M elements, loopback
     sudo python -m bench.plain_call --bandwidth 1gbit   # on an emulated 1 Gbit/s cluster
 """
@@ -28,8 +34,9 @@ def _rank(size: int, iters: int, warmup: int) -> dict:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     transport = get_transport(None, backend="torch")
-    rows = {r["method"]: r["median_s"] for r in measure([size], ["onebit", "fp32"], iters=iters, warmup=warmup,
-                                                       transport=transport)}
+    full = {r["method"]: r for r in measure([size], ["onebit", "fp32"], iters=iters, warmup=warmup,
+                                            transport=transport)}
+    rows = {m: r["median_s"] for m, r in full.items()}
     grad = torch.randn(size, generator=torch.Generator().manual_seed(dist.get_rank()))
     state = lbcomm.CompressionState(size)
     for _ in range(warmup):
@@ -43,9 +50,23 @@ def _rank(size: int, iters: int, warmup: int) -> dict:
     slowest = torch.tensor(times, dtype=torch.float64)
     transport.all_reduce(slowest, op="max")
     plain = float(slowest.median())
+    if state.bytes_per_call() != full["onebit"]["wire_bytes"]:
+        raise RuntimeError("the plain call's layout differs from the CLI's onebit method: the limit would not apply")
     dist.destroy_process_group()
     return {"cli_onebit_s": rows["onebit"], "cli_fp32_s": rows["fp32"], "plain_s": plain,
-            "plain_over_cli": plain / rows["onebit"], "fp32_over_plain": rows["fp32"] / plain}
+            "plain_over_cli": plain / rows["onebit"], "fp32_over_plain": rows["fp32"] / plain,
+            "onebit_compute_s": full["onebit"]["compute_s"], "onebit_wire_bytes": full["onebit"]["wire_bytes"],
+            "fp32_compute_s": full["fp32"]["compute_s"], "fp32_wire_bytes": full["fp32"]["wire_bytes"]}
+
+
+def _limit(res: dict, method: str, bandwidth) -> tuple:
+    """(wire_s or None, limit_s) of one call of `method` (see lbcomm.cli.schema.add_limits)."""
+    from lbcomm.cli.model import PAYLOAD_FRACTION
+    from lbcomm.cli.schema import call_limit
+    from lbcomm.cli.units import parse_rate
+
+    wire = res[f"{method}_wire_bytes"] / (parse_rate(bandwidth) / 8 * PAYLOAD_FRACTION) if bandwidth else None
+    return wire, call_limit(wire, res[f"{method}_compute_s"])
 
 
 def main() -> None:
@@ -88,6 +109,12 @@ def main() -> None:
     print(f"  lbcomm-bench allreduce onebit: {1e3 * res['cli_onebit_s']:.1f} ms   fp32: {1e3 * res['cli_fp32_s']:.1f} ms")
     print(f"  plain compressed_allreduce_:   {1e3 * res['plain_s']:.1f} ms   "
           f"plain / CLI {res['plain_over_cli']:.3f}, fp32 / plain {res['fp32_over_plain']:.2f}x")
+    for what, method, t in (("CLI onebit", "onebit", res["cli_onebit_s"]),
+                            ("plain call", "onebit", res["plain_s"]), ("CLI fp32", "fp32", res["cli_fp32_s"])):
+        wire, limit = _limit(res, method, a.bandwidth)
+        wtxt = f"wire {1e3 * wire:.1f} ms" if wire is not None else "no wire part (loopback)"
+        print(f"  limit {what + ':':<12} {1e3 * limit:.1f} ms = max({wtxt}, compute "
+              f"{1e3 * res[method + '_compute_s']:.1f} ms); reached {limit / t:.0%}")
 
 
 if __name__ == "__main__":

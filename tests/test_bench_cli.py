@@ -100,11 +100,15 @@ def test_allreduce_loopback_table(loopback):
     out = proc.stdout
     assert "2 ranks, local processes over loopback" in out
     header = next(line for line in out.splitlines() if line.lstrip().startswith("bytes"))
-    for col in ("elements", "method", "median ms", "p10 ms", "p90 ms", "algbw", "busbw", "wire B/rank", "vs fp32"):
+    for col in ("elements", "method", "median ms", "p10 ms", "p90 ms", "algbw", "busbw", "wire B/rank", "vs fp32",
+                "compute ms", "wire ms", "limit ms", "of limit"):
         assert col in header
+    assert "loopback has no link rate: limit = compute" in out
     rows = [line.split() for line in out.splitlines() if re.match(r"\s*\d+\s+\d+\s+(fp32|fp16|onebit)\s", line)]
     assert [(r[0], r[1], r[2]) for r in rows] == [
         (str(4 * n), str(n), m) for n in (4096, 65536) for m in ("fp32", "fp16", "onebit")]
+    for r in rows:  # compute ms, wire ms (none over loopback), limit ms, of limit
+        assert r[-3] == "-" and r[-4] == r[-2] and float(r[-2]) >= 0 and r[-1].endswith("%")
     # Not a terminal: plain progress lines, one per size and method.
     assert len(re.findall(r"allreduce \[\d/6\] \S+ \S+ done", proc.stderr)) == 6
 
@@ -121,6 +125,10 @@ def test_allreduce_json_schema(loopback):
         assert r["p10_s"] <= r["median_s"] <= r["p90_s"]
         assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] * 2 * (2 - 1) / 2)
         assert r["algbw_GBps"] == pytest.approx(r["bytes"] / r["median_s"] / 1e9)
+        # the limit: compute alone over loopback (no link rate), and its share of the time
+        assert r["compute_s"] > 0 and r["wire_s"] is None
+        assert r["limit_s"] == r["compute_s"]
+        assert r["limit_fraction"] == pytest.approx(r["compute_s"] / r["median_s"]) and r["limit_fraction"] > 0
     by = {(r["elements"], r["method"]): r for r in doc["rows"]}
     assert by[(65536, "fp32")]["speedup_vs_fp32"] == 1.0
     assert by[(65536, "fp32")]["wire_bytes_per_rank"] == 4 * 65536  # ring, 2 ranks: 2 (p-1)/p * 4n
@@ -148,6 +156,10 @@ def test_check_allreduce_doc_rejects(loopback):
     bad = json.loads(json.dumps(good))
     bad["rows"][2]["median_s"] = "fast"
     with pytest.raises(ValueError, match="median_s"):
+        check_allreduce_doc(bad)
+    bad = json.loads(json.dumps(good))
+    bad["rows"][0]["limit_fraction"] *= 2
+    with pytest.raises(ValueError, match=r"rows\[0\]\.limit_fraction"):
         check_allreduce_doc(bad)
     bad = json.loads(json.dumps(good))
     bad["schema"] = "something-else"
@@ -262,6 +274,12 @@ def test_allreduce_emulated_cluster(tmp_path):
     floor = (fp32["wire_bytes_per_rank"] - 2 * 64 * 1024) * 8 / 100e6  # a burst per phase at most
     assert floor <= fp32["median_s"] < 20 * floor, (floor, fp32)
     assert onebit["median_s"] < fp32["median_s"], (onebit, fp32)
+    assert "wire ms = those bytes at the link's TCP payload rate" in out
+    for r in (fp32, onebit):  # the limit: the wire time of the bytes sent at 100 Mbit/s, or the compute
+        assert r["compute_s"] > 0
+        assert r["wire_s"] == pytest.approx(r["wire_bytes_per_rank"] / (100e6 / 8 * 1448 / 1514))
+        assert r["limit_s"] == max(r["wire_s"], r["compute_s"])
+        assert r["limit_fraction"] == pytest.approx(r["limit_s"] / r["median_s"])
     assert _netns_of(proc.pid) == []  # torn down
 
     # The cost model on these points (no new cluster: --from-json).

@@ -157,3 +157,63 @@ def test_advise_one_node(tmp_path, capsys):
                   "--step-time", "100ms")
     assert all(r["node_bytes_per_step"] == 0 for r in doc["rows"])
     assert any("on one node nothing crosses a network link" in line for line in doc["verdict"])
+
+
+# ------------------------------------------------------------------------------ the limit of a call
+
+
+def _limit_doc(bandwidth, ranks_per_node=1, world=4):
+    from lbcomm.cli.schema import allreduce_config, allreduce_rows, document
+
+    rows = [dict(size=1024, bytes=4096, method=m, world_size=world, median_s=t, p10_s=t, p90_s=t,
+                 algbw_gbps=4096 / t / 1e9, busbw_gbps=4096 / t / 1e9, wire_bytes=w, speedup_vs_fp32=None,
+                 inter_node_bytes=inb, compute_s=c)
+            for m, t, w, inb, c in (("fp32", 2e-3, 6144, 12_000, 1e-3), ("onebit", 1e-3, 400, 1_000, 5e-4),
+                                     ("hier", 1e-3, 200, 600, None))]
+    shaping = dict(bandwidth=bandwidth, latency="50ms", burst="256kb") if bandwidth else {}
+    config = allreduce_config(world_size=world, backend="gloo", launcher="netem" if bandwidth else "local",
+                              threads=1, iters=3, warmup=1, block_size=2048, pieces=None,
+                              ranks_per_node=ranks_per_node, **shaping)
+    return document("allreduce", config=config, rows=allreduce_rows(rows))
+
+
+@pytest.mark.parametrize("bandwidth, ranks_per_node", [(None, 1), ("1mbit", 1), ("1mbit", 2)])
+def test_allreduce_limit_fields(bandwidth, ranks_per_node, capsys):
+    from lbcomm.cli.report import report_allreduce
+    from lbcomm.cli.schema import ALLREDUCE_ROW_FIELDS, add_limits, check_allreduce_doc
+
+    doc = add_limits(_limit_doc(bandwidth, ranks_per_node))
+    check_allreduce_doc(doc)
+    payload = 1e6 / 8 * 1448 / 1514  # bytes/s of TCP payload in full frames at 1 Mbit/s
+    for r in doc["rows"]:
+        assert set(r) == set(ALLREDUCE_ROW_FIELDS)
+        if bandwidth is None:
+            wire = None
+        elif ranks_per_node == 1:
+            wire = r["wire_bytes_per_rank"] / payload
+        else:  # what each of the 2 node links carried, headers included, at the raw rate
+            wire = r["inter_node_bytes"] / 2 / (1e6 / 8)
+        assert r["wire_s"] == (None if wire is None else pytest.approx(wire))
+        known = [t for t in (wire, r["compute_s"]) if t is not None]
+        limit = max(known) if known else None
+        assert r["limit_s"] == (None if limit is None else pytest.approx(limit))
+        if limit is None:
+            assert r["limit_fraction"] is None
+        else:
+            assert r["limit_s"] > 0 and r["limit_fraction"] == pytest.approx(limit / r["median_s"])
+    report_allreduce(_limit_doc(bandwidth, ranks_per_node))  # adds the same fields itself
+    out = capsys.readouterr().out
+    assert "limit ms" in out and "of limit" in out
+    onebit = next(line.split() for line in out.splitlines() if re.match(r"\s*4096\s+1024\s+onebit\s", line))
+    assert onebit[-1] == f"{doc['rows'][1]['limit_fraction']:.0%}"
+
+
+def test_allreduce_docs_without_limits_still_check():
+    """Documents written before the limit fields existed (or by run_allreduce, before the
+    report adds them) pass the schema check."""
+    from lbcomm.cli.schema import check_allreduce_doc
+
+    doc = _limit_doc(None)
+    for r in doc["rows"]:
+        del r["compute_s"]
+    check_allreduce_doc(doc)

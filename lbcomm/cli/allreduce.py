@@ -19,6 +19,17 @@ which names the node's link in LBCOMM_NODE_IFACE) the bytes that really crossed 
 links are read from the interface counters: the sum over nodes of what each node's link
 transmitted during the timed iterations, per call (the per-iteration barriers included,
 a few hundred bytes).
+
+``compute_s`` of a row: the local compute one call of the method needs, timed in the same
+processes right after its timed calls (every rank at once, so the ranks share the cores
+as during the calls, with the same torch threads; median of a few repetitions, slowest
+rank), without any communication (`_compute_op`): for fp32 the copy into the buffer, the
+(p - 1)/p of the tensor a ring reduce-scatter adds and the division by p; for fp16 the same
+in half precision with its casts; for onebit the passes lbcomm's kernels make over the
+data (the finiteness check of the input, worker compress of all n elements, server reduce
++ compress of this rank's n/p chunk from p inputs, decode of all n). None for hier. The
+report turns it, with the wire time at the emulated link rate, into each call's limit
+(`lbcomm.cli.schema.add_limits`, docs/cli.md).
 """
 from __future__ import annotations
 
@@ -29,9 +40,11 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from .. import ops
 from ..common import ring_allreduce_bytes
 from ..compressed import CompressionState, compressed_allreduce
 from ..config import DEFAULT_BLOCK_SIZE
+from ..wire import chunk_size
 
 METHODS = ("fp32", "fp16", "onebit", "hier")
 DEFAULT_METHODS = ("fp32", "fp16", "onebit")
@@ -84,6 +97,65 @@ def _op(method: str, x: torch.Tensor, transport, block_size: Optional[int], piec
         # the values, which stay finite.
         return (lambda: hierarchical_allreduce_(buf, state)), state.bytes_per_call()
     raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
+
+
+def _compute_op(method: str, x: torch.Tensor, p: int, block_size: Optional[int]):
+    """A zero-argument callable doing the local compute of one call of `method` on x
+    (module docs), with no communication; None for hier (not modeled)."""
+    n = x.numel()
+    if method in ("fp32", "fp16"):
+        dtype = torch.float32 if method == "fp32" else torch.float16
+        buf = torch.empty(n, dtype=dtype, device=x.device)
+        out = torch.empty_like(x)
+        k = max(1, (p - 1) * n // p)  # the ring's reduce-scatter adds (p-1) chunks of n/p
+        other = torch.randn(k, generator=torch.Generator().manual_seed(1)).to(device=x.device, dtype=dtype)
+
+        def ring():
+            buf.copy_(x)
+            buf[:k].add_(other)
+            if dtype == torch.float32:
+                buf.div_(p)
+            else:
+                out.copy_(buf).div_(p)
+
+        return ring
+    if method == "onebit":
+        m = chunk_size(n, p)
+        worker_error = torch.zeros(p, m, device=x.device)
+        server_error = torch.zeros(m, device=x.device)
+        out = torch.empty_like(x)
+        packed, scales = ops.worker_compress(x, worker_error, block_size)
+        # The rows this rank's own compress wrote stand in for the p rows its chunk receives
+        # and for the p server rows the decode reads: the kernels' work depends on the
+        # sizes only.
+        real = min(m, n)
+
+        def onebit():
+            bool(torch.isfinite(x.sum(dtype=torch.float32)))
+            ops.worker_compress(x, worker_error, block_size)
+            ops.server_compress(packed, scales, server_error, block_size, real)
+            ops.unpack_into(packed, scales, block_size, out)
+
+        return onebit
+    return None
+
+
+def _time_compute(fn, reps: int, transport, device: str) -> Optional[float]:
+    """Median seconds of `fn` over `reps` runs on every rank at once; the slowest rank's."""
+    if fn is None:
+        return None
+    fn()
+    transport.barrier()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        if device != "cpu":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    slowest = torch.tensor([statistics.median(times)], dtype=torch.float64)
+    transport.all_reduce(slowest, op="max")
+    return float(slowest.item())
 
 
 def _link_tx_bytes() -> Optional[int]:
@@ -174,6 +246,8 @@ def measure(sizes: Sequence[int], methods: Sequence[str] = METHODS, iters: int =
                              algbw_gbps=nbytes / med / 1e9, busbw_gbps=ring_allreduce_bytes(nbytes, p) / med / 1e9,
                              wire_bytes=int(wire),
                              inter_node_bytes=int(sent.item() / iters) if counted else None))
+            rows[-1]["compute_s"] = _time_compute(_compute_op(method, x, p, block_size), min(iters, 5), transport,
+                                                  device)
             if profile:
                 rows[-1]["profile"] = _profile(run, iters, transport)
     base = {r["size"]: r["median_s"] for r in rows if r["method"] == "fp32"}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from typing import Dict, List, Optional, Sequence
 
-from .schema import write_json
+from .schema import add_limits, write_json
 from .units import parse_rate
 
 __all__ = ["SPREAD_LIMIT", "spread", "spread_warnings", "allreduce_header", "allreduce_table",
@@ -47,19 +47,33 @@ def allreduce_header(config: Dict) -> str:
     if config["backend"] == "mpi":
         lines.append("# mpi: fp16 is summed in an fp32 copy (MPI has no half-precision sum) and sends fp32's bytes")
     lines.append("# algbw = bytes/time, busbw = algbw*2(p-1)/p (nccl-tests); wire = bytes sent per rank per call")
+    wire = ("wire ms = those bytes at the link's TCP payload rate" if not config.get("bandwidth") or
+            (config.get("ranks_per_node") or 1) == 1 else
+            "wire ms = the bytes each node link carried (interface counters) at the link rate")
+    lines.append("# limit = max(wire, compute) (pieces overlap compression with transfers); compute ms = the "
+                 "call's local work alone, timed on these ranks after the calls; "
+                 + (wire if config.get("bandwidth") else "loopback has no link rate: limit = compute")
+                 + "; of limit = limit / median")
     return "\n".join(lines)
 
 
 def allreduce_table(rows: List[Dict]) -> str:
     """nccl-tests-like table of JSON rows: size in bytes and fp32 elements, times in ms, GB/s."""
     hdr = (f"{'bytes':>10} {'elements':>9} {'method':>7} {'median ms':>10} {'p10 ms':>8} {'p90 ms':>8} "
-           f"{'algbw GB/s':>10} {'busbw GB/s':>10} {'wire B/rank':>11} {'vs fp32':>8}")
+           f"{'algbw GB/s':>10} {'busbw GB/s':>10} {'wire B/rank':>11} {'vs fp32':>8} "
+           f"{'compute ms':>10} {'wire ms':>8} {'limit ms':>8} {'of limit':>8}")
     lines = [hdr, "-" * len(hdr)]
+
+    def ms(v):
+        return "-" if v is None else f"{v * 1e3:.2f}"
+
     for r in rows:
         sp = f"{r['speedup_vs_fp32']:.2f}x" if r.get("speedup_vs_fp32") else "-"
+        frac = "-" if r.get("limit_fraction") is None else f"{r['limit_fraction']:.0%}"
         lines.append(f"{r['bytes']:>10} {r['elements']:>9} {r['method']:>7} {r['median_s'] * 1e3:>10.2f} "
                      f"{r['p10_s'] * 1e3:>8.2f} {r['p90_s'] * 1e3:>8.2f} {r['algbw_GBps']:>10.3f} "
-                     f"{r['busbw_GBps']:>10.3f} {r['wire_bytes_per_rank']:>11} {sp:>8}")
+                     f"{r['busbw_GBps']:>10.3f} {r['wire_bytes_per_rank']:>11} {sp:>8} "
+                     f"{ms(r.get('compute_s')):>10} {ms(r.get('wire_s')):>8} {ms(r.get('limit_s')):>8} {frac:>8}")
     return "\n".join(lines)
 
 
@@ -97,6 +111,9 @@ def spread_warnings(rows: List[Dict], iters: int, limit: float = SPREAD_LIMIT) -
 
 
 def report_allreduce(doc: Dict, json_path: Optional[str] = None, plot_path: Optional[str] = None) -> None:
+    """Print the allreduce document, its rows completed with each call's limit
+    (`lbcomm.cli.schema.add_limits`), and write it (with those fields) to `json_path`."""
+    doc = add_limits(doc)
     c = doc["config"]
     print(allreduce_header(c))
     print(allreduce_table(doc["rows"]))

@@ -4,8 +4,9 @@ builders and checkers.
 ``allreduce``: one object, ``schema`` = "lbcomm-bench/allreduce", ``version`` = 1,
 ``created`` (UTC ISO 8601), ``argv``, ``config`` (`ALLREDUCE_CONFIG_FIELDS`), ``host``
 (`HOST_FIELDS`) and ``rows``, one per (size, method), with exactly the keys of
-`ALLREDUCE_ROW_FIELDS`. ``train`` writes "lbcomm-bench/train" (``runs``: one per bandwidth,
-each with its ``rows``, `TRAIN_ROW_FIELDS`), ``model`` "lbcomm-bench/model" and ``advise``
+`ALLREDUCE_ROW_FIELDS` (the report completes each row with its limit, `add_limits`).
+``train`` writes "lbcomm-bench/train" (``runs``: one per bandwidth, each with its
+``rows``, `TRAIN_ROW_FIELDS`), ``model`` "lbcomm-bench/model" and ``advise``
 "lbcomm-bench/advise" (`ADVISE_ROW_FIELDS`).
 """
 from __future__ import annotations
@@ -20,8 +21,8 @@ from typing import Dict, List, Optional
 from .allreduce import METHODS as ALLREDUCE_METHODS
 
 __all__ = ["SCHEMA_VERSION", "ALLREDUCE_ROW_FIELDS", "ALLREDUCE_CONFIG_FIELDS", "HOST_FIELDS", "TRAIN_ROW_FIELDS",
-           "ADVISE_ROW_FIELDS", "document", "allreduce_config", "allreduce_rows", "check_allreduce_doc",
-           "check_train_doc", "host", "write_json", "describe_fields"]
+           "ADVISE_ROW_FIELDS", "document", "allreduce_config", "allreduce_rows", "add_limits", "call_limit",
+           "check_allreduce_doc", "check_train_doc", "host", "write_json", "describe_fields"]
 
 SCHEMA_VERSION = 1
 
@@ -44,6 +45,14 @@ ALLREDUCE_ROW_FIELDS = {
     # the printed report warns above its SPREAD_LIMIT (lbcomm/cli/report.py)
     "spread_p90_p10": ((float, type(None)), "p90_s / p10_s: above 2 the printed report warns that the median may "
                                             "change a lot between runs; null when p10_s is 0"),
+    # the limit of each call on this testbed (add_limits; docs/cli.md)
+    "compute_s": ((float, type(None)), "local compute of one call without communication, timed on the ranks "
+                                       "after the timed calls (slowest rank); null for hier"),
+    "wire_s": ((float, type(None)), "wire_bytes_per_rank at the emulated link's TCP payload rate (with nodes: "
+                                    "inter_node_bytes per node link at the link rate); null over loopback"),
+    "limit_s": ((float, type(None)), "the testbed's limit of one call: max(wire_s, compute_s) (they overlap), "
+                                     "compute_s alone over loopback; null when neither is known"),
+    "limit_fraction": ((float, type(None)), "limit_s / median_s: the share of the limit the call reaches"),
 }
 ALLREDUCE_CONFIG_FIELDS = {
     "world_size": (int, "ranks"),
@@ -62,7 +71,7 @@ ALLREDUCE_CONFIG_FIELDS = {
 }
 # Fields added after version 1 was published: documents written before may lack them.
 OPTIONAL_FIELDS = {"inter_node_bytes", "ranks_per_node", "speedup_vs_hsdp", "inter_node_bytes_per_step",
-                   "spread_p90_p10"}
+                   "spread_p90_p10", "compute_s", "wire_s", "limit_s", "limit_fraction"}
 HOST_FIELDS = {
     "torch": (str, "torch version"),
     "lbcomm": (str, "lbcomm version"),
@@ -147,8 +156,42 @@ def allreduce_rows(rows: List[Dict]) -> List[Dict]:
              "wire_bytes_per_rank": int(r["wire_bytes"]),
              "speedup_vs_fp32": None if r.get("speedup_vs_fp32") is None else float(r["speedup_vs_fp32"]),
              "inter_node_bytes": None if r.get("inter_node_bytes") is None else int(r["inter_node_bytes"]),
-             "spread_p90_p10": float(r["p90_s"]) / float(r["p10_s"]) if r["p10_s"] > 0 else None}
+             "spread_p90_p10": float(r["p90_s"]) / float(r["p10_s"]) if r["p10_s"] > 0 else None,
+             "compute_s": None if r.get("compute_s") is None else float(r["compute_s"])}
             for r in rows]
+
+
+def call_limit(wire_s: Optional[float], compute_s: Optional[float]) -> Optional[float]:
+    """The limit of one call: max(wire_s, compute_s) of those known, None if neither is.
+    The call is pipelined in pieces (its compression overlaps the transfers), so at best
+    the slower of the two takes all of the call's time."""
+    known = [t for t in (wire_s, compute_s) if t is not None]
+    return max(known) if known else None
+
+
+def add_limits(doc: Dict) -> Dict:
+    """`doc` with every row's wire_s, limit_s and limit_fraction filled in from its own
+    fields and the config's link rate: wire_s is wire_bytes_per_rank at the TCP payload
+    rate of the emulated link (one namespace per rank), or with emulated nodes the bytes
+    each node's link carried per call (inter_node_bytes / nodes, whole frames) at the link
+    rate; None over loopback or without a count."""
+    from .model import PAYLOAD_FRACTION
+    from .units import parse_rate
+
+    c = doc["config"]
+    rate = parse_rate(c["bandwidth"]) if c.get("bandwidth") else None
+    nodes = c["world_size"] // max(1, c.get("ranks_per_node") or 1)
+    rows = []
+    for r in doc["rows"]:
+        wire = None
+        if rate is not None and (c.get("ranks_per_node") or 1) == 1:
+            wire = r["wire_bytes_per_rank"] / (rate / 8 * PAYLOAD_FRACTION)
+        elif rate is not None and r.get("inter_node_bytes") is not None:
+            wire = r["inter_node_bytes"] / nodes / (rate / 8)
+        limit = call_limit(wire, r.get("compute_s"))
+        rows.append(dict(r, wire_s=wire, limit_s=limit,
+                         limit_fraction=None if limit is None else limit / r["median_s"]))
+    return dict(doc, rows=rows)
 
 
 def _type_ok(value, types) -> bool:
@@ -195,6 +238,11 @@ def check_allreduce_doc(doc: Dict) -> None:
             raise ValueError(f"rows[{i}]: bytes {row['bytes']} != 4 * elements {row['elements']}")
         if row["method"] not in ALLREDUCE_METHODS:
             raise ValueError(f"rows[{i}].method: {row['method']!r} is not one of {ALLREDUCE_METHODS}")
+        frac, limit = row.get("limit_fraction"), row.get("limit_s")
+        if (frac is None) != (limit is None) or (limit is not None
+                                                 and abs(frac * row["median_s"] - limit) > 1e-9 * limit):
+            raise ValueError(f"rows[{i}].limit_fraction: {frac!r} is not limit_s / median_s "
+                             f"({limit!r} / {row['median_s']!r})")
 
 
 def check_train_doc(doc: Dict) -> None:
