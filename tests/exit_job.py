@@ -35,7 +35,9 @@ elif variant == "allreduce":
 elif variant == "onebit_adam":  # through the freeze: the warmup's averaging, then compressed momentum
     import lbcomm
 
+    torch.manual_seed(0)  # the same initial weights on every rank, as data parallelism needs
     model = torch.nn.Linear(64, 64)
+    torch.manual_seed(1 + dist.get_rank())  # each rank its own batches
     opt = lbcomm.OneBitAdam(model.parameters(), lr=1e-3, freeze_step=3, comm=lbcomm.CommConfig(exact_numel=0))
     for _ in range(6):
         model(torch.randn(8, 64)).square().mean().backward()
