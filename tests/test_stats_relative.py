@@ -37,6 +37,7 @@ def _ratios(rank, p):
         sent = _sent_by_the_data(x, before, st.worker_error, y, st.served_span())
         out["flat"].append((stats, sent, st.last_sent_norm))
 
+    torch.manual_seed(0)  # the same initial weights on every rank
     model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64))
     opt = lbcomm.OneBitAdam(model.parameters(), lr=1e-3, freeze_step=2, comm=lbcomm.CommConfig(exact_numel=0))
     ddp_model = DDP(nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64)))
