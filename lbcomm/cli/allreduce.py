@@ -51,6 +51,27 @@ DEFAULT_METHODS = ("fp32", "fp16", "onebit")
 ENV_NODE_IFACE = "LBCOMM_NODE_IFACE"
 
 
+
+def ring_compute(x: torch.Tensor, p: int, dtype: torch.dtype):
+    """The local compute of one ring allreduce-to-mean of `x` over `p` ranks in `dtype`, as
+    a callable: copy (and cast) in, the reduce-scatter's (p-1)/p adds, divide (and cast
+    back). The compute half of the limit, and the cost model's compute term."""
+    n = x.numel()
+    buf = torch.empty(n, dtype=dtype, device=x.device)
+    out = torch.empty_like(x)
+    k = max(1, (p - 1) * n // p)  # the ring's reduce-scatter adds (p-1) chunks of n/p
+    other = torch.randn(k, generator=torch.Generator().manual_seed(1)).to(device=x.device, dtype=dtype)
+
+    def ring():
+        buf.copy_(x)
+        buf[:k].add_(other)
+        if dtype == torch.float32:
+            buf.div_(p)
+        else:
+            out.copy_(buf).div_(p)
+
+    return ring
+
 def quantiles(v: Sequence[float]):
     """(median, p10, p90) of the values (nearest rank)."""
     s = sorted(v)
@@ -104,21 +125,7 @@ def _compute_op(method: str, x: torch.Tensor, p: int, block_size: Optional[int])
     (module docs), with no communication; None for hier (not modeled)."""
     n = x.numel()
     if method in ("fp32", "fp16"):
-        dtype = torch.float32 if method == "fp32" else torch.float16
-        buf = torch.empty(n, dtype=dtype, device=x.device)
-        out = torch.empty_like(x)
-        k = max(1, (p - 1) * n // p)  # the ring's reduce-scatter adds (p-1) chunks of n/p
-        other = torch.randn(k, generator=torch.Generator().manual_seed(1)).to(device=x.device, dtype=dtype)
-
-        def ring():
-            buf.copy_(x)
-            buf[:k].add_(other)
-            if dtype == torch.float32:
-                buf.div_(p)
-            else:
-                out.copy_(buf).div_(p)
-
-        return ring
+        return ring_compute(x, p, torch.float32 if method == "fp32" else torch.float16)
     if method == "onebit":
         m = chunk_size(n, p)
         worker_error = torch.zeros(p, m, device=x.device)

@@ -40,6 +40,7 @@ import torch
 
 from ..comm import LoopTransport
 from ..common import ring_allreduce_bytes
+from .allreduce import ring_compute
 from .procs import wait_all
 
 __all__ = ["PAYLOAD_FRACTION", "onebit_compute_s", "fp32_compute_s", "fp16_compute_s", "powersgd_compute_s",
@@ -90,21 +91,8 @@ def onebit_compute_s(n: int, p: int, block_size: Optional[int] = 2048, device: s
 
 
 def _ring_compute_s(n: int, p: int, dtype: torch.dtype, device: str) -> float:
-    """Seconds of local compute of one ring allreduce-to-mean in `dtype`: copy (and cast) in,
-    (p-1)/p adds, divide (and cast back)."""
-    x, buf = torch.randn(n, device=device), torch.empty(n, dtype=dtype, device=device)
-    out = x if dtype == torch.float32 else torch.empty(n, device=device)
-    k = max(1, (p - 1) * n // p)
-    other = torch.randn(k, device=device).to(dtype)
-
-    def run():
-        buf.copy_(x)
-        buf[:k].add_(other)
-        if dtype == torch.float32:
-            buf.div_(p)
-        else:
-            out.copy_(buf).div_(p)
-
+    """Seconds of local compute of one ring allreduce-to-mean in `dtype` (`allreduce.ring_compute`)."""
+    run = ring_compute(torch.randn(n, device=device), p, dtype)
     return _median_time(run, device=device)
 
 
