@@ -1,7 +1,9 @@
 """One replica group (one process) of the torchft tests (tests/test_ft.py): a small
 regression model trained with `lbcomm.ft.FaultTolerantLocalUpdates` against a Lighthouse.
 
-It leaves with os._exit at inner step --die-at (a crash), and otherwise stops at the first
+It leaves with os._exit at inner step --die-at (a crash between synchronizations) or, with
+--in-sync, inside the synchronization of inner step --die-at: in the middle of the compressed
+exchange, after the membership all-gather, while its peers wait on it. Otherwise it stops at the first
 synchronization after which it has seen --stop-after committed synchronizations of
 --full members (the survivors count from their first smaller quorum after inner step
 --count-from), so that every
@@ -25,6 +27,7 @@ def main() -> None:
     ap.add_argument("--lighthouse", required=True)
     ap.add_argument("--sync-every", type=int, default=5)
     ap.add_argument("--die-at", type=int, default=0)
+    ap.add_argument("--in-sync", action="store_true")
     ap.add_argument("--full", type=int, default=3)
     ap.add_argument("--stop-after", type=int, default=3)
     ap.add_argument("--count-from", type=int, default=0)
@@ -52,6 +55,17 @@ def main() -> None:
     inner = torch.optim.AdamW(model.parameters(), lr=3e-3)
     local = FaultTolerantLocalUpdates(model.parameters(), inner, a.sync_every, manager=manager, pg=pg,
                                       compress=bool(a.compress), block_size=256, exact_numel=100, trace=True)
+    if a.die_at and a.in_sync:  # the first all-to-all of the compressed call at that synchronization
+        from lbcomm.comm.torchft import TorchFTTransport
+
+        all_to_all = TorchFTTransport.all_to_all
+
+        def dying_all_to_all(self, *args, **kwargs):
+            if local.inner_steps >= a.die_at:
+                os._exit(17)
+            return all_to_all(self, *args, **kwargs)
+
+        TorchFTTransport.all_to_all = dying_all_to_all
     teacher = torch.Generator().manual_seed(7)
     w_true = torch.randn(16, 1, generator=teacher)
     data = torch.Generator().manual_seed(1000 + 10 * a.replica + a.incarnation)
@@ -63,7 +77,7 @@ def main() -> None:
         inner.zero_grad()
         loss.backward()
         inner.step()
-        if a.die_at and local.inner_steps + 1 == a.die_at:
+        if a.die_at and not a.in_sync and local.inner_steps + 1 == a.die_at:
             os._exit(17)  # a crash: no goodbye to anyone
         if local.step():
             info = local.last_sync

@@ -1,7 +1,8 @@
 """lbcomm.ft over torchft: replica groups that leave and join without a restart.
 
 Real processes, real gloo, torchft's real Lighthouse (in-process, on 127.0.0.1): three
-replica groups of one rank each train; one crashes mid-run (os._exit), the survivors go on
+replica groups of one rank each train; one crashes mid-run (os._exit) between two
+synchronizations or in the middle of a compressed exchange, the survivors go on
 in a quorum of two, stay bitwise identical, and keep the error-feedback invariant over the
 calls of a fixed membership; the crashed one is restarted, heals from a live peer and is
 bitwise the survivors from its first synchronization on.
@@ -107,7 +108,8 @@ def _check_invariant(runs):
     return checked
 
 
-def test_replica_dies_survivors_go_on_and_a_restart_heals(tmp_path):
+@pytest.mark.parametrize("when", ["between_syncs", "mid_sync"])
+def test_replica_dies_survivors_go_on_and_a_restart_heals(tmp_path, when):
     from torchft.coordination import LighthouseServer
 
     lh = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=5000, quorum_tick_ms=20,
@@ -116,11 +118,12 @@ def test_replica_dies_survivors_go_on_and_a_restart_heals(tmp_path):
     deadline = time.monotonic() + DEADLINE_S
     try:
         addr = lh.address()
-        die_at, h = 18, 5
+        h = 5
+        die_at = 18 if when == "between_syncs" else 20  # mid_sync: inside the synchronization of step 20
         common = ["--sync-every", str(h), "--count-from", str(die_at)]
+        dying = ["--die-at", str(die_at)] + (["--in-sync"] if when == "mid_sync" else [])
         outs = [str(tmp_path / f"r{i}.pt") for i in range(3)]
-        procs = [_start(i, addr, outs[i], *common, *(["--die-at", str(die_at)] if i == 2 else []))
-                 for i in range(3)]
+        procs = [_start(i, addr, outs[i], *common, *(dying if i == 2 else [])) for i in range(3)]
         try:
             rc = procs[2].wait(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
@@ -143,6 +146,10 @@ def test_replica_dies_survivors_go_on_and_a_restart_heals(tmp_path):
     # the survivors went on in a quorum of two after the crash
     small = [r for r in a["records"] if r["members"] == 2 and r["inner_steps"] >= die_at]
     assert small, a["records"]
+    if when == "mid_sync":  # the exchange of step 20 failed on the survivors and was retried in a quorum of two
+        retried = [r for r in a["records"] if r["inner_steps"] == die_at]
+        assert retried and retried[0]["attempts"] >= 2 and retried[0]["members"] == 2, a["records"][:6]
+        assert a["stats"]["failed"] >= 1 and b["stats"]["failed"] >= 1
     # survivors and the restarted replica end bitwise identical
     ref = a["anchor"].numpy().tobytes()
     assert b["anchor"].numpy().tobytes() == ref and c["anchor"].numpy().tobytes() == ref
