@@ -109,15 +109,46 @@ def probe(rank, world, a, method, out_path, init_file):
         opt.freeze = suite.freeze_of(task, sa)
     if a.variant == "local_source":
         opt._onebit.momentum_source = lambda L, scale=None: local_source(opt, L, scale)
+    if a.variant.startswith("blend"):  # beta (rho m + (1 - rho) m_local) + (1 - beta) g, rho = (lr / lr_peak)^k
+        k = float(a.variant[len("blend"):] or 1)
+        orig_source = type(opt._onebit).momentum_source
+
+        def blended(L, scale=None):
+            src = orig_source(opt._onebit, L, scale)
+            ml, m = opt._flat["exp_avg_local"], opt._flat["exp_avg"]
+            g0 = opt.param_groups[0]
+            rho = (g0["lr"] / max(g0.get("lr_peak", 0.0), g0["lr"])) ** k
+            b1 = [opt.param_groups[gi]["betas"][0] for gi in L.group_of]
+
+            def source(lo, hi, buf):
+                src(lo, hi, buf)
+                for i, x, y in L.overlapping(lo, hi):
+                    o = L.offsets[i]
+                    d = (ml[o + x:o + y] - m[o + x:o + y]).mul_((1 - rho) * b1[i])
+                    if scale is not None:
+                        d.mul_(scale[i])
+                    buf[o + x - lo:o + y - lo].add_(d)
+
+            source.momentum = src.momentum
+            return source
+
+        opt._onebit.momentum_source = blended
     rec = {}  # id(p) -> this step's record
 
     orig_step = lamb_mod.lamb_step_
+    smooth = {}
 
     def step_wrap(p, u, coef, lr):
         wd = task.weight_decay
         un = float(u.norm())
         u0n = float((u - wd * p).norm())
         r = rec.setdefault(id(p), {})
+        if a.variant.startswith("smooth") and "raw_signal" in r:  # compressed: EMA of the coefficient
+            beta = float(a.variant[len("smooth"):] or 0.9)
+            prev = smooth.get(id(p))
+            coef = coef if prev is None else prev.mul(beta).add_(coef, alpha=1 - beta)
+            r["c_raw"] = float(r.get("c_live", 0.0))
+            smooth[id(p)] = coef.clone()
         r.update(coef=float(coef.reshape(-1)[0]), u0_share=u0n / un if un > 0 else 1.0)
         orig_step(p, u, coef, lr)
 
@@ -241,7 +272,7 @@ def main(argv=None):
     p.add_argument("--every", type=int, default=24, help="validation loss and summary window, in steps")
     p.add_argument("--methods", default="lamb,onebit_lamb")
     p.add_argument("--onebit-options", default="", type=suite.json_options)
-    p.add_argument("--variant", default="", choices=("", "boost_decay", "local_source"),
+    p.add_argument("--variant", default="", choices=("", "boost_decay", "local_source", "smooth0.5", "smooth0.9", "smooth0.98", "blend", "blend2", "blend0.5"),
                    help="boost_decay: OneBitLamb's norm-estimate allowance shrinks with lr / lr_peak; "
                    "local_source: OneBitLamb compresses each rank's own momentum (exp_avg_local)")
     p.add_argument("--json", default="")
