@@ -274,7 +274,9 @@ def main(argv=None):
     p.add_argument("--onebit-options", default="", type=suite.json_options)
     p.add_argument("--variant", default="", choices=("", "boost_decay", "local_source", "smooth0.5", "smooth0.9", "smooth0.98", "blend", "blend2", "blend0.5"),
                    help="boost_decay: OneBitLamb's norm-estimate allowance shrinks with lr / lr_peak; "
-                   "local_source: OneBitLamb compresses each rank's own momentum (exp_avg_local)")
+                   "local_source: OneBitLamb compresses each rank's own momentum (exp_avg_local); "
+                   "smoothB: the compressed tensors' coefficient as an EMA with weight B; blendK: the compressed "
+                   "input's momentum moved towards exp_avg_local as the lr falls, rho = (lr / lr_peak)^K")
     p.add_argument("--json", default="")
     a = p.parse_args(argv)
     logs = {}
