@@ -4,23 +4,28 @@ What a user calls is exported here: the 1-bit optimizers and their full-precisio
 (docs/optimizers.md), the DDP and FSDP2/HSDP hooks (docs/hooks.md, docs/topology.md), the
 communication settings `CommConfig`, the reducers and the compressed allreduce itself
 (docs/concepts.md), per-rank checkpoints (docs/checkpoints.md) and `attach` for
-frameworks (docs/integrations.md). Everything else lives in its module: `lbcomm.comm`
-(transports), `lbcomm.stats` and `lbcomm.schedules` (large-batch tools), `lbcomm.errors`,
-`lbcomm.reference` (pure-torch references of the kernels and algorithms).
+frameworks (docs/integrations.md). Everything else lives in its module: `lbcomm.reduce`
+(the reduction engine: the compressed allreduce, flat and hierarchical, and the reducers),
+`lbcomm.comm` (transports), `lbcomm.stats` and `lbcomm.schedules` (large-batch tools),
+`lbcomm.errors`, `lbcomm.reference` (pure-torch references of the kernels and algorithms).
+The map of the packages is docs/architecture.md.
 """
-from . import ddp, fsdp, optim, schedules, stats, topology
+from . import ddp, fsdp, optim, reduce, schedules, stats, topology
 from .checkpoint import load_sharded, save_sharded
-from .compressed import CompressionState, NonFiniteError, compressed_allreduce, compressed_allreduce_
 from .config import CommConfig
 from .dct_mp import DCTBoundary
 from .ddp import (DCTHookState, OneBitHookState, WarmupAverage, dct_hook, local_gradients_hook, onebit_hook,
                   warmup_average_hook)
+from .errors import NonFiniteError
 from .fsdp import OneBitHSDPState, onebit_hsdp
 from .integrations import attach
 from .local import OneBitLocalUpdates
 from .optim import DecentLaM, DmSGD, Lamb, Lars, OneBitAdam, OneBitLamb, ZeroOneAdam
-from .reducer import Reducer, make_reducer
-from .topology import HierarchicalState, Topology
+from .reduce.compressed import compressed_allreduce, compressed_allreduce_
+from .reduce.compression import CompressionState
+from .reduce.hierarchical import HierarchicalState
+from .reduce.reducer import Reducer, make_reducer
+from .reduce.topology import Topology
 
 __version__ = "0.2.0"
 __all__ = [

@@ -1,4 +1,6 @@
-"""Small definitions shared by the algorithm, the optimizers, the hooks and the bench."""
+"""Small definitions shared by the reduction engine (`lbcomm.reduce`), the optimizers, the
+hooks and the bench: float dtypes and non-finite policies, futures and `drive` (the runner
+of every call's schedule), byte counts and the compressor statistics."""
 from __future__ import annotations
 
 from typing import Any, Dict, Generator, Optional
@@ -12,7 +14,7 @@ __all__ = ["STATS_KEYS", "compressor_stats", "error_ratio", "FLOAT_DTYPES", "NON
 # Tensors the compressed allreduce takes: fp16/bf16 are upcast into the fp32 error domain.
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # What a call does when an input holds NaN/Inf: raise on every rank, or skip the call
-# (see `lbcomm.compressed.CompressionState` and docs/concepts.md).
+# (see `lbcomm.reduce.compression.CompressionState` and docs/concepts.md).
 NONFINITE_POLICIES = ("raise", "skip")
 
 

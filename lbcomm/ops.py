@@ -3,7 +3,7 @@
 Each wrapper runs the fused C++/CUDA kernel when the extension provides one for the
 tensor's device, and otherwise the plain-torch reference (lbcomm.reference) after a
 one-time warning that names the fix. Shapes and the bit layout are described in
-`lbcomm.wire` and csrc/kernels.h.
+`lbcomm.reduce.wire` and csrc/kernels.h.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from . import reference as _ref
-from .wire import num_blocks
+from .reduce.wire import num_blocks
 
 __all__ = ["worker_compress", "server_compress", "unpack", "unpack_into", "HAS_EXTENSION", "extension_problem", "cpu_has_avx2"]
 
