@@ -6,7 +6,7 @@ and of the 1-bit gradient hook safe, measured on every task of bench/tasks.py ov
 grid. One model, p data shards: each step computes every rank's local gradient on its
 quarter of the global batch, then runs the optimizer math below on flat fp32 vectors with
 a vectorized compressed allreduce (the algorithm of lbcomm/compressed.py; checked against
-lbcomm.reference by ``--check``, as tests/test_robustness.py does). Deterministic, no processes, cheap.
+lbcomm.testing.kernels by ``--check``, as tests/test_robustness.py does). Deterministic, no processes, cheap.
 
 Rules (``rule=``) of OneBitAdam / OneBitLamb in the compression stage, with
 m the decoded momentum, d = sqrt(v^) + eps the frozen denominator, b1c = 1 - b1^t:
@@ -65,7 +65,7 @@ The hook (SGD momentum on compressed gradients): scale rule, block size, start f
                 (clipwarm_ex4096); _exlayerK: only parameter K of the flat order; _exvec: the
                 vectors only
 
-    python -m bench.robust_sim --check                 # the simulated allreduce vs lbcomm.reference
+    python -m bench.robust_sim --check                 # the simulated allreduce vs lbcomm.testing.kernels
     python -m bench.robust_sim --tasks all --json out   # the whole study (minutes)
 """
 from __future__ import annotations
@@ -171,8 +171,8 @@ def exact_mask(flat: "Flat", rule: str) -> Optional[Tensor]:
 
 
 def check_against_reference(n=5000, p=4, block=256, steps=3) -> float:
-    """Largest difference of the simulated allreduce (rms) from lbcomm.reference."""
-    from lbcomm import reference as R
+    """Largest difference of the simulated allreduce (rms) from lbcomm.testing.kernels."""
+    from lbcomm.testing import kernels as R
     torch.manual_seed(0)
     m = chunk_size(n, p)
     we, se = [torch.zeros(p, m) for _ in range(p)], [torch.zeros(m) for _ in range(p)]
@@ -686,7 +686,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     if a.check:
-        print(f"simulated allreduce vs lbcomm.reference: max abs difference {check_against_reference():.3g}")
+        print(f"simulated allreduce vs lbcomm.testing.kernels: max abs difference {check_against_reference():.3g}")
         return
     if a.table_only:
         with open(a.table_only) as f:

@@ -1,7 +1,10 @@
-"""Plain-torch reference of every lbcomm kernel and of the whole compressed allreduce.
+"""Plain-torch implementation of every lbcomm kernel: the fallback that lbcomm.ops runs when
+the C++ extension is not available (or has no kernel for a tensor's device).
 
-Written from the algorithm (docs/concepts.md) for clarity, not speed: it is the oracle the tests compare the
-fused kernels against, and the fallback when the C++ extension is not available. The
+Written from the algorithm (docs/concepts.md) for clarity, not speed; the fused kernels follow
+the same recipe, so the tests compare them against these functions bit for bit. The
+simulations of the whole algorithm for p ranks in one process (`compressed_allreduce`,
+`hierarchical_allreduce`), the tests' oracle, are in `lbcomm.testing.kernels`. The
 rounding steps are spelled out so that a fused kernel that follows the same recipe gives
 the same bits:
 
@@ -19,12 +22,12 @@ the same bits:
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from .wire import ALIGN, chunk_size, num_blocks  # the layout math, re-exported for the tests and tools
+from .reduce.wire import ALIGN, chunk_size, num_blocks  # the layout math, re-exported for the tests and tools
 
 CAP_ERROR_RATIO = 3.0  # capped decode: |error_i| <= CAP_ERROR_RATIO * cap_i (kCapErrorRatio in csrc/kernels.h)
 
@@ -38,8 +41,6 @@ __all__ = [
     "worker_compress",
     "server_compress",
     "unpack",
-    "compressed_allreduce",
-    "hierarchical_allreduce",
 ]
 
 
@@ -222,88 +223,19 @@ def unpack(packed: Tensor, scales: Tensor, numel: int, block_size: Optional[int]
     return out.clone()
 
 
-def compressed_allreduce(
-    xs: Sequence[Tensor],
-    worker_errors: Sequence[Tensor],
-    server_errors: Sequence[Tensor],
-    block_size: Optional[int],
-    weights: Optional[Tensor] = None,
-    cap: Optional[Tensor] = None,
-) -> Tuple[Tensor, List[Tensor], List[Tensor]]:
-    """The whole algorithm for p simulated ranks in one process.
-
-    xs: p tensors of n0 elements; worker_errors: p tensors [p, m]; server_errors: p
-    tensors [m]; weights (n0 fp32 or bf16, the same on every rank, optional): every rank
-    compresses x / weights and the decoded mean is multiplied by weights; cap (n0 fp32, the
-    same on every rank, optional): the capped decode on both stages.
-    Returns (out [n0] fp32, new worker errors, new server errors).
-    World size 1 returns x unchanged (no compression, weights unused), errors untouched.
-    """
-    p = len(xs)
-    n0 = xs[0].numel()
-    if p == 1:
-        return xs[0].reshape(-1).to(torch.float32).clone(), list(worker_errors), list(server_errors)
-    m = server_errors[0].numel()
-    worker = [worker_compress(x, e.reshape(p, m), block_size, weights, cap) for x, e in zip(xs, worker_errors)]
-    new_worker = [w[2].reshape(worker_errors[r].shape) for r, w in enumerate(worker)]
-    packed_out, scales_out, new_server = [], [], []
-    for k in range(p):
-        real_k = min(max(n0 - k * m, 0), m)
-        sp, ss, se = server_compress(
-            torch.stack([w[0][k] for w in worker]),
-            torch.stack([w[1][k] for w in worker]),
-            server_errors[k],
-            block_size,
-            real_k,
-            None if cap is None else cap.reshape(-1)[k * m:k * m + real_k],
-        )
-        packed_out.append(sp)
-        scales_out.append(ss)
-        new_server.append(se)
-    out = unpack(torch.stack(packed_out), torch.stack(scales_out), n0, block_size, weights, cap)
-    return out, new_worker, new_server
+_MOVED = {"compressed_allreduce", "hierarchical_allreduce"}  # to lbcomm.testing.kernels in 0.3
 
 
-def hierarchical_allreduce(
-    xs: Sequence[Sequence[Tensor]],
-    worker_errors: Sequence[Sequence[Tensor]],
-    server_errors: Sequence[Sequence[Tensor]],
-    block_size: Optional[int],
-    cap: Optional[Tensor] = None,
-) -> Tuple[Tensor, List[List[Tensor]], List[List[Tensor]]]:
-    """The hierarchical call (lbcomm.topology) for N nodes x G ranks (N, G > 1) simulated
-    in one process: the mean of each slice inside each node, then the flat algorithm above
-    on every slice across the nodes.
+def __getattr__(name: str):
+    """The simulations of the whole allreduce moved to lbcomm.testing.kernels; the old names
+    still resolve (imported on first use, with a DeprecationWarning) so that `import lbcomm`
+    never loads lbcomm.testing."""
+    if name in _MOVED:
+        import warnings
 
-    xs[a][l]: the input of local rank l on node a (n0 elements). worker_errors[l][a] and
-    server_errors[l][a]: the errors of rank (a, l), i.e. of node a in cross group l (for a
-    slice of L_l elements: [N, chunk_size(L_l, N)] and [chunk_size(L_l, N)]). Slice l is
-    [l L, (l + 1) L) cut to n0, L = chunk_size(n0, G). The intra-node mean is
-    (x_0 + x_1 + ... + x_{G-1}) / G in fp32, added in local rank order. cap (n0 fp32,
-    optional): the capped decode, each slice with its part of the caps.
-    Returns (out [n0] fp32, new worker errors, new server errors), indexed like the inputs.
-    """
-    N, G = len(xs), len(xs[0])
-    n0 = xs[0][0].numel()
-    L = chunk_size(n0, G)
-    out = torch.zeros(n0, dtype=torch.float32, device=xs[0][0].device)
-    new_worker: List[List[Tensor]] = []
-    new_server: List[List[Tensor]] = []
-    for l in range(G):
-        lo, hi = min(l * L, n0), min((l + 1) * L, n0)
-        if hi == lo:
-            new_worker.append(list(worker_errors[l]))
-            new_server.append(list(server_errors[l]))
-            continue
-        ys = []
-        for a in range(N):
-            acc = xs[a][0].reshape(-1)[lo:hi].to(torch.float32)
-            for j in range(1, G):
-                acc = acc + xs[a][j].reshape(-1)[lo:hi].to(torch.float32)
-            ys.append(acc / G)
-        piece, we, se = compressed_allreduce(ys, worker_errors[l], server_errors[l], block_size,
-                                             cap=None if cap is None else cap.reshape(-1)[lo:hi])
-        out[lo:hi] = piece
-        new_worker.append(we)
-        new_server.append(se)
-    return out, new_worker, new_server
+        warnings.warn(f"lbcomm.reference.{name} moved to lbcomm.testing.kernels.{name} (a test oracle, not "
+                      "part of the library); import it from there", DeprecationWarning, stacklevel=2)
+        from .testing import kernels
+
+        return getattr(kernels, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -15,7 +15,7 @@ from typing import Callable, List, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from lbcomm import reference as R
+from lbcomm.testing import kernels as R
 
 
 def mixing_matrix(topology: str, n: int, step: int) -> Tensor:

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import lbcomm
-from lbcomm import reference as R
+from lbcomm.testing import kernels as R
 from lbcomm.compressed import PIECE_MIN, reduce_
 from dist_util import run_ranks
 

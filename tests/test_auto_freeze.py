@@ -19,8 +19,8 @@ import lbcomm
 from dist_util import run_ranks, same as _same
 from lbcomm.errors import NotCompressedWarning
 from lbcomm.optim import freeze as AF
-from lbcomm.optim import reference as SIM
-from test_optim import _loss, _mlp, _quantize
+from lbcomm.testing import optim as SIM
+from optim_util import _loss, _mlp, _quantize
 
 STEPS = 150
 KW = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, comm=lbcomm.CommConfig(exact_numel=0, block_size=64))

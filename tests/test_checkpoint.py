@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import lbcomm
-from dist_util import run_ranks
-from test_optim import OPTS, _flat_state, _loss, _mlp, _same, _snapshot
+from dist_util import run_ranks, same as _same
+from optim_util import OPTS, _flat_state, _loss, _mlp, _snapshot
 
 SAVE_AT, TOTAL, FREEZE = 8, 16, 4  # saved 4 steps into the compression stage
 

@@ -9,7 +9,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import lbcomm
 from dist_util import run_ranks
 from lbcomm.ddp import WarmupAverage, warmup_average_hook
-from test_optim import OPTS, _loss, _mlp
+from optim_util import OPTS, _loss, _mlp
 
 FREEZE, MAX = 2, 0.05
 

@@ -13,7 +13,7 @@ from dist_util import run_ranks
 from lbcomm.compressed import CompressionState
 from lbcomm.reducer import redistribute
 from lbcomm.wire import chunk_size
-from test_optim import OPTS, _loss, _mlp
+from optim_util import OPTS, _loss, _mlp
 
 FREEZE, SAVE_AT = 3, 6
 

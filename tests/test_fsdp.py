@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dist_util import run_ranks
-from lbcomm import reference
+from lbcomm.testing import kernels as reference
 from lbcomm.config import CommConfig
 
 N, G = 2, 2

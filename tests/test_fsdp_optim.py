@@ -3,7 +3,7 @@ gloo ranks as 2 nodes x 2, one spawn for every check:
 
 * FSDP2 sharded inside the node, OneBitAdam on the local shards: the warmup equals
   torch.optim.AdamW on the whole parameters with the global mean gradient; the compression
-  stage equals the plain-torch simulation (lbcomm.optim.reference, shards=2: each shard's
+  stage equals the plain-torch simulation (lbcomm.testing.optim, shards=2: each shard's
   momentum compressed on its own across the 2 nodes), fed with the gradient shards FSDP
   produced; replicas across
   nodes are bitwise identical; a NaN in one shard of one rank skips the step on every
@@ -26,7 +26,7 @@ import torch
 import lbcomm
 from dist_util import run_ranks
 from test_fsdp import _batch  # the same synthetic regression batches as the HSDP hook's tests
-from test_optim import COMM_FIELDS
+from optim_util import COMM_FIELDS
 
 N, G = 2, 2
 STEPS, FREEZE, BLOCK = 8, 4, 64
@@ -252,7 +252,7 @@ def results(tmp_path_factory):
 
 
 def test_fsdp_onebit_adam(results):
-    from lbcomm.optim.reference import simulate_onebit_adam
+    from lbcomm.testing.optim import simulate_onebit_adam
 
     res = results
     p0 = list(_model().parameters())
@@ -290,7 +290,7 @@ def test_fsdp_onebit_adam(results):
 @pytest.mark.parametrize("run", ["lamb", "lamb_frozen", "lamb_live"])
 def test_fsdp_onebit_lamb(results, run):
     from lbcomm import Lamb
-    from lbcomm.optim.reference import simulate_onebit_lamb
+    from lbcomm.testing.optim import simulate_onebit_lamb
 
     res = results
     p0 = list(_model().parameters())
@@ -318,7 +318,7 @@ def test_fsdp_onebit_lamb(results, run):
 
 @pytest.mark.parametrize("kind", ["adam", "lamb"])
 def test_topology_data_parallel_equals_hierarchical_simulation(results, kind):
-    from lbcomm.optim.reference import simulate_onebit_adam, simulate_onebit_lamb
+    from lbcomm.testing.optim import simulate_onebit_adam, simulate_onebit_lamb
 
     res = results
     run = "dp_" + kind
@@ -345,7 +345,7 @@ def test_exact_numel_sharded_and_hierarchical_equal_simulation(results, kind, wh
     replicate group) and with the hierarchical reduction (over all ranks): the runs equal
     the simulation with the same option and end away from the all-compressed one; the
     exact coordinates' errors stay zero on every rank, the compressed ones' do not."""
-    from lbcomm.optim.reference import simulate_onebit_adam, simulate_onebit_lamb
+    from lbcomm.testing.optim import simulate_onebit_adam, simulate_onebit_lamb
 
     res = results
     run = ("dp_" if where == "dp" else "") + kind + "_exact"

@@ -19,6 +19,7 @@ ENTRY = os.path.join(ROOT, "scripts", "gpu-check")
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 import gpu_check as G  # noqa: E402
+from gpucheck import checks as GC  # noqa: E402  (where the checks look up their helpers)
 
 HAS_GPU = torch.cuda.is_available()
 needs_mpi = pytest.mark.skipif(importlib.util.find_spec("mpi4py") is None or G.find_mpirun() is None,
@@ -108,7 +109,7 @@ def test_a_crash_record_names_its_cause_before_the_backtrace(monkeypatch):
     assert not rec["ok"] and "Mismatch in kernel C++ signatures" in rec["error"] and "frame #59" in rec["error"]
     assert "frame #5:" not in rec["error"]
     # pytest that dies before writing its report is an error that says so, not a KeyError
-    monkeypatch.setattr(G, "_pytest", lambda args, timeout: (-6, {"command": "python -m pytest"}, "what(): boom"))
+    monkeypatch.setattr(GC, "_pytest", lambda args, timeout: (-6, {"command": "python -m pytest"}, "what(): boom"))
     with pytest.raises(RuntimeError, match="without a report(.|\n)*boom"):
         G.check_pytest_cuda_rest({"timeout": 60})
 

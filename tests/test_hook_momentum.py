@@ -1,6 +1,6 @@
 """`onebit_hook` with momentum= and normalize="adaptive" on 2 real gloo ranks,
 against a plain re-computation with the pure-torch reference allreduce
-(`lbcomm.reference.compressed_allreduce`), step by step:
+(`lbcomm.testing.kernels.compressed_allreduce`), step by step:
 
 * every rank compresses x_r = g_r + mu m_r (its own momentum, started from the momentum of
   the averaged gradients over the full-precision start) divided by w, and the hook returns
@@ -16,7 +16,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dist_util import run_ranks
-from lbcomm import reference as R
+from lbcomm.testing import kernels as R
 from lbcomm.config import CommConfig
 from lbcomm.ddp import OneBitHookState, onebit_hook
 from test_hook_normalize import _model, _relayout

@@ -1,5 +1,5 @@
 """`onebit_hook` with normalize="warmup" on 2 real gloo ranks, against an
-independent pure-torch reference (`lbcomm.reference.compressed_allreduce`):
+independent pure-torch reference (`lbcomm.testing.kernels.compressed_allreduce`):
 
 * in the full-precision start the hook averages as a plain allreduce does;
 * from ``start_iter`` on, every rank's bucket is w * compressed_allreduce(g / w), with w the
@@ -24,7 +24,7 @@ import pytest
 
 from dist_util import run_ranks
 from lbcomm.common import ring_allreduce_bytes
-from lbcomm import reference as R
+from lbcomm.testing import kernels as R
 from lbcomm.config import CommConfig
 from lbcomm.ddp import OneBitHookState, onebit_hook
 

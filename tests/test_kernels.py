@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lbcomm import ops
-from lbcomm import reference as R
+from lbcomm.testing import kernels as R
 
 pytestmark = pytest.mark.skipif(not ops.HAS_EXTENSION, reason=f"extension not built: {ops.extension_problem()}")
 
@@ -373,7 +373,7 @@ def test_portable_path_matches_reference():
     if not ops.cpu_has_avx2():
         pytest.skip("this CPU runs the portable path already")
     code = (
-        "import torch, sys; from lbcomm import ops, reference as R\n"
+        "import torch, sys; from lbcomm import ops; from lbcomm.testing import kernels as R\n"
         "assert not ops.cpu_has_avx2()\n"
         "torch.manual_seed(0)\n"
         "for n0, p in [(1, 1), (7, 2), (1000, 3), (70001, 4)]:\n"

@@ -11,9 +11,9 @@ import torch.nn.functional as F
 
 import lbcomm
 from lbcomm.compressed import NonFiniteError
-from lbcomm.optim import reference as SIM
+from lbcomm.testing import optim as SIM
 from dist_util import run_ranks
-from test_optim import _loss, _mlp
+from optim_util import _loss, _mlp
 
 
 def _run(model, opt, steps, start=0, rank=0, scheduler=None):
@@ -200,7 +200,7 @@ def _self_averaging(rank):
     a plain DDP it refuses to average a second time until told grads_averaged."""
     from torch.nn.parallel import DistributedDataParallel as DDP
     from lbcomm.errors import AveragedGradientsError
-    from test_optim import _quantize
+    from optim_util import _quantize
     model = _mlp(seed=6)
     params0 = [q.detach().clone() for q in model.parameters()]
     opt = lbcomm.Lars(model.parameters(), lr=1.0, weight_decay=0.01, trust_coefficient=0.02)

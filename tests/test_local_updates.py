@@ -1,5 +1,5 @@
 """lbcomm.OneBitLocalUpdates (local updates with 1-bit compressed outer pseudo-gradients):
-real gloo ranks against the pure-torch reference (lbcomm.optim.reference_local) bit for
+real gloo ranks against the pure-torch reference (lbcomm.testing.local) bit for
 bit — flat on 2 and 4 ranks, hierarchical on 2 nodes x 2 ranks, compress=False (fp32
 DiLoCo), fragments — replicas identical after every sync, exact and elastic resume, the
 DDP refusal, non-finite pseudo-gradients, and bad input."""
@@ -20,7 +20,7 @@ from lbcomm.common import STATS_KEYS, NonFiniteError
 from lbcomm.errors import AveragedGradientsError
 from lbcomm.integrations.dcp import LoadPlanner, RankLocal
 from lbcomm.local import fragment_bounds
-from lbcomm.optim.reference_local import simulate_local_updates
+from lbcomm.testing.local import simulate_local_updates
 from lbcomm.topology import Topology
 
 H = 3

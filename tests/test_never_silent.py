@@ -13,7 +13,7 @@ from dist_util import run_ranks
 from lbcomm.common import ring_allreduce_bytes
 from lbcomm.ddp import OneBitHookState, WarmupAverage, onebit_hook, warmup_average_hook
 from lbcomm.errors import AveragedGradientsError
-from test_optim import OPTS, _batch, _loss, _mlp
+from optim_util import OPTS, _batch, _loss, _mlp
 
 FREEZE = 3
 

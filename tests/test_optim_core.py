@@ -9,7 +9,7 @@ import torch
 
 import lbcomm
 from lbcomm.optim import BaseOptimizer, OneBitStage
-from test_optim import _mlp, _train
+from optim_util import _mlp, _train
 
 
 def test_the_optimizers_compose_the_onebit_stage():

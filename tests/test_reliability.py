@@ -15,7 +15,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 import lbcomm
 from lbcomm import ops
-from lbcomm import reference as R
+from lbcomm.testing import kernels as R
 from dist_util import run_ranks
 from lbcomm.cli.soak import check, soak_rank
 

@@ -2,9 +2,9 @@
 change of its gradient scale, measured by the ranks' mean squared local gradient norm
 (docs/concepts.md, "Robustness": the byte LM's frozen-variance gap).
 
-One and two ranks: bitwise against lbcomm.optim.reference (a sum of two ranks' norms has
+One and two ranks: bitwise against lbcomm.testing.optim (a sum of two ranks' norms has
 one result whatever the order; with four, gloo's order is not the simulation's and the
-last bit can differ: tests/test_optim.py compares that case to fp32 rounding). The
+last bit can differ: tests/test_optim_ranks.py compares that case to fp32 rounding). The
 optimizer's own averaging and lbcomm's warmup hook give the same statistic and the same
 run (the hook hands over the local gradients, note_local_grads, before it averages).
 Checkpoints: a resume is bitwise.
@@ -16,9 +16,9 @@ import pytest
 import torch
 
 import lbcomm
-from lbcomm.optim.reference import simulate_onebit_adam
+from lbcomm.testing.optim import simulate_onebit_adam
 from dist_util import run_ranks
-from test_optim import make_opt
+from optim_util import make_opt
 
 FREEZE, STEPS, LR = 4, 14, 1e-2
 KW = dict(lr=LR, freeze_step=FREEZE, exact_numel=0, block_size=64, weight_decay=1e-2)

@@ -1,5 +1,5 @@
 """The hierarchical compressed allreduce (lbcomm.topology) on 4 real gloo ranks as 2 nodes
-x 2: step by step equal to the plain-torch reference (lbcomm.reference.hierarchical_allreduce),
+x 2: step by step equal to the plain-torch reference (lbcomm.testing.kernels.hierarchical_allreduce),
 the error-feedback invariant of the module docs over 20+ calls, bitwise identical results
 on every rank, the degenerate topologies equal to the flat call, non-finite inputs."""
 import os
@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from dist_util import run_ranks
-from lbcomm import reference
+from lbcomm.testing import kernels as reference
 from lbcomm.compressed import CompressionState, NonFiniteError, compressed_allreduce_
 from lbcomm.topology import HierarchicalState, Topology, hierarchical_allreduce_, slice_spans
 from lbcomm.wire import chunk_size

@@ -1,4 +1,4 @@
-"""ZeroOneAdam (0/1 Adam) against the plain-torch simulation in lbcomm.optim.reference,
+"""ZeroOneAdam (0/1 Adam) against the plain-torch simulation in lbcomm.testing.optim,
 step by step on 4 real gloo ranks, and as a drop-in torch optimizer.
 
 The multi-rank checks run in ONE spawn of four processes (`four_ranks`, module scope);
@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import lbcomm
-from lbcomm.optim.reference_zeroone import simulate_zero_one_adam
+from lbcomm.testing.zeroone import simulate_zero_one_adam
 from dist_util import run_ranks, same as _same
-from test_optim import make_opt
+from optim_util import make_opt
 
 
 def _mlp(seed=0, d_in=12, d_h=24, d_out=5):

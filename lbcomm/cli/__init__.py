@@ -4,8 +4,10 @@ The benchmark suite of the repository lives in the top-level ``bench/`` folder; 
 package is what ``pip install lbcomm`` installs. One module per idea:
 
 * commands.py: what each command does (start or join the ranks, run, report); `main`
-* args.py: the parser and the help; argtypes.py: the value types of the arguments;
-  checks.py: every check of the arguments together, before anything runs
+* args.py: the parser and the help, one function per command (race's in racecli.py);
+  argtypes.py: the value types of the arguments and lbcomm's own rules for them
+  (check_onebit, check_cluster); checks.py: every check of the arguments together, before
+  anything runs (race's in racecli.py, which imports nothing of checks.py)
 * schema.py: the JSON documents (fields, builders, checkers)
 * report.py: printed tables, JSON and plot files; plot.py: the plots (matplotlib)
 * units.py: the one parser of sizes, parameter counts, rates and times
@@ -15,4 +17,7 @@ package is what ``pip install lbcomm`` installs. One module per idea:
 * netem.py: the emulated cluster; netns.py: namespaces, probing, stale cleanup;
   procs.py: process supervision (the one wait loop)
 * progress.py: the progress bar
+* racecli.py: the race command's launcher side; race.py, racemethods.py: its ranks' side
+
+No import circle among these modules (tests/test_layout.py), deferred imports included.
 """

@@ -82,19 +82,8 @@ def _sub(sub, name: str, help: str, description: str, epilog: str = "") -> argpa
                           formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _add_allreduce(sub) -> None:
     from .allreduce import METHODS as ALLREDUCE_METHODS
-    from .train import DEFAULT_NODE_METHODS as DEFAULT_NODE_TRAIN_METHODS
-    from .train import FLAT_METHODS as FLAT_TRAIN_METHODS
-    from .train import METHODS as TRAIN_METHODS
-    from .train import NODE_METHODS as NODE_TRAIN_METHODS
-    from .train import STATS_METHODS
-    from .train import MIN_WARMUP_STEPS, MODEL_PRESETS
-
-    parser = argparse.ArgumentParser(prog="lbcomm-bench", description=DESCRIPTION,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", metavar="{allreduce,train,model,model-nodes,advise,race}")
-    sub.required = True
 
     ar = _sub(sub, "allreduce", "time fp32 / fp16 / 1-bit allreduce, nccl-tests style",
               "Time allreduce-to-mean of fp32 tensors: fp32 and fp16 ring allreduce against lbcomm's 1-bit "
@@ -123,6 +112,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="run the ranks in an emulated cluster with links of this rate per direction, e.g. "
                          "1gbit, 100mbit (needs root)")
     ar.set_defaults(command="allreduce")
+
+
+def _add_train(sub) -> None:
+    from .train import DEFAULT_NODE_METHODS as DEFAULT_NODE_TRAIN_METHODS
+    from .train import FLAT_METHODS as FLAT_TRAIN_METHODS
+    from .train import METHODS as TRAIN_METHODS
+    from .train import NODE_METHODS as NODE_TRAIN_METHODS
+    from .train import STATS_METHODS
+    from .train import MIN_WARMUP_STEPS, MODEL_PRESETS
 
     tr = _sub(sub, "train", "data-parallel training-step throughput of a small transformer LM",
               "Training-step throughput of a small transformer LM: DDP with AdamW, torch's fp16 and PowerSGD "
@@ -160,6 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="learning rate (default: 1e-4)")
     tr.set_defaults(command="train")
 
+
+def _add_model(sub) -> None:
     md = _sub(sub, "model", "latency-bandwidth cost model, checked against measured 2 and 4 rank runs",
               "The cost model of one allreduce of n fp32 elements on p ranks with links of B bit/s:\n\n"
               "  time = 2 (p-1) latency + bytes sent per rank / (B * 1448/1514) + local compute\n\n"
@@ -197,6 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="link rates of the predictions (default: 1gbit,10gbit,25gbit,100gbit)")
     md.set_defaults(command="model", methods=["fp32", "onebit"])
 
+
+def _add_model_nodes(sub) -> None:
     mn = _sub(sub, "model-nodes", "cost model of N nodes x G ranks: flat, hierarchical and HSDP, calibrated on "
               "emulated nodes",
               "The cost model of one gradient reduction on N nodes x G ranks per node, with the link between\n"
@@ -246,6 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="latency per message inside a node (default: 5us)")
     mn.set_defaults(command="model-nodes", methods=["fp32", "onebit", "hier"])
 
+
+def _add_advise(sub) -> None:
     ad = _sub(sub, "advise", "will 1-bit help my run? predicted step times for a model and a cluster",
               "Predict the training-step time of data-parallel training with fp32 and fp16 allreduce, PowerSGD,\n"
               "and 1-bit Adam/LAMB (warmup and compression stage), from your model's parameter count, your\n"
@@ -281,8 +285,18 @@ def build_parser() -> argparse.ArgumentParser:
                     help="where to time the local compute of each method (default: cpu)")
     ad.add_argument("--json", metavar="FILE", help="write the prediction as JSON (fields listed below)")
     ad.set_defaults(command="advise")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The whole parser: one function per command (race's in racecli.py), in the order of the help."""
     from .racecli import add_parser as add_race
 
+    parser = argparse.ArgumentParser(prog="lbcomm-bench", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", metavar="{allreduce,train,model,model-nodes,advise,race}")
+    sub.required = True
+    for add in (_add_allreduce, _add_train, _add_model, _add_model_nodes, _add_advise):
+        add(sub)
     add_race(sub, _sub)
     for p in sub.choices.values():  # placeholders in words (WORLD-SIZE), not Python names (WORLD_SIZE)
         for action in p._actions:

@@ -7,7 +7,7 @@ from typing import Callable, List, Optional
 
 from .units import parse_count, parse_rate, parse_time
 
-__all__ = ["UsageError", "check_onebit"]
+__all__ = ["UsageError", "check_onebit", "check_cluster"]
 
 
 class UsageError(ValueError):
@@ -132,6 +132,21 @@ def check_onebit(block_size: Optional[int], pieces: Optional[int] = None) -> Non
     from ..compressed import CompressionState
 
     CompressionState(0, transport=LoopTransport(2), device="cpu", block_size=block_size, pieces=pieces)
+
+
+def check_cluster(world: int, bandwidths, latency: str, burst: str, ranks_per_node: int = 1) -> None:
+    """The emulated cluster's own rules for each bandwidth given (None: loopback, nothing to
+    check), as a UsageError; builds the cluster's description only, starts nothing. Shared
+    by checks.py and racecli.py (which import nothing of each other)."""
+    from .netem import EmulatedCluster
+
+    for bw in bandwidths:
+        if bw:
+            try:
+                EmulatedCluster(world, bw, latency=latency, burst=burst,
+                                ranks_per_node=ranks_per_node)  # checks only; starts nothing
+            except ValueError as exc:
+                raise UsageError(str(exc)) from None
 
 
 def _block_size(text: str) -> Optional[int]:

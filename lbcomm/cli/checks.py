@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Optional
 
-from .argtypes import UsageError, check_onebit
+from .argtypes import UsageError, check_cluster, check_onebit
 
 __all__ = ["validate", "train_model"]
 
@@ -66,18 +66,6 @@ def _check_nodes(args, info, worlds) -> None:
         args.methods = list(DEFAULT_METHODS) + (["hier"] if G > 1 else [])
 
 
-def _check_cluster(world: int, bandwidths, latency: str, burst: str, ranks_per_node: int = 1) -> None:
-    from .netem import EmulatedCluster
-
-    for bw in bandwidths:
-        if bw:
-            try:
-                EmulatedCluster(world, bw, latency=latency, burst=burst,
-                                ranks_per_node=ranks_per_node)  # checks only; starts nothing
-            except ValueError as exc:
-                raise UsageError(str(exc)) from None
-
-
 def validate(args, info) -> None:
     """Every check that needs more than one argument, this machine or the launcher (`info`:
     this process's `launch.RankInfo` under torchrun/mpirun, else None). Raises UsageError."""
@@ -99,7 +87,7 @@ def validate(args, info) -> None:
         if args.backend != "gloo":
             raise UsageError("model-nodes measures on --backend gloo (the emulated nodes)")
         if not args.from_json:
-            _check_cluster(args.nodes * args.ranks_per_node, [args.bandwidth], args.latency, args.burst,
+            check_cluster(args.nodes * args.ranks_per_node, [args.bandwidth], args.latency, args.burst,
                            args.ranks_per_node)
             from .netns import require
 
@@ -146,7 +134,7 @@ def validate(args, info) -> None:
             raise UsageError("--backend mpi cannot run in the emulated cluster (mpirun starts the ranks itself, "
                              "outside the network namespaces); use --backend gloo with --bandwidth")
         for world in worlds:
-            _check_cluster(world, bandwidths, args.latency, args.burst, getattr(args, "ranks_per_node", 1) or 1)
+            check_cluster(world, bandwidths, args.latency, args.burst, getattr(args, "ranks_per_node", 1) or 1)
         from .netns import require
 
         require()  # RuntimeError naming the fix (root, iproute2, a container's capabilities)

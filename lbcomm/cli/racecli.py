@@ -8,7 +8,7 @@ import sys
 from typing import Dict, List, Optional
 
 from .argtypes import (UsageError, _choices, _comma, _float_over, _int_at_least, _momentum, _positive, _rate_or_none,
-                       _seconds)
+                       _seconds, check_cluster)
 from .racemethods import FAMILIES, LOCAL_FAMILIES, unavailable
 from .schema import HOST_FIELDS, SCHEMA_VERSION, _check_fields, describe_fields, document
 
@@ -151,10 +151,9 @@ def check(args, info) -> None:
 
         require_matplotlib()
     if any(args.bandwidth):
-        from .checks import _check_cluster
         from .netns import require
 
-        _check_cluster(args.world_size, args.bandwidth, args.latency, args.burst)
+        check_cluster(args.world_size, args.bandwidth, args.latency, args.burst)
         require()
 
 

@@ -1,6 +1,7 @@
 """Plain-torch, step-by-step simulation of `lbcomm.ZeroOneAdam` for p ranks in one process:
-the oracle of its tests, written as `lbcomm.optim.reference` (whose helpers it uses) with
-the same elementary operations as the optimizer, so that the two agree to the last bit."""
+the oracle of its tests, written as `lbcomm.testing.optim` (with the helpers of
+`lbcomm.testing.compressors`) with the same elementary operations as the optimizer, so that
+the two agree to the last bit."""
 from __future__ import annotations
 
 import math
@@ -9,7 +10,7 @@ from typing import List, Optional, Sequence
 import torch
 from torch import Tensor
 
-from .reference import _bounds, _cat, _Compressor, _denom, _exact_mask, _f32, _keep, _mean, _split, decode_caps
+from .compressors import _bounds, _cat, _Compressor, _denom, _exact_mask, _f32, _keep, _mean, _split, decode_caps
 
 __all__ = ["simulate_zero_one_adam"]
 
@@ -33,7 +34,7 @@ def simulate_zero_one_adam(params0: Sequence[Tensor], grads: Sequence[Sequence[S
     of each parameter, bias-corrected, is recorded after every variance step (q_ref); every
     other step (1-bit, local, sync) divides v's bias correction by min(q_t / q_ref, 1).
     capped_decode: every compressed call (1-bit step, sync) decodes each coordinate to at
-    most the momentum whose step is the bound (`lbcomm.optim.reference.decode_caps`)."""
+    most the momentum whose step is the bound (`lbcomm.testing.compressors.decode_caps`)."""
     b1, b2 = betas
     p, n_params = len(grads[0]), len(params0)
     lr_of = lr if callable(lr) else (lambda step, i: lr)

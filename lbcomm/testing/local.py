@@ -6,7 +6,7 @@ Written from the algorithm (docs/local-updates.md), not from the implementation:
 inner steps are the caller's `local_step`; every H inner steps (each fragment at its own
 phase) the per-rank pseudo-gradients Δ_r = θ_start − θ_r are averaged exactly in fp32, or,
 compressed, each rank's outer momentum u_r = β buf + Δ_r goes through the reference
-compressed allreduce (`lbcomm.reference`, flat or hierarchical, error feedback per rank kept
+compressed allreduce (`lbcomm.testing.kernels`, flat or hierarchical, error feedback per rank kept
 across rounds) and mean(u) − β buf is the mean Δ; Nesterov SGD steps θ_start with it,
 spelled out as torch.optim.SGD computes it; every rank then holds the new θ_start.
 """
@@ -17,7 +17,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 from torch import Tensor
 
-from .reference import _compressor, _mean
+from .compressors import _compressor, _mean
 
 __all__ = ["simulate_local_updates"]
 
