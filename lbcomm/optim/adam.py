@@ -15,6 +15,7 @@ from . import functional as F
 from . import kernels
 from .base import BaseOptimizer
 from .flat import FlatLayout
+from .flatstate import FlatState
 from .freeze import check_freeze_option as check_freeze_step
 from .onebit import OneBitStage
 from .rescale import VECTORS as RESCALE_VECTORS
@@ -23,21 +24,21 @@ from .rescale import VarianceRescale
 __all__ = ["OneBitAdam", "adamw_warmup_", "frozen_adamw_step_", "check_freeze_step"]
 
 
-def adamw_warmup_(opt: BaseOptimizer, L: FlatLayout, active: List[bool], bounds: List[Optional[float]],
+def adamw_warmup_(fs: FlatState, L: FlatLayout, active: List[bool], bounds: List[Optional[float]],
                   vstep: Optional[str] = None, decay_steps: int = 1) -> None:
-    """AdamW on the averaged gradients in ``opt._grad_buf`` for the `active` parameters
-    (`bounds`: per parameter, max_update's U of the step, None: AdamW's unbounded update;
-    `vstep`: the vector counting the variance's steps; `decay_steps`: the variance decays by
-    beta2 to that power)."""
-    v = opt._flat["exp_avg_sq"]
-    m = opt._flat["exp_avg"]
-    for seg in opt._segments(L, active, vstep=vstep):
-        opt._moments(seg, decay_steps)
-        group = opt.param_groups[seg.group]
+    """AdamW on the averaged gradients in ``fs.grad_buf`` (`fs`: the optimizer's flat state)
+    for the `active` parameters (`bounds`: per parameter, max_update's U of the step, None:
+    AdamW's unbounded update; `vstep`: the vector counting the variance's steps;
+    `decay_steps`: the variance decays by beta2 to that power)."""
+    v = fs.buffers["exp_avg_sq"]
+    m = fs.buffers["exp_avg"]
+    for seg in fs.segments(L, active, vstep=vstep):
+        fs.moments(seg, decay_steps)
+        group = fs.param_groups[seg.group]
         lr, wd = group["lr"], group["weight_decay"]
-        bc1, bc2 = opt._bias_corrections(group, seg)
+        bc1, bc2 = fs.bias_corrections(group, seg)
         # the gradient buffer is consumed by now: it receives sqrt(v^) + eps
-        d = F.denominator(v[seg.lo:seg.hi], bc2, group["eps"], out=opt._grad_buf[seg.lo:seg.hi])
+        d = F.denominator(v[seg.lo:seg.hi], bc2, group["eps"], out=fs.grad_buf[seg.lo:seg.hi])
         for i in seg.idx:
             o = L.offsets[i] - seg.lo
             d_i = d[o:o + L.numels[i]].view(L.shapes[i])
@@ -46,7 +47,7 @@ def adamw_warmup_(opt: BaseOptimizer, L: FlatLayout, active: List[bool], bounds:
                                                                                          lr / bc1, b))
 
 
-def frozen_adamw_step_(opt: BaseOptimizer, stage: OneBitStage, L: FlatLayout,
+def frozen_adamw_step_(fs: FlatState, stage: OneBitStage, L: FlatLayout,
                        factors_of: Optional[Callable[[List[bool]], Optional[Sequence]]] = None) -> bool:
     """The compression stage's step: the new momentum reduced by `stage` straight into m
     (only once every rank has the result; decoded under max_update's caps, see
@@ -54,16 +55,16 @@ def frozen_adamw_step_(opt: BaseOptimizer, stage: OneBitStage, L: FlatLayout,
     bounded by max_update; `factors_of(participating)` (rescale_variance, called
     once the step counts have advanced) gives per parameter a factor of its v^ or None.
     False when the reduction saw NaN/Inf (state unchanged)."""
-    m, v = opt._flat["exp_avg"], opt._flat["exp_avg_sq"]
+    m, v = fs.buffers["exp_avg"], fs.buffers["exp_avg_sq"]
     applied, bounds, segs, factors = stage.step_and_reduce(L, stage.participating(L), stage.momentum_source(L), m,
                                                            factors_of)
     if not applied:
         return False
     scratch = stage.stage_buffer(L)
     for seg in segs:
-        group = opt.param_groups[seg.group]
+        group = fs.param_groups[seg.group]
         lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
-        bc1, bc2 = opt._bias_corrections(group, seg)
+        bc1, bc2 = fs.bias_corrections(group, seg)
         for i in seg.idx:
             # max_update U: |lr m^ / (sqrt(v^) + eps)| <= lr U for every coordinate
             step_bound = None if bounds[i] is None else lr * bounds[i]
@@ -93,8 +94,8 @@ class OneBitAdam(BaseOptimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, freeze_step=freeze_step,
                         bias_correction=bias_correction, rescale_variance=rescale_variance)
         super().__init__(params, defaults, comm)
-        self._onebit = OneBitStage(self, exact_numel=self.comm.exact_numel)
-        self._rescale = self._local_stat = VarianceRescale(self)
+        self._onebit = OneBitStage(self.flat_state, exact_numel=self.comm.exact_numel)
+        self._rescale = self.flat_state.local_stat = VarianceRescale(self.flat_state)
 
     def _validate_group(self, group) -> None:
         super()._validate_group(group)
@@ -119,14 +120,14 @@ class OneBitAdam(BaseOptimizer):
     def compression_stats(self) -> Dict[str, Any]:
         """The momentum reducer's `lbcomm.common.compressor_stats` (zeros before the freeze),
         and ``status``: "compressing", or why nothing is compressed (the warmup, one rank)."""
-        return self._onebit.stats()
+        return self._onebit.report.stats()
 
     def bytes_per_step(self) -> Optional[Dict[str, int]]:
         """What this rank sends per compression-stage step: {"compressed", "exact" (the
         exact_numel parameters' fp32 mean), "agreement" (the finiteness check), "total"};
         with a hierarchical reduction the first two count the bytes between nodes; None
         before the freeze and with one rank."""
-        return self._onebit.bytes_per_step()
+        return self._onebit.report.bytes_per_step()
 
     @property
     def masked_coordinates(self) -> int:
@@ -143,7 +144,7 @@ class OneBitAdam(BaseOptimizer):
                 returns to the automatic mask (coordinates whose variance is zero, or at most
                 comm.mask_threshold times the mean, at the freeze are held at zero).
         """
-        self._onebit.set_momentum_mask(param, mask)
+        self._onebit.set_momentum_mask(self._prepare(), param, mask)
 
     # ------------------------------------------------------------------ step
     def _take_step(self, L: FlatLayout) -> bool:
@@ -155,14 +156,14 @@ class OneBitAdam(BaseOptimizer):
         # The gradients are read where autograd left them; all ranks first agree they are finite.
         if not st.grads_finite(L):
             return self._nonfinite("the local gradients")
-        if not frozen_adamw_step_(self, st, L, self._rescale.factors_of(L)):
+        if not frozen_adamw_step_(self.flat_state, st, L, self._rescale.factors_of(L)):
             return self._nonfinite("the new momenta")
         self._rescale.commit()
-        self._onebit.watch_lr()
+        st.report.watch_lr()
         return True
 
     def _warmup_update(self, L: FlatLayout, active: List[bool]) -> None:
-        adamw_warmup_(self, L, active, [None] * len(L.params))
+        adamw_warmup_(self.flat_state, L, active, [None] * len(L.params))
 
     def _load_extra_state(self, state, extra) -> None:
         self._rescale.loaded()
@@ -173,7 +174,7 @@ class OneBitAdam(BaseOptimizer):
             self._onebit.freeze(L)
             self._rescale.record_reference(L)
             self._attach_views()
-            self._onebit.log_freeze(L)
+            self._onebit.report.log_freeze(L)
 
 
 OneBitAdam.__doc__ = r"""Implements 1-bit Adam: AdamW in the warmup, then a frozen variance

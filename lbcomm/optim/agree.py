@@ -119,54 +119,54 @@ def clip_grad_norm_(opt, max_norm: float, norm_type: float = 2.0, error_if_nonfi
     return total
 
 
-def over_shards(opt, ok: bool) -> bool:
-    """Whether `ok` holds on every rank of `opt`'s shard group (one scalar allreduce; `ok`
-    itself when unsharded)."""
-    if not opt._sharded():
+def over_shards(fs, ok: bool) -> bool:
+    """Whether `ok` holds on every rank of the shard group of the flat state `fs` (a
+    `FlatState`; one scalar allreduce; `ok` itself when unsharded)."""
+    if not fs.sharded():
         return ok
-    flag = torch.tensor([0.0 if ok else 1.0], device=opt._device(opt._layout))
-    opt.shard_transport.all_reduce(flag, op="sum")
+    flag = torch.tensor([0.0 if ok else 1.0], device=fs.device)
+    fs.shard_transport.all_reduce(flag, op="sum")
     return float(flag) == 0.0
 
 
-def per_tensor(opt, L, local: Tensor, op: str = "sum", full: bool = False):
+def per_tensor(fs, L, local: Tensor, op: str = "sum", full: bool = False):
     """Per parameter tensor: `local` ([len(L.params), k], this rank's shard's values)
-    reduced over `opt`'s shard group (sum of the shards' sums, or their max), in layout
+    reduced over the shard group of the flat state `fs` (sum of the shards' sums, or their max), in layout
     order; `local` itself when unsharded. One allreduce, indexed by the parameters'
     numbering in param_groups (torch's state_dict numbering), so that ranks whose layouts
     differ (a parameter whose local shard is empty) take part in the same collective. With
     `full`: the reduced values of every parameter in that numbering, and the index of each
     layout parameter in it."""
-    index = opt._param_indices()
+    index = fs.param_indices()
     n = max(index.values(), default=-1) + 1
     fill = 0.0 if op == "sum" else float("-inf")
     out = torch.full((n,) + tuple(local.shape[1:]), fill, dtype=torch.float32, device=local.device)
     where = torch.tensor([index[id(p)] for p in L.params], dtype=torch.int64, device=local.device)
     if where.numel():
         out[where] = local.float()
-    if opt._sharded():
-        opt.shard_transport.all_reduce(out, op=op)
+    if fs.sharded():
+        fs.shard_transport.all_reduce(out, op=op)
     elif not full:
         return local
     return (out, where) if full else out[where]
 
 
-def check_params_identical(opt, L) -> None:
+def check_params_identical(fs, L) -> None:
     """After the first step and at the freeze: raise `ReplicaDivergenceError` when the
     parameters differ between the ranks of ``comm.process_group`` (one allreduce of
     2 x world_size checksums). Every rank applied the same update, so a difference comes
     from outside the optimizer, and after the freeze no averaging would pull the replicas
     back together."""
-    tr = opt.transport
+    tr = fs.transport
     if tr.world_size == 1 or not L.params:
         return
-    slots = replica_slots([local_tensor(p).detach() for p in L.params], tr.rank, tr.world_size, opt._device(L))
+    slots = replica_slots([local_tensor(p).detach() for p in L.params], tr.rank, tr.world_size, fs.device_of(L))
     tr.all_reduce(slots, op="sum")
     rows = slots.view(-1, 2)
     if bool(torch.isnan(rows).any()) or bool((rows == rows[0]).all()):
         return  # identical (or not finite, which the non-finite policy reports)
     raise ReplicaDivergenceError(
-        f"{type(opt).__name__}: after step {opt.global_step} the parameters differ between the {tr.world_size} "
+        f"{fs.name}: after step {fs.global_step} the parameters differ between the {tr.world_size} "
         "ranks, although every rank applied the same averaged update: something changes them outside the "
         "optimizer, so the replicas drift apart (and after the freeze nothing pulls them back). Common causes: "
         "each rank initialized the model with another seed (call torch.manual_seed with the same seed on every "

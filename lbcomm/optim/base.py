@@ -13,12 +13,14 @@ component (`onebit`) that the 1-bit optimizers hold.
   the optimizer update moments and parameters (`_warmup_update`, math in `functional`). A
   DDP communication hook that has already averaged the gradients sets `grads_averaged` and
   the optimizer does not communicate. An optimizer may let per-parameter values of its own
-  ride in the same allreduce (`_local_slots`; rescale_variance's statistic).
+  ride in the same allreduce (``flat_state.local_stat``; rescale_variance's statistic).
 * Never silent: with ``comm.detect_averaged_grads``, until it is decided, a per-rank
   checksum of the local gradients rides along the warmup allreduce (`agree`); identical
   checksums on every rank raise `lbcomm.errors.AveragedGradientsError` naming the fix.
 * `_after_step`: what follows a successful step (the 1-bit optimizers freeze here).
 
+The flat state itself (layout, buffers, vectors, gradient buffer, device, shard
+agreement) is a `FlatState` (``optimizer.flat_state``, `flatstate`); the pieces take it.
 State: ``optimizer.state[p]`` holds views into the flat buffers (``exp_avg``,
 ``exp_avg_sq``, ...) and fp32 scalars (``step``, ...), as torch optimizers do, and torch's
 `state_dict` carries them; hyperparameters live in the param groups and round-trip as in
@@ -38,10 +40,9 @@ from torch.optim import Optimizer
 from ..comm import get_transport
 from ..compressed import NonFiniteError
 from ..config import CommConfig, resolve
-from . import agree
-from . import functional as F
-from . import state
-from .flat import FlatLayout, Segment, segments
+from . import agree, state, warmup
+from .flat import FlatLayout, Segment
+from .flatstate import FlatState
 
 __all__ = ["BaseOptimizer"]
 
@@ -57,6 +58,8 @@ class BaseOptimizer(Optimizer):
     hyperparameters that must agree across groups in `_GLOBAL_OPTIONS`, and implement
     `_warmup_update`. Communication settings come from `comm` (a `lbcomm.CommConfig`,
     one per optimizer). A 1-bit optimizer sets `_onebit` to its `OneBitStage`.
+
+    The flat state is ``flat_state`` (a `FlatState`); the pieces of an optimizer take it.
 
     Sharded parameters (FSDP2, `lbcomm.fsdp.onebit_optimizer`): DTensor parameters are
     updated through their local shards; per-tensor values (LAMB's norms, the bounds, the
@@ -90,15 +93,12 @@ class BaseOptimizer(Optimizer):
         self.comm = resolve(comm, type(self).__name__)
         self._onebit = None  # the OneBitStage of a 1-bit optimizer (set by it after this __init__)
         self._validate_group(defaults)
-        self._shard_transport = None
         self._transport = None
         self._grads_averaged = False
-        self._layout: Optional[FlatLayout] = None
-        self._layout_stale = False
-        self._flat: Dict[str, Tensor] = {}
-        self._vectors: Dict[str, Tensor] = {}
-        self._grad_buf: Optional[Tensor] = None
-        self._global_step = 0
+        self.flat_state = FlatState(type(self).__name__, self.comm, self._current_groups, defaults,
+                                    self._current_transport, self._param_vectors, self._buffer_names,
+                                    self._probes_averaged_grads)
+        self.flat_state.layout_listeners.append(self._views_on_layout)  # the stage and others add their own
         self.last_step_skipped = False
         self.skipped_steps = 0
         self._loading: Optional[tuple] = None
@@ -108,9 +108,41 @@ class BaseOptimizer(Optimizer):
         if self.process_group is not None:  # a group without its backend is an error now, not at step 1
             self.transport  # noqa: B018
         super().__init__(params, defaults)
-        self.register_state_dict_post_hook(state.save_hook)
-        self.register_load_state_dict_pre_hook(state.load_pre_hook)
-        self.register_load_state_dict_post_hook(state.load_post_hook)
+        # torch calls each hook with the optimizer first: registered unbound, they pickle and deep-copy
+        self.register_state_dict_post_hook(BaseOptimizer._save_entry)
+        self.register_load_state_dict_pre_hook(BaseOptimizer._check_entry)
+        self.register_load_state_dict_post_hook(BaseOptimizer._load_entry)
+
+    def _current_groups(self) -> List[Dict[str, Any]]:
+        return self.param_groups
+
+    def _current_transport(self):
+        return self.transport
+
+    # the flat state under its old names (tests and bench read them; `flat_state` is the object)
+    @property
+    def _flat(self) -> Dict[str, Tensor]:
+        return self.flat_state.buffers
+
+    @property
+    def _vectors(self) -> Dict[str, Tensor]:
+        return self.flat_state.vectors
+
+    @property
+    def _layout(self) -> Optional[FlatLayout]:
+        return self.flat_state.layout
+
+    @property
+    def _grad_buf(self) -> Optional[Tensor]:
+        return self.flat_state.grad_buf
+
+    @_grad_buf.setter
+    def _grad_buf(self, value: Optional[Tensor]) -> None:
+        self.flat_state.grad_buf = value
+
+    @property
+    def _global_step(self) -> int:
+        return self.flat_state.global_step
 
     # ------------------------------------------------------------------ options
     @property
@@ -152,12 +184,12 @@ class BaseOptimizer(Optimizer):
                 raise ValueError(f"{type(self).__name__}: {name} must be the same for all param groups (the whole "
                                  f"model shares one flat buffer); got {param_group[name]!r} != {first[name]!r}")
         super().add_param_group(param_group)
-        if self._layout is not None:
-            self._layout_stale = True
+        if self.flat_state.layout is not None:
+            self.flat_state.stale = True
 
     def _option(self, name: str) -> Any:
         """A global hyperparameter: every group holds the same value (checked in add_param_group)."""
-        return self.param_groups[0][name] if self.param_groups else self.defaults[name]
+        return self.flat_state.option(name)
 
     # ------------------------------------------------------------------ public API
     @property
@@ -183,13 +215,13 @@ class BaseOptimizer(Optimizer):
         """Called by a warmup hook with local gradients before it averages them; a no-op for
         optimizers that need nothing from them (rescale_variance keeps their squared norms,
         which the averaged gradients no longer hold)."""
-        if self._local_stat is not None:
-            self._local_stat.note(params, grads)
+        if self.flat_state.local_stat is not None:
+            self.flat_state.local_stat.note(params, grads)
 
     @property
     def global_step(self) -> int:
         """Steps taken so far (skipped steps do not count)."""
-        return self._global_step
+        return self.flat_state.global_step
 
     @property
     def transport(self):
@@ -209,33 +241,20 @@ class BaseOptimizer(Optimizer):
     @property
     def shard_transport(self):
         """The transport of ``comm.shard_group`` (None when the parameters are not sharded)."""
-        if self.shard_group is not None and self._shard_transport is None:
-            self._shard_transport = get_transport(self.shard_group, backend=self.comm.backend)
-        return self._shard_transport
-
-    def _sharded(self) -> bool:
-        tr = self.shard_transport
-        return tr is not None and tr.world_size > 1
-
-    def _agree_over_shards(self, ok: bool) -> bool:
-        return agree.over_shards(self, ok)
-
-    def _per_tensor(self, L: FlatLayout, local: Tensor, op: str = "sum", full: bool = False):
-        return agree.per_tensor(self, L, local, op, full)
+        return self.flat_state.shard_transport
 
     # ------------------------------------------------------------------ layout
-    def _on_layout(self, old: Optional[FlatLayout], new: FlatLayout) -> None:
-        """The layout changed from `old` (None: first) to `new`; remap per-layout state."""
-        if self._onebit is not None:
-            self._onebit.on_layout(old, new)
+    def _views_on_layout(self, old: Optional[FlatLayout], new: FlatLayout) -> None:
+        """The layout changed from `old` (None: first) to `new`: attach the views."""
+        self._attach_views()
 
     def _attach_views(self) -> None:
         """Expose the flat state per parameter, as torch optimizers do (views, no copies)."""
-        state.attach_views(self)
+        state.attach_views(self.flat_state, self.state)
 
     def _prepare(self) -> FlatLayout:
         """The layout for this step (rebuilt when a parameter started requiring grad)."""
-        return state.prepare(self)
+        return state.prepare(self.flat_state, None if self._onebit is None else self._onebit.check_layout_change)
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
@@ -261,11 +280,12 @@ class BaseOptimizer(Optimizer):
             self.last_step_skipped = True
             self.skipped_steps += 1
             return loss
-        self._global_step += 1
+        fs = self.flat_state
+        fs.global_step += 1
         was_frozen = self.frozen
         self._after_step(L)
-        if self._onebit is not None and (self._global_step == 1 or self.frozen != was_frozen):
-            agree.check_params_identical(self, L)  # the 1-bit optimizers' replicas must stay bitwise identical
+        if self._onebit is not None and (fs.global_step == 1 or self.frozen != was_frozen):
+            agree.check_params_identical(fs, L)  # the 1-bit optimizers' replicas must stay bitwise identical
         return loss
 
     def _take_step(self, L: FlatLayout) -> bool:
@@ -307,80 +327,22 @@ class BaseOptimizer(Optimizer):
         self.gradient_stats.finish(work, gsq, fold=not skipped and (gsq is not None or not exact))
 
     # ---------------------------------------------------------- the warmup
-    # the component whose per-step values ride in the step's one small collective (the
-    # warmup allreduce, the finiteness agreement): slots(L), fill(L, buf, out), reduced(L,
-    # mean) and note(params, grads); rescale_variance's `VarianceRescale`, or None
-    _local_stat = None
-
-    def _local_slots(self, L: FlatLayout) -> int:
-        """Per-step values of the optimizer's own that ride in the warmup allreduce (and are
-        averaged with the gradients): how many (default: none)."""
-        return 0 if self._local_stat is None else self._local_stat.slots(L)
-
-    def _fill_local_slots(self, L: FlatLayout, buf: Optional[Tensor], out: Tensor) -> None:
-        """Write this rank's `_local_slots` values into `out` (buf: the local flat gradients,
-        None: each parameter's .grad)."""
-        if self._local_stat is not None:
-            self._local_stat.fill(L, buf, out)
-
-    def _reduced_local_slots(self, L: FlatLayout, slots: Tensor) -> None:
-        """The `_local_slots` after the allreduce (the ranks' mean; local with `grads_averaged`)."""
-        if self._local_stat is not None:
-            self._local_stat.reduced(L, slots)
-
-    def _collect_grads(self, L: FlatLayout) -> Tensor:
-        """Copy every gradient into the flat fp32 buffer (zeros where a parameter has none)
-        and set the has-grad flags after it. Returns buffer and flags (the buffer holds
-        `_local_slots` more slots and 2 x world_size for `agree.replica_slots`)."""
-        n, k = len(L.params), self._local_slots(L)
-        size = L.total + n + k + (2 * self.transport.world_size if self._detecting() else 0)
-        if self._grad_buf is None or self._grad_buf.numel() != size:
-            self._grad_buf = torch.empty(size, dtype=torch.float32, device=self._device(L))
-        buf = self._grad_buf[:L.total + n]
-        flags = []
-        for i in range(n):
-            view = L.view(buf, i)
-            g = L.grad(i)
-            if g is None:
-                view.zero_()
-                flags.append(0.0)
-            else:
-                if g.is_sparse:
-                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-                view.copy_(g)
-                flags.append(1.0)
-        if flags:
-            buf[L.total:].copy_(torch.tensor(flags, dtype=torch.float32))
-        if k and not self._grads_averaged:
-            self._fill_local_slots(L, buf, self._grad_buf[L.total + n:L.total + n + k])
-        return buf
-
     @staticmethod
     def _device(L: FlatLayout) -> torch.device:
-        return L.params[0].device if L.params else torch.device("cpu")
+        return FlatState.device_of(L)
 
     def _warmup_step(self, L: FlatLayout) -> bool:
-        buf = self._collect_grads(L)
-        tr = self.transport
-        k = self._local_slots(L)
-        if tr.world_size > 1 and not self._grads_averaged:
-            probe = self._probe_warmup and self._detecting()
-            width = buf.numel() + k
-            if probe:  # the checksum slots ride along (undecided steps only)
-                self._grad_buf[width:].copy_(agree.replica_slots([buf[:L.total]], tr.rank, tr.world_size, buf.device))
-                width = self._grad_buf.numel()
-            # sum in buckets, all in flight at once, then divide by the world size
-            tr.all_reduce(self._grad_buf[:width], op="mean",
-                          bucket_bytes=max(1, int(self.comm.bucket_cap_mb * 2**20)))
-            if probe:
-                self._probe_warmup = not self._check_replicas(self._grad_buf[buf.numel() + k:], "warmup")
-        if k:
-            self._reduced_local_slots(L, self._grad_buf[buf.numel():buf.numel() + k])
+        """Average the gradients (`warmup.average_grads`), then the update (`_warmup_update`)."""
+        fs = self.flat_state
+        buf, decided = warmup.average_grads(fs, L, self._grads_averaged, self.frozen,
+                                            self._check_replicas if self._probe_warmup else None)
+        if decided is not None:
+            self._probe_warmup = not decided
         if self.gradient_stats is not None and not self._grads_averaged:  # the global norm for lbcomm.stats
             self._stats_gsq = torch.linalg.vector_norm(buf[:L.total]).square()
         # Every rank holds the same average (or, with a DDP hook, the same averaged grads),
         # so every rank reaches the same verdict here (sharded: the shard group agrees too).
-        if not self._agree_over_shards(bool(torch.isfinite(buf).all())):
+        if not fs.over_shards(bool(torch.isfinite(buf).all())):
             return self._nonfinite("the averaged gradients")
         active = (buf[L.total:] > 0).tolist()
         self._warmup_update(L, active)
@@ -388,17 +350,11 @@ class BaseOptimizer(Optimizer):
 
     def _detecting(self) -> bool:
         """Whether this optimizer checks for gradients that arrive averaged already."""
-        return (self._probes_averaged_grads and self.comm.detect_averaged_grads
-                and self.transport.world_size > 1)
+        return self.flat_state.detecting()
 
     def _check_replicas(self, slots: Tensor, stage: str) -> bool:
-        """Raise `AveragedGradientsError` when the reduced replica slots say that every rank
-        holds the same gradients; return whether the check was decided."""
-        same = agree.replicas_identical(slots)
-        if same:
-            raise agree.averaged_grads_error(type(self).__name__, self._global_step + 1, self.transport.world_size,
-                                             stage)
-        return same is not None
+        """`FlatState.check_replicas` (`Lars` and `DecentLaM` word the error their own way)."""
+        return self.flat_state.check_replicas(slots, stage)
 
     def _nonfinite(self, what: str) -> bool:
         msg = (f"{type(self).__name__}: {what} hold NaN or Inf at step {self._global_step + 1} (on at least one "
@@ -411,39 +367,35 @@ class BaseOptimizer(Optimizer):
         return False
 
     def _segments(self, L: FlatLayout, include: Sequence[bool], vstep: Optional[str] = None) -> List[Segment]:
-        """Advance the step count of the included parameters and cut them into runs of one
-        group with equal step counts (the bias corrections are then scalars per run); the
-        variance's step count is `vstep`'s vector if given (a frozen variance), else the step."""
-        idx = [i for i, on in enumerate(include) if on]
-        if not idx:
-            return []
-        steps = self._vectors["step"]
-        steps[idx] += 1
-        s = steps.tolist()
-        return segments(L, include, s, self._vectors[vstep].tolist() if vstep else s)
+        return self.flat_state.segments(L, include, vstep)
 
+    # the warmup math of Lamb and OneBitLamb goes through these two (a subclass may override them)
     def _bias_corrections(self, group: Dict[str, Any], seg: Segment):
-        if not group.get("bias_correction", True):
-            return 1.0, 1.0
-        b1, b2 = group["betas"]
-        return 1 - b1 ** seg.step, 1 - b2 ** seg.vstep
+        return self.flat_state.bias_corrections(group, seg)
 
     def _moments(self, seg: Segment, decay_steps: int = 1) -> None:
-        """Warmup moments of a segment on the averaged gradients; the variance decays by
-        beta2^decay_steps (ZeroOneAdam's variance updates cover several steps)."""
-        b1, b2 = self.param_groups[seg.group]["betas"]
-        sl = slice(seg.lo, seg.hi)
-        F.moments_(self._flat["exp_avg"][sl], self._flat["exp_avg_sq"][sl], self._grad_buf[sl], b1,
-                   b2 ** decay_steps)
+        self.flat_state.moments(seg, decay_steps)
 
     def _warmup_update(self, L: FlatLayout, active: List[bool]) -> None:
         raise NotImplementedError
-    # ------------------------------------------------------------------ checkpoints (see `state`)
-    def _param_indices(self) -> Dict[int, int]:
-        return state.param_indices(self)
 
-    def _build_layout(self, order: Optional[Sequence[int]] = None) -> FlatLayout:
-        return state.build_layout(self, order)
+    # ------------------------------------------------------------------ checkpoints (see `state`)
+    def _save_entry(self, sd: Dict[str, Any]) -> Dict[str, Any]:
+        """torch's state-dict post hook: the ``"lbcomm"`` entry."""
+        sd["lbcomm"] = self._extra_state()
+        return sd
+
+    def _check_entry(self, sd: Dict[str, Any]) -> Dict[str, Any]:
+        """torch's load pre hook: check the entry, keep the per-parameter state for the post hook."""
+        self._loading, sd = state.check_loadable(type(self).__name__, state.state_class(self),
+                                                 self._onebit is not None, sd)
+        return sd
+
+    def _load_entry(self) -> None:
+        """torch's load post hook: rebuild the flat state bit for bit (`_load_extra_state`)."""
+        saved, extra = self._loading
+        self._loading = None
+        self._load_extra_state(saved, extra)
 
     def _buffer_names(self) -> tuple:
         """The flat buffers the state holds now (the 1-bit optimizers add some at the freeze)."""
@@ -454,31 +406,16 @@ class BaseOptimizer(Optimizer):
         besides the compression error feedback (`compression_state`): what a framework
         callback that restores rank 0's optimizer state on every rank must save and restore
         per rank, with `load_rank_local_buffers`. Empty when there are none (yet)."""
-        return {n: self._flat[n] for n in self._rank_local_buffers if n in self._flat}
+        flat = self.flat_state.buffers
+        return {n: flat[n] for n in self._rank_local_buffers if n in flat}
 
     def load_rank_local_buffers(self, saved: Optional[Dict[str, Tensor]], all_ranks=None) -> None:
         """Restore this rank's `rank_local_buffers` from `saved` (what this rank saved).
         `all_ranks`: every saved rank's, in rank order, for a resume with another world
         size: each buffer becomes their mean. None (a checkpoint without them): each starts
         as it does at the freeze (`_reset_rank_local`), with a logged warning."""
-        mine = self.rank_local_buffers()
-        if not mine:
-            return
-        if all_ranks is not None:
-            saved = {n: state.rank_mean([r[n] for r in all_ranks])
-                     for n in mine if all(r is not None and n in r for r in all_ranks)}
-        missing = sorted(n for n in mine if saved is None or n not in saved)
-        if missing:
-            _log.warning("%s: the checkpoint has no rank-local %s; they start from this rank's restored state "
-                         "as at the freeze", type(self).__name__, ", ".join(missing))
-            self._reset_rank_local(missing)
-        for n, buf in mine.items():
-            if n in missing:
-                continue
-            if saved[n].numel() != buf.numel():
-                raise ValueError(f"{type(self).__name__}.load_rank_local_buffers: {n} holds {saved[n].numel()} "
-                                 f"elements, this optimizer's {buf.numel()} (another model or layout)")
-            buf.copy_(saved[n].reshape(-1))
+        state.load_rank_local(type(self).__name__, self.rank_local_buffers(), saved, all_ranks,
+                              self._reset_rank_local)
 
     def _reset_rank_local(self, names) -> None:
         """Start the named rank-local buffers as at the freeze (subclasses with some)."""
@@ -486,7 +423,8 @@ class BaseOptimizer(Optimizer):
 
     def _extra_state(self) -> Dict[str, Any]:
         """State that is not per parameter (subclasses extend)."""
-        extra = state.base_extra_state(self)
+        extra = state.extra_state(self.flat_state, state.state_class(self), self.skipped_steps,
+                                  self.rank_local_buffers())
         if self._onebit is not None:
             extra.update(self._onebit.state_dict())
         return extra
@@ -495,6 +433,9 @@ class BaseOptimizer(Optimizer):
         """Rebuild the state from a loaded state dict (subclasses extend)."""
         if self._onebit is not None:
             self._onebit.begin_load(extra)
-        state.restore(self, saved, extra)
+        self.skipped_steps = int(extra["skipped_steps"])
+        state.restore(self.flat_state, saved, extra)
+        if self.flat_state.layout is not None:
+            self._attach_views()
         if self._onebit is not None:
-            self._onebit.finish_load(self._layout, extra)
+            self._onebit.finish_load(self.flat_state.layout, extra)

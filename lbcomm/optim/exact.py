@@ -46,13 +46,14 @@ class ExactPart:
             starts = [0]
             for i in members:
                 starts.append(starts[-1] + L.numels[i])
-            index = exact_index(L.numels, self.limit, offsets=L.offsets, whole=whole, device=self.stage.opt._device(L))
+            index = exact_index(L.numels, self.limit, offsets=L.offsets, whole=whole,
+                                device=self.stage.fs.device_of(L))
             self._part = (index, list(zip(members, starts)))
         return None if self._part[0] is None else self._part
 
     def grads(self, L: FlatLayout, places, out: Optional[Tensor] = None) -> Tensor:
         """The local gradients of the exact parameters, concatenated in fp32 (into `out`)."""
-        dev = self.stage.opt._device(L)
+        dev = self.stage.fs.device_of(L)
         parts = [torch.zeros(L.numels[i], dtype=torch.float32, device=dev) if L.grad(i) is None
                  else L.grad(i).reshape(-1) for i, _ in places]
         if out is None:
@@ -75,9 +76,8 @@ class ExactPart:
             return self._mean_of_source(L, source, index, places)
         m, weights, scale = source.momentum
         dev, n = index.device, index.numel()
-        opt = self.stage.opt
         if fused is not None:  # summed by grads_finite's allreduce
-            g = fused.div_(opt.transport.world_size)
+            g = fused.div_(self.stage.fs.transport.world_size)
         else:  # on nodes of several ranks hierarchical_mean_: 1/G of the bytes between nodes
             g = self.exact_mean().start(self.grads(L, places))()
         if not bool(torch.isfinite(g).all()):
@@ -109,7 +109,7 @@ class ExactPart:
     def exact_mean(self) -> ExactMean:
         """How the exact gradients are averaged when the agreement did not sum them."""
         topology = self.stage.topology
-        return ExactMean(topology=topology) if topology is not None else ExactMean(transport=self.stage.opt.transport)
+        return ExactMean(topology=topology) if topology is not None else ExactMean(transport=self.stage.fs.transport)
 
     @staticmethod
     def put(L: FlatLayout, values: Tensor, lo: int, hi: int, exact) -> Tensor:

@@ -26,7 +26,8 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 from torch import Tensor
 
-__all__ = ["AutoFreeze", "AUTO", "WINDOW", "TOL", "MIN_STEP", "MAX_STEP", "SAMPLE", "check_freeze_option"]
+__all__ = ["AutoFreeze", "AUTO", "WINDOW", "TOL", "MIN_STEP", "MAX_STEP", "SAMPLE", "check_freeze_option",
+           "preconditioner", "all_agree"]
 
 _log = logging.getLogger(__name__)
 
@@ -120,3 +121,40 @@ class AutoFreeze:
         self.decided_at, self.last_change = saved["decided_at"], saved["last_change"]
         self._prev, self._prev_step, self._prev_lrs = saved["prev"], int(saved["prev_step"]), saved["prev_lrs"]
         self._index, self._numel = None, -1  # drawn again: the same draw
+
+
+def preconditioner(fs, L, vstep: str):
+    """For `AutoFreeze.check`, of the flat state `fs` (a `FlatState`) and its layout `L`:
+    index -> sqrt(v^) at those flat coordinates (each with its parameter's bias correction)."""
+    steps = fs.vectors[vstep].tolist()
+    bc = []
+    for i, gi in enumerate(L.group_of):
+        group = fs.param_groups[gi]
+        b2 = group["betas"][1]
+        bc.append(1 - b2 ** steps[i] if group.get("bias_correction", True) and steps[i] > 0 else 1.0)
+    v = fs.buffers["exp_avg_sq"]
+
+    def precond(index: Tensor) -> Tensor:
+        starts = torch.tensor(L.offsets, dtype=torch.long, device=index.device)
+        owner = (torch.searchsorted(starts, index, right=True) - 1).clamp_(min=0)
+        scale = torch.tensor(bc, dtype=torch.float64, device=index.device)[owner]
+        return (v[index].double() / scale).sqrt_()
+
+    return precond
+
+
+def all_agree(fs, vote: bool) -> bool:
+    """The AND of every rank's vote (one 4-byte allreduce over the flat state's transport;
+    the shard group's too)."""
+    tr, shards = fs.transport, fs.sharded()
+    if tr.world_size == 1 and not shards:
+        return vote
+    flag = torch.tensor([1.0 if vote else 0.0], device=fs.device)
+    want = 1
+    if tr.world_size > 1:
+        tr.all_reduce(flag, op="sum")
+        want *= tr.world_size
+    if shards:
+        fs.shard_transport.all_reduce(flag, op="sum")
+        want *= fs.shard_transport.world_size
+    return int(flag.item()) == want

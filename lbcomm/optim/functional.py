@@ -2,7 +2,7 @@
 fp32 slices of the state and the parameters they belong to. No communication, no state
 bookkeeping (that is `base` and `onebit`); the order of operations is part of the
 contract (the warmup is bitwise torch.optim.AdamW, the tests compare bitwise against
-`lbcomm.optim.reference`).
+`lbcomm.testing.optim`).
 """
 from __future__ import annotations
 

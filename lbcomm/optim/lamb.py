@@ -11,6 +11,7 @@ from ..config import CommConfig
 from . import functional as F
 from .base import BaseOptimizer
 from .flat import FlatLayout, Segment
+from .flatstate import FlatState
 
 __all__ = ["Lamb", "lamb_warmup_", "lamb_step_", "check_range"]
 
@@ -32,16 +33,21 @@ def lamb_step_(p: Tensor, u: Tensor, coef: Tensor, lr: float) -> None:
     F.apply_fp32(p, lambda w: w.add_(u, alpha=-lr))
 
 
-def lamb_warmup_(opt: BaseOptimizer, L: FlatLayout, active: List[bool],
-                 track: Optional[Callable[[Segment, Tensor], None]] = None) -> None:
-    """LAMB on the averaged gradients in ``opt._grad_buf`` for the `active` parameters;
-    `track(seg, c)` sees each segment's trust ratios (1-bit LAMB averages them)."""
-    m, v, buf = opt._flat["exp_avg"], opt._flat["exp_avg_sq"], opt._grad_buf
-    segs, norms = opt._segments(L, active), []
+def lamb_warmup_(fs: FlatState, L: FlatLayout, active: List[bool],
+                 track: Optional[Callable[[Segment, Tensor], None]] = None, moments=None, corrections=None) -> None:
+    """LAMB on the averaged gradients in ``fs.grad_buf`` (`fs`: the optimizer's flat state)
+    for the `active` parameters; `track(seg, c)` sees each segment's trust ratios (1-bit
+    LAMB averages them). `moments(seg)` and `corrections(group, seg)` replace
+    `FlatState.moments` and `FlatState.bias_corrections` (the optimizer's `_moments` and
+    `_bias_corrections`, which a subclass may override)."""
+    moments = fs.moments if moments is None else moments
+    corrections = fs.bias_corrections if corrections is None else corrections
+    m, v, buf = fs.buffers["exp_avg"], fs.buffers["exp_avg_sq"], fs.grad_buf
+    segs, norms = fs.segments(L, active), []
     for seg in segs:
-        opt._moments(seg)
-        group = opt.param_groups[seg.group]
-        bc1, bc2 = opt._bias_corrections(group, seg)
+        moments(seg)
+        group = fs.param_groups[seg.group]
+        bc1, bc2 = corrections(group, seg)
         sl = slice(seg.lo, seg.hi)
         # u = m^ / (sqrt(v^) + eps) [+ wd p], written into the gradient buffer (g is consumed)
         F.lamb_direction(m[sl], v[sl], bc1, bc2, group["eps"], out=buf[sl])
@@ -50,14 +56,14 @@ def lamb_warmup_(opt: BaseOptimizer, L: FlatLayout, active: List[bool],
                 L.view(buf, i).add_(L.tensor(i), alpha=group["weight_decay"])
         norms.append(torch.stack([F.norms([L.tensor(i) for i in seg.idx]),
                                   F.norms([L.view(buf, i) for i in seg.idx])], 1))
-    if opt._sharded():  # the norms of whole parameters: squares summed over the shards
-        flat = torch.zeros(len(L.params), 2, dtype=torch.float32, device=opt._device(L))
+    if fs.sharded():  # the norms of whole parameters: squares summed over the shards
+        flat = torch.zeros(len(L.params), 2, dtype=torch.float32, device=fs.device_of(L))
         for seg, n in zip(segs, norms):
             flat[seg.idx] = n.square()
-        flat = opt._per_tensor(L, flat).sqrt_()
+        flat = fs.per_tensor(L, flat).sqrt_()
         norms = [flat[seg.idx] for seg in segs]
     for seg, n in zip(segs, norms):
-        group = opt.param_groups[seg.group]
+        group = fs.param_groups[seg.group]
         c = F.trust_ratio(n[:, 0], n[:, 1], *group["coeff_range"])
         if track is not None:
             track(seg, c)
@@ -89,7 +95,7 @@ class Lamb(BaseOptimizer):
         check_range("coeff_range", group["coeff_range"], 0.0)
 
     def _warmup_update(self, L: FlatLayout, active: List[bool]) -> None:
-        lamb_warmup_(self, L, active)
+        lamb_warmup_(self.flat_state, L, active, moments=self._moments, corrections=self._bias_corrections)
 
 
 Lamb.__doc__ = r"""Implements LAMB (layer-wise adaptive moments), the full-precision twin of

@@ -1,7 +1,7 @@
 """ZeroOneAdam's local-step stage (after var_freeze_step): local steps without communication
 between synchronizations, and the synchronization that rebuilds every rank's parameters
 from the anchor with one compressed allreduce (see `ZeroOneAdam`'s docs for the equations).
-Functions of the optimizer `opt` (a ZeroOneAdam) and its `OneBitStage`."""
+Functions of a ZeroOneAdam's flat state `fs` (a `FlatState`) and its `OneBitStage`."""
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -13,11 +13,35 @@ from . import functional as F
 from . import kernels
 from .flat import FlatLayout
 
-__all__ = ["local_step_", "sync_step_"]
+__all__ = ["local_step_", "sync_step_", "start_", "initial_schedule", "interval"]
 
 # rescale_variance's factors (`VarianceRescale.factors_of`): called with the participating
 # parameters once their step counts have advanced; per parameter a factor of v^, or None
 FactorsOf = Optional[Callable[[List[bool]], Optional[Sequence[Optional[float]]]]]
+
+
+def initial_schedule() -> Dict[str, Any]:
+    """ZeroOneAdam's schedule (checkpointed): var_updates, the variance updates so far;
+    next_var, the step of the next one (0: none left); local, the local-step stage has
+    begun; syncs, synchronizations in it so far; next_sync, the step of the next one."""
+    return {"var_updates": 0, "next_var": 1, "local": False, "syncs": 0, "next_sync": 0}
+
+
+def interval(syncs: int, scaler: int, clipper: int) -> int:
+    """The steps between two synchronizations after `syncs` of them: min(2^(syncs // scaler), clipper)."""
+    return min(2 ** (syncs // scaler), clipper)
+
+
+def start_(fs, L: FlatLayout) -> None:
+    """The local-step stage begins: its buffers (``local_update``, the accumulation, and
+    ``anchor``, the parameters now) and the interval's vectors; no gradient buffer."""
+    fs.grad_buf = None
+    fs.buffers["local_update"] = torch.zeros_like(fs.buffers["exp_avg"])
+    anchor = fs.buffers["anchor"] = torch.empty_like(fs.buffers["exp_avg"])
+    for i, p in enumerate(L.params):
+        L.view(anchor, i).copy_(p.detach())
+    fs.vectors["interval_lr"].zero_()
+    fs.vectors["interval_keep"].fill_(1.0)
 
 
 def _bc1(group: Dict[str, Any], step: float) -> float:
@@ -33,10 +57,10 @@ def _local_momentum(m_i: Tensor, g: Optional[Tensor], weight: float, out: Tensor
     torch.lerp(m_i, g.reshape(-1), weight, out=out)
 
 
-def _interval_vectors(opt, idx_by_group: Dict[int, List[int]], out_lr: Tensor, out_keep: Tensor) -> None:
+def _interval_vectors(fs, idx_by_group: Dict[int, List[int]], out_lr: Tensor, out_keep: Tensor) -> None:
     """Add this step's lr to interval_lr and its decay factor to interval_keep (fp32)."""
     for gi, idx in idx_by_group.items():
-        group = opt.param_groups[gi]
+        group = fs.param_groups[gi]
         out_lr[idx] += group["lr"]
         out_keep[idx] *= 1 - group["lr"] * group["weight_decay"]
 
@@ -49,46 +73,46 @@ def _by_group(L: FlatLayout, include: List[bool]) -> Dict[int, List[int]]:
     return out
 
 
-def local_step_(opt, L: FlatLayout, factors_of: FactorsOf = None) -> None:
+def local_step_(fs, stage, L: FlatLayout, factors_of: FactorsOf = None) -> None:
     """No communication: the local momentum and an AdamW step with the frozen variance
     (rescaled by `factors_of`'s factors), accumulated into local_update."""
-    m, v, acc = opt._flat["exp_avg"], opt._flat["exp_avg_sq"], opt._flat["local_update"]
-    part = opt._onebit.participating(L)
+    m, v, acc = fs.buffers["exp_avg"], fs.buffers["exp_avg_sq"], fs.buffers["local_update"]
+    part = stage.participating(L)
     for i, on in enumerate(part):
         if on:
             m_i = L.view(m, i).view(-1)
-            _local_momentum(m_i, L.params[i].grad, 1 - opt.param_groups[L.group_of[i]]["betas"][0], m_i)
-    opt._onebit.mask_range(m, 0, L.total)
-    scratch, bounds = opt._onebit.stage_buffer(L), opt._onebit.update_bounds(L)
-    segs = opt._segments(L, part, vstep="variance_step")
+            _local_momentum(m_i, L.params[i].grad, 1 - fs.param_groups[L.group_of[i]]["betas"][0], m_i)
+    stage.mask_range(m, 0, L.total)
+    scratch, bounds = stage.stage_buffer(L), stage.update_bounds(L)
+    segs = fs.segments(L, part, vstep="variance_step")
     factors = None if factors_of is None else factors_of(part)
     for seg in segs:
-        group = opt.param_groups[seg.group]
+        group = fs.param_groups[seg.group]
         lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
-        bc1, bc2 = opt._bias_corrections(group, seg)
+        bc1, bc2 = fs.bias_corrections(group, seg)
         for i in seg.idx:
             b = None if bounds[i] is None else lr * bounds[i]
             F.apply_fp32(L.params[i], lambda w, i=i, b=b, c=F.rescaled_bc2(bc2, factors, i): kernels.frozen_adamw_(
                 w, L.view(m, i), L.view(v, i), c, eps, lr * wd, lr / bc1, scratch, b))
             L.view(acc, i).add_(L.view(m, i), alpha=lr / bc1)
-    _interval_vectors(opt, _by_group(L, part), opt._vectors["interval_lr"], opt._vectors["interval_keep"])
+    _interval_vectors(fs, _by_group(L, part), fs.vectors["interval_lr"], fs.vectors["interval_keep"])
 
 
-def sync_step_(opt, L: FlatLayout, factors_of: FactorsOf = None) -> bool:
+def sync_step_(fs, stage, L: FlatLayout, factors_of: FactorsOf = None) -> bool:
     """The local step's momentum, then one compressed allreduce of the interval's mean
     bias-corrected momentum (times bc1) into m, and every rank's parameters rebuilt from
     the anchor with the variance as rescaled at this step (`factors_of`); False (nothing
     changed) when the result is non-finite."""
-    m, v = opt._flat["exp_avg"], opt._flat["exp_avg_sq"]
-    acc, anchor = opt._flat["local_update"], opt._flat["anchor"]
-    part = opt._onebit.participating(L)
-    steps = opt._vectors["step"].tolist()
-    lr_sum, keep = opt._vectors["interval_lr"].clone(), opt._vectors["interval_keep"].clone()
-    _interval_vectors(opt, _by_group(L, part), lr_sum, keep)
+    m, v = fs.buffers["exp_avg"], fs.buffers["exp_avg_sq"]
+    acc, anchor = fs.buffers["local_update"], fs.buffers["anchor"]
+    part = stage.participating(L)
+    steps = fs.vectors["step"].tolist()
+    lr_sum, keep = fs.vectors["interval_lr"].clone(), fs.vectors["interval_keep"].clone()
+    _interval_vectors(fs, _by_group(L, part), lr_sum, keep)
     sums = lr_sum.tolist()
     weights, alphas, scales = [], [], []
     for i, gi in enumerate(L.group_of):
-        group = opt.param_groups[gi]
+        group = fs.param_groups[gi]
         weights.append(1 - group["betas"][0])
         if part[i]:
             bc1 = _bc1(group, steps[i] + 1)
@@ -108,15 +132,15 @@ def sync_step_(opt, L: FlatLayout, factors_of: FactorsOf = None) -> bool:
                 out.mul_(scales[i])
 
     # the interval's momentum is in m's units: the rebuild's bound total U is m's cap too
-    applied, bounds, segs, factors = opt._onebit.step_and_reduce(L, part, source, m, factors_of)
+    applied, bounds, segs, factors = stage.step_and_reduce(L, part, source, m, factors_of)
     if not applied:
         return False
-    scratch = opt._onebit.stage_buffer(L)
+    scratch = stage.stage_buffer(L)
     keeps = keep.tolist()
     for seg in segs:
-        group = opt.param_groups[seg.group]
+        group = fs.param_groups[seg.group]
         eps = group["eps"]
-        bc1, bc2 = opt._bias_corrections(group, seg)
+        bc1, bc2 = fs.bias_corrections(group, seg)
         for i in seg.idx:
             total = sums[i]
             b = None if bounds[i] is None else total * bounds[i]
@@ -130,6 +154,6 @@ def sync_step_(opt, L: FlatLayout, factors_of: FactorsOf = None) -> bool:
 
             F.apply_fp32(L.params[i], rebuild)
     acc.zero_()
-    opt._vectors["interval_lr"].zero_()
-    opt._vectors["interval_keep"].fill_(1.0)
+    fs.vectors["interval_lr"].zero_()
+    fs.vectors["interval_keep"].fill_(1.0)
     return True

@@ -22,10 +22,10 @@ __all__ = ["MomentumMask"]
 
 
 class MomentumMask:
-    """The mask over the flat momentum of the optimizer `opt`."""
+    """The mask over the flat momentum of the flat state `fs` (a `FlatState`)."""
 
-    def __init__(self, opt):
-        self.opt = opt
+    def __init__(self, fs):
+        self.fs = fs
         self.mask: Optional[Tensor] = None  # int64 indices (few masked) or bool (many): True/listed = held at zero
         self.counts = (0, 0)  # (variance exactly zero, at most the threshold) at the last build
         self.user: Dict[int, Tensor] = {}  # layout index -> bool mask (True = trained)
@@ -40,9 +40,8 @@ class MomentumMask:
         if old is not None:
             self.user = {new.index[id(old.params[j])]: m for j, m in self.user.items() if id(old.params[j]) in new.index}
 
-    def set_user(self, param: Tensor, mask: Optional[Tensor], rebuild: bool) -> None:
-        """A user mask for one parameter (None: back to the automatic one); `rebuild` now."""
-        L = self.opt._prepare()
+    def set_user(self, L: FlatLayout, param: Tensor, mask: Optional[Tensor], rebuild: bool) -> None:
+        """A user mask for one parameter of the layout `L` (None: back to the automatic one); `rebuild` now."""
         i = L.index.get(id(param))
         if i is None:
             raise ValueError("set_momentum_mask: the tensor is not a parameter of this optimizer that requires grad")
@@ -59,14 +58,14 @@ class MomentumMask:
 
     def build(self, L: FlatLayout) -> None:
         """The mask from the variance as it is now (see the module docs)."""
-        opt = self.opt
-        v = opt._flat["exp_avg_sq"]
-        if opt._sharded():  # the mean variance of the whole model, over the shards
+        fs = self.fs
+        v = fs.buffers["exp_avg_sq"]
+        if fs.sharded():  # the mean variance of the whole model, over the shards
             total = torch.stack([v.sum(dtype=torch.float32), torch.tensor(float(v.numel()), device=v.device)])
-            opt.shard_transport.all_reduce(total, op="sum")
-            thr = opt.comm.mask_threshold * float(total[0] / total[1]) if float(total[1]) else 0.0
+            fs.shard_transport.all_reduce(total, op="sum")
+            thr = fs.comm.mask_threshold * float(total[0] / total[1]) if float(total[1]) else 0.0
         else:
-            thr = opt.comm.mask_threshold * float(v.mean()) if v.numel() else 0.0
+            thr = fs.comm.mask_threshold * float(v.mean()) if v.numel() else 0.0
         zero = v <= thr
         self.counts = (int((v == 0).sum()), int(zero.sum()))
         for i, mask in self.user.items():
@@ -100,7 +99,7 @@ class MomentumMask:
         if mask.dtype == torch.bool:
             values.masked_fill_(mask[lo:hi], value)
             return
-        if lo == 0 and hi >= self.opt._layout.total:
+        if lo == 0 and hi >= self.fs.layout.total:
             values.index_fill_(0, mask, value)
             return
         a, b = (int(x) for x in torch.searchsorted(mask, torch.tensor([lo, hi], device=mask.device)))
@@ -111,5 +110,5 @@ class MomentumMask:
         """Restore a saved mask and user masks onto the layout's device."""
         self.user = {int(i): m.to(device=L.params[int(i)].device, dtype=torch.bool).clone() for i, m in user.items()}
         if mask is not None:
-            self.mask = mask.to(device=self.opt._device(L),
+            self.mask = mask.to(device=self.fs.device_of(L),
                                 dtype=torch.bool if mask.dtype == torch.bool else torch.int64).clone()

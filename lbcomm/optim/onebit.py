@@ -16,7 +16,8 @@
   masked. m is written only after every rank has the result, so a non-finite value on any
   rank leaves every rank's state exactly as it was.
 * exact_numel: the parameters of at most that many elements take their new momentum from
-  the gradients averaged exactly, and their errors stay zero (`exact`).
+  the gradients averaged exactly, and their errors stay zero (`exact`). max_update's
+  bounds are `bounds`; logs, warnings and bytes per step `onebit_report`.
 
 Topology (docs/topology.md): with nodes of several ranks (``comm.topology``: a `Topology`,
 or "auto" under torchrun with more than one node) the reducer is a `HierarchicalState`
@@ -30,59 +31,40 @@ Sharded parameters (FSDP2): the shard's momentum is compressed over ``comm.proce
 """
 from __future__ import annotations
 
-import atexit
 import logging
-import warnings
-import weakref
 from typing import Any, Callable, Dict, List, Optional, Union
 
 import torch
 from torch import Tensor
 
-from ..common import compressor_stats, report_exact_share, ring_allreduce_bytes
 from ..compressed import NonFiniteError
-from ..errors import NotCompressedWarning
 from ..reducer import make_reducer, resolve_topology
 from ..topology import Topology
-from . import agree
-from . import functional as F
+from . import agree, bounds
 from .exact import ExactPart
 from .flat import FlatLayout
-from .freeze import AUTO, MAX_STEP, AutoFreeze
+from .freeze import AUTO, AutoFreeze, all_agree, preconditioner
 from .functional import STAGE
 from .mask import MomentumMask
+from .onebit_report import StageReport
 
 __all__ = ["OneBitStage"]
 
 _log = logging.getLogger(__name__)
 
-# watch_lr's threshold: an lr this many times the lr at the freeze is warned about
-LR_RISE = 1.5
-
 Source = Callable[[int, int, Tensor], None]
-
-_LIVE: "weakref.WeakSet[OneBitStage]" = weakref.WeakSet()
-
-
-@atexit.register
-def _warn_never_compressed() -> None:
-    """At exit: a run of several ranks that never compressed says so (once per optimizer)."""
-    for stage in list(_LIVE):
-        try:
-            stage.warn_uncompressed("the run ended")
-        except Exception:  # noqa: BLE001 - the process group may be gone at exit
-            pass
 Sink = Union[Tensor, Callable[[int, int, Tensor], None]]
 
 
 class OneBitStage:
     """The freeze, the momentum mask, max_update's bound and the compressed momentum
-    reduction of a 1-bit optimizer `opt` (a `BaseOptimizer` whose flat state holds
-    ``exp_avg`` and ``exp_avg_sq`` and whose vectors hold ``step``, ``variance_step`` and
-    ``max_update_bound``, see `VECTORS`).
+    reduction of a 1-bit optimizer, over its flat state `fs` (a `FlatState` whose buffers
+    hold ``exp_avg`` and ``exp_avg_sq`` and whose vectors hold ``step``, ``variance_step``
+    and ``max_update_bound``, see `VECTORS`). What it reports (logs, warnings, bytes) is
+    its `StageReport`, ``report``.
 
     Args:
-        opt: the optimizer that holds the stage.
+        fs (FlatState): the flat state of the optimizer that holds the stage.
         exact_numel (int): parameters of at most this many elements are averaged exactly.
         flat_only (bool): the optimizer runs on the flat reduction only (ZeroOneAdam):
             ``comm.topology`` "auto" resolves to flat, a Topology of several nodes is refused.
@@ -93,13 +75,13 @@ class OneBitStage:
     # max_update_bound: max_update="warmup"'s U_p, recorded at the freeze (-1: not recorded)
     VECTORS: Dict[str, float] = {"step": 0.0, "variance_step": 0.0, "max_update_bound": -1.0}
 
-    def __init__(self, opt, *, exact_numel: int, flat_only: bool = False, freeze_option: str = "freeze_step"):
-        self.opt = opt
+    def __init__(self, fs, *, exact_numel: int, flat_only: bool = False, freeze_option: str = "freeze_step"):
+        self.fs = fs
         self.freeze_option = freeze_option
-        self.comm = opt.comm
+        self.comm = fs.comm
         spec = self.comm.topology
         if flat_only and isinstance(spec, Topology) and not spec.flat:
-            raise ValueError(f"{type(opt).__name__} runs on the flat compressed reduction only (its local steps and "
+            raise ValueError(f"{fs.name} runs on the flat compressed reduction only (its local steps and "
                              f"syncs are not built on the hierarchical one); got {spec}. Leave comm.topology at "
                              "'auto' or 'flat'")
         self.flat_only = flat_only
@@ -107,132 +89,71 @@ class OneBitStage:
         self.topology: Optional[Topology] = None  # resolved at the first freeze (None: flat)
         self._topology_resolved = False
         self.reducer = None  # the Reducer of the momentum (None before the freeze and with one rank)
-        self.masks = MomentumMask(opt)
+        self.masks = MomentumMask(fs)
         self._stage: Optional[Tensor] = None  # bounded staging buffer (lent to a flat reducer, `_make_reducer`)
         self._warned_no_blocks = False
-        self._freeze_lrs: Optional[List[float]] = None  # each group's lr at the freeze (see watch_lr)
-        self._warned_lr_rise = False
         self._probe = True  # the compression stage's check for averaged gradients is undecided
         self.exact = ExactPart(self, exact_numel)
         self.stats_ride: Optional[Tensor] = None  # gradient_stats' sample, to ride in grads_finite's allreduce
         self._stats_mean: Optional[Tensor] = None  # ... and its mean over the ranks
-        self.auto = AutoFreeze(type(opt).__name__, freeze_option)  # freeze_step="auto"'s decision
-        self._warned_uncompressed = False
-        self._warned_none = False
-        _LIVE.add(self)  # warned at exit if it never compressed
+        self.auto = AutoFreeze(fs.name, freeze_option)  # freeze_step="auto"'s decision
+        self.report = StageReport(self)  # logs, warnings, bytes per step; warned at exit if it never compressed
+        fs.layout_listeners.append(self.on_layout)
 
     # ------------------------------------------------------------------ layout
     def check_layout_change(self, what: str) -> None:
         """Raise once frozen: the compressed momentum buffer has a fixed layout."""
         if self.frozen:
-            raise RuntimeError(f"{type(self.opt).__name__}: cannot {what} after the freeze (step "
-                               f"{self.opt.global_step}): the compressed momentum buffer has a fixed layout. Create "
+            raise RuntimeError(f"{self.fs.name}: cannot {what} after the freeze (step "
+                               f"{self.fs.global_step}): the compressed momentum buffer has a fixed layout. Create "
                                "the optimizer with every group from the start (params without gradients cost "
                                "nothing) and unfreeze parameters during the warmup.")
 
     def on_layout(self, old: Optional[FlatLayout], new: FlatLayout) -> None:
+        """The flat state's layout changed (a `FlatState` layout listener): remap the user
+        masks, drop the staging buffer and the exact part."""
         self.masks.on_layout(old, new)
         self._stage = None
         self.exact.reset()
 
     def participating(self, L: FlatLayout) -> List[bool]:
         """Parameters updated after the freeze: trainable ones that saw a gradient in warmup."""
-        steps = self.opt._vectors["step"].tolist()
+        steps = self.fs.vectors["step"].tolist()
         return [p.requires_grad and steps[i] > 0 for i, p in enumerate(L.params)]
 
     def stage_buffer(self, L: FlatLayout) -> Tensor:
         """A bounded fp32 buffer of min(numel, STAGE) elements for staged passes; idle
         during the momentum's reduction, which stages its ranges through it."""
         if self._stage is None:
-            self._stage = torch.empty(min(L.total, STAGE), dtype=torch.float32, device=self.opt._device(L))
+            self._stage = torch.empty(min(L.total, STAGE), dtype=torch.float32, device=self.fs.device_of(L))
         return self._stage
 
-    # ------------------------------------------------------------------ max_update
+    # ------------------------------------------------------------------ max_update (see `bounds`)
     def record_update_bounds(self, L: FlatLayout) -> None:
-        """At the freeze, for max_update="warmup": U_p = max_i |m^_i / (sqrt(v^_i) + eps)| of
-        each parameter after its last warmup step (its largest full-precision step, in units
-        of lr), kept in fp32 per parameter so that a resumed run uses the same bound; 0 for
-        parameters that never had a gradient (they are not updated)."""
-        opt = self.opt
-        m, v, stage = opt._flat["exp_avg"], opt._flat["exp_avg_sq"], self.stage_buffer(L)
-        bound, steps = opt._vectors["max_update_bound"], opt._vectors["step"].tolist()
-        for i, gi in enumerate(L.group_of):
-            group = opt.param_groups[gi]
-            if steps[i] == 0:
-                bound[i] = 0.0
-                continue
-            b1, b2 = group["betas"]
-            bc1, bc2 = (1 - b1 ** steps[i], 1 - b2 ** steps[i]) if group["bias_correction"] else (1.0, 1.0)
-            bound[i:i + 1] = F.max_abs_update(L.view(m, i), L.view(v, i), bc1, bc2, group["eps"], stage)
-        if opt._sharded():  # the bound of the whole parameter tensor: the max over its shards
-            bound.copy_(opt._per_tensor(L, bound.reshape(-1, 1), op="max").reshape(-1))
+        bounds.record_update_bounds(self.fs, L, self.stage_buffer(L))
 
     def update_bounds(self, L: FlatLayout) -> List[Optional[float]]:
-        """Per parameter, this step's bound U on |m^ / (sqrt(v^) + eps)| (comm.max_update at
-        its group's betas; None: unbounded, the published update)."""
-        opt = self.opt
-        per_group = [F.resolve_max_update(self.comm.max_update, g["betas"]) for g in opt.param_groups]
-        recorded, out = None, []
-        for i, gi in enumerate(L.group_of):
-            u = per_group[gi]
-            if u == "warmup":
-                if recorded is None:
-                    recorded = opt._vectors["max_update_bound"].tolist()
-                u = recorded[i] if recorded[i] >= 0 else None
-            out.append(u)
-        return out
+        return bounds.update_bounds(self.fs, L)
 
-    def decode_caps(self, L: FlatLayout, segs, factors, bounds: List[Optional[float]],
+    def decode_caps(self, L: FlatLayout, segs, factors, bounds_: List[Optional[float]],
                     scale: Optional[Tensor] = None) -> Optional[Callable[[int, int, Tensor], None]]:
-        """max_update's bound moved into the compressed allreduce (comm.capped_decode): per
-        coordinate, the momentum whose Adam step is exactly the bound,
-        c = U bc1 (sqrt(v^) + eps) with this step's bias corrections (`segs`, steps advanced)
-        and rescale factors, times the parameter's `scale` when the reduced momentum is
-        scaled (OneBitLamb), +inf where no bound applies; the reducer decodes every value
-        to at most c and its error feedback keeps the rest (`lbcomm.compressed.reduce_`).
-        Returned as a callable cap(lo, hi, buf) that computes the caps of flat elements
-        [lo, hi) from the variance when the reducer asks for them (range by range, into
-        its bounded staging), so no model-sized buffer holds them; each element goes
-        through the same operations as in `lbcomm.optim.reference.decode_caps`. None when
-        nothing is capped: one rank, capped_decode False, no bound, or no blocks (one
-        scale per tensor; warned once)."""
-        if self.reducer is None or self.comm.capped_decode is False or all(b is None for b in bounds):
+        """`bounds.decode_caps`, None when nothing is capped: one rank, capped_decode False, no
+        bound, or no blocks (one scale per tensor; warned once)."""
+        if self.reducer is None or self.comm.capped_decode is False or all(b is None for b in bounds_):
             return None
         if self.comm.block_size is None:  # asked for explicitly: a warning; by default: info
             if not self._warned_no_blocks:
                 self._warned_no_blocks = True
                 _log.log(logging.WARNING if self.comm.capped_decode else logging.INFO,
                          "%s: the capped decode needs blocks (block_size is None); max_update bounds the step only",
-                         type(self.opt).__name__)
+                         self.fs.name)
             return None
-        opt, v = self.opt, self.opt._flat["exp_avg_sq"]
-        # per parameter: (a, b) with c = a sqrt(v) + b (U bc1 (sqrt(v) / sqrt(bc2') + eps)), None: uncapped
-        coeffs: List[Optional[tuple]] = [None] * len(L.params)
-        for seg in segs:
-            group = opt.param_groups[seg.group]
-            bc1, bc2 = opt._bias_corrections(group, seg)
-            for i in seg.idx:
-                if bounds[i] is not None:
-                    coeffs[i] = F.cap_coefficients(bounds[i], bc1, F.rescaled_bc2(bc2, factors, i), group["eps"])
-
-        def cap(lo: int, hi: int, buf: Tensor) -> None:
-            for i, a, b in L.overlapping(lo, hi):
-                o = L.offsets[i]
-                out = buf[o + a - lo:o + b - lo]
-                if coeffs[i] is None:  # no bound here: nothing capped
-                    out.fill_(float("inf"))
-                    continue
-                # the sqrt, its multiply and its add in three passes (the simulation's order)
-                torch.sqrt(v[o + a:o + b], out=out).mul_(coeffs[i][0]).add_(coeffs[i][1])
-                if scale is not None:
-                    out.mul_(scale[i])
-
-        return cap
+        return bounds.decode_caps(self.fs, L, segs, factors, bounds_, scale)
 
     # ------------------------------------------------------------------ the mask (see `mask`)
-    def set_momentum_mask(self, param: Tensor, mask: Optional[Tensor]) -> None:
-        """`OneBitAdam.set_momentum_mask` (see there)."""
-        self.masks.set_user(param, mask, rebuild=self.frozen)
+    def set_momentum_mask(self, L: FlatLayout, param: Tensor, mask: Optional[Tensor]) -> None:
+        """`OneBitAdam.set_momentum_mask` (see there), `L` the layout of this step."""
+        self.masks.set_user(L, param, mask, rebuild=self.frozen)
 
     @property
     def masked_coordinates(self) -> int:
@@ -250,21 +171,21 @@ class OneBitStage:
         """The nodes the momentum is reduced over (`lbcomm.reducer.resolve_topology`,
         once: a collective at the freeze or a load); always flat with `flat_only`."""
         if not self._topology_resolved:
-            opt = self.opt
-            topo = None if self.flat_only else resolve_topology(self.comm, world_size=opt.transport.world_size,
-                                                                who=type(opt).__name__)
+            fs = self.fs
+            topo = None if self.flat_only else resolve_topology(self.comm, world_size=fs.transport.world_size,
+                                                                who=fs.name)
             self.topology, self._topology_resolved = topo, True
             if topo is not None:
-                _log.info("%s: hierarchical momentum reduction on %s", type(opt).__name__, topo)
+                _log.info("%s: hierarchical momentum reduction on %s", fs.name, topo)
         return self.topology
 
     def _make_reducer(self, L: FlatLayout) -> None:
-        opt = self.opt
+        fs = self.fs
         self.reducer = None
-        if opt.transport.world_size > 1:
+        if fs.transport.world_size > 1:
             # non-finite calls are skipped inside: the optimizer applies comm.nonfinite itself
-            self.reducer = make_reducer(L.total, self.comm.replace(nonfinite="skip"), device=opt._device(L),
-                                        topology=self._resolve_topology(), transport=opt.transport)
+            self.reducer = make_reducer(L.total, self.comm.replace(nonfinite="skip"), device=fs.device_of(L),
+                                        topology=self._resolve_topology(), transport=fs.transport)
             # a flat reducer stages its ranges (the momentum's source and sink, the caps)
             # through the stage buffer, idle during the call: one buffer for both
             share = getattr(self.reducer, "share_staging", None)
@@ -274,10 +195,10 @@ class OneBitStage:
     def freeze(self, L: FlatLayout) -> None:
         """The end of the warmup: variance step, mask, bounds and reducer (the optimizer adds
         its own buffers after this, then attaches the views and calls `log_freeze`)."""
-        opt = self.opt
+        fs = self.fs
         self.frozen = True
-        opt._grad_buf = None  # the compression stage reads the gradients where autograd left them
-        opt._vectors["variance_step"].copy_(opt._vectors["step"])
+        fs.grad_buf = None  # the compression stage reads the gradients where autograd left them
+        fs.vectors["variance_step"].copy_(fs.vectors["step"])
         self.build_mask(L)
         self.record_update_bounds(L)
         self._make_reducer(L)
@@ -287,8 +208,8 @@ class OneBitStage:
         optimizer's freeze option names, or with "auto" when `AutoFreeze` decides (a check only
         where `check`: ZeroOneAdam checks on its variance steps). `vstep`: the vector
         counting the variance's steps (its bias correction)."""
-        opt = self.opt
-        value, t = opt._option(self.freeze_option), opt.global_step
+        fs = self.fs
+        value, t = fs.option(self.freeze_option), fs.global_step
         if value != AUTO:
             return t >= value
         auto = self.auto
@@ -296,149 +217,16 @@ class OneBitStage:
             return t >= auto.decided_at
         if not (check and auto.due(t)):
             return False
-        auto.sample(L.total, opt._device(L))
-        return auto.check(t, self._preconditioner(L, vstep), [g["lr"] for g in opt.param_groups], self._all_agree)
+        auto.sample(L.total, fs.device_of(L))
+        return auto.check(t, preconditioner(fs, L, vstep), [g["lr"] for g in fs.param_groups],
+                          lambda vote: all_agree(fs, vote))
 
     def frozen_after(self, done: bool) -> Optional[int]:
         """The step after which the variance was frozen (`done`: it is), else None."""
         if not done:
             return None
-        value = self.opt._option(self.freeze_option)
+        value = self.fs.option(self.freeze_option)
         return self.auto.decided_at if value == AUTO else value
-
-    def _preconditioner(self, L: FlatLayout, vstep: str):
-        """index -> sqrt(v^) at those flat coordinates (each with its parameter's bias correction)."""
-        opt = self.opt
-        steps = opt._vectors[vstep].tolist()
-        bc = []
-        for i, gi in enumerate(L.group_of):
-            group = opt.param_groups[gi]
-            b2 = group["betas"][1]
-            bc.append(1 - b2 ** steps[i] if group.get("bias_correction", True) and steps[i] > 0 else 1.0)
-        v = opt._flat["exp_avg_sq"]
-
-        def precond(index: Tensor) -> Tensor:
-            starts = torch.tensor(L.offsets, dtype=torch.long, device=index.device)
-            owner = (torch.searchsorted(starts, index, right=True) - 1).clamp_(min=0)
-            scale = torch.tensor(bc, dtype=torch.float64, device=index.device)[owner]
-            return (v[index].double() / scale).sqrt_()
-
-        return precond
-
-    def _all_agree(self, vote: bool) -> bool:
-        """The AND of every rank's vote (one 4-byte allreduce; the shard group's too)."""
-        opt = self.opt
-        tr, shards = opt.transport, opt._sharded()
-        if tr.world_size == 1 and not shards:
-            return vote
-        flag = torch.tensor([1.0 if vote else 0.0], device=opt._device(opt._layout))
-        want = 1
-        if tr.world_size > 1:
-            tr.all_reduce(flag, op="sum")
-            want *= tr.world_size
-        if shards:
-            opt.shard_transport.all_reduce(flag, op="sum")
-            want *= opt.shard_transport.world_size
-        return int(flag.item()) == want
-
-    def not_compressing(self) -> Optional[str]:
-        """Why nothing is compressed now, or None once the compression stage runs."""
-        opt = self.opt
-        if opt.transport.world_size == 1 and not opt._sharded():
-            return ("one rank: nothing to communicate (is torch.distributed initialized with the job's world size, "
-                    "or comm.process_group the group you meant?)")
-        if self.frozen:
-            return None
-        option = self.freeze_option
-        value = opt._option(option)
-        if opt.global_step == 0:
-            return "no step taken yet"
-        if value == AUTO:
-            last = self.auto.last_change
-            return (f"warmup: step {opt.global_step}, {option}='auto' has not frozen the variance yet (its last "
-                    f"relative change {'not measured yet' if last is None else format(last, '.3g')}; freezes at "
-                    f"most after step {MAX_STEP})")
-        return f"warmup: step {opt.global_step} of {option}={value}; full-precision averaging until then"
-
-    def warn_uncompressed(self, when: str) -> None:
-        """Warn once that `when` (a checkpoint, the end of the run) comes before any compression."""
-        if self._warned_uncompressed or self.frozen or self.opt.global_step == 0:
-            return
-        why, option = self.not_compressing(), self.freeze_option
-        if why is None or why.startswith("one rank"):
-            return
-        self._warned_uncompressed = True
-        fix = ("" if self.opt._option(option) == AUTO else
-               f". If the run is shorter than {option}, set it below the run's length, or to 'auto'")
-        warnings.warn(f"{type(self.opt).__name__}: {when} after {self.opt.global_step} steps without ever "
-                      f"compressing ({why}); every step so far averaged the gradients in full precision{fix}",
-                      NotCompressedWarning, stacklevel=3)
-
-    def watch_lr(self, option: str = "freeze_step") -> None:
-        """Log a warning, once, when a group's lr in the compression stage rises above
-        LR_RISE times its lr at the first step this is called at (the one after the freeze,
-        `option`, the optimizer's freeze option; after a resume, the first in this process):
-        the variance frozen while the lr was still warming up under-preconditions the larger
-        steps, which costs the top lrs (docs/optimizers.md, "Same hyperparameters as the
-        twin"); the fix is freeze_step at the end of the lr warmup."""
-        if self._warned_lr_rise:
-            return
-        lrs = [g["lr"] for g in self.opt.param_groups]
-        if self._freeze_lrs is None or len(self._freeze_lrs) != len(lrs):
-            self._freeze_lrs = lrs
-            return
-        rose = [i for i, (now, then) in enumerate(zip(lrs, self._freeze_lrs)) if then > 0 and now > LR_RISE * then]
-        if rose:
-            i = rose[0]
-            _log.warning("%s: the lr of param group %s rose from %.3g at the freeze (step %s) to %.3g: the variance "
-                         "was frozen while the lr was still warming up, which costs convergence at the larger lrs; "
-                         "set %s to the end of the lr warmup", type(self.opt).__name__, i,
-                         self._freeze_lrs[i], self.opt._option(option), lrs[i], option)
-            self._warned_lr_rise = True
-
-    def log_freeze(self, L: FlatLayout) -> None:
-        opt, name = self.opt, type(self.opt).__name__
-        exact, below = self.masks.counts
-        p = opt.transport.world_size
-        if self.reducer is not None:
-            sent = self.bytes_per_step()
-            part = self.exact.part(L)
-            fp32 = ring_allreduce_bytes(4 * L.total, p)
-            _log.info("%s: the compression stage sends %s bytes per step and rank (compressed allreduce %s + "
-                      "exact parameters %s + finiteness agreement %s) against %d for an fp32 ring allreduce of the "
-                      "gradients: %.1fx less", name, sent["total"], sent["compressed"], sent["exact"],
-                      sent["agreement"], fp32, fp32 / sent["total"])
-            if part is not None:
-                report_exact_share(_log, name, "momentum", part[0].numel(), L.total, self.exact.limit)
-        _log.info("%s: variance frozen after step %s; from now on one compressed allreduce of %s momentum elements "
-                  "per step over %s ranks (block_size %s); %s coordinates held at zero (variance exactly zero: %s, "
-                  "at most mask_threshold x mean: %s, user masks: %s params)", name, opt.global_step, L.total, p,
-                  self.comm.block_size, self.masked_coordinates, exact, below, len(self.masks.user))
-
-    def stats(self) -> Dict[str, Any]:
-        """The reducer's `lbcomm.common.compressor_stats` and ``status``: "compressing", or
-        why nothing is compressed (`not_compressing`)."""
-        return {**compressor_stats(self.reducer), "status": self.not_compressing() or "compressing"}
-
-    def bytes_per_step(self) -> Optional[Dict[str, int]]:
-        """What this rank sends per compression-stage step (see `OneBitAdam.bytes_per_step`);
-        None before the freeze and with one rank, with a warning, once, that says why."""
-        L, st = self.opt._layout, self.reducer
-        if st is None or L is None:
-            why = self.not_compressing() or "no step taken yet"
-            if not self._warned_none:
-                self._warned_none = True
-                warnings.warn(f"{type(self.opt).__name__}.bytes_per_step() is None: nothing is compressed yet ({why})",
-                              NotCompressedWarning, stacklevel=3)
-            return None
-        p = self.opt.transport.world_size
-        part = self.exact.part(L)
-        k = 0 if part is None else part[0].numel()
-        out = {"compressed": int(st.bytes_per_call(checked=True)), "exact": self.exact.exact_mean().bytes(k),
-               # one fp32 scalar, + the optimizer's own slots (rescale_variance: one per parameter)
-               "agreement": int(ring_allreduce_bytes(4 * (1 + self.opt._local_slots(L)), p))}
-        out["total"] = sum(out.values())
-        return out
 
     # ------------------------------------------------------------------ the compressed momentum
     def grads_finite(self, L: FlatLayout) -> bool:
@@ -446,27 +234,27 @@ class OneBitStage:
         of the per-parameter sums (a NaN or Inf anywhere makes the sum non-finite); only when
         a sum overflows, a second allreduce counts the non-finite elements exactly. Riding in
         the same allreduce: the exact parameters' gradients (flat reduction), gradient_stats'
-        sample, and the optimizer's `_local_slots` (handed back by `_reduced_local_slots`)."""
-        opt = self.opt
+        sample, and the flat state's ``local_stat`` values (`FlatState.local_slots`)."""
+        fs = self.fs
         grads = []
         for i in range(len(L.params)):
             g = L.grad(i)
             if g is not None:
                 if g.is_sparse:
-                    raise RuntimeError(f"{type(opt).__name__} does not support sparse gradients")
+                    raise RuntimeError(f"{fs.name} does not support sparse gradients")
                 grads.append(g)
-        dev, tr = opt._device(L), opt.transport
-        probe = self._probe and opt._detecting()
+        dev, tr = fs.device_of(L), fs.transport
+        probe = self._probe and fs.detecting()
         head = 1 + (2 * tr.world_size if probe else 0)
         part = self.exact.part(L) if self.topology is None else None  # summed here when averaged over this group
         k = 0 if part is None else part[0].numel()
         ride = self.stats_ride
         n_ride = 0 if ride is None else ride.numel()
-        n_own = opt._local_slots(L)
+        n_own = fs.local_slots(L)
         total = torch.zeros(head + k + n_ride + n_own, dtype=torch.float32, device=dev)
         if n_own:  # the optimizer's values ride along, and their sum is the finiteness check
             own = total[head + k + n_ride:]
-            opt._fill_local_slots(L, None, own)
+            fs.fill_local_slots(L, None, own)
             total[:1] += own.sum()
         elif grads:
             total[:1] += torch.stack([g.sum(dtype=torch.float32) for g in grads]).sum()
@@ -481,19 +269,19 @@ class OneBitStage:
         if ride is not None:
             self.stats_ride, self._stats_mean = None, total[head + k:head + k + n_ride].div_(tr.world_size)
         if n_own:
-            opt._reduced_local_slots(L, total[head + k + n_ride:].div_(tr.world_size))
-        if opt._sharded():  # the shards' sums too: a NaN in one shard skips the step on every rank
-            opt.shard_transport.all_reduce(total[:1], op="sum")
+            fs.reduced_local_slots(L, total[head + k + n_ride:].div_(tr.world_size))
+        if fs.sharded():  # the shards' sums too: a NaN in one shard skips the step on every rank
+            fs.shard_transport.all_reduce(total[:1], op="sum")
         if bool(torch.isfinite(total[:1]).all()):
             if probe:
-                self._probe = not opt._check_replicas(total[1:head], "compression")
+                self._probe = not fs.check_replicas(total[1:head], "compression")
             return True
         bad = torch.zeros(1, dtype=torch.float64, device=dev)
         for g in grads:
             bad += (~torch.isfinite(g)).sum()
         tr.all_reduce(bad, op="sum")
-        if opt._sharded():
-            opt.shard_transport.all_reduce(bad, op="sum")
+        if fs.sharded():
+            fs.shard_transport.all_reduce(bad, op="sum")
         return int(bad.item()) == 0
 
     def take_stats_mean(self) -> Optional[Tensor]:
@@ -509,9 +297,9 @@ class OneBitStage:
     def momentum_source(self, L: FlatLayout, scale: Optional[Tensor] = None) -> Source:
         """source(lo, hi, buf): buf = (b1 m + (1-b1) g_local)[lo:hi], times scale[p] per
         parameter if given, straight from m and each parameter's .grad (None counts as zero)."""
-        opt = self.opt
-        m = opt._flat["exp_avg"]
-        weights = [1 - opt.param_groups[gi]["betas"][0] for gi in L.group_of]
+        fs = self.fs
+        m = fs.buffers["exp_avg"]
+        weights = [1 - fs.param_groups[gi]["betas"][0] for gi in L.group_of]
 
         def source(lo: int, hi: int, buf: Tensor) -> None:
             for i, a, b in L.overlapping(lo, hi):
@@ -537,14 +325,14 @@ class OneBitStage:
         (`factors_of`, once the counts have advanced), then `reduce_momentum` under
         `decode_caps`. A skipped reduction puts the step counts back, so the state is as it
         was. Returns (applied, bounds, segs, factors)."""
-        opt = self.opt
+        fs = self.fs
         bounds = self.update_bounds(L)
-        steps = opt._vectors["step"].clone()
-        segs = opt._segments(L, include, vstep="variance_step")
+        steps = fs.vectors["step"].clone()
+        segs = fs.segments(L, include, vstep="variance_step")
         factors = None if factors_of is None else factors_of(include)
         applied = self.reduce_momentum(L, source, sink, self.decode_caps(L, segs, factors, bounds, scale))
         if not applied:
-            opt._vectors["step"].copy_(steps)
+            fs.vectors["step"].copy_(steps)
         return applied, bounds, segs, factors
 
     def reduce_momentum(self, L: FlatLayout, source: Source, sink: Sink, cap: Optional[Source] = None) -> bool:
@@ -580,7 +368,7 @@ class OneBitStage:
                 lo, hi, values if exact is None else self.exact.put(L, values, lo, hi, exact)), cap)
         if isinstance(exact, tuple):  # their errors stay zero: the exact mean replaced what compression made of them
             self.reducer.zero_errors_at(exact[0])
-        if self.opt._sharded():
+        if self.fs.sharded():
             self._check_shards_agree(applied)
         return applied
 
@@ -603,11 +391,11 @@ class OneBitStage:
         inputs were agreed finite everywhere, so they differ only when a sum of finite
         momenta overflowed float32 in some shards: then some shards have already committed
         their new momentum and no consistent state is left."""
-        opt = self.opt
-        flag = torch.tensor([1.0 if applied else 0.0], device=opt._device(opt._layout))
-        opt.shard_transport.all_reduce(flag, op="sum")
-        if 0 < float(flag) < opt.shard_transport.world_size:
-            raise NonFiniteError(f"{type(opt).__name__}: at step {opt.global_step + 1} the compressed momentum "
+        fs = self.fs
+        flag = torch.tensor([1.0 if applied else 0.0], device=fs.device)
+        fs.shard_transport.all_reduce(flag, op="sum")
+        if 0 < float(flag) < fs.shard_transport.world_size:
+            raise NonFiniteError(f"{fs.name}: at step {fs.global_step + 1} the compressed momentum "
                                  "overflowed float32 in some shards only (finite momenta whose mean is not); the "
                                  "shards' states now disagree: resume from the last checkpoint with a smaller lr")
 
@@ -618,8 +406,8 @@ class OneBitStage:
         return None if t is None else (t.nodes, t.local_size)
 
     def state_dict(self) -> Dict[str, Any]:
-        self.warn_uncompressed("a checkpoint was saved")
-        return {"frozen": self.frozen, "world_size": self.opt.transport.world_size, "mask": self.masks.mask,
+        self.report.warn_uncompressed("a checkpoint was saved")
+        return {"frozen": self.frozen, "world_size": self.fs.transport.world_size, "mask": self.masks.mask,
                 "user_masks": dict(self.masks.user), "topology": self._topology_key(),
                 "compression": None if self.reducer is None else self.reducer.state_dict(),
                 "auto_freeze": self.auto.state_dict()}
@@ -635,11 +423,11 @@ class OneBitStage:
         """After the layout: masks, and the reducer with this rank's saved errors."""
         if L is None:
             return
-        opt, name = self.opt, type(self.opt).__name__
+        fs, name = self.fs, self.fs.name
         self.masks.load(L, saved["mask"], saved["user_masks"])
         if not self.frozen:
             return
-        opt._grad_buf = None
+        fs.grad_buf = None
         self._make_reducer(L)
         errors = saved["compression"]
         topo = tuple(saved["topology"]) if saved["topology"] is not None else None
@@ -652,4 +440,4 @@ class OneBitStage:
         elif self.reducer is not None or errors is not None:
             _log.warning("%s: the checkpoint was saved with world size %s, this run has %s; the compression error "
                          "buffers start from zero and training continues", name, saved["world_size"],
-                         opt.transport.world_size)
+                         fs.transport.world_size)

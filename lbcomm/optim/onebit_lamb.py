@@ -19,27 +19,14 @@ from .adam import check_freeze_step
 from .base import BaseOptimizer
 from .flat import FlatLayout, Segment
 from .lamb import check_range, lamb_step_, lamb_warmup_
+from .lamb_norm import LambNorms, trust_mode
 from .onebit import OneBitStage
 
 __all__ = ["OneBitLamb"]
 
 _log = logging.getLogger(__name__)
 
-# |u0| >= U * AT_BOUND counts as clamped: the capped decode leaves coordinates at U within
-# a few roundings, on either side
-AT_BOUND = 1 - 1e-5
-
-
-def _mode(group) -> str:
-    """The group's trust_ratio; a checkpoint saved before the option existed continues with
-    the rule it was trained with, "frozen"."""
-    return group.get("trust_ratio", "frozen")
-
-
-def _samples(group) -> int:
-    """The group's norm_samples (0: the live ratio takes the decoded direction's norm); a
-    checkpoint saved before the option existed continues with that rule."""
-    return 0 if _mode(group) == "frozen" else group.get("norm_samples", 0)
+_mode = trust_mode  # the group's trust_ratio (bench/lamb_decay_probe.py reads it here)
 
 
 class OneBitLamb(BaseOptimizer):
@@ -73,9 +60,9 @@ class OneBitLamb(BaseOptimizer):
                         coeff_range=tuple(coeff_range), trust_ratio=trust_ratio, coeff_beta=coeff_beta,
                         factor_range=tuple(factor_range), factor_threshold=0.1,
                         norm_samples=256, norm_step_bound=0.1, bias_correction=bias_correction)
-        self._scratch_u: Optional[Tensor] = None
         super().__init__(params, defaults, comm)
-        self._onebit = OneBitStage(self, exact_numel=self.comm.exact_numel)
+        self._onebit = OneBitStage(self.flat_state, exact_numel=self.comm.exact_numel)
+        self._norms = LambNorms(self.flat_state, self._onebit)  # the direction, the live ratio's norm
 
     def _validate_group(self, group) -> None:
         super()._validate_group(group)
@@ -111,17 +98,17 @@ class OneBitLamb(BaseOptimizer):
     def compression_stats(self) -> Dict[str, Any]:
         """The momentum reducer's `lbcomm.common.compressor_stats` (zeros before the freeze),
         and ``status``: "compressing", or why nothing is compressed (the warmup, one rank)."""
-        return self._onebit.stats()
+        return self._onebit.report.stats()
 
     def bytes_per_step(self) -> Optional[Dict[str, int]]:
         """What this rank sends per compression-stage step, as `OneBitAdam.bytes_per_step`,
         with ``"norm_estimate"``: the allreduce of the sampled coordinates behind the live
         ratio's norm (fp64, ``norm_samples`` + 1 per parameter)."""
-        out = self._onebit.bytes_per_step()
-        L = self._layout
+        out = self._onebit.report.bytes_per_step()
+        L = self.flat_state.layout
         if out is None or L is None:
             return out
-        slots = self._estimate_slots(L)
+        slots = self._norms.estimate_slots(L)
         n = 0 if slots is None else int((slots > 0).sum()) * (1 + int(slots.max()))
         total = out.pop("total")
         out["norm_estimate"] = int(ring_allreduce_bytes(8 * n, self.transport.world_size))
@@ -135,15 +122,11 @@ class OneBitLamb(BaseOptimizer):
 
     def set_momentum_mask(self, param: Tensor, mask: Optional[Tensor]) -> None:
         """Override the automatic zero-variance mask for one parameter, as `OneBitAdam.set_momentum_mask`."""
-        self._onebit.set_momentum_mask(param, mask)
+        self._onebit.set_momentum_mask(self._prepare(), param, mask)
 
     # ------------------------------------------------------------------ layout and step
     def _buffer_names(self) -> tuple:
         return self._flat_buffers + (self._frozen_buffers if self.frozen else ())
-
-    def _on_layout(self, old, new) -> None:
-        super()._on_layout(old, new)
-        self._scratch_u = None
 
     def _take_step(self, L: FlatLayout) -> bool:
         if not self.frozen:
@@ -152,15 +135,16 @@ class OneBitLamb(BaseOptimizer):
             return self._nonfinite("the local gradients")
         if not self._compressed_update(L):
             return self._nonfinite("the new momenta")
-        self._onebit.watch_lr()
+        self._onebit.report.watch_lr()
         return True
 
     def _warmup_update(self, L: FlatLayout, active: List[bool]) -> None:
-        lamb_warmup_(self, L, active, self._track_coeff)
+        lamb_warmup_(self.flat_state, L, active, self._track_coeff, moments=self._moments,
+                     corrections=self._bias_corrections)
 
     def _track_coeff(self, seg: Segment, c: Tensor) -> None:
         """Warmup: c_frz <- coeff_beta c_frz + (1 - coeff_beta) c where c != 1."""
-        cf = self._vectors["lamb_coeff_freeze"]
+        cf = self.flat_state.vectors["lamb_coeff_freeze"]
         idx = torch.tensor(seg.idx, device=cf.device)
         cf[idx] = F.track_coeff(cf[idx], c, self.param_groups[seg.group]["coeff_beta"])
 
@@ -168,14 +152,15 @@ class OneBitLamb(BaseOptimizer):
         if not self.frozen and self._onebit.freeze_due(L):
             self._onebit.freeze(L)
             for name in self._frozen_buffers:
-                self._flat[name] = torch.zeros_like(self._flat["exp_avg"])
+                self.flat_state.buffers[name] = torch.zeros_like(self.flat_state.buffers["exp_avg"])
             self._on_freeze(L)
             self._attach_views()
-            self._onebit.log_freeze(L)
+            self._onebit.report.log_freeze(L)
 
     def _load_extra_state(self, saved, extra) -> None:
         super()._load_extra_state(saved, extra)
-        if self.frozen and self._layout is not None and saved and "exp_avg_local" not in next(iter(saved.values())):
+        loaded = self.flat_state.layout is not None and saved
+        if self.frozen and loaded and "exp_avg_local" not in next(iter(saved.values())):
             # saved before the live ratio estimated the clean norm: start from the momentum
             self._reset_rank_local(["exp_avg_local"])
             _log.warning("OneBitLamb: the checkpoint has no exp_avg_local (saved by an older lbcomm); each rank's "
@@ -184,19 +169,20 @@ class OneBitLamb(BaseOptimizer):
     def _reset_rank_local(self, names) -> None:
         """exp_avg_local starts from the momentum, as at the freeze (there it is exact)."""
         for n in names:
-            self._flat[n].copy_(self._flat["exp_avg"])
+            self.flat_state.buffers[n].copy_(self.flat_state.buffers["exp_avg"])
 
     def _on_freeze(self, L: FlatLayout) -> None:
-        self._flat["exp_avg_sq_fresh"].copy_(self._flat["exp_avg_sq"])
-        self._flat["exp_avg_local"].copy_(self._flat["exp_avg"])  # the warmup's momentum is exact
+        flat = self.flat_state.buffers
+        flat["exp_avg_sq_fresh"].copy_(flat["exp_avg_sq"])
+        flat["exp_avg_local"].copy_(flat["exp_avg"])  # the warmup's momentum is exact
         idx = [i for i, on in enumerate(self._onebit.participating(L)) if on]
-        m = self._flat["exp_avg"]
-        if self._sharded():  # rms of whole parameters, the mean over every parameter of the model
+        m = self.flat_state.buffers["exp_avg"]
+        if self.flat_state.sharded():  # rms of whole parameters, the mean over every parameter of the model
             local = torch.zeros(len(L.params), 2, dtype=torch.float32, device=m.device)
             for i in idx:
                 local[i, 0] = torch.linalg.vector_norm(L.view(m, i)).square()
                 local[i, 1] = 1.0
-            full, where = self._per_tensor(L, local, full=True)
+            full, where = self.flat_state.per_tensor(L, local, full=True)
             numels = torch.tensor([float(p.numel()) for g in self.param_groups for p in g["params"]], device=m.device)
             rms = (full[:, 0] / numels).sqrt()
             on = full[:, 1] > 0
@@ -204,19 +190,19 @@ class OneBitLamb(BaseOptimizer):
                 mean = rms[on].mean()
                 mine = rms[where[idx]]
                 k = torch.where(mine > 0, mean / mine, torch.ones_like(mine))
-                self._vectors["momentum_scale"][torch.tensor(idx, device=m.device)] = k
+                self.flat_state.vectors["momentum_scale"][torch.tensor(idx, device=m.device)] = k
         elif idx:  # k_p = mean_q rms(m_q) / rms(m_p): momenta of similar size through one compression
             rms = torch.stack([torch.linalg.vector_norm(L.view(m, i)) / math.sqrt(L.numels[i]) for i in idx])
             k = torch.where(rms > 0, rms.mean() / rms, torch.ones_like(rms))
-            self._vectors["momentum_scale"][torch.tensor(idx, device=m.device)] = k
-        self._vectors["last_factor"].fill_(1.0)
-        cf = self._vectors["lamb_coeff_freeze"]
+            self.flat_state.vectors["momentum_scale"][torch.tensor(idx, device=m.device)] = k
+        self.flat_state.vectors["last_factor"].fill_(1.0)
+        cf = self.flat_state.vectors["lamb_coeff_freeze"]
         cf.masked_fill_(cf == 0, 1.0)  # never tracked (c was always 1): keep the plain step
 
     def _momentum_sink(self, L: FlatLayout, scale: Tensor):
         """sink(lo, hi, values): the reduced (scaled) momentum of [lo, hi): unscaled, masked,
         its implied gradient folded into the fresh variance, then committed to m."""
-        m, vf = self._flat["exp_avg"], self._flat["exp_avg_sq_fresh"]
+        m, vf = self.flat_state.buffers["exp_avg"], self.flat_state.buffers["exp_avg_sq_fresh"]
 
         def sink(lo: int, hi: int, values: Tensor) -> None:
             parts = [(i, L.offsets[i] + a, L.offsets[i] + b) for i, a, b in L.overlapping(lo, hi)]
@@ -230,24 +216,24 @@ class OneBitLamb(BaseOptimizer):
         return sink
 
     def _compressed_update(self, L: FlatLayout) -> bool:
-        vecs = self._vectors
+        vecs = self.flat_state.vectors
         scale = vecs["momentum_scale"]
         st = self._onebit
         applied, bounds, segs, _ = st.step_and_reduce(L, st.participating(L), st.momentum_source(L, scale),
                                                       self._momentum_sink(L, scale), scale=scale)
         if not applied:
             return False
-        self._track_local_momentum(L, segs)
+        self._norms.track_local_momentum(L, segs)
         for seg in segs:  # norm_step_bound's reference; saved with the param groups
             group = self.param_groups[seg.group]
             group["lr_peak"] = max(group.get("lr_peak", 0.0), group["lr"])
-        clean, estimated = self._clean_norm_parts(L, segs, bounds)
-        if not self._sharded():  # every rank holds the whole reduced momentum and parameters
+        clean, estimated = self._norms.clean_norm_parts(L, segs, bounds)
+        if not self.flat_state.sharded():  # every rank holds the whole reduced momentum and parameters
             for seg in segs:
                 group = self.param_groups[seg.group]
                 mode = _mode(group)
                 for i in seg.idx:
-                    u, ratio_max, u0n, un = self._direction(L, seg, i, bounds[i], stats=mode != "live")
+                    u, ratio_max, u0n, un = self._norms.direction(L, seg, i, bounds[i], stats=mode != "live")
                     live = None if mode == "frozen" else torch.cat([F.norms([L.tensor(i)]), F.norms([u])])
                     if i in estimated:
                         live = torch.cat([live[:1], self._estimated_norm(clean[i], live[1:], group)])
@@ -256,11 +242,11 @@ class OneBitLamb(BaseOptimizer):
         # sharded: this rank's max of d / d~ and squared norms first (columns: max ratio,
         # ||u0||^2, ||u||^2 under weight decay; ||theta||^2, ||u||^2 for the live ratio), one
         # allreduce for the max and one for the norms (with the clean norm's parts), then the step
-        stats = torch.zeros(len(L.params), 5, dtype=torch.float32, device=self._device(L))
+        stats = torch.zeros(len(L.params), 5, dtype=torch.float32, device=self.flat_state.device_of(L))
         for seg in segs:
             mode = _mode(self.param_groups[seg.group])
             for i in seg.idx:
-                u, ratio_max, u0n, un = self._direction(L, seg, i, bounds[i], stats=mode != "live")
+                u, ratio_max, u0n, un = self._norms.direction(L, seg, i, bounds[i], stats=mode != "live")
                 if ratio_max is not None:
                     stats[i, 0] = ratio_max.reshape(())
                 if u0n is not None:
@@ -268,164 +254,21 @@ class OneBitLamb(BaseOptimizer):
                 if mode != "frozen":
                     stats[i, 3:] = torch.cat([F.norms([L.tensor(i)]), F.norms([u])]).square()
         modes = {_mode(self.param_groups[seg.group]) for seg in segs}
-        ratio = self._per_tensor(L, stats[:, :1], op="max")[:, 0] if modes - {"live"} else None
-        norms = self._per_tensor(L, stats[:, 1:]).sqrt_()
+        ratio = self.flat_state.per_tensor(L, stats[:, :1], op="max")[:, 0] if modes - {"live"} else None
+        norms = self.flat_state.per_tensor(L, stats[:, 1:]).sqrt_()
         if clean is not None:  # the shards' parts of the squared clean norm, summed
-            clean = self._per_tensor(L, clean[:, None])[:, 0]
+            clean = self.flat_state.per_tensor(L, clean[:, None])[:, 0]
         for seg in segs:
             group = self.param_groups[seg.group]
             mode, wd = _mode(group), group["weight_decay"] != 0
             for i in seg.idx:
-                u = self._direction(L, seg, i, bounds[i], stats=False)[0]
+                u = self._norms.direction(L, seg, i, bounds[i], stats=False)[0]
                 live = None if mode == "frozen" else norms[i, 2:]
                 if i in estimated:
                     live = torch.cat([live[:1], self._estimated_norm(clean[i], live[1:], group)])
                 self._lamb_step(L, seg, i, u, None if ratio is None else ratio[i:i + 1],
                                 norms[i, :1] if wd else None, norms[i, 1:2] if wd else None, live)
         return True
-
-    # ------------------------------------------------------------------ the live ratio's norm
-    def _track_local_momentum(self, L: FlatLayout, segs) -> None:
-        """exp_avg_local <- b1 exp_avg_local + (1 - b1) g, this rank's own gradients."""
-        ml = self._flat["exp_avg_local"]
-        for seg in segs:
-            w = 1 - self.param_groups[seg.group]["betas"][0]
-            for i in seg.idx:
-                g = L.grad(i)
-                view = ml[L.offsets[i]:L.offsets[i] + L.numels[i]]
-                view.lerp_(torch.zeros_like(view) if g is None else g.reshape(-1).float(), w)
-
-    def _estimate_slots(self, L: FlatLayout) -> Optional[Tensor]:
-        """Per parameter whose live ratio takes the estimated norm: its norm_samples (a long
-        tensor in layout order, 0 for the others); None when no parameter does. Nothing
-        to estimate where nothing is compressed: with one rank, and for the parameters
-        averaged exactly (exact_numel), the decoded momentum is the clean one."""
-        if self._onebit.reducer is None:
-            return None
-        part = self._onebit.exact.part(L)
-        exact = set() if part is None else {i for i, _ in part[1]}
-        k = [_samples(self.param_groups[L.group_of[i]]) if on and i not in exact else 0
-             for i, on in enumerate(self._onebit.participating(L))]
-        return torch.tensor(k) if any(k) else None
-
-    def _clean_norm_parts(self, L: FlatLayout, segs, bounds: List[Optional[float]]):
-        """Per parameter (fp64, this rank's shard), an estimate of ||u*||^2 where u* is the
-        direction an uncompressed allreduce would give: u* = clamp(m* / d, -U, U) + wd theta
-        with m* the mean over the ranks of exp_avg_local; and the set of the parameters
-        estimated (`_estimate_slots`). (None, empty) when no parameter needs it.
-
-        The ranks' mean of clamp(m_r / d) is projected on the decoded direction u0 where u0
-        is neither clamped nor masked (one scalar per parameter); where it is, the compression
-        error is largest and not independent of u0, so norm_samples of those coordinates (the
-        same ones on every rank) are averaged exactly, clamped, and their squares scaled up
-        to all of them. One fp64 allreduce of (samples + 1) per parameter; one pass over each
-        parameter, STAGE elements at a time (nothing model-sized is allocated)."""
-        slots = self._estimate_slots(L)
-        if slots is None:
-            return None, set()
-        dev = self._device(L)
-        rows = [i for i in range(len(L.params)) if slots[i] > 0]
-        row_of = {i: r for r, i in enumerate(rows)}
-        sent = torch.zeros(len(rows), 1 + int(slots.max()), dtype=torch.float64, device=dev)
-        out = torch.zeros(len(L.params), dtype=torch.float64, device=dev)
-        number = self._param_indices()  # torch's numbering: the same on every shard
-        picked: List[Tuple[int, int, int]] = []
-        for seg in segs:
-            group = self.param_groups[seg.group]
-            if not _samples(group):
-                continue
-            for i in seg.idx:
-                if i not in row_of:  # averaged exactly
-                    continue
-                r = row_of[i]
-                edges = self._projection(L, seg, i, bounds[i], sent[r, :1], out[i:i + 1])
-                n_edge = sum(int(e.numel()) if isinstance(e, Tensor) else e for e in edges)
-                k = min(int(slots[i]), n_edge)
-                if k:  # the same draw on every rank: the decoded u0, and so the edge, is the same
-                    if n_edge > k:
-                        gen = torch.Generator().manual_seed(1009 * (self._global_step + 1) + number[id(L.params[i])])
-                        draws = torch.randint(n_edge, (k,), generator=gen).to(dev)
-                    else:
-                        draws = torch.arange(n_edge, device=dev)
-                    self._sample(L, seg, i, bounds[i], edges, draws, sent[r, 1:1 + k])
-                picked.append((i, k, n_edge))
-        self.transport.all_reduce(sent, op="sum")
-        sent.div_(self.transport.world_size)
-        for i, k, n_edge in picked:
-            r, bound = row_of[i], bounds[i]
-            z = sent[r, 1:1 + k]
-            if bound is not None:
-                z = z.clamp(-bound, bound)
-            out[i] += sent[r, 0] + (z.square().sum() * (n_edge / k) if k else 0.0)
-        return out, set(row_of)
-
-    def _edge(self, L: FlatLayout, seg: Segment, i: int, bound: Optional[float], lo: int, hi: int):
-        """(d, u0, edge) of parameter i's elements [lo, hi) in the staging buffers: d =
-        sqrt(v^) + eps, u0 = clamp(m^ / d, -U, U), edge: the coordinates that u0 holds at
-        the bound or that the momentum mask holds at zero."""
-        m, v = self._flat["exp_avg"], self._flat["exp_avg_sq"]
-        group = self.param_groups[seg.group]
-        bc1, bc2 = self._bias_corrections(group, seg)
-        o = L.offsets[i]
-        stage, u_buf = self._onebit.stage_buffer(L), self._update_buffer(L)
-        d = F.denominator(v[o + lo:o + hi], bc2, group["eps"], out=stage[:hi - lo])
-        u0 = torch.div(m[o + lo:o + hi], bc1, out=u_buf[:hi - lo]).div_(d)
-        if bound is not None:
-            u0.clamp_(-bound, bound)
-            edge = torch.abs(u0) >= bound * AT_BOUND
-        else:
-            edge = torch.zeros(hi - lo, dtype=torch.bool, device=u0.device)
-        self._onebit.masks.mark(edge, o + lo, o + hi)
-        return d, u0, edge
-
-    def _projection(self, L: FlatLayout, seg: Segment, i: int, bound: Optional[float], proj: Tensor,
-                    decay: Tensor) -> list:
-        """The pass over parameter i: proj = sum over the non-edge coordinates of
-        clamp(m_local^ / d) u0 (this rank's), decay = the weight decay's part of ||u*||^2
-        (2 wd <u0, theta> + wd^2 ||theta||^2, with the decoded u0). Returns each STAGE
-        range's edge: its positions (a tensor) while they take at most STAGE elements in
-        all, its count (an int) after that."""
-        group = self.param_groups[seg.group]
-        bc1, wd = self._bias_corrections(group, seg)[0], group["weight_decay"]
-        ml, o, n = self._flat["exp_avg_local"], L.offsets[i], L.numels[i]
-        theta = L.tensor(i).reshape(-1)
-        y_buf = torch.empty(min(n, F.STAGE), dtype=torch.float32, device=self._device(L))
-        edges, kept = [], 0
-        for lo in range(0, n, F.STAGE):
-            hi = min(n, lo + F.STAGE)
-            d, u0, edge = self._edge(L, seg, i, bound, lo, hi)
-            y = torch.div(ml[o + lo:o + hi], bc1, out=y_buf[:hi - lo]).div_(d)
-            if bound is not None:
-                y.clamp_(-bound, bound)
-            where = edge.nonzero().view(-1)
-            y.mul_(u0)
-            proj += (y.sum() - y[where].sum()).double()  # the sum off the edge
-            kept += where.numel()
-            edges.append(where if kept <= F.STAGE else where.numel())
-            if wd != 0:
-                th = theta[lo:hi].float()
-                decay += 2 * wd * torch.dot(u0, th).double() + wd * wd * torch.dot(th, th).double()
-        return edges
-
-    def _sample(self, L: FlatLayout, seg: Segment, i: int, bound: Optional[float], edges: list, draws: Tensor,
-                out: Tensor) -> None:
-        """out[j] = m_local^ / d at the draws[j]-th edge coordinate (in order); the ranges
-        whose edge positions were not kept are computed again."""
-        group = self.param_groups[seg.group]
-        bc1, bc2 = self._bias_corrections(group, seg)
-        ml, v, o = self._flat["exp_avg_local"], self._flat["exp_avg_sq"], L.offsets[i]
-        seen = 0
-        for c, where in enumerate(edges):
-            lo = c * F.STAGE
-            count = where.numel() if isinstance(where, Tensor) else where
-            mine = ((draws >= seen) & (draws < seen + count)).nonzero().view(-1)
-            if mine.numel():
-                if not isinstance(where, Tensor):
-                    where = self._edge(L, seg, i, bound, lo, min(L.numels[i], lo + F.STAGE))[2].nonzero().view(-1)
-                at = o + lo + where[draws[mine] - seen]
-                d = F.denominator(v[at], bc2, group["eps"], out=torch.empty_like(v[at]))
-                out[mine] = torch.div(ml[at], bc1).div_(d).double()
-            seen += count
 
     @staticmethod
     def _estimated_norm(sq: Tensor, un: Tensor, group) -> Tensor:
@@ -441,45 +284,13 @@ class OneBitLamb(BaseOptimizer):
             est = torch.maximum(est, un64 / max(1.0, tau / max(group["lr"], group.get("lr_peak", 0.0))))
         return est.float().reshape(1)
 
-    def _direction(self, L: FlatLayout, seg: Segment, i: int, bound: Optional[float], stats: bool = True):
-        """Parameter i's update direction u = clamp(m^ / d, -U, U) [+ wd p] in the update
-        buffer, with (if `stats`) max(d / d~) and, under weight decay, ||u0|| and ||u||
-        (1-element tensors) of this rank's elements."""
-        m, v, vf = self._flat["exp_avg"], self._flat["exp_avg_sq"], self._flat["exp_avg_sq_fresh"]
-        stage, u_buf = self._onebit.stage_buffer(L), self._update_buffer(L)
-        group = self.param_groups[seg.group]
-        bc1, bc2 = self._bias_corrections(group, seg)
-        eps, wd = group["eps"], group["weight_decay"]
-        o, n = L.offsets[i], L.numels[i]
-        u = u_buf[:n]
-        # d = sqrt(v^) + eps, d~ likewise of the fresh variance; f = max(d / d~);
-        # u0 = m^ / d, clamped to [-U, U] per coordinate (max_update)
-        ratio_max = None
-        for lo in range(0, n, F.STAGE):
-            hi = min(n, lo + F.STAGE)
-            d = F.denominator(v[o + lo:o + hi], bc2, eps, out=stage[:hi - lo])
-            if stats:
-                r = F.denominator(vf[o + lo:o + hi], bc2, eps, out=u[lo:hi])
-                part = torch.amax(torch.div(d, r, out=r)).reshape(1)
-                ratio_max = part if ratio_max is None else torch.maximum(ratio_max, part)
-            torch.div(m[o + lo:o + hi], bc1, out=u[lo:hi]).div_(d)
-            if bound is not None:
-                u[lo:hi].clamp_(-bound, bound)
-        u0n = un = None
-        u = u.view(L.shapes[i])
-        if wd != 0:
-            u0n = F.norms([u]) if stats else None
-            u.add_(L.tensor(i), alpha=wd)
-            un = F.norms([u]) if stats else None
-        return u, ratio_max, u0n, un
-
     def _lamb_step(self, L: FlatLayout, seg: Segment, i: int, u: Tensor, ratio_max: Optional[Tensor],
                    u0n: Optional[Tensor], un: Optional[Tensor], live: Optional[Tensor]) -> None:
         """p <- p - lr c u with the coefficient c of the group's trust_ratio: "live"
         clamp(||theta|| / ||u||, coeff_range) from `live` = (||theta||, ||u||) of whole
         tensors; "frozen" c_frz f with the variance factor f of parameter i; "max" the larger
         of the two."""
-        group, vecs = self.param_groups[seg.group], self._vectors
+        group, vecs = self.param_groups[seg.group], self.flat_state.vectors
         mode = _mode(group)
         c = None
         if mode != "live":
@@ -491,14 +302,6 @@ class OneBitLamb(BaseOptimizer):
             c_live = F.trust_ratio(live[:1], live[1:], *group["coeff_range"])
             c = c_live if c is None else torch.maximum(c, c_live)
         lamb_step_(L.tensor(i), u, c, group["lr"])
-
-    def _update_buffer(self, L: FlatLayout) -> Tensor:
-        """One parameter's update direction (the largest parameter's size): its norms need
-        the whole of it."""
-        if self._scratch_u is None:
-            self._scratch_u = torch.empty(max(L.numels, default=0), dtype=torch.float32, device=self._device(L))
-        return self._scratch_u
-
 
 OneBitLamb.__doc__ = r"""Implements 1-bit LAMB: LAMB in the warmup, then a frozen variance, one
     1-bit compressed allreduce of the (rescaled) momentum per step, and a layer-wise

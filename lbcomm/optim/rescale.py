@@ -4,8 +4,8 @@ gradients' mean square since it was last updated (see `OneBitAdam`'s docs).
 `VarianceRescale` is held by `OneBitAdam` and `ZeroOneAdam`. Per step, the statistic q
 (the ranks' mean squared local gradient norm per parameter tensor) rides in collectives
 the optimizer makes anyway: the full-precision gradient allreduce (warmup, ZeroOneAdam's
-variance steps) and the finiteness agreement of every other step (the optimizer's
-`_local_slots`). When a warmup hook averages the gradients, it hands the local ones over
+variance steps) and the finiteness agreement of every other step (it is the flat state's
+``local_stat``). When a warmup hook averages the gradients, it hands the local ones over
 first (`note_local_grads`) and one small allreduce averages their norms. The EMA of q
 (beta2, the variance's window, fp32 per parameter, checkpointed as ``grad_sq``) and its
 bias-corrected value when the variance was last updated (``grad_sq_frozen``: OneBitAdam's
@@ -32,7 +32,7 @@ VECTORS: Dict[str, float] = {"grad_sq": -1.0, "grad_sq_frozen": -1.0}
 
 def grad_norm(g: Tensor) -> Tensor:
     """The L2 norm of a gradient as one flat fp32 vector (one read, no temporary); squared,
-    the local statistic of rescale_variance, as lbcomm.optim.reference computes it."""
+    the local statistic of rescale_variance, as lbcomm.testing.optim computes it."""
     return torch.linalg.vector_norm(g.reshape(-1).float())
 
 
@@ -51,27 +51,27 @@ def local_sq_(L: FlatLayout, flat: Optional[Tensor], out: Tensor) -> Tensor:
 
 
 class VarianceRescale:
-    """rescale_variance of the optimizer `opt` (a OneBitAdam or a ZeroOneAdam)."""
+    """rescale_variance over the flat state `fs` (a `FlatState`; of a OneBitAdam or a ZeroOneAdam)."""
 
-    def __init__(self, opt):
-        self.opt = opt
+    def __init__(self, fs):
+        self.fs = fs
         self.now: Optional[Tensor] = None  # this step's statistic, folded once the step is taken
         self._pending: Optional[Tensor] = None  # the EMA of a step under way, kept by `commit`
         self._noted: Dict[int, Tensor] = {}  # id(param) -> local squared norm, from a warmup hook
         self._warned = False
 
     def tracking(self) -> bool:
-        return any(g["rescale_variance"] for g in self.opt.param_groups)
+        return any(g["rescale_variance"] for g in self.fs.param_groups)
 
     def loaded(self) -> None:
         """After load_state_dict: a checkpoint saved before the option existed continues with
         the rule it was trained with, the unscaled variance (said once, at WARNING)."""
-        old = [g for g in self.opt.param_groups if "rescale_variance" not in g]
+        old = [g for g in self.fs.param_groups if "rescale_variance" not in g]
         for g in old:
             g["rescale_variance"] = False
         if old:
             _log.warning("%s: the checkpoint predates rescale_variance; it continues without it, as it was trained "
-                         "(set param_group['rescale_variance'] = True to turn it on)", type(self.opt).__name__)
+                         "(set param_group['rescale_variance'] = True to turn it on)", self.fs.name)
 
     def slots(self, L: FlatLayout) -> int:
         """How many values ride in the step's collective: one per parameter while tracking."""
@@ -88,11 +88,11 @@ class VarianceRescale:
         for p, g in zip(params, grads):
             self._noted[id(p)] = grad_norm(g.detach()).square()
 
-    def reduced(self, L: FlatLayout, sq: Tensor) -> None:
-        """This step's statistic after the collective (warmup: from a hook's notes when the
-        gradients arrived averaged), kept until the step is taken."""
-        opt = self.opt
-        if opt.grads_averaged and not opt.frozen:  # a hook averaged them: its notes, one small allreduce
+    def reduced(self, L: FlatLayout, sq: Tensor, averaged: bool = False) -> None:
+        """This step's statistic after the collective (`averaged`: a warmup whose gradients
+        arrived averaged: from a hook's notes), kept until the step is taken."""
+        fs = self.fs
+        if averaged:  # a hook averaged them: its notes, one small allreduce
             noted, self._noted = self._noted, {}
             if not noted:
                 self._untrack("the gradients were averaged before the optimizer saw them, and no warmup hook "
@@ -101,29 +101,29 @@ class VarianceRescale:
             for i, p in enumerate(L.params):
                 # -1: a parameter with a gradient that the hook did not see (its tracking stops)
                 sq[i] = noted[id(p)] if id(p) in noted else (0.0 if L.grad(i) is None else -1.0)
-            if opt.transport.world_size > 1:
-                opt.transport.all_reduce(sq, op="mean")
-        if opt._sharded():  # the shards' sums
-            sq = opt._per_tensor(L, sq.reshape(-1, 1)).reshape(-1)
+            if fs.transport.world_size > 1:
+                fs.transport.all_reduce(sq, op="mean")
+        if fs.sharded():  # the shards' sums
+            sq = fs.per_tensor(L, sq.reshape(-1, 1)).reshape(-1)
         self.now = sq.clone()
 
     def _untrack(self, why: str) -> None:
         """Stop rescale_variance for every parameter (the variance then stays frozen), with a warning."""
-        self.opt._vectors["grad_sq"].fill_(-1.0)
+        self.fs.vectors["grad_sq"].fill_(-1.0)
         if not self._warned:
             self._warned = True
             _log.warning("%s: rescale_variance is off for this run: %s. The variance stays frozen as published. "
                          "Use lbcomm's warmup hook (or let the optimizer average the gradients) to keep it",
-                         type(self.opt).__name__, why)
+                         self.fs.name, why)
 
     def _ema(self, L: FlatLayout):
         """This step's statistic (consumed) and the EMA before and after it, per parameter:
         (sq, old, new), new = max(old, 0) b2 + (1 - b2) sq in float64 rounded to fp32 (the
         vectors' dtype), as the reference computes it; -1 in old: untracked."""
-        opt = self.opt
+        fs = self.fs
         sq, self.now = self.now.tolist(), None
-        old = opt._vectors["grad_sq"].tolist()
-        b2 = [opt.param_groups[gi]["betas"][1] for gi in L.group_of]
+        old = fs.vectors["grad_sq"].tolist()
+        b2 = [fs.param_groups[gi]["betas"][1] for gi in L.group_of]
         new = [max(o, 0.0) * b + (1 - b) * x for o, x, b in zip(old, sq, b2)]
         return sq, old, torch.tensor(new, dtype=torch.float32).tolist()
 
@@ -135,9 +135,9 @@ class VarianceRescale:
         if self.now is None or not taken:
             self.now = None
             return
-        active = (self.opt._grad_buf[L.total:L.total + len(L.params)] > 0).tolist()
+        active = (self.fs.grad_buf[L.total:L.total + len(L.params)] > 0).tolist()
         sq, old, new = self._ema(L)
-        steps = self.opt._vectors["step"].tolist()
+        steps = self.fs.vectors["step"].tolist()
         out = list(old)
         for i in range(len(L.params)):
             # tracked: started at the parameter's first step (steps[i] is 1 by now); -1 (a hook
@@ -147,18 +147,18 @@ class VarianceRescale:
                 out[i] = new[i]
             elif active[i] and sq[i] < 0:
                 out[i] = -1.0
-        self.opt._vectors["grad_sq"].copy_(torch.tensor(out, dtype=torch.float32))
+        self.fs.vectors["grad_sq"].copy_(torch.tensor(out, dtype=torch.float32))
 
     def _bc(self, L: FlatLayout, i: int, step: int) -> float:
         """The bias correction of parameter i's statistic after `step` steps (beta2's, as v's)."""
-        group = self.opt.param_groups[L.group_of[i]]
+        group = self.fs.param_groups[L.group_of[i]]
         return 1 - group["betas"][1] ** step if group["bias_correction"] else 1.0
 
     def record_reference(self, L: FlatLayout) -> None:
         """grad_sq_frozen = the bias-corrected EMA, the reference of the rescale until the
         variance is updated again (-1: untracked, no rescale); called after the step that
         last updated the variance."""
-        vec = self.opt._vectors
+        vec = self.fs.vectors
         q, steps = vec["grad_sq"].tolist(), vec["step"].tolist()
         out = [q[i] / self._bc(L, i, steps[i]) if q[i] >= 0 and steps[i] > 0 else -1.0 for i in range(len(L.params))]
         vec["grad_sq_frozen"].copy_(torch.tensor(out, dtype=torch.float32))
@@ -170,16 +170,16 @@ class VarianceRescale:
         (None, None) when nothing is tracked."""
         if self.now is None:
             return None, None
-        opt = self.opt
+        fs = self.fs
         sq, old, new = self._ema(L)
-        frz, steps = opt._vectors["grad_sq_frozen"].tolist(), opt._vectors["step"].tolist()
+        frz, steps = fs.vectors["grad_sq_frozen"].tolist(), fs.vectors["step"].tolist()
         factors: List[Optional[float]] = [None] * len(L.params)
         keep = list(old)
         for i, gi in enumerate(L.group_of):
             if not (include[i] and old[i] >= 0 and frz[i] > 0 and 0 <= sq[i] < math.inf):
                 continue
             keep[i] = new[i]
-            if not opt.param_groups[gi]["rescale_variance"]:
+            if not fs.param_groups[gi]["rescale_variance"]:
                 continue
             f = new[i] / self._bc(L, i, steps[i]) / frz[i]
             # never above 1: a tensor whose gradients grew mostly grew in a few coordinates
@@ -200,5 +200,5 @@ class VarianceRescale:
     def commit(self) -> None:
         """The step whose factors were taken is done: keep its EMA."""
         if self._pending is not None:
-            self.opt._vectors["grad_sq"].copy_(self._pending)
+            self.fs.vectors["grad_sq"].copy_(self._pending)
             self._pending = None

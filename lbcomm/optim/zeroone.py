@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 from typing import Any, Dict, List, Optional, Tuple, Union
 
-import torch
 from torch import Tensor
 
 from ..comm import get_transport
@@ -69,21 +68,14 @@ class ZeroOneAdam(BaseOptimizer):
                         var_update_scaler=var_update_scaler, local_step_scaler=local_step_scaler,
                         local_step_clipper=local_step_clipper, var_decay=var_decay, bias_correction=bias_correction,
                         rescale_variance=rescale_variance)
-        self._schedule = self._initial_schedule()
+        self._schedule = local_steps.initial_schedule()
         self._last_kind: Optional[str] = None
         self._counts = {k: 0 for k in _KINDS}
         super().__init__(params, defaults, comm)
         # the parameters of at most comm.exact_numel elements averaged exactly, the flat reduction only
-        self._onebit = OneBitStage(self, exact_numel=self.comm.exact_numel, flat_only=True,
-                                  freeze_option="var_freeze_step")
-        self._rescale = self._local_stat = VarianceRescale(self)
-
-    @staticmethod
-    def _initial_schedule() -> Dict[str, Any]:
-        # var_updates: variance updates so far; next_var: the step of the next one (0: none
-        # left); local: the local-step stage has begun; syncs: synchronizations in it so far;
-        # next_sync: the step of the next one
-        return {"var_updates": 0, "next_var": 1, "local": False, "syncs": 0, "next_sync": 0}
+        self._onebit = OneBitStage(self.flat_state, exact_numel=self.comm.exact_numel, flat_only=True,
+                                   freeze_option="var_freeze_step")
+        self._rescale = self.flat_state.local_stat = VarianceRescale(self.flat_state)
 
     # ------------------------------------------------------------------ options
     def _validate_group(self, group: Dict[str, Any]) -> None:
@@ -121,7 +113,7 @@ class ZeroOneAdam(BaseOptimizer):
         s = self._schedule
         if not s["local"]:
             return 1
-        return min(2 ** (s["syncs"] // self._option("local_step_scaler")), self._option("local_step_clipper"))
+        return local_steps.interval(s["syncs"], self._option("local_step_scaler"), self._option("local_step_clipper"))
 
     @property
     def frozen_after(self) -> Optional[int]:
@@ -132,7 +124,7 @@ class ZeroOneAdam(BaseOptimizer):
     def compression_stats(self) -> Dict[str, Any]:
         """The momentum reducer's `lbcomm.common.compressor_stats` (zeros before the first
         step), and ``status``: "compressing", or why nothing is compressed."""
-        return self._onebit.stats()
+        return self._onebit.report.stats()
 
     def comm_stats(self) -> Dict[str, int]:
         """What this rank has sent so far: ``bytes_sent``, ``rounds`` (collectives started; a
@@ -156,17 +148,17 @@ class ZeroOneAdam(BaseOptimizer):
 
     def set_momentum_mask(self, param: Tensor, mask: Optional[Tensor]) -> None:
         """Override the automatic zero-variance mask for one parameter, as `OneBitAdam.set_momentum_mask`."""
-        self._onebit.set_momentum_mask(param, mask)
+        self._onebit.set_momentum_mask(self._prepare(), param, mask)
 
     # ------------------------------------------------------------------ layout
     def _buffer_names(self) -> tuple:
         return self._flat_buffers + (self._local_buffers if self._schedule["local"] else ())
 
     # ------------------------------------------------------------------ step
-    # rescale_variance's statistic (`_local_stat`) rides in every step's one collective:
+    # rescale_variance's statistic (``flat_state.local_stat``) rides in every step's one collective:
     # the variance steps' gradient allreduce, the other steps' finiteness agreement
     def _take_step(self, L: FlatLayout) -> bool:
-        t, s, st = self._global_step + 1, self._schedule, self._onebit
+        t, s, st, fs = self.global_step + 1, self._schedule, self._onebit, self.flat_state
         if not self.frozen or t == s["next_var"]:
             self._last_kind = "variance"
             taken = self._variance_step(L)
@@ -178,7 +170,7 @@ class ZeroOneAdam(BaseOptimizer):
             self._last_kind = "onebit"  # OneBitAdam's compression step with the current variance
             if not st.grads_finite(L):
                 return self._nonfinite("the local gradients")
-            if not frozen_adamw_step_(self, st, L, self._rescale.factors_of(L)):
+            if not frozen_adamw_step_(fs, st, L, self._rescale.factors_of(L)):
                 return self._nonfinite("the new momenta")
             self._rescale.commit()
             return True
@@ -186,12 +178,12 @@ class ZeroOneAdam(BaseOptimizer):
         if not st.grads_finite(L):
             return self._nonfinite("the local gradients")
         if self._last_kind == "sync":
-            if not local_steps.sync_step_(self, L, self._rescale.factors_of(L)):
+            if not local_steps.sync_step_(fs, st, L, self._rescale.factors_of(L)):
                 return self._nonfinite("the synchronized momenta")
         else:
-            local_steps.local_step_(self, L, self._rescale.factors_of(L))
+            local_steps.local_step_(fs, st, L, self._rescale.factors_of(L))
         self._rescale.commit()
-        self._onebit.watch_lr("var_freeze_step")  # the variance is frozen for good from here on
+        st.report.watch_lr("var_freeze_step")  # the variance is frozen for good from here on
         return True
 
     def _variance_step(self, L: FlatLayout) -> bool:
@@ -224,12 +216,12 @@ class ZeroOneAdam(BaseOptimizer):
         idx = [i for i, on in enumerate(active) if on]
         gap = self._variance_gap()
         if idx:
-            self._vectors["variance_step"][idx] += gap
+            self.flat_state.vectors["variance_step"][idx] += gap
         bounds = self._onebit.update_bounds(L) if self._counts["onebit"] else [None] * len(L.params)
-        adamw_warmup_(self, L, active, bounds, vstep="variance_step", decay_steps=gap)
+        adamw_warmup_(self.flat_state, L, active, bounds, vstep="variance_step", decay_steps=gap)
 
     def _after_step(self, L: FlatLayout) -> None:
-        t, s, kind = self._global_step, self._schedule, self._last_kind
+        t, s, kind = self.global_step, self._schedule, self._last_kind
         self._counts[kind] += 1
         if kind == "variance":
             s["var_updates"] += 1
@@ -239,18 +231,18 @@ class ZeroOneAdam(BaseOptimizer):
             if not self.frozen:  # the reducer and the mask, from the first step on
                 self._onebit.freeze(L)
                 self._attach_views()
-                self._onebit.log_freeze(L)
+                self._onebit.report.log_freeze(L)
             else:
                 self._onebit.build_mask(L)  # the variance changed
             self._rescale.record_reference(L)
             # 1-bit steps follow: the averaged gradients' buffer is dead until the next
             # variance step allocates it again
             if s["next_var"] != t + 1:
-                self._grad_buf = None
+                self.flat_state.grad_buf = None
         elif kind == "sync":
             s["syncs"] += 1
-            s["next_sync"] = t + min(2 ** (s["syncs"] // self._option("local_step_scaler")),
-                                     self._option("local_step_clipper"))
+            s["next_sync"] = t + local_steps.interval(s["syncs"], self._option("local_step_scaler"),
+                                                      self._option("local_step_clipper"))
         # "auto" checks on the variance steps only: the variance changes on those
         if not s["local"] and self._onebit.freeze_due(L, vstep="variance_step",
                                                         check=kind == "variance"):
@@ -258,17 +250,12 @@ class ZeroOneAdam(BaseOptimizer):
 
     def _start_local_steps(self, L: FlatLayout) -> None:
         s = self._schedule
-        s.update(local=True, next_var=0, syncs=0, next_sync=self._global_step + 1)
-        self._grad_buf = None
-        self._flat["local_update"] = torch.zeros_like(self._flat["exp_avg"])
-        anchor = self._flat["anchor"] = torch.empty_like(self._flat["exp_avg"])
-        for i, p in enumerate(L.params):
-            L.view(anchor, i).copy_(p.detach())
-        self._vectors["interval_lr"].zero_()
-        self._vectors["interval_keep"].fill_(1.0)
+        fs = self.flat_state
+        s.update(local=True, next_var=0, syncs=0, next_sync=fs.global_step + 1)
+        local_steps.start_(fs, L)
         self._attach_views()
         _log.info("%s: variance frozen for good after step %s (%s variance updates); local steps from now on, "
-                  "synchronized every min(2^(j // %s), %s) steps", type(self).__name__, self._global_step,
+                  "synchronized every min(2^(j // %s), %s) steps", type(self).__name__, fs.global_step,
                   s["var_updates"], self._option("local_step_scaler"), self._option("local_step_clipper"))
 
     # ------------------------------------------------------------------ checkpoints
@@ -284,7 +271,7 @@ class ZeroOneAdam(BaseOptimizer):
         if saved is None:
             raise ValueError(f"{type(self).__name__}.load_state_dict: the state dict has no 'zero_one' entry (it was "
                              "saved by another lbcomm optimizer); load it into the optimizer class that saved it")
-        self._schedule = {k: saved[k] for k in self._initial_schedule()}
+        self._schedule = {k: saved[k] for k in local_steps.initial_schedule()}
         self._counts = {k: int(saved["counts"][k]) for k in _KINDS}
         tr = self.transport
         tr.bytes_sent, tr.rounds = int(saved["bytes_sent"]), int(saved["rounds"])

@@ -1,0 +1,88 @@
+"""max_update for the 1-bit optimizers: the bound U on each coordinate's
+|m^ / (sqrt(v^) + eps)| in the compression stage (per parameter: ``comm.max_update`` at its
+group's betas, or "warmup"'s recorded U_p), and its move into the compressed allreduce
+(``comm.capped_decode``: `decode_caps`). Functions of the optimizer's `FlatState`, called by
+its `OneBitStage`."""
+from __future__ import annotations
+
+from typing import Callable, List, Optional
+
+import torch
+from torch import Tensor
+
+from . import functional as F
+from .flat import FlatLayout
+
+__all__ = ["record_update_bounds", "update_bounds", "decode_caps"]
+
+
+def record_update_bounds(fs, L: FlatLayout, stage: Tensor) -> None:
+    """At the freeze, for max_update="warmup": U_p = max_i |m^_i / (sqrt(v^_i) + eps)| of
+    each parameter after its last warmup step (its largest full-precision step, in units
+    of lr), kept in fp32 per parameter (``fs.vectors["max_update_bound"]``) so that a resumed
+    run uses the same bound; 0 for parameters that never had a gradient (they are not
+    updated). `stage`: a bounded scratch buffer."""
+    m, v = fs.buffers["exp_avg"], fs.buffers["exp_avg_sq"]
+    bound, steps = fs.vectors["max_update_bound"], fs.vectors["step"].tolist()
+    for i, gi in enumerate(L.group_of):
+        group = fs.param_groups[gi]
+        if steps[i] == 0:
+            bound[i] = 0.0
+            continue
+        b1, b2 = group["betas"]
+        bc1, bc2 = (1 - b1 ** steps[i], 1 - b2 ** steps[i]) if group["bias_correction"] else (1.0, 1.0)
+        bound[i:i + 1] = F.max_abs_update(L.view(m, i), L.view(v, i), bc1, bc2, group["eps"], stage)
+    if fs.sharded():  # the bound of the whole parameter tensor: the max over its shards
+        bound.copy_(fs.per_tensor(L, bound.reshape(-1, 1), op="max").reshape(-1))
+
+
+def update_bounds(fs, L: FlatLayout) -> List[Optional[float]]:
+    """Per parameter, this step's bound U on |m^ / (sqrt(v^) + eps)| (comm.max_update at
+    its group's betas; None: unbounded, the published update)."""
+    per_group = [F.resolve_max_update(fs.comm.max_update, g["betas"]) for g in fs.param_groups]
+    recorded, out = None, []
+    for i, gi in enumerate(L.group_of):
+        u = per_group[gi]
+        if u == "warmup":
+            if recorded is None:
+                recorded = fs.vectors["max_update_bound"].tolist()
+            u = recorded[i] if recorded[i] >= 0 else None
+        out.append(u)
+    return out
+
+
+def decode_caps(fs, L: FlatLayout, segs, factors, bounds: List[Optional[float]],
+                scale: Optional[Tensor] = None) -> Callable[[int, int, Tensor], None]:
+    """max_update's bound moved into the compressed allreduce (comm.capped_decode): per
+    coordinate, the momentum whose Adam step is exactly the bound,
+    c = U bc1 (sqrt(v^) + eps) with this step's bias corrections (`segs`, steps advanced)
+    and rescale factors, times the parameter's `scale` when the reduced momentum is
+    scaled (OneBitLamb), +inf where no bound applies; the reducer decodes every value
+    to at most c and its error feedback keeps the rest (`lbcomm.compressed.reduce_`).
+    Returned as a callable cap(lo, hi, buf) that computes the caps of flat elements
+    [lo, hi) from the variance when the reducer asks for them (range by range, into
+    its bounded staging), so no model-sized buffer holds them; each element goes
+    through the same operations as in `lbcomm.testing.compressors.decode_caps`."""
+    v = fs.buffers["exp_avg_sq"]
+    # per parameter: (a, b) with c = a sqrt(v) + b (U bc1 (sqrt(v) / sqrt(bc2') + eps)), None: uncapped
+    coeffs: List[Optional[tuple]] = [None] * len(L.params)
+    for seg in segs:
+        group = fs.param_groups[seg.group]
+        bc1, bc2 = fs.bias_corrections(group, seg)
+        for i in seg.idx:
+            if bounds[i] is not None:
+                coeffs[i] = F.cap_coefficients(bounds[i], bc1, F.rescaled_bc2(bc2, factors, i), group["eps"])
+
+    def cap(lo: int, hi: int, buf: Tensor) -> None:
+        for i, a, b in L.overlapping(lo, hi):
+            o = L.offsets[i]
+            out = buf[o + a - lo:o + b - lo]
+            if coeffs[i] is None:  # no bound here: nothing capped
+                out.fill_(float("inf"))
+                continue
+            # the sqrt, its multiply and its add in three passes (the simulation's order)
+            torch.sqrt(v[o + a:o + b], out=out).mul_(coeffs[i][0]).add_(coeffs[i][1])
+            if scale is not None:
+                out.mul_(scale[i])
+
+    return cap
