@@ -151,7 +151,7 @@ class MPITransport(RowsThroughBytes, GatherVThroughBytes):
 
     def __init__(self, comm=None):
         MPI = _mpi()
-        self._MPI = MPI
+        self.mpi = MPI
         base = MPI.COMM_WORLD if comm is None else comm
         if not isinstance(base, MPI.Comm) or base == MPI.COMM_NULL:
             raise TypeError(f"MPITransport: expected an mpi4py communicator, got {type(base).__name__}")
@@ -186,7 +186,7 @@ class MPITransport(RowsThroughBytes, GatherVThroughBytes):
         if device.type == "cuda":
             self.cuda_aware  # noqa: B018 - decide (and log) once, up front
 
-    def _side_stream(self, device: torch.device):
+    def side_stream(self, device: torch.device):
         with self._lock:
             s = self._streams.get(device)
             if s is None:
@@ -194,14 +194,14 @@ class MPITransport(RowsThroughBytes, GatherVThroughBytes):
             return s
 
     # -------------------------------------------------------------- failures
-    def _raise_if_broken(self) -> None:
+    def raise_if_broken(self) -> None:
         if self._error is not None:
             raise RuntimeError(f"lbcomm MPI transport (rank {self.rank}): an earlier collective on this "
                                f"communicator failed ({self._error}); its ranks are out of step, so no further "
                                "collective can run on it. Rebuild the CompressionState after fixing the cause."
                                ) from self._error
 
-    def _broken_by(self, exc: BaseException, op: _Op) -> None:
+    def mark_broken(self, exc: BaseException, op: _Op) -> None:
         """Fail `op`; the first failure marks the communicator as out of step."""
         if self._error is not None:  # a fail-fast error, or a later one
             op.fail(exc)
@@ -216,7 +216,7 @@ class MPITransport(RowsThroughBytes, GatherVThroughBytes):
     # -------------------------------------------------------------- collectives
     def _run(self, kind: str, out: Optional[Tensor], inp: Optional[Tensor], async_op: bool,
              reduce_op: Optional[str] = None, result=None, p2p=None):
-        self._raise_if_broken()
+        self.raise_if_broken()
         op = _Op(self, kind, out, inp, reduce_op, result, p2p)
         if self.threaded:
             if ENGINE.in_progress_thread() and not async_op:
@@ -230,7 +230,7 @@ class MPITransport(RowsThroughBytes, GatherVThroughBytes):
                 op.start()
                 op.wait()
             except BaseException as exc:  # noqa: BLE001 - handed to the future
-                self._broken_by(exc, op)
+                self.mark_broken(exc, op)
             else:
                 op.complete()
         if async_op:

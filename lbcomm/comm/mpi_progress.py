@@ -55,7 +55,7 @@ class _Op:
         return self.ready_event is None or self.ready_event.query()
 
     def start(self) -> None:
-        tr, MPI = self.transport, self.transport._MPI
+        tr, MPI = self.transport, self.transport.mpi
         if self.kind == "barrier":
             self.request = tr.comm.Ibarrier()
             return
@@ -72,7 +72,7 @@ class _Op:
             send, recv = inp, self.out  # device pointers straight to MPI
         else:
             dev = self.out.device
-            self.stream = tr._side_stream(dev)
+            self.stream = tr.side_stream(dev)
             with torch.cuda.device(dev), torch.cuda.stream(self.stream):
                 self.host_out = torch.empty(self.out.shape, dtype=self.out.dtype, pin_memory=True)
                 if self.inp is None:
@@ -192,13 +192,13 @@ class _ProgressEngine:
             while waiting:
                 op = waiting[0]
                 try:
-                    op.transport._raise_if_broken()
+                    op.transport.raise_if_broken()
                     if not op.ready():
                         break
                     op.start()
                 except BaseException as exc:  # noqa: BLE001 - handed to the caller's future
                     waiting.popleft()
-                    op.transport._broken_by(exc, op)
+                    op.transport.mark_broken(exc, op)
                     progressed = True
                     continue
                 waiting.popleft()
@@ -209,7 +209,7 @@ class _ProgressEngine:
                 try:
                     done = op.test()
                 except BaseException as exc:  # noqa: BLE001
-                    op.transport._broken_by(exc, op)
+                    op.transport.mark_broken(exc, op)
                     progressed = True
                     continue
                 if not done:

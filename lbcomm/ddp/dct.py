@@ -102,6 +102,29 @@ class DCTHookState:
         self.compression_stats_logging_frequency = freq
         self._init_internal()
 
+    def stats_report_due(self, last: bool) -> bool:
+        """Whether the hook logs statistics after this bucket (the last bucket of every
+        ``compression_stats_logging_frequency``-th iteration); schedules the next report."""
+        if not (last and self.iter + 1 >= self._next_stats_report):
+            return False
+        self._next_stats_report = self.iter + 1 + self.compression_stats_logging_frequency
+        return True
+
+    def first_compressed(self, last: bool) -> bool:
+        """True once per state (also after a resume): at the last bucket of the first sparse
+        iteration, where the hook logs what it compresses."""
+        if not last or self._first_reported:
+            return False
+        self._first_reported = True
+        return True
+
+    def dense_warning_due(self) -> bool:
+        """True the first time a sparse exchange sent more than a dense one would (warned once)."""
+        if self._dense_warned:
+            return False
+        self._dense_warned = True
+        return True
+
     def _init_internal(self) -> None:
         self.iter = 0
         self.planner = BucketPlanner()
@@ -216,8 +239,7 @@ def _new_reducer(state: DCTHookState, numel: int, device: torch.device) -> DCTRe
 def _reduce_bucket(state: DCTHookState, plan: Plan, report: bool, buf: torch.Tensor) -> None:
     """The sparse exchange of one bucket, in place, on the worker thread."""
     def warn_dense(unit, sent: int, dense: int) -> None:
-        if sent > dense and not state._dense_warned:
-            state._dense_warned = True
+        if sent > dense and state.dense_warning_due():
             _log.warning("dct_hook: a bucket's sparse exchange sent %s bytes where a full-precision allreduce sends "
                          "%s (too many entries pass the threshold for %s ranks: lower density)", sent, dense,
                          state.worker.world_size)
@@ -274,12 +296,9 @@ def dct_hook(state: DCTHookState, bucket: dist.GradBucket) -> torch.futures.Futu
         unit.compression.exclude(unit.exact[1])
         sp = unit.compression.sparsifier  # this state's settings, also for units restored from a checkpoint
         sp.density, sp.refresh_every = state.density, state.refresh_every
-    report = last and state.iter + 1 >= state._next_stats_report
-    if report:
-        state._next_stats_report = state.iter + 1 + state.compression_stats_logging_frequency
+    report = state.stats_report_due(last)
     fut = worker.submit(buf, functools.partial(_reduce_bucket, state, plan, report))
-    if last and not state._first_reported:  # the first compressed iteration, also after a resume
-        state._first_reported = True
+    if state.first_compressed(last):
         units = state.planner.units()
         report_exact_share(_log, "dct_hook", "gradient", sum(u.exact_numel() for u in units),
                            sum(u.compression.numel for u in units), state.comm.exact_numel)

@@ -129,8 +129,7 @@ def onebit_hook(state: OneBitHookState, bucket: dist.GradBucket) -> torch.future
     for unit, _ in plan:
         _configure(state, unit, buf.device)
     fut = worker.submit(buf, functools.partial(_reduce_bucket, state, plan, state.stats_report_due(bucket)))
-    if bucket.is_last() and not state._exact_reported:  # the first compressed iteration, also after a resume
-        state._exact_reported = True
+    if state.first_compressed(bucket):
         _report_exact(state)
     state.maybe_increase_iter(bucket)
     return fut

@@ -275,6 +275,14 @@ class OneBitHookState:
         self._next_stats_report = self.iter + self.compression_stats_logging_frequency
         return self.iter
 
+    def first_compressed(self, bucket: dist.GradBucket) -> bool:
+        """True once per state (also after a resume): at the last bucket of the first
+        compressed iteration, where the hook logs what it compresses."""
+        if not bucket.is_last() or self._exact_reported:
+            return False
+        self._exact_reported = True
+        return True
+
     def _ensure_idle(self, what: str) -> None:
         ensure_idle(self.worker, f"OneBitHookState.{what}")
 

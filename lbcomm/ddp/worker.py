@@ -74,13 +74,15 @@ class BucketWorker:
         self._jobs.put((fut, buf, run, event))
         return fut
 
-    def _stream(self, device: torch.device):
+    def stream_for(self, device: torch.device):
+        """The side stream the worker thread runs jobs of `device` on (CUDA), made once."""
         stream = self._streams.get(device)
         if stream is None:
             stream = self._streams[device] = torch.cuda.Stream(device)
         return stream
 
-    def _finish(self) -> None:
+    def finish_job(self) -> None:
+        """One submitted job is done (called by the thread before the result is handed over)."""
         with self._lock:
             self._inflight -= 1
 
@@ -112,7 +114,7 @@ def _serve(ref, jobs: queue.SimpleQueue, threads: int) -> None:
             return
         fut, buf, run, event = job
         error: Optional[BaseException] = None
-        stream = worker._stream(buf.device) if event is not None else None
+        stream = worker.stream_for(buf.device) if event is not None else None
         try:
             if stream is None:
                 run(buf)
@@ -122,7 +124,7 @@ def _serve(ref, jobs: queue.SimpleQueue, threads: int) -> None:
                     run(buf)
         except BaseException as exc:  # noqa: BLE001 - handed to DDP through the future
             error = exc
-        worker._finish()  # idle before DDP can see the result
+        worker.finish_job()  # idle before DDP can see the result
         del worker
         if error is not None:
             fut.set_exception(error)

@@ -66,6 +66,25 @@ class StatsHookState:
     def __setstate__(self, state):
         self.__init__(state["stats"], state["hook"], state["hook_state"], exact=state["exact"])
 
+    def measure(self, bucket) -> list:
+        """Measure one bucket before the inner hook runs; at the last bucket, start the
+        step's one small allreduce. Returns the slot for the exact result's squared norm
+        (set by the hook's callback, no device sync there)."""
+        if bucket.index() == 0:
+            self._current = []
+        v = self.stats.measure([bucket.buffer()], exact=self.exact)
+        result: list = [None]
+        self._current.append((v, result))
+        if bucket.is_last():
+            parts, self._current = self._current, []
+            if self.exact:
+                vec = torch.stack([m[0] for m, _ in parts]).sum().reshape(1)
+            else:
+                vec = torch.cat([m for m, _ in parts])
+            fut = self.transport.all_reduce(vec, op="mean", async_op=True)
+            self._pending = (vec, fut, [m.numel() for m, _ in parts], [r for _, r in parts])
+        return result
+
     def flush(self) -> None:
         """Fold in the last finished step (waits for its small allreduce)."""
         pending, self._pending = self._pending, None
@@ -96,18 +115,7 @@ def stats_hook(state: StatsHookState, bucket) -> torch.futures.Future[torch.Tens
         return state.hook(inner_state, bucket)
     if bucket.index() == 0:
         state.flush()
-        state._current = []
-    v = state.stats.measure([bucket.buffer()], exact=state.exact)
-    result: list = [None]  # the exact result's squared norm, set by the callback (no device sync there)
-    state._current.append((v, result))
-    if bucket.is_last():
-        parts, state._current = state._current, []
-        if state.exact:
-            vec = torch.stack([m[0] for m, _ in parts]).sum().reshape(1)
-        else:
-            vec = torch.cat([m for m, _ in parts])
-        fut = state.transport.all_reduce(vec, op="mean", async_op=True)
-        state._pending = (vec, fut, [m.numel() for m, _ in parts], [r for _, r in parts])
+    result = state.measure(bucket)
     out = state.hook(inner_state, bucket)
     if not state.exact:
         return out
