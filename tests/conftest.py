@@ -106,6 +106,7 @@ MULTIPROC = {
     "test_mpi": {"test_mpi_matches_torch_backend_bitwise", "test_mpi_transport_all_reduce_and_barrier",
                  "test_mpi_backend_selection_and_errors"},
     "test_netem": {"test_tcp_throughput_is_capped_and_torn_down", "test_teardown_on_exception_kills_ranks",
+                   "test_delay_adds_a_wide_area_round_trip",
                    "test_launch_reports_failed_rank_and_kills_the_rest", "test_teardown_on_signal",
                    "test_cleanup_stale_after_sigkill", "test_gloo_allreduce_across_namespaces"},
     "test_never_silent": {"test_gradients_averaged_by_ddp_raise_at_the_first_step",

@@ -21,6 +21,7 @@ PREFIX = "lbctest"  # only ever touch namespaces that these tests create
 
 _ok, _why = netem.available()
 needs_netns = pytest.mark.skipif(not _ok, reason=f"emulated cluster unavailable: {_why}")
+_delay_ok, _delay_why = netns.available(delay=True) if _ok else (False, _why)
 
 
 # --------------------------------------------------------------------------- parsing
@@ -90,11 +91,23 @@ def test_parse_size_time_reject(fn, text):
         (dict(world_size=5, subnet="10.9.0.0/30"), "subnet"),
         (dict(world_size=2, subnet="8.8.8.0/24"), "private"),
         (dict(world_size=2, subnet="not-a-net"), "subnet"),
+        (dict(world_size=2, delay="50 years"), "time"),
     ],
 )
 def test_cluster_validates_up_front(kwargs, match):
     with pytest.raises(ValueError, match=match):
         netem.EmulatedCluster(**kwargs)
+
+
+@pytest.mark.parametrize("text, usec", [("0", 0), ("0ms", 0), (0, 0), ("50ms", 50_000), ("1s", 10**6)])
+def test_delay_parses_zero_as_none(text, usec):
+    assert netem.EmulatedCluster(2, "10mbit", delay=text).delay_us == usec
+
+
+@pytest.mark.skipif(not _ok or _delay_ok, reason="needs an emulated cluster on a kernel without sch_netem")
+def test_delay_without_netem_says_so():
+    with pytest.raises(RuntimeError, match="sch_netem"):
+        netem.EmulatedCluster(2, "10mbit", delay="50ms", prefix=PREFIX).start()
 
 
 def test_names_addresses_and_env():
@@ -224,6 +237,54 @@ def test_tcp_throughput_is_capped_and_torn_down():
     assert wall > nbytes * 8 / (1.3 * cap)
     assert _wait_gone(run_id) == []
     assert _host_links() == links_before
+
+
+_ECHO_SERVER = r"""
+import socket, sys
+s = socket.socket()
+s.bind((sys.argv[1], 5002))
+s.listen(1)
+conn, _ = s.accept()
+for _ in range(5):
+    conn.sendall(conn.recv(1))
+"""
+
+_ECHO_CLIENT = r"""
+import json, socket, sys, time
+deadline = time.monotonic() + 10
+while True:
+    try:
+        s = socket.create_connection((sys.argv[1], 5002), timeout=10)
+        break
+    except OSError:
+        if time.monotonic() > deadline:
+            raise
+        time.sleep(0.02)
+s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+rtts = []
+for _ in range(5):
+    t0 = time.perf_counter()
+    s.sendall(b"x")
+    s.recv(1)
+    rtts.append(time.perf_counter() - t0)
+print(json.dumps(rtts))
+"""
+
+
+@pytest.mark.skipif(not _delay_ok, reason=f"emulated cluster unavailable: {_delay_why}")
+def test_delay_adds_a_wide_area_round_trip():
+    """delay="40ms": netem holds each packet 20 ms on each of the two shaped hops, so a
+    round trip between two ranks takes at least 80 ms (a lower bound only: a loaded
+    machine can only add to it)."""
+    with netem.EmulatedCluster(2, "100mbit", delay="40ms", prefix=PREFIX) as c:
+        q = subprocess.run(["tc", "-n", c.netns(0), "qdisc", "show", "dev", c.ifname(0)], check=True,
+                           capture_output=True, text=True).stdout
+        assert "netem" in q and "delay 20ms" in q and "tbf" in q, q
+        res = c.launch([[sys.executable, "-c", _ECHO_CLIENT, c.addr(1)],
+                        [sys.executable, "-c", _ECHO_SERVER, c.addr(1)]], timeout=30)
+    rtts = json.loads(res[0].stdout)
+    print(f"round trips with a 40 ms one-way delay: {[round(r * 1e3, 1) for r in rtts]} ms")
+    assert min(rtts) >= 0.078, rtts
 
 
 @needs_netns

@@ -134,7 +134,7 @@ def check_onebit(block_size: Optional[int], pieces: Optional[int] = None) -> Non
     CompressionState(0, transport=LoopTransport(2), device="cpu", block_size=block_size, pieces=pieces)
 
 
-def check_cluster(world: int, bandwidths, latency: str, burst: str, ranks_per_node: int = 1) -> None:
+def check_cluster(world: int, bandwidths, latency: str, burst: str, ranks_per_node: int = 1, delay: str = "0") -> None:
     """The emulated cluster's own rules for each bandwidth given (None: loopback, nothing to
     check), as a UsageError; builds the cluster's description only, starts nothing. Shared
     by checks.py and racecli.py (which import nothing of each other)."""
@@ -143,7 +143,7 @@ def check_cluster(world: int, bandwidths, latency: str, burst: str, ranks_per_no
     for bw in bandwidths:
         if bw:
             try:
-                EmulatedCluster(world, bw, latency=latency, burst=burst,
+                EmulatedCluster(world, bw, latency=latency, burst=burst, delay=delay,
                                 ranks_per_node=ranks_per_node)  # checks only; starts nothing
             except ValueError as exc:
                 raise UsageError(str(exc)) from None

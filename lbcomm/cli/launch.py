@@ -256,10 +256,10 @@ def run_spawned(spec_path: str, run_task) -> int:
 
 
 def cluster_for(world_size: int, bandwidth: str, latency: str, burst: str,
-                ranks_per_node: int = 1) -> netem.EmulatedCluster:
+                ranks_per_node: int = 1, delay: str = "0") -> netem.EmulatedCluster:
     """An EmulatedCluster, or a RuntimeError that says why it cannot run here and how to fix it."""
-    cluster = netem.EmulatedCluster(world_size, bandwidth, latency=latency, burst=burst,
+    cluster = netem.EmulatedCluster(world_size, bandwidth, latency=latency, burst=burst, delay=delay,
                                     ranks_per_node=ranks_per_node)  # ValueError: bad rate
-    netns.require()
+    netns.require(delay=bool(cluster.delay_us))
     return cluster
 

@@ -4,7 +4,8 @@ Each rank gets its own network namespace with one veth interface; the other ends
 veths are ports of a Linux bridge that lives in a dedicated namespace, so the host's own
 namespace is never touched. Both ends of every veth are shaped with a token bucket
 (``tc qdisc add dev IF root tbf rate RATE burst BURST latency LAT``): each rank has
-``bandwidth`` upstream and ``bandwidth`` downstream, like a host on a switch port.
+``bandwidth`` upstream and ``bandwidth`` downstream, like a host on a switch port; with a
+``delay``, a netem qdisc in front of each token bucket adds a wide-area link's latency.
 Addresses come from a private subnet that exists only inside these namespaces.
 
 Ranks are launched as ``ip netns exec NS python ...`` with ``GLOO_SOCKET_IFNAME`` and
@@ -48,19 +49,10 @@ from collections.abc import Callable, Mapping, Sequence
 from .netns import (DEFAULT_PREFIX, PREFIX_RE, NetemError, available, cleanup_stale, list_netns, netns_pids, probe,
                     require, run)
 from .procs import die_with_parent, failure_report, kill_sessions, wait_all
-from .units import format_rate, parse_rate, parse_size, parse_time
+from .units import format_rate, parse_delay, parse_rate, parse_size, parse_time
 
-__all__ = [
-    "EmulatedCluster",
-    "NetemError",
-    "available",
-    "cleanup_stale",
-    "parse_rate",
-    "parse_size",
-    "parse_time",
-    "probe",
-    "require",
-]
+__all__ = ["EmulatedCluster", "NetemError", "available", "cleanup_stale", "parse_rate", "parse_size", "parse_time",
+           "probe", "require"]
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +82,10 @@ class EmulatedCluster:
         latency (str, optional): tbf's ``latency``: the longest a packet may wait in the
             bucket's queue (this bounds the queue; it adds no fixed delay). (default: ``"50ms"``)
         burst (str, optional): tbf's bucket size; kb = 1024 bytes, as in tc. (default: ``"256kb"``)
+        delay (str, optional): a fixed one-way delay between two nodes, as on a wide-area
+            link (``"50ms"``): netem holds every packet half of it on each of the two shaped
+            hops (node -> switch, switch -> node), in front of the rate limit; "0" for none.
+            (default: ``"0"``)
         subnet (str, optional): IPv4 subnet for the ranks' addresses; it exists only inside
             the run's namespaces. (default: ``"10.213.0.0/24"``)
         prefix (str, optional): start of every namespace name; names are
@@ -119,6 +115,7 @@ class EmulatedCluster:
         *,
         latency: str = "50ms",
         burst: str = "256kb",
+        delay: str = "0",
         subnet: str = DEFAULT_SUBNET,
         prefix: str = DEFAULT_PREFIX,
         master_port: int = DEFAULT_MASTER_PORT,
@@ -140,6 +137,7 @@ class EmulatedCluster:
         self.rate_bits = parse_rate(bandwidth)
         self.latency_us = parse_time(latency)
         self.burst_bytes = parse_size(burst)
+        self.delay_us = parse_delay(delay)
         if self.burst_bytes < MIN_BURST:
             raise ValueError(
                 f"Invalid burst: {burst!r} = {self.burst_bytes} bytes; must be >= {MIN_BURST} "
@@ -251,7 +249,7 @@ class EmulatedCluster:
         """Create the namespaces, bridge, veths, addresses and qdiscs."""
         if self._started:
             raise RuntimeError(f"{self.run_id} was already started; create a new EmulatedCluster")
-        require()
+        require(delay=bool(self.delay_us))
         # A run killed before its teardown (SIGKILL, a crashed test) leaves its namespaces;
         # each new cluster removes those of dead runs with its prefix (live runs are kept).
         try:
@@ -268,9 +266,9 @@ class EmulatedCluster:
             self._teardown(raise_errors=False)
             raise
         logger.info(
-            "netem: %s up in %.2fs: %d ranks, %s per direction (burst %d B, latency %d us), subnet %s",
-            self.run_id, time.perf_counter() - t0, self.world_size, self.bandwidth,
-            self.burst_bytes, self.latency_us, self.subnet,
+            "netem: %s up in %.2fs: %d ranks, %s per direction (burst %d B, latency %d us, one-way delay %d us), "
+            "subnet %s", self.run_id, time.perf_counter() - t0, self.world_size, self.bandwidth,
+            self.burst_bytes, self.latency_us, self.delay_us, self.subnet,
         )
         return self
 
@@ -282,9 +280,18 @@ class EmulatedCluster:
         run(["ip", "-n", ns, "link", "set", "lo", "up"])
 
     def _tbf(self, ns: str, dev: str) -> None:
-        run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf",
-              "rate", f"{self.rate_bits}bit", "burst", str(self.burst_bytes),
-              "latency", f"{self.latency_us}us"])
+        """The rate limit of one hop; with a delay, netem (half the one-way delay) at the root
+        and the tbf as its child."""
+        where = ["root"]
+        if self.delay_us:
+            # the queue must hold a delay's worth of packets at the link rate (and more: bursts)
+            limit = max(1000, 4 * self.rate_bits * self.delay_us // (2 * 8 * 1_000_000 * 1500))
+            run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem",
+                 "delay", f"{self.delay_us // 2}us", "limit", str(limit)])
+            where = ["parent", "1:1", "handle", "10:"]
+        run(["tc", "-n", ns, "qdisc", "add", "dev", dev, *where, "tbf",
+             "rate", f"{self.rate_bits}bit", "burst", str(self.burst_bytes),
+             "latency", f"{self.latency_us}us"])
 
     def _setup(self) -> None:
         br = self.bridge_netns

@@ -67,9 +67,10 @@ def missing_requirements() -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=1)
-def probe() -> tuple[bool, str]:
-    """Try the real thing once: a namespace with a veth pair shaped by tbf, then remove it.
+@functools.lru_cache(maxsize=2)
+def probe(delay: bool = False) -> tuple[bool, str]:
+    """Try the real thing once: a namespace with a veth pair shaped by tbf (and, with
+    `delay`, a netem qdisc on its other end), then remove it.
 
     Returns ``(ok, reason)``; cached for the life of the process. Catches what the cheap
     checks of :func:`available` cannot: a container without CAP_SYS_ADMIN, a kernel without
@@ -97,24 +98,31 @@ def probe() -> tuple[bool, str]:
                   "rate", "1gbit", "burst", "256kb", "latency", "50ms"])
         except NetemError as exc:
             return False, f"cannot add a tbf qdisc ({exc}); the kernel needs sch_tbf (`modprobe sch_tbf`)"
-        return True, "network namespaces, veth and tbf work"
+        if delay:
+            try:
+                run(["tc", "-n", ns, "qdisc", "add", "dev", "p1", "root", "netem", "delay", "1ms"])
+            except NetemError as exc:
+                return False, (f"cannot add a netem qdisc for the delay ({exc}); the kernel needs sch_netem "
+                               "(`modprobe sch_netem`)")
+        return True, "network namespaces, veth and tbf work" + (" (netem too)" if delay else "")
     finally:
         run(["ip", "netns", "del", ns], check=False)
 
 
-def available() -> tuple[bool, str]:
-    """``(True, reason)`` if :class:`EmulatedCluster` can run here, else ``(False, why + fix)``.
+def available(delay: bool = False) -> tuple[bool, str]:
+    """``(True, reason)`` if :class:`EmulatedCluster` can run here (with a `delay`: netem
+    too), else ``(False, why + fix)``.
 
     Meant for tests: ``ok, why = available(); pytest.skip(why) if not ok``.
     """
-    return probe()
+    return probe(delay)
 
 
-def require() -> None:
+def require(delay: bool = False) -> None:
     """Raise a RuntimeError that names the problem and the fix unless the testbed can run."""
     reason = missing_requirements()
     if reason is None:
-        ok, reason = probe()
+        ok, reason = probe(delay)
         if ok:
             return
     raise RuntimeError(f"lbcomm emulated cluster unavailable: {reason}")

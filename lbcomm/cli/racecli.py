@@ -69,6 +69,8 @@ def add_parser(sub, make) -> None:
                         "loopback (default: 1gbit)")
     p.add_argument("--latency", default="50ms", help="with --bandwidth: tbf queue latency (default: 50ms)")
     p.add_argument("--burst", default="256kb", help="with --bandwidth: tbf burst (default: 256kb)")
+    p.add_argument("--delay", default="0", help="with --bandwidth: one-way delay between two ranks, as on a "
+                   "wide-area link, e.g. 50ms (netem in front of the rate limit) (default: 0, none)")
     p.add_argument("--methods", type=_methods, default=None,
                    help=f"comma-separated subset of {','.join(FAMILIES)} (default: all; diloco is left out "
                         "with a note when torchft is not installed)")
@@ -152,9 +154,10 @@ def check(args, info) -> None:
         require_matplotlib()
     if any(args.bandwidth):
         from .netns import require
+        from .units import parse_delay
 
-        check_cluster(args.world_size, args.bandwidth, args.latency, args.burst)
-        require()
+        check_cluster(args.world_size, args.bandwidth, args.latency, args.burst, delay=args.delay)
+        require(delay=bool(parse_delay(args.delay)))
 
 
 def _params(args, bandwidth: Optional[str]) -> Dict:
@@ -219,7 +222,7 @@ def cmd_race(args, info) -> int:
         spec = {"task": "race", "params": params}
         print(f"# racing {len(args.runs)} methods on {args.world_size} ranks, {bw or 'loopback'} ...", file=sys.stderr)
         if bw:
-            with launch.cluster_for(args.world_size, bw, args.latency, args.burst) as cluster:
+            with launch.cluster_for(args.world_size, bw, args.latency, args.burst, delay=args.delay) as cluster:
                 result = launch.spawn(spec, args.world_size, "gloo", cluster=cluster, timeout=args.timeout)
                 bw = cluster.bandwidth
         else:
@@ -233,7 +236,7 @@ def cmd_race(args, info) -> int:
                   freeze_step=params["freeze_step"],
                   cap=args.cap,
                   time_cap_s=None if math.isinf(args.time_cap) else args.time_cap, target_loss=args.target_loss,
-                  latency=args.latency, burst=args.burst,
+                  latency=args.latency, burst=args.burst, delay=args.delay,
                   val_seqs=args.val_seqs, seed=args.seed, train_tokens=result["train_tokens"],
                   clock="training steps only, slowest rank; paused for evaluations")
     doc = document("race", config=config, params=result["params"], skipped=args.skipped, runs=runs)

@@ -134,6 +134,13 @@ def parse_time(duration) -> int:
     return usec
 
 
+def parse_delay(duration) -> int:
+    """A link delay: like `parse_time`, but zero ("0", "0ms", 0) means none. Microseconds."""
+    if re.fullmatch(r"\s*0*\.?0*\s*(us|ms|s)?\s*", str(duration)):
+        return 0
+    return parse_time(duration)
+
+
 def format_rate(bits: int) -> str:
     """bits/s in tc's syntax: 1000000000 -> "1gbit"."""
     for unit, scale in (("gbit", 10**9), ("mbit", 10**6), ("kbit", 10**3)):
