@@ -37,7 +37,7 @@ def loopback(tmp_path_factory):
     methods = "ddp,onebit_adam" + (",diloco" if HAS_TORCHFT else "") + ",onebit_local"
     # outer momentum 0: DiLoCo's outer step is then plain SGD (torch refuses Nesterov without momentum)
     proc = race("--bandwidth", "none", "--methods", methods, "--diloco-h", "3", "--outer-momentum", "0",
-                "--local-h", "3", "--local-overlap", "1", "--json", str(path), *TINY)
+                "--local-h", "3", "--local-overlap", "1", "--schedule", "cosine", "--json", str(path), *TINY)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc, json.loads(path.read_text())
 
@@ -46,6 +46,7 @@ def test_race_loopback_schema_and_table(loopback):
     proc, doc = loopback
     check_race_doc(doc)
     assert doc["config"]["outer_momentum"] == 0.0 and doc["config"]["local_overlap"] == 1
+    assert doc["config"]["schedule"] == "cosine" and doc["config"]["delay"] == "0"
     (run,) = doc["runs"]
     assert run["bandwidth"] is None
     methods = [r["method"] for r in run["rows"]]
@@ -102,6 +103,19 @@ def test_methods_and_grid():
         assert any(s["method"] == "diloco" and "torchft" in s["why"] for s in args.skipped)
         with pytest.raises(UsageError, match="torchft"):
             check(_args("--bandwidth", "none", "--methods", "ddp,diloco"), None)
+
+
+def test_lr_schedules():
+    from lbcomm.cli.race import lr_at
+
+    assert [lr_at(s, 1.0, 4) for s in (0, 3, 50)] == [0.25, 1.0, 1.0]  # warmup, then constant
+    cos = [lr_at(s, 1.0, 4, "cosine", 104) for s in range(200)]
+    assert cos[:4] == [0.25, 0.5, 0.75, 1.0] and cos[4] == 1.0
+    assert all(a >= b for a, b in zip(cos[4:], cos[5:]))  # decays
+    assert cos[54] == pytest.approx(0.55) and cos[104] == pytest.approx(0.1) and cos[199] == pytest.approx(0.1)
+    assert _args("--bandwidth", "none").schedule == "constant"
+    with pytest.raises(SystemExit):
+        _args("--bandwidth", "none", "--schedule", "linear")
 
 
 def test_methods_run_ddp_first():

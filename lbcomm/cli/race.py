@@ -79,9 +79,14 @@ class Data:
         return torch.stack([self.train[s:s + self.length] for s in mine.tolist()])
 
 
-def lr_at(step: int, lr: float, warmup: int) -> float:
-    """Linear warmup over `warmup` steps, then constant (the same for every method)."""
-    return lr * min(1.0, (step + 1) / max(1, warmup))
+def lr_at(step: int, lr: float, warmup: int, schedule: str = "constant", total: int = 0) -> float:
+    """Linear warmup over `warmup` steps, then constant, or ("cosine") a cosine decay to a
+    tenth of `lr` at step `total` (ddp's budget) that stays there for methods that race on
+    past it. The same for every method at the same step."""
+    if schedule == "constant" or step < warmup:
+        return lr * min(1.0, (step + 1) / max(1, warmup))
+    frac = min(1.0, (step - warmup) / max(1, total - warmup))
+    return lr * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
 
 
 @torch.no_grad()
@@ -133,7 +138,8 @@ def race_one(run: Dict, params: Dict, data: Data, transport, device, ddp_time: O
             transport.barrier()
             tx0, t0 = _tx_bytes(ifname), time.perf_counter()
             while True:
-                method.step(data.batch_at(step), lr_at(step, params["lr"], params["warmup"]))
+                method.step(data.batch_at(step), lr_at(step, params["lr"], params["warmup"],
+                                                       params.get("schedule", "constant"), params["steps"]))
                 step += 1
                 if step >= max_steps or (step >= goal and method.synced(step)):
                     break

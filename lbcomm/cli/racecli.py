@@ -102,6 +102,9 @@ def add_parser(sub, make) -> None:
                    help="AdamW's (inner) learning rate, after --warmup steps of linear warmup (default: 1e-3)")
     p.add_argument("--warmup", type=_int_at_least(2), default=10,
                    help="lr warmup steps; also the fp32 steps of powersgd and onebit_hook (default: 10)")
+    p.add_argument("--schedule", choices=("constant", "cosine"), default="constant",
+                   help="the lr after the warmup: constant, or a cosine decay to a tenth of --lr at ddp's --steps "
+                        "(kept there after it), for a target near convergence (default: constant)")
     p.add_argument("--freeze-step", type=_positive, default=None,
                    help="onebit_adam's freeze_step and zeroone_adam's var_freeze_step (default: --steps / 10)")
     for name, what, dflt in (("d-model", "width", MODEL["d_model"]), ("layers", "blocks", MODEL["layers"]),
@@ -165,7 +168,7 @@ def _params(args, bandwidth: Optional[str]) -> Dict:
                  batch=args.batch)
     return dict(model=model, runs=args.runs, steps=args.steps, eval_every=args.eval_every, lr=args.lr,
                 outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, local_overlap=args.local_overlap,
-                warmup=args.warmup, freeze_step=args.freeze_step or max(2, args.steps // 10),
+                warmup=args.warmup, schedule=args.schedule, freeze_step=args.freeze_step or max(2, args.steps // 10),
                 time_cap_s=args.time_cap, cap_factor=args.cap, max_steps=args.max_steps_factor * args.steps,
                 target_loss=args.target_loss, val_seqs=args.val_seqs, seed=args.seed, threads=args.threads,
                 backend="gloo", progress=not args.no_progress, netem=bool(bandwidth), floor_steps=6)
@@ -233,6 +236,7 @@ def cmd_race(args, info) -> int:
     config = dict(world_size=args.world_size, backend="gloo", threads_per_rank=args.threads, model=m,
                   steps=args.steps, eval_every=args.eval_every, lr=args.lr, outer_lr=args.outer_lr,
                   outer_momentum=args.outer_momentum, local_overlap=args.local_overlap, warmup=args.warmup,
+                  schedule=args.schedule,
                   freeze_step=params["freeze_step"],
                   cap=args.cap,
                   time_cap_s=None if math.isinf(args.time_cap) else args.time_cap, target_loss=args.target_loss,
