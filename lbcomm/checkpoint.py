@@ -37,6 +37,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from .comm import get_transport
+from .config import from_comm
 from .ddp.resume import MissingHookStateWarning
 from .optim.state import rank_mean
 from .reducer import redistribute
@@ -55,7 +56,7 @@ def shard_path(directory: str, rank: int, world_size: int) -> str:
 
 
 def save_sharded(directory: str, optimizer=None, model: Optional[torch.nn.Module] = None, *, extra: Any = None,
-                 hook_state=None, group=None, backend: str = "auto") -> str:
+                 hook_state=None, group=None, backend: str = "auto", comm=None) -> str:
     """Save this rank's shard: the optimizer's state_dict (with its error buffers), the
     model's state_dict, the `OneBitHookState`'s state_dict and any `extra` payload (e.g.
     step, lr scheduler, RNG states).
@@ -76,6 +77,8 @@ def save_sharded(directory: str, optimizer=None, model: Optional[torch.nn.Module
             torch.distributed group or an mpi4py communicator (default: the world).
         backend (str, optional): "auto", "torch" or "mpi", as for the optimizers; see
             `lbcomm.comm.get_transport` (default: "auto").
+        comm (CommConfig, optional): `group` and `backend` as a CommConfig (its
+            ``process_group`` and ``backend``; then neither beside it) (default: None).
 
     Returns:
         The path of this rank's shard.
@@ -87,7 +90,8 @@ def save_sharded(directory: str, optimizer=None, model: Optional[torch.nn.Module
         >>> info = lbcomm.load_sharded("ckpt/step-1000", optimizer, model)
         >>> step = info["extra"]["step"]
     """
-    transport = get_transport(group, backend=backend)
+    s = from_comm(comm, "save_sharded", process_group=(group, None), backend=(backend, "auto"))
+    transport = get_transport(s["process_group"], backend=s["backend"])
     world, rank = transport.world_size, transport.rank
     os.makedirs(directory, exist_ok=True)
     payload = {
@@ -125,7 +129,7 @@ def _saved_world_size(directory: str) -> int:
 
 def load_sharded(directory: str, optimizer=None, model: Optional[torch.nn.Module] = None, *, hook_state=None,
                  map_location: Any = "cpu", group=None, backend: str = "auto",
-                 weights_only: bool = True, elastic: bool = True) -> Dict[str, Any]:
+                 weights_only: bool = True, elastic: bool = True, comm=None) -> Dict[str, Any]:
     """Load this rank's shard into `optimizer`, `model` and `hook_state` (each optional).
 
     Args:
@@ -143,6 +147,7 @@ def load_sharded(directory: str, optimizer=None, model: Optional[torch.nn.Module
         group (ProcessGroup, optional): the group of this run, a torch.distributed group
             or an mpi4py communicator (default: the world).
         backend (str, optional): "auto", "torch" or "mpi" (default: "auto").
+        comm (CommConfig, optional): `group` and `backend` as a CommConfig (default: None).
         weights_only (bool, optional): passed to torch.load; set False only for trusted
             files whose `extra` holds arbitrary objects (default: True).
         elastic (bool, optional): with another world size than the saved one, give every
@@ -156,7 +161,8 @@ def load_sharded(directory: str, optimizer=None, model: Optional[torch.nn.Module
         saved one, so the continuation is bitwise identical), ``saved_world_size`` and
         ``path`` (the shard read).
     """
-    transport = get_transport(group, backend=backend)
+    s = from_comm(comm, "load_sharded", process_group=(group, None), backend=(backend, "auto"))
+    transport = get_transport(s["process_group"], backend=s["backend"])
     world, rank = transport.world_size, transport.rank
     path = shard_path(directory, rank, world)
     saved_world = world

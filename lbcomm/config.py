@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Dict, Optional, Union
 
 from .common import NONFINITE_POLICIES
 from .wire import check_block_size
@@ -121,6 +121,20 @@ def resolve(comm: Optional[CommConfig], who: str) -> CommConfig:
     if not isinstance(comm, CommConfig):
         raise TypeError(f"{who}: comm must be a lbcomm.CommConfig, got {type(comm).__name__}")
     return comm
+
+
+def from_comm(comm: Optional[CommConfig], who: str, **given) -> Dict[str, Any]:
+    """The communication settings of an object that takes either `comm` or the 0.2 keyword
+    arguments `given` ({name: (value, default)}; names as in CommConfig): with `comm`, its
+    values, and a TypeError naming `who` when a keyword argument was given too; without it,
+    the arguments."""
+    if comm is None:
+        return {k: v for k, (v, _) in given.items()}
+    comm = resolve(comm, who)
+    both = [k for k, (v, default) in given.items() if v is not default and v != default]
+    if both:
+        raise TypeError(f"{who}: pass {', '.join(both)} in comm (a CommConfig), not beside it")
+    return {k: getattr(comm, k) for k in given}
 
 
 def _number(x) -> bool:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from ..common import completed_future
+from ..config import from_comm
 
 __all__ = ["WarmupAverage", "warmup_average_hook"]
 
@@ -36,6 +37,9 @@ class WarmupAverage:
             gradients are rounded to it) (default: torch.float32).
         process_group (ProcessGroup, optional): the DDP model's process group, which must
             be the optimizer's (default: None, the world).
+        comm (CommConfig, optional): the same as a CommConfig: its ``process_group``
+            (pass the optimizer's ``comm``; then not `process_group` beside it)
+            (default: None).
 
     Do not wrap the hook in torch's ``fp16_compress_wrapper``: it would round the local
     gradients of the compression stage; pass ``dtype`` instead.
@@ -43,7 +47,8 @@ class WarmupAverage:
 
     __slots__ = ("optimizer", "dtype", "process_group")
 
-    def __init__(self, optimizer, dtype: torch.dtype = torch.float32, *, process_group=None):
+    def __init__(self, optimizer, dtype: torch.dtype = torch.float32, *, process_group=None, comm=None):
+        process_group = from_comm(comm, "WarmupAverage", process_group=(process_group, None))["process_group"]
         if not all(hasattr(optimizer, name) for name in ("frozen", "grads_averaged", "note_local_grads")):
             raise TypeError(f"WarmupAverage: expected a lbcomm 1-bit optimizer (OneBitAdam, OneBitLamb, ZeroOneAdam) "
                             f"or Lamb, got {type(optimizer).__name__}. For any other optimizer use "

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from ..comm import get_transport
 from ..common import NONFINITE_POLICIES, compressor_stats, drive, ring_allreduce_bytes
-from ..config import DEFAULT_BLOCK_SIZE
+from ..config import DEFAULT_BLOCK_SIZE, CommConfig, from_comm
 from .buffers import FlatBuffers, WireBuffers
 from .flatcall import FlatCall
 from .inputs import Cap, Sink, Source
@@ -66,6 +66,10 @@ class CompressionState:
         backend (str, optional): "torch" (a torch.distributed group), "mpi" (mpi4py; `group`
             is then an mpi4py communicator) or "auto": torch.distributed when initialized,
             else MPI under mpirun; see `lbcomm.comm.get_transport` (default: "auto").
+        comm (CommConfig, optional): the communication settings in one object, as every
+            optimizer and hook takes them: `group`, `backend`, `block_size` and
+            `nonfinite` come from its ``process_group``, ``backend``, ``block_size`` and
+            ``nonfinite`` (then pass none of those four beside it) (default: None).
         pieces (int, optional): runs of whole blocks each chunk is cut into, so that
             compression overlaps the transfers (see the module docs); results do not
             depend on it. Every rank must use the same value. None: one piece per
@@ -94,7 +98,11 @@ class CompressionState:
         transport=None,
         backend: str = "auto",
         pieces: Optional[int] = None,
+        comm: Optional[CommConfig] = None,
     ):
+        s = from_comm(comm, "CompressionState", process_group=(group, None), backend=(backend, "auto"),
+                      block_size=(block_size, DEFAULT_BLOCK_SIZE), nonfinite=(nonfinite, "raise"))
+        group, backend, block_size, nonfinite = s["process_group"], s["backend"], s["block_size"], s["nonfinite"]
         if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
             raise ValueError(f"Invalid numel: {numel!r} (must be a non-negative int)")
         check_block_size(block_size)
