@@ -22,9 +22,8 @@ says so.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -33,6 +32,7 @@ from ..comm import get_transport
 from ..common import NONFINITE_POLICIES, compressor_stats, drive, ring_allreduce_bytes
 from ..config import DEFAULT_BLOCK_SIZE, CommConfig, from_comm
 from .buffers import FlatBuffers, WireBuffers
+from .calls import CallBook
 from .flatcall import FlatCall
 from .inputs import Cap, Sink, Source
 from .wire import AGREEMENT_BYTES, check_block_size, chunk_size, piece_spans
@@ -48,7 +48,7 @@ PIECE_MIN = 1 << 21
 MAX_PIECES = 4
 
 
-class CompressionState:
+class CompressionState(CallBook):
     """Error-feedback state of compressed allreduces of one tensor size on one group.
 
     Args:
@@ -86,6 +86,8 @@ class CompressionState:
         verified (bool): whether the ranks' layouts were compared (the first call's
             handshake, `FlatCall`); calls, skipped, last_skipped: the call counters.
     """
+
+    CALL = "compressed allreduce"
 
     def __init__(
         self,
@@ -343,27 +345,6 @@ class CompressionState:
         return True
 
     # ------------------------------------------------------------------ the call's API
-    def ensure_idle(self) -> None:
-        """Raise a RuntimeError while a call on this state is in flight."""
-        if self._busy:
-            raise RuntimeError("a compressed allreduce on this CompressionState is still in flight; wait for its "
-                               "future before starting another call or touching its state")
-
-    @contextlib.contextmanager
-    def in_flight(self) -> Iterator[None]:
-        """Mark the state busy for the body of a call (`ensure_idle` then refuses others)."""
-        self.ensure_idle()
-        self._busy = True
-        try:
-            yield
-        finally:
-            self._busy = False
-
-    def count(self, skipped: bool) -> None:
-        """Count a finished call (skipped: for non-finite values)."""
-        self.calls += 1
-        self.last_skipped = skipped
-        self.skipped += int(skipped)
 
     def pop_load_warning(self) -> Optional[str]:
         """The warning a `load_state_dict` deferred to the next call (a foreign shard or
@@ -389,8 +370,6 @@ class CompressionState:
         self.buffers.share_staging(buffer)
 
     # 0.2 names, kept for tests and tools that read them
-    _ensure_idle = ensure_idle
-
     @property
     def _staging_cap(self) -> int:
         return self.buffers.staging_cap

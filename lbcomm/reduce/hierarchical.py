@@ -61,9 +61,8 @@ way) and runs blocking or asynchronously (async_op).
 """
 from __future__ import annotations
 
-import contextlib
 import logging
-from typing import Any, Dict, Iterator, Optional, Tuple, Union
+from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -73,6 +72,7 @@ from ..config import DEFAULT_BLOCK_SIZE
 from . import hiercall
 from .compression import CompressionState
 from .hiercall import FLAG_BYTES
+from .calls import CallBook
 from .inputs import check_cap, check_tensor
 from .topology import Topology, slice_spans
 from .wire import chunk_size
@@ -84,7 +84,7 @@ _log = logging.getLogger("lbcomm.topology")  # the 0.2 logger name, kept for use
 _STAGE = 1 << 20  # elements per pass of reduce_'s staging
 
 
-class HierarchicalState:
+class HierarchicalState(CallBook):
     """Error feedback of hierarchical compressed allreduces of one tensor size on one
     topology: this rank's CompressionState of its slice over its cross group (or, for a
     flat topology, one CompressionState of the whole tensor over all ranks).
@@ -107,6 +107,8 @@ class HierarchicalState:
         verified (bool): whether the node's layouts were compared (the first call's
             handshake, `lbcomm.reduce.hiercall`).
     """
+
+    CALL = "hierarchical allreduce"
 
     def __init__(self, numel: int, topology: Topology, device: Optional[Union[str, torch.device]] = None,
                  block_size: Optional[int] = DEFAULT_BLOCK_SIZE, *, nonfinite: str = "raise",
@@ -240,30 +242,6 @@ class HierarchicalState:
 
     def reset(self) -> None:
         self.compression.reset()
-
-    def ensure_idle(self) -> None:
-        """Raise a RuntimeError while a call on this state is in flight."""
-        if self._busy:
-            raise RuntimeError("a hierarchical allreduce on this HierarchicalState is still in flight; wait for its "
-                               "future before starting another call or touching its state")
-
-    _ensure_idle = ensure_idle  # the 0.2 name
-
-    @contextlib.contextmanager
-    def in_flight(self) -> Iterator[None]:
-        """Mark the state busy for the body of a call (`ensure_idle` then refuses others)."""
-        self.ensure_idle()
-        self._busy = True
-        try:
-            yield
-        finally:
-            self._busy = False
-
-    def count(self, skipped: bool) -> None:
-        """Count a finished call (skipped: for non-finite values)."""
-        self.calls += 1
-        self.last_skipped = skipped
-        self.skipped += int(skipped)
 
     def zero_errors_at(self, index: Tensor) -> None:
         """Zero the errors of the input coordinates `index` (int64, ascending; averaged

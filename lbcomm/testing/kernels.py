@@ -15,20 +15,9 @@ from torch import Tensor
 from ..reference import (ALIGN, CAP_ERROR_RATIO, chunk_size, num_blocks, pack_signs, server_compress, unpack,
                          unpack_signs, worker_compress)
 from ..reference import _expand  # noqa: F401  (block scales to coordinates, for the tests)
+from .. import reference as _reference
 
-__all__ = [
-    "ALIGN",
-    "CAP_ERROR_RATIO",
-    "chunk_size",
-    "num_blocks",
-    "pack_signs",
-    "unpack_signs",
-    "worker_compress",
-    "server_compress",
-    "unpack",
-    "compressed_allreduce",
-    "hierarchical_allreduce",
-]
+__all__ = [*_reference.__all__, "compressed_allreduce", "hierarchical_allreduce"]
 
 
 def compressed_allreduce(
