@@ -3,8 +3,7 @@ averaged across nodes by the 1-bit error-feedback compressed allreduce (docs/top
 
 Two ways, on the same sharding (``fully_shard(module, mesh=mesh["local"])``):
 
-* `onebit_hsdp`: an all-reduce hook compresses each gradient shard across the nodes; any
-  optimizer (below).
+* `onebit_hsdp`: an all-reduce hook compresses each gradient shard across nodes; any optimizer.
 * `onebit_optimizer`: a 1-bit optimizer (`OneBitAdam`, `OneBitLamb`; or `Lamb` at full
   precision) on the local shards owns the traffic across nodes: in the warmup it averages
   the gradient shards over the replicate group in full precision (what HSDP's all-reduce
@@ -24,14 +23,11 @@ hook replaces it in place by its 1-bit compressed mean over the replicate group,
 post-division afterwards; the mean is linear, so the result is the gradient mean over all
 ranks up to the compression error, which error feedback carries into the next step.
 
-Why not FSDP's native HSDP (a 2-D mesh given to fully_shard): it all-reduces across the
-replicate dimension in full precision before any hook runs, and switching that off
-(``set_requires_all_reduce(False)``) makes FSDP accumulate the unreduced shard instead of
-producing a gradient. `onebit_hsdp` refuses modules sharded on a 2-D mesh for that reason.
-
-The result is bitwise identical on the ranks of a replicate group (the compressed call's
-guarantee) and the shards of a node are reduced by FSDP identically on every node, so
-replicas stay identical. Any optimizer works on the sharded parameters.
+FSDP's native HSDP (a 2-D mesh given to fully_shard) all-reduces across the replicate
+dimension in full precision before any hook runs (and ``set_requires_all_reduce(False)``
+accumulates the unreduced shard instead), so `onebit_hsdp` refuses 2-D-sharded modules.
+Replicas stay bitwise identical: the compressed call's result is identical on the ranks of
+a replicate group, and FSDP reduces a node's shards alike on every node.
 """
 from __future__ import annotations
 

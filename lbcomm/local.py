@@ -1,36 +1,24 @@
 """`OneBitLocalUpdates`: local updates with 1-bit compressed outer pseudo-gradients
-(DiLoCo-style training, docs/local-updates.md).
+(DiLoCo-style training; the algorithm and its choices in docs/local-updates.md).
 
-Every rank trains on its own data with any torch optimizer (the *inner* optimizer) and
-nothing is communicated between synchronizations. Every `sync_every` (H) inner steps the
-outer pseudo-gradient Δ = θ_start − θ_local (the anchor θ_start is where the round began) is
-averaged over the ranks, and an outer optimizer — Nesterov momentum SGD, as in DiLoCo — steps
-θ_start with the mean Δ as its gradient. Compressed, each rank sends the outer momentum it
-would take, u = β b + Δ (b: the momentum buffer, identical on every rank), through lbcomm's
-error-feedback compressed allreduce (a `Reducer` from `make_reducer`: flat, or hierarchical
-on nodes), and the mean Δ is mean(u) − β b: like 1-bit Adam's momentum, u changes slowly
-from round to round, so its 1-bit form loses less than Δ's would. Every rank then continues
-from the same new θ (bitwise identical replicas). Each reducer keeps its worker and server
-error buffers across rounds, so the error-feedback invariant holds over the whole run: what
-one round's compression loses is added to the next round's u.
+Every rank takes H (`sync_every`) steps of its own optimizer (the *inner* one) without
+communicating; then the outer pseudo-gradient Δ = θ_start − θ_local is averaged and an outer
+Nesterov SGD steps the anchor θ_start with it, as in DiLoCo. Compressed, each rank sends the
+outer momentum it would take, u = β b + Δ (b identical on every rank), through one lbcomm
+reducer per fragment (`make_reducer`: flat, or hierarchical on nodes), whose error buffers
+persist across rounds (the error-feedback invariant holds over the run), and the mean Δ is
+mean(u) − β b. Every rank then continues from the same new θ (bitwise identical replicas).
+``compress=False`` averages Δ in fp32: DiLoCo itself, the same code.
 
-``compress=False`` averages Δ with a plain fp32 allreduce instead: DiLoCo itself, the same
-code as a baseline. ``fragments=K`` (Streaming DiLoCo) cuts the parameters into K runs of
-whole parameters of about equal size, each with its own anchor, momentum and reducer;
-fragment f is synchronized at the inner steps t with t mod H = ceil((f + 1) H / K) mod H, so
-the communication of a round is spread over it. ``overlap=k`` (k >= 1) runs each
-synchronization on a background thread while the next k inner steps train, and applies it
-after them, keeping their local progress: θ <- θ + (θ_start_new − θ_sent), where θ_sent is
-what the synchronization started from.
+``fragments=K`` (Streaming DiLoCo, `lbcomm.fragments`) synchronizes K runs of parameters at
+staggered inner steps; ``overlap=k`` runs each synchronization on a background thread while
+the next k inner steps train, then applies it keeping their progress: θ <- θ + (θ_start_new
+− θ_sent). Parameters of at most ``comm.exact_numel`` elements are averaged exactly beside
+the compressed call (`lbcomm.exact`).
 
-Parameters of at most ``comm.exact_numel`` elements (biases, norms) are averaged exactly
-in fp32 beside the compressed call, their error feedback held at zero (`lbcomm.exact`).
-
-Never silent: gradients that are identical on every rank at the first inner steps mean
-that a DistributedDataParallel averages them every step (the mode would then average
-twice and save nothing): `AveragedGradientsError` (``comm.detect_averaged_grads``). A
-non-finite Δ on any rank follows ``comm.nonfinite``: "skip" discards the round on every
-rank (the fragment returns to θ_start, momentum and error feedback untouched, counted in
+Never silent: gradients identical on every rank at the first inner steps (a DDP averaging
+them every step) raise `AveragedGradientsError` (``comm.detect_averaged_grads``); a
+non-finite Δ follows ``comm.nonfinite``: "skip" discards the round on every rank (counted in
 ``skipped_calls``), "raise" does the same and raises `NonFiniteError` on every rank.
 """
 from __future__ import annotations
@@ -39,7 +27,6 @@ import contextlib
 import copy
 import logging
 import math
-from dataclasses import dataclass
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence
 
 import torch
@@ -51,6 +38,7 @@ from .config import CommConfig, resolve
 from .ddp.worker import BucketWorker
 from .errors import AveragedGradientsError
 from .exact import ExactMean, exact_index
+from .fragments import Fragment, ceil_div, check_args, fragment_bounds
 from .optim.agree import replica_slots, replicas_identical
 from .reducer import make_reducer, redistribute, resolve_topology
 
@@ -59,47 +47,6 @@ __all__ = ["OneBitLocalUpdates", "fragment_bounds"]
 _log = logging.getLogger(__name__)
 _FORMAT = "lbcomm-local-updates"
 _VERSION = 1
-
-
-def fragment_bounds(numels: Sequence[int], fragments: int) -> List[int]:
-    """Cut parameters of `numels` elements, in order, into `fragments` non-empty runs of
-    about equal size: fragment f is parameters [b[f], b[f + 1]). A run ends at the first
-    parameter where the running total reaches (f + 1) / fragments of all elements (or where
-    the parameters left are just enough for the runs left)."""
-    n, total = len(numels), sum(numels)
-    if not 1 <= fragments <= n:
-        raise ValueError(f"fragments={fragments}: need 1 <= fragments <= the number of parameters ({n})")
-    bounds, run = [0], 0
-    for i, k in enumerate(numels[:-1]):
-        run += k
-        cuts = len(bounds)  # fragments closed so far + 1
-        if cuts < fragments and (run * fragments >= cuts * total or n - (i + 1) == fragments - cuts):
-            bounds.append(i + 1)
-    bounds.append(n)
-    return bounds
-
-
-def _ceil(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-@dataclass
-class _Fragment:
-    """One synchronized unit: parameters [lo, hi) of the list, its anchor θ_start (fp32,
-    flat, the outer optimizer's parameter), its Δ buffer, reducer and exact coordinates."""
-
-    lo: int
-    hi: int
-    phase: int  # synchronized at inner steps t with t % H == phase
-    anchor: Tensor
-    delta: Tensor
-    reducer: Any = None
-    exact: Optional[Tensor] = None
-    # a synchronization in flight (overlap >= 1): applied after inner step `due`
-    due: Optional[int] = None
-    sent: Optional[Tensor] = None  # θ when it started, flat
-    future: Any = None
-    result: Any = None  # True / False (finite or not), or the NonFiniteError raised
 
 
 class OneBitLocalUpdates:
@@ -152,7 +99,7 @@ class OneBitLocalUpdates:
         self.comm = resolve(comm, name)
         self.params: List[Tensor] = list(params)
         nesterov = outer_momentum > 0 if nesterov is None else nesterov
-        _check_args(name, self.params, inner, sync_every, outer_lr, outer_momentum, nesterov, compress, fragments)
+        check_args(name, self.params, inner, sync_every, outer_lr, outer_momentum, nesterov, compress, fragments)
         if isinstance(overlap, bool) or not isinstance(overlap, int) or not 0 <= overlap < sync_every:
             raise ValueError(f"{name}: invalid overlap {overlap!r} (an int, 0 <= overlap < sync_every={sync_every}: "
                              "inner steps a synchronization runs behind the training)")
@@ -170,11 +117,11 @@ class OneBitLocalUpdates:
         device = self.params[0].device
         numels = [p.numel() for p in self.params]
         bounds = fragment_bounds(numels, fragments)
-        self.fragments: List[_Fragment] = []
+        self.fragments: List[Fragment] = []
         for f in range(fragments):
             lo, hi = bounds[f], bounds[f + 1]
             anchor = torch.cat([p.detach().reshape(-1).float() for p in self.params[lo:hi]]).to(device)
-            frag = _Fragment(lo, hi, _ceil((f + 1) * sync_every, fragments) % sync_every, anchor,
+            frag = Fragment(lo, hi, ceil_div((f + 1) * sync_every, fragments) % sync_every, anchor,
                              torch.empty_like(anchor))
             if compress:
                 frag.reducer = make_reducer(anchor.numel(), self.comm, device=device, topology=self.topology,
@@ -258,7 +205,7 @@ class OneBitLocalUpdates:
         if verdict is not None or self.inner_steps >= self.sync_every:
             self._probe = False
 
-    def _start(self, frag: _Fragment) -> None:
+    def _start(self, frag: Fragment) -> None:
         """Δ of `frag` (compressed: the outer momentum u = β b + Δ it would take) and its
         mean over the ranks: now, or on the worker thread with overlap."""
         for p, d in self._views(frag, frag.delta):
@@ -289,7 +236,7 @@ class OneBitLocalUpdates:
         else:
             frag.future = self._worker.submit(frag.delta, run)
 
-    def _finish(self, frag: _Fragment) -> None:
+    def _finish(self, frag: Fragment) -> None:
         """The outer step with the mean Δ of `frag`, and the new θ on every rank (with
         overlap: plus each rank's local progress since the synchronization started)."""
         if frag.future is not None:
@@ -319,7 +266,7 @@ class OneBitLocalUpdates:
         frag.anchor.grad = None
         self._write(frag)
 
-    def _mean_(self, frag: _Fragment) -> bool:
+    def _mean_(self, frag: Fragment) -> bool:
         """Δ's (or u's) mean over the ranks in place; False (on every rank alike) when not
         finite. Runs on the worker thread with overlap: collectives on `_xport` only."""
         delta = frag.delta
@@ -349,7 +296,7 @@ class OneBitLocalUpdates:
         self._xport.all_gather(gathered, values.view(torch.uint8))
         return gathered.view(torch.float32).view(p, k).sum(0) / p
 
-    def _write(self, frag: _Fragment) -> None:
+    def _write(self, frag: Fragment) -> None:
         """θ of `frag` <- θ_start; with overlap θ <- θ + (θ_start − θ_sent): the local
         steps since the synchronization started are kept."""
         if self.overlap:
@@ -360,7 +307,7 @@ class OneBitLocalUpdates:
             for p, a in self._views(frag, frag.anchor):
                 p.copy_(a)
 
-    def _views(self, frag: _Fragment, flat: Tensor) -> Iterator[tuple]:
+    def _views(self, frag: Fragment, flat: Tensor) -> Iterator[tuple]:
         """(parameter, its slice of the fragment-sized `flat` shaped like it), in order."""
         o = 0
         for p in self.params[frag.lo:frag.hi]:
@@ -368,7 +315,7 @@ class OneBitLocalUpdates:
             yield p.detach(), flat[o:o + n].view_as(p)
             o += n
 
-    def _momentum(self, frag: _Fragment) -> tuple:
+    def _momentum(self, frag: Fragment) -> tuple:
         """(β, the outer momentum buffer b of `frag`) when u = β b + Δ is what is compressed;
         b is None in the first round, without momentum and uncompressed."""
         beta = self.outer.param_groups[0]["momentum"]
@@ -377,7 +324,7 @@ class OneBitLocalUpdates:
         return beta, self.outer.state.get(frag.anchor, {}).get("momentum_buffer")
 
     # ------------------------------------------------------------------ figures
-    def _frag_bytes(self, frag: _Fragment) -> int:
+    def _frag_bytes(self, frag: Fragment) -> int:
         n = frag.anchor.numel()
         if not self.compress:
             return int(ring_allreduce_bytes(4 * n, self.world_size))
@@ -435,7 +382,7 @@ class OneBitLocalUpdates:
                 "bytes_sent": self.bytes_sent, "probe": self._probe, "overlap": self.overlap,
                 "in_flight": in_flight}
 
-    def _in_flight_state(self, frag: _Fragment) -> Optional[Dict[str, Any]]:
+    def _in_flight_state(self, frag: Fragment) -> Optional[Dict[str, Any]]:
         """A synchronization started and not yet applied (overlap): waited for, and saved
         with its mean and θ_sent, so that the resumed run applies it at the same step."""
         if frag.due is None:
@@ -500,35 +447,3 @@ class OneBitLocalUpdates:
         self.inner_steps, self.syncs, self.skipped = sd["inner_steps"], sd["syncs"], sd["skipped"]
         self.bytes_sent = sd["bytes_sent"]
         self._probe = bool(sd["probe"]) and self.comm.detect_averaged_grads and self.world_size > 1
-
-
-def _check_args(name, params, inner, sync_every, outer_lr, outer_momentum, nesterov, compress, fragments) -> None:
-    if not isinstance(inner, torch.optim.Optimizer):
-        raise TypeError(f"{name}: inner must be a torch.optim.Optimizer over the same parameters, got "
-                        f"{type(inner).__name__}")
-    if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
-        raise ValueError(f"{name}: invalid sync_every {sync_every!r} (an int >= 1: inner steps per synchronization)")
-    if not params:
-        raise ValueError(f"{name}: got no parameters")
-    ids = [id(p) for p in params]
-    if len(set(ids)) != len(ids):
-        raise ValueError(f"{name}: a parameter appears twice in params")
-    inner_ids = {id(p) for g in inner.param_groups for p in g["params"]}
-    if inner_ids != set(ids):
-        raise ValueError(f"{name}: params must be exactly the inner optimizer's parameters ({len(set(ids) - inner_ids)} "
-                         f"given here are not in it, {len(inner_ids - set(ids))} of it are missing here)")
-    bad = [tuple(p.shape) for p in params if not p.is_floating_point()]
-    if bad:
-        raise TypeError(f"{name}: parameters must be floating point, got non-float ones of shapes {bad}")
-    if len({p.device for p in params}) != 1:
-        raise ValueError(f"{name}: all parameters must be on one device")
-    if not (isinstance(outer_lr, (int, float)) and math.isfinite(outer_lr) and outer_lr > 0):
-        raise ValueError(f"{name}: invalid outer_lr {outer_lr!r} (a number > 0)")
-    if not (isinstance(outer_momentum, (int, float)) and 0 <= outer_momentum < 1):
-        raise ValueError(f"{name}: invalid outer_momentum {outer_momentum!r} (need 0 <= outer_momentum < 1)")
-    if nesterov and outer_momentum == 0:
-        raise ValueError(f"{name}: nesterov=True needs outer_momentum > 0 (leave nesterov out for plain averaging)")
-    if not isinstance(compress, bool):
-        raise TypeError(f"{name}: compress must be a bool (False: plain fp32 allreduce, DiLoCo itself)")
-    if isinstance(fragments, bool) or not isinstance(fragments, int) or not 1 <= fragments <= sync_every:
-        raise ValueError(f"{name}: invalid fragments {fragments!r} (an int, 1 <= fragments <= sync_every)")
