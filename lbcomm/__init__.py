@@ -1,16 +1,17 @@
 """lbcomm: 1-bit compressed communication with error feedback for large-batch training.
 
 What a user calls is exported here: the 1-bit optimizers and their full-precision twins
-(docs/optimizers.md), the DDP and FSDP2/HSDP hooks (docs/hooks.md, docs/topology.md), the
+(docs/optimizers.md), the DDP and FSDP2/HSDP hooks (`lbcomm.hooks`; docs/hooks.md), the
 communication settings `CommConfig`, the reducers and the compressed allreduce itself
 (docs/concepts.md), per-rank checkpoints (docs/checkpoints.md) and `attach` for
 frameworks (docs/integrations.md). Everything else lives in its module: `lbcomm.reduce`
 (the reduction engine: the compressed allreduce, flat and hierarchical, and the reducers),
 `lbcomm.comm` (transports), `lbcomm.stats` and `lbcomm.schedules` (large-batch tools),
-`lbcomm.errors`, `lbcomm.reference` (pure-torch references of the kernels and algorithms).
+`lbcomm.errors`, `lbcomm.reference` (the pure-torch kernel fallback); the test oracles are
+in `lbcomm.testing`, which `import lbcomm` does not load.
 The map of the packages is docs/architecture.md.
 """
-from . import ddp, fsdp, optim, reduce, schedules, stats, topology
+from . import ddp, fsdp, hooks, optim, reduce, schedules, stats, topology
 from .checkpoint import load_sharded, save_sharded
 from .config import CommConfig
 from .dct_mp import DCTBoundary
@@ -28,6 +29,8 @@ from .reduce.reducer import Reducer, make_reducer
 from .reduce.topology import Topology
 
 __version__ = "0.2.0"
+# What a user reads at a glance (20 names). The hooks are grouped in `lbcomm.hooks`; they,
+# `NonFiniteError` (`lbcomm.errors`) and the other 0.2 names stay attributes of `lbcomm`.
 __all__ = [
     # optimizers
     "OneBitAdam",
@@ -39,19 +42,10 @@ __all__ = [
     "DmSGD",
     # local updates (DiLoCo-style) with 1-bit outer pseudo-gradients
     "OneBitLocalUpdates",
-    "local_gradients_hook",
     # communication settings
     "CommConfig",
-    # hooks
-    "OneBitHookState",
-    "onebit_hook",
-    "WarmupAverage",
-    "warmup_average_hook",
-    "DCTHookState",
-    "dct_hook",
-    "DCTBoundary",
-    "OneBitHSDPState",
-    "onebit_hsdp",
+    # the DDP and FSDP2/HSDP hooks with their states
+    "hooks",
     # reducers and the compressed allreduce
     "Reducer",
     "make_reducer",
@@ -60,7 +54,6 @@ __all__ = [
     "Topology",
     "compressed_allreduce_",
     "compressed_allreduce",
-    "NonFiniteError",
     # checkpoints and frameworks
     "save_sharded",
     "load_sharded",

@@ -136,3 +136,22 @@ def test_no_module_is_over_450_lines(folder):
     long = {str(p.relative_to(ROOT)): n for p in sorted((ROOT / folder).rglob("*.py"))
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert long == {}
+
+
+# lbcomm.__all__ of 0.2: every name must still resolve on lbcomm (the hooks are grouped in lbcomm.hooks)
+NAMES_0_2 = ["OneBitAdam", "OneBitLamb", "ZeroOneAdam", "Lamb", "Lars", "DecentLaM", "DmSGD", "OneBitLocalUpdates",
+             "local_gradients_hook", "CommConfig", "OneBitHookState", "onebit_hook", "WarmupAverage",
+             "warmup_average_hook", "DCTHookState", "dct_hook", "DCTBoundary", "OneBitHSDPState", "onebit_hsdp",
+             "Reducer", "make_reducer", "CompressionState", "HierarchicalState", "Topology", "compressed_allreduce_",
+             "compressed_allreduce", "NonFiniteError", "save_sharded", "load_sharded", "attach"]
+
+
+def test_the_top_level_reads_at_a_glance_and_keeps_the_0_2_names():
+    import lbcomm
+    import lbcomm.hooks
+
+    assert len(lbcomm.__all__) <= 20, lbcomm.__all__
+    assert all(hasattr(lbcomm, n) for n in lbcomm.__all__)
+    assert [n for n in NAMES_0_2 if not hasattr(lbcomm, n)] == []
+    for n in lbcomm.hooks.__all__:  # one object under both names
+        assert getattr(lbcomm.hooks, n) is getattr(lbcomm, n)
