@@ -233,7 +233,7 @@ def test_tcp_throughput_is_capped_and_torn_down():
     rate = out["bytes"] * 8 / out["seconds"]
     print(f"100mbit link: {rate / 1e6:.1f} Mbit/s measured ({nbytes} bytes in {out['seconds']:.3f} s)")
     assert rate < 1.3 * cap, f"{rate / 1e6:.1f} Mbit/s: the tbf cap of 100 Mbit/s is not applied"
-    assert rate > 0.5 * cap, f"{rate / 1e6:.1f} Mbit/s: far below the 100 Mbit/s cap"
+    # no lower bound on the rate: a busy machine can starve the sender (the cap is what is tested)
     assert wall > nbytes * 8 / (1.3 * cap)
     assert _wait_gone(run_id) == []
     assert _host_links() == links_before
