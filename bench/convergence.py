@@ -175,24 +175,32 @@ def average_grads(model, world):
         o += g.numel()
 
 
+MAX_STATE_DEPTH = 16
+
+
 def state_bytes(opt, model):
     """Bytes of every tensor the optimizer holds (flat buffers, gradient buffer, masks,
     compression errors and wire buffers), storages counted once, parameters and
     gradients excluded; and the size of its serialized state_dict."""
     exclude = {p.untyped_storage().data_ptr() for p in model.parameters()}
     exclude |= {p.grad.untyped_storage().data_ptr() for p in model.parameters() if p.grad is not None}
-    seen, total = set(), 0
+    seen, visited, total = set(), set(), 0
 
     def visit(o, depth=0):
         nonlocal total
-        if depth > 8:
+        # deep enough for opt -> stage -> reducer -> buffers -> wire rows; each object once
+        if depth > MAX_STATE_DEPTH:
             return
         if isinstance(o, torch.Tensor):
             ptr = o.untyped_storage().data_ptr()
             if ptr not in exclude and ptr not in seen:
                 seen.add(ptr)
                 total += o.untyped_storage().nbytes()
-        elif isinstance(o, dict):
+            return
+        if id(o) in visited:
+            return
+        visited.add(id(o))
+        if isinstance(o, dict):
             for v in o.values():
                 visit(v, depth + 1)
         elif isinstance(o, (list, tuple)):

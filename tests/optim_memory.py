@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 import lbcomm
-from bench.convergence import state_bytes
+from bench.convergence import MAX_STATE_DEPTH, state_bytes
 
 
 # OneBitLamb/decoded: the live ratio on the decoded direction's norm (norm_samples=0), the
@@ -60,7 +60,7 @@ def breakdown(opt, model):
     todo = deque((k, v, 1) for k, v in vars(opt).items() if k != "param_groups")
     while todo:  # breadth first: each object at its least depth, state_bytes' depth limit
         path, o, depth = todo.popleft()
-        if depth > 8:
+        if depth > MAX_STATE_DEPTH:
             continue
         if isinstance(o, torch.Tensor):
             ptr = o.untyped_storage().data_ptr()
