@@ -23,19 +23,20 @@ def json_options(text: str) -> dict:
 
 def optimizer_options(options: dict, **comm_defaults) -> dict:
     """An options dict as lbcomm optimizer keyword arguments: the `lbcomm.CommConfig` fields
-    (block_size, exact_numel, max_update, ...) go into ``comm``, on top of `comm_defaults`;
-    the param-group options (``OneBitLamb.GROUP_OPTIONS``, the only optimizer with some)
-    into ``param_group``, for `construct`; the rest are the optimizer's hyperparameters."""
-    import dataclasses
-
+    (block_size, exact_numel, ...) go into ``comm``, on top of `comm_defaults`; the
+    `lbcomm.OneBitOptions` fields (max_update, capped_decode, ...) into ``options``; the
+    param-group options (``OneBitLamb.GROUP_OPTIONS``, the only optimizer with some) into
+    ``param_group``, for `construct`; the rest are the optimizer's hyperparameters."""
     import lbcomm
+    from lbcomm.config import split_settings
 
-    fields = {f.name for f in dataclasses.fields(lbcomm.CommConfig)}
+    comm, onebit, rest = split_settings(options)
     grouped = set(lbcomm.OneBitLamb.GROUP_OPTIONS)
-    comm = {**comm_defaults, **{k: v for k, v in options.items() if k in fields}}
-    out = {k: v for k, v in options.items() if k not in fields and k not in grouped}
-    group = {k: v for k, v in options.items() if k in grouped}
-    return {**out, "comm": lbcomm.CommConfig(**comm), **({"param_group": group} if group else {})}
+    out = {k: v for k, v in rest.items() if k not in grouped}
+    group = {k: v for k, v in rest.items() if k in grouped}
+    return {**out, "comm": lbcomm.CommConfig(**{**comm_defaults, **comm}),
+            **({"options": lbcomm.OneBitOptions(**onebit)} if onebit else {}),
+            **({"param_group": group} if group else {})}
 
 
 def construct(cls, params, param_group=None, **kw):

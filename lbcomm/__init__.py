@@ -2,7 +2,7 @@
 
 What a user calls is exported here: the 1-bit optimizers and their full-precision twins
 (docs/optimizers.md), the DDP and FSDP2/HSDP hooks (`lbcomm.hooks`; docs/hooks.md), the
-communication settings `CommConfig`, the reducers and the compressed allreduce itself
+settings `CommConfig` (communication) and `OneBitOptions` (the 1-bit optimizers' math), the reducers and the compressed allreduce itself
 (docs/concepts.md), per-rank checkpoints (docs/checkpoints.md) and `attach` for
 frameworks (docs/integrations.md). Everything else lives in its module: `lbcomm.reduce`
 (the reduction engine: the compressed allreduce, flat and hierarchical, and the reducers),
@@ -13,7 +13,7 @@ The map of the packages is docs/architecture.md.
 """
 from . import ddp, fsdp, hooks, optim, reduce, schedules, stats, topology
 from .checkpoint import load_sharded, save_sharded
-from .config import CommConfig
+from .config import CommConfig, OneBitOptions
 from .dct_mp import DCTBoundary
 from .ddp import (DCTHookState, OneBitHookState, WarmupAverage, dct_hook, local_gradients_hook, onebit_hook,
                   warmup_average_hook)
@@ -30,7 +30,8 @@ from .reduce.topology import Topology
 
 __version__ = "0.2.0"
 # What a user reads at a glance (20 names). The hooks are grouped in `lbcomm.hooks`; they,
-# `NonFiniteError` (`lbcomm.errors`) and the other 0.2 names stay attributes of `lbcomm`.
+# `NonFiniteError` (`lbcomm.errors`), `HierarchicalState` (`lbcomm.reduce.hierarchical`; made
+# for the user by `make_reducer`) and the other 0.2 names stay attributes of `lbcomm`.
 __all__ = [
     # optimizers
     "OneBitAdam",
@@ -42,15 +43,15 @@ __all__ = [
     "DmSGD",
     # local updates (DiLoCo-style) with 1-bit outer pseudo-gradients
     "OneBitLocalUpdates",
-    # communication settings
+    # settings: communication, and the 1-bit optimizers' compression-stage math
     "CommConfig",
+    "OneBitOptions",
     # the DDP and FSDP2/HSDP hooks with their states
     "hooks",
     # reducers and the compressed allreduce
     "Reducer",
     "make_reducer",
     "CompressionState",
-    "HierarchicalState",
     "Topology",
     "compressed_allreduce_",
     "compressed_allreduce",

@@ -134,7 +134,8 @@ def _masking(rank, p, override, threshold=1e-10, max_update=None):
     model = _SparseNet()
     init = {k: v.clone() for k, v in model.state_dict().items()}
     opt = lbcomm.OneBitAdam(model.parameters(), lr=1e-2, weight_decay=0.0, freeze_step=4,
-                            comm=lbcomm.CommConfig(mask_threshold=threshold, max_update=max_update, exact_numel=0))
+                            comm=lbcomm.CommConfig(exact_numel=0),
+                            options=lbcomm.OneBitOptions(mask_threshold=threshold, max_update=max_update))
     if override:  # train every coordinate: the mask that the automatic one replaces
         for q in model.parameters():
             opt.set_momentum_mask(q, torch.ones_like(q, dtype=torch.bool))
@@ -186,7 +187,8 @@ def _hook_style(rank, p):
     mine, theirs = _mlp(seed=4), _mlp(seed=4)
     # rescale_variance off: averaged by a hook other than lbcomm's, the local norms are unknown
     # (tests/test_rescale_variance.py checks that warning)
-    kw = dict(lr=1e-2, freeze_step=5, comm=lbcomm.CommConfig(block_size=64), rescale_variance=False)
+    kw = dict(lr=1e-2, freeze_step=5, comm=lbcomm.CommConfig(block_size=64),
+              options=lbcomm.OneBitOptions(rescale_variance=False))
     opt, hooked = lbcomm.OneBitAdam(mine.parameters(), **kw), lbcomm.OneBitAdam(theirs.parameters(), **kw)
     hooked.grads_averaged = True
     diffs, frozen = [], []

@@ -8,22 +8,28 @@ import torch.nn.functional as F
 from torch import nn
 
 import lbcomm
+from lbcomm.config import split_settings
 
 
 OPTS = {"adam": lbcomm.OneBitAdam, "lamb": lbcomm.OneBitLamb}
 
 
-COMM_FIELDS = {f.name for f in dataclasses.fields(lbcomm.CommConfig)}
+# the settings that are not an optimizer's own keyword arguments
+COMM_FIELDS = set(split_settings({f.name: None for f in dataclasses.fields(lbcomm.CommConfig)})[0])
+OPTION_FIELDS = {f.name for f in dataclasses.fields(lbcomm.OneBitOptions)}
 
 
 def make_opt(cls, params, **kw):
     """An optimizer from one flat dict of options, the form the simulations in
-    lbcomm.testing.optim take: the CommConfig fields go into ``comm``, the options a
-    param group sets into the one group."""
-    comm = {k: kw.pop(k) for k in list(kw) if k in COMM_FIELDS}
+    lbcomm.testing.optim take: the CommConfig fields go into ``comm``, the OneBitOptions
+    fields into ``options`` (1-bit optimizers), the options a param group sets into the
+    one group."""
+    comm, options, kw = split_settings(kw)
     group = {k: kw.pop(k) for k in list(kw) if k in cls.GROUP_OPTIONS}
     if group:
         params = [{"params": list(params), **group}]
+    if options:
+        kw["options"] = lbcomm.OneBitOptions(**options)
     return cls(params, comm=lbcomm.CommConfig(**comm), **kw)
 
 

@@ -24,7 +24,8 @@ from optim_util import _loss, _mlp, _quantize
 
 STEPS = 150
 KW = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, comm=lbcomm.CommConfig(exact_numel=0, block_size=64))
-OWN = {"OneBitAdam": dict(rescale_variance=False), "OneBitLamb": {}}  # the simulation's form
+# OneBitAdam as the simulation runs it (rescale_variance=False)
+OWN = {"OneBitAdam": dict(options=lbcomm.OneBitOptions(rescale_variance=False)), "OneBitLamb": {}}
 
 
 def _reference_freeze(params0, grads, betas=(0.9, 0.999)):
@@ -98,9 +99,9 @@ def test_auto_freeze_decides_as_the_reference_on_every_rank(two_ranks, name):
 def test_auto_freeze_run_equals_the_simulation_with_that_fixed_step(two_ranks):
     recs = [r["OneBitAdam"] for r in two_ranks]
     grads = [[recs[r]["grads"][t] for r in range(2)] for t in range(STEPS)]
-    kw = {**{k: v for k, v in KW.items() if k != "comm"}, **OWN["OneBitAdam"]}
+    kw = {k: v for k, v in KW.items() if k != "comm"}
     history = SIM.simulate_onebit_adam(recs[0]["params0"], grads, freeze_step=recs[0]["decided"], exact_numel=0,
-                                       block_size=64, **kw)
+                                       block_size=64, rescale_variance=False, **kw)
     for t in range(STEPS):
         assert _same(recs[1]["params"][t], recs[0]["params"][t]), f"the ranks differ at step {t + 1}"
         worst = max((a - b).abs().max().item() for a, b in zip(history[t], recs[0]["params"][t]))

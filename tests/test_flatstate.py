@@ -72,12 +72,12 @@ def test_mask_from_a_flat_state_alone():
     """The momentum mask takes the flat state: coordinates of zero (or below the threshold)
     variance are held at zero, a user mask overrides its parameter's."""
     p = _params()
-    fs = _flat_state([_group(p)], comm=CommConfig(mask_threshold=0.0))
+    fs = _flat_state([_group(p)])
     L = state.build_layout(fs)
     v = fs.buffers["exp_avg_sq"]
     v.fill_(1.0)
     v[[0, 5, 13]] = 0.0
-    mask = MomentumMask(fs)
+    mask = MomentumMask(fs, 0.0)
     mask.build(L)
     assert mask.count == 3 and mask.counts == (3, 3)
     values = torch.ones(L.total)

@@ -83,8 +83,8 @@ def test_one_rank_past_freeze_equals_adamw_with_frozen_variance():
     lr, b1, b2, eps, wd, freeze = 3e-3, 0.9, 0.999, 1e-8, 0.02, 12
     model, ref = _mlp(), _mlp()
     opt = lbcomm.OneBitAdam(model.parameters(), lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd, freeze_step=freeze,
-                            rescale_variance=False,  # the published update (the formula below)
-                            comm=lbcomm.CommConfig(max_update=None))
+                            # the published update (the formula below)
+                            options=lbcomm.OneBitOptions(max_update=None, rescale_variance=False))
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd)
     _train(model, opt, freeze)
     _train(ref, ref_opt, freeze)
@@ -110,8 +110,8 @@ def test_past_freeze_missing_grads_and_eps_changes_match_the_formula():
     lr, b1, b2, wd, freeze = 3e-3, 0.9, 0.999, 0.02, 5
     model, ref = _mlp(), _mlp()
     opt = lbcomm.OneBitAdam(model.parameters(), lr=lr, betas=(b1, b2), eps=1e-8, weight_decay=wd, freeze_step=freeze,
-                            rescale_variance=False,  # the published update (the formula below)
-                            comm=lbcomm.CommConfig(max_update=None))
+                            # the published update (the formula below)
+                            options=lbcomm.OneBitOptions(max_update=None, rescale_variance=False))
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr, betas=(b1, b2), eps=1e-8, weight_decay=wd)
     _train(model, opt, freeze)
     _train(ref, ref_opt, freeze)

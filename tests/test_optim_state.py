@@ -106,8 +106,8 @@ def test_every_hyperparameter_round_trips_through_the_state_dict():
     assert group["coeff_range"] == (0.1, 5.0) and group["factor_range"] == (0.25, 2.0)
     assert not COMM_FIELDS & set(group)
     assert opt.comm.block_size is None and opt.comm.nonfinite == "raise"
-    for cls, n in ((lbcomm.OneBitAdam, 9), (lbcomm.OneBitLamb, 12), (lbcomm.ZeroOneAdam, 13), (lbcomm.Lamb, 8),
-                   (lbcomm.Lars, 9)):  # params and comm included
+    for cls, n in ((lbcomm.OneBitAdam, 8), (lbcomm.OneBitLamb, 12), (lbcomm.ZeroOneAdam, 12), (lbcomm.Lamb, 8),
+                   (lbcomm.Lars, 9)):  # params, comm and options included
         assert len(inspect.signature(cls).parameters) == n, cls
 
 
@@ -116,7 +116,7 @@ def test_warmup_bound_is_recorded_at_the_freeze_and_checkpointed(name):
     """max_update="warmup": U_p = max |m^ / (sqrt(v^) + eps)| of each tensor after the last
     warmup step, kept per parameter; a resumed optimizer continues bitwise with it."""
     b1, b2, eps, freeze = 0.9, 0.999, 1e-8, 3
-    kw = dict(lr=1e-2, betas=(b1, b2), eps=eps, freeze_step=freeze, comm=lbcomm.CommConfig(max_update="warmup"))
+    kw = dict(lr=1e-2, betas=(b1, b2), eps=eps, freeze_step=freeze, options=lbcomm.OneBitOptions(max_update="warmup"))
     model = _mlp()
     opt = OPTS[name](model.parameters(), **kw)
     _train(model, opt, freeze - 1)

@@ -175,7 +175,7 @@ def _one_tensor_run(cls, rescale, growth):
     torch.manual_seed(0)
     lin = torch.nn.Linear(12, 5, bias=False)
     kw = dict(lr=LR, weight_decay=1e-2, comm=lbcomm.CommConfig(exact_numel=0, block_size=64),
-              rescale_variance=rescale)
+              options=lbcomm.OneBitOptions(rescale_variance=rescale))
     opt = (cls(lin.parameters(), freeze_step=FREEZE, **kw) if cls is lbcomm.OneBitAdam
            else cls(lin.parameters(), var_freeze_step=FREEZE, var_update_scaler=2, local_step_clipper=2, **kw))
     g = torch.Generator().manual_seed(7)

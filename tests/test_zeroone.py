@@ -493,7 +493,7 @@ def test_two_ranks_rescale_variance_optimizer_and_hook_paths_match_the_simulatio
 
 def test_rescale_variance_option_is_checked():
     with pytest.raises(ValueError, match="rescale_variance"):
-        lbcomm.ZeroOneAdam(_mlp().parameters(), rescale_variance="yes")
+        lbcomm.ZeroOneAdam(_mlp().parameters(), options=lbcomm.OneBitOptions(rescale_variance="yes"))
 
 
 @pytest.mark.parametrize("cls", ["ZeroOneAdam", "OneBitAdam"])
@@ -509,7 +509,7 @@ def test_checkpoint_saved_before_rescale_variance_continues_unscaled(cls, caplog
     make = (lambda params, **kw: lbcomm.ZeroOneAdam(params, lr=1e-2, **SCHED, **kw)) if cls == "ZeroOneAdam" else (
         lambda params, **kw: lbcomm.OneBitAdam(params, lr=1e-2, freeze_step=4, **kw))
     model = _mlp(seed=4)
-    opt = make(model.parameters(), rescale_variance=False)
+    opt = make(model.parameters(), options=lbcomm.OneBitOptions(rescale_variance=False))
     train(model, opt, 0, 12)
     sd = copy.deepcopy(opt.state_dict())
     for group in sd["param_groups"]:

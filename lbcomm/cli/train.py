@@ -176,11 +176,11 @@ class _Setup:
             # The optimizer does all the communication itself (averaged gradients in the
             # warmup, one compressed allreduce of the momentum after it), as in its docstring;
             # DDP would only add bucket copies in the compression stage.
-            from ..config import CommConfig
+            from ..config import CommConfig, OneBitOptions
             from ..optim import OneBitAdam
 
             self.model = model
-            published = (dict(rescale_variance=False, comm=CommConfig(max_update=None, exact_numel=0))
+            published = (dict(comm=CommConfig(exact_numel=0), options=OneBitOptions(max_update=None, rescale_variance=False))
                          if method == "onebit_adam_published" else {})
             self.opt = OneBitAdam(model.parameters(), lr=lr, freeze_step=freeze_step, **published)
             if method == "onebit_adam_stats":

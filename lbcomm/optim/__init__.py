@@ -3,7 +3,8 @@
 `OneBitAdam` and `OneBitLamb` run AdamW / LAMB on averaged gradients during a warmup,
 then freeze the variance and reduce the momentum with one compressed allreduce per
 step; `ZeroOneAdam` adds local steps; `Lamb` and `Lars` are the full-precision baselines.
-Constructors take the algorithm's hyperparameters and ``comm=lbcomm.CommConfig(...)``.
+Constructors take the algorithm's hyperparameters, ``comm=lbcomm.CommConfig(...)`` and,
+for the 1-bit optimizers, ``options=lbcomm.OneBitOptions(...)`` (the compression stage's math).
 One module per idea:
 
 * `flat`: the flat layout of the state (`FlatLayout`, `Segment`); `flatstate`: the flat
@@ -21,6 +22,7 @@ One module per idea:
   the optimizers; `decentlam` (with `gossip`, the neighbour averaging): `DecentLaM` and
   `DmSGD`, decentralized momentum SGD; `reference`: the plain-torch simulation (test oracle).
 """
+from ..config import OneBitOptions
 from .adam import OneBitAdam
 from .base import BaseOptimizer
 from .decentlam import DecentLaM, DmSGD
@@ -32,4 +34,4 @@ from .onebit_lamb import OneBitLamb
 from .zeroone import ZeroOneAdam
 
 __all__ = ["OneBitAdam", "OneBitLamb", "Lamb", "Lars", "ZeroOneAdam", "BaseOptimizer", "OneBitStage",
-           "DecentLaM", "DmSGD", "FlatState"]
+           "DecentLaM", "DmSGD", "FlatState", "OneBitOptions"]

@@ -10,7 +10,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from torch import Tensor
 
-from ..config import CommConfig
+from ..config import CommConfig, OneBitOptions, resolve, resolve_options
 from . import functional as F
 from . import kernels
 from .base import BaseOptimizer
@@ -87,20 +87,21 @@ class OneBitAdam(BaseOptimizer):
         weight_decay: float = 1e-2,
         freeze_step: Union[int, str] = 100000,
         *,
-        bias_correction: bool = True,
-        rescale_variance: bool = True,
         comm: Optional[CommConfig] = None,
+        options: Optional[OneBitOptions] = None,
     ) -> None:
+        comm, self.options = resolve_options(options, resolve(comm, "OneBitAdam"), "OneBitAdam")
+        o = self.options
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, freeze_step=freeze_step,
-                        bias_correction=bias_correction, rescale_variance=rescale_variance)
+                        bias_correction=o.bias_correction, rescale_variance=o.rescale_variance)
         super().__init__(params, defaults, comm)
-        self._onebit = OneBitStage(self.flat_state, exact_numel=self.comm.exact_numel)
+        self._onebit = OneBitStage(self.flat_state, o, exact_numel=self.comm.exact_numel)
         self._rescale = self.flat_state.local_stat = VarianceRescale(self.flat_state)
 
     def _validate_group(self, group) -> None:
         super()._validate_group(group)
         check_freeze_step("freeze_step", group["freeze_step"])
-        F.resolve_max_update(self.comm.max_update, group["betas"])
+        F.resolve_max_update(self.options.max_update, group["betas"])
         if not isinstance(group["rescale_variance"], bool):
             raise ValueError(f"Invalid rescale_variance: {group['rescale_variance']!r} (must be True or False)")
 
@@ -142,7 +143,7 @@ class OneBitAdam(BaseOptimizer):
             mask (Tensor or None): bool tensor of param's shape, True where the parameter is
                 trained after the freeze and False where its momentum is held at zero; None
                 returns to the automatic mask (coordinates whose variance is zero, or at most
-                comm.mask_threshold times the mean, at the freeze are held at zero).
+                options.mask_threshold times the mean, at the freeze are held at zero).
         """
         self._onebit.set_momentum_mask(self._prepare(), param, mask)
 
@@ -236,7 +237,7 @@ OneBitAdam.__doc__ = r"""Implements 1-bit Adam: AdamW in the warmup, then a froz
     full-precision step, and oscillate into divergence. With U = 1 no coordinate moves more
     than lr per step (plus weight decay): the most a coordinate with steady gradients gets
     from Adam with a frozen variance, since |E g| <= sqrt(E g^2). An unclamped coordinate gets
-    bitwise the unbounded update. With comm.capped_decode (default) the bound also caps
+    bitwise the unbounded update. With options.capped_decode (default) the bound also caps
     each coordinate's decoded momentum inside the compressed allreduce at c, the momentum
     whose step is the bound, and the error feedback keeps what the cap held back for later
     steps instead of the clamp discarding it (docs/concepts.md, "max_update").
@@ -272,32 +273,13 @@ OneBitAdam.__doc__ = r"""Implements 1-bit Adam: AdamW in the warmup, then a froz
             step and the momentum is compressed from the next one on; "auto": the optimizer
             freezes it once it has settled and the lr warmup is over (`lbcomm.optim.freeze`,
             docs/optimizers.md) (default: 100000)
-        bias_correction (bool, optional): divide m by 1-b1^t and v by 1-b2^t (the latter
-            frozen at freeze_step); False gives the published formulas (default: True)
-        rescale_variance (bool, optional): scale each parameter tensor's frozen variance by
-            the change of its gradients' mean square since the freeze (above), so that the
-            compression stage keeps Adam's step size as the gradients shrink or grow; False:
-            the published frozen variance. Checkpoints carry the statistic. If the warmup's gradients reach the
-            optimizer averaged by anything but its own allreduce or lbcomm's warmup hook,
-            the local norms are unknown: a warning, and the variance stays frozen
-            (default: True)
         comm (lbcomm.CommConfig, optional): the communication settings (default: CommConfig()).
             What they do here: ``block_size``, the compressed allreduce's scale blocks
-            (None: the published single-scale scheme); ``mask_threshold``, at the freeze the
-            momentum of coordinates whose variance is at most mask_threshold times the mean
-            variance is held at zero (0: exactly the zero-variance ones; the default also
-            catches variances of rounding noise, e.g. attention key biases); ``max_update``,
-            the bound U on each coordinate's |m^ / (sqrt(v^) + eps)| in the compression stage
-            (a number > 0; "warmup": per parameter tensor its largest value after the last
-            warmup step, recorded at the freeze and checkpointed; "auto": (1-b1) /
-            sqrt((1-b2)(1-b1^2/b2)), Adam's largest possible update, 7.27 at betas (0.9,
-            0.999), needs b1^2 < b2; None: the published, unbounded update, exactly the
-            published algorithm together with block_size=None, exact_numel=0 and
-            rescale_variance=False); ``exact_numel``, the parameters of at most this many
-            elements get the exact mean of the ranks' gradients in the compression stage
-            instead of 1-bit compression, their errors held at zero (biases, norm weights,
-            small heads; flat, hierarchical and FSDP2 alike; 0 compresses every parameter, as
-            published); ``nonfinite``, "skip" (every rank skips a step whose averaged
+            (None: the published single-scale scheme); ``exact_numel``, the parameters of
+            at most this many elements get the exact mean of the ranks' gradients in the
+            compression stage instead of 1-bit compression, their errors held at zero
+            (biases, norm weights, small heads; flat, hierarchical and FSDP2 alike; 0
+            compresses every parameter, as published); ``nonfinite``, "skip" (every rank skips a step whose averaged
             gradients or new momenta hold NaN/Inf on any rank, ``last_step_skipped`` is set)
             or "raise" a NonFiniteError on every rank, the state unchanged either way;
             ``bucket_cap_mb``, the warmup allreduce's buckets; ``detect_averaged_grads``,
@@ -313,6 +295,26 @@ OneBitAdam.__doc__ = r"""Implements 1-bit Adam: AdamW in the warmup, then a froz
             loading them on another topology resets them with a logged warning, like a
             world-size change; ``shard_group``, set by `lbcomm.fsdp.onebit_optimizer`, the
             way to build an optimizer for an FSDP2-sharded model.
+        options (lbcomm.OneBitOptions, optional): the compression stage's math (default:
+            OneBitOptions()): ``max_update``, the bound U on each coordinate's
+            |m^ / (sqrt(v^) + eps)| in the compression stage (a number > 0; "warmup": per
+            parameter tensor its largest value after the last warmup step, recorded at the
+            freeze and checkpointed; "auto": (1-b1) / sqrt((1-b2)(1-b1^2/b2)), Adam's largest
+            possible update, 7.27 at betas (0.9, 0.999), needs b1^2 < b2; None: the
+            published, unbounded update, exactly the published algorithm together with
+            ``CommConfig(block_size=None, exact_numel=0)`` and rescale_variance=False);
+            ``capped_decode``, the bound inside the compressed allreduce (above);
+            ``mask_threshold``, at the freeze the momentum of coordinates whose variance is
+            at most mask_threshold times the mean variance is held at zero (0: exactly the
+            zero-variance ones; the default also catches variances of rounding noise, e.g.
+            attention key biases); ``rescale_variance``, scale each parameter tensor's frozen
+            variance by the change of its gradients' mean square since the freeze (above),
+            so that the compression stage keeps Adam's step size as the gradients shrink or
+            grow; False: the published frozen variance. Checkpoints carry the statistic. If
+            the warmup's gradients reach the optimizer averaged by anything but its own
+            allreduce or lbcomm's warmup hook, the local norms are unknown: a warning, and
+            the variance stays frozen; ``bias_correction``, divide m by 1-b1^t and v by
+            1-b2^t (the latter frozen at freeze_step); False gives the published formulas.
 
     Example::
 

@@ -1,7 +1,7 @@
 """max_update for the 1-bit optimizers: the bound U on each coordinate's
-|m^ / (sqrt(v^) + eps)| in the compression stage (per parameter: ``comm.max_update`` at its
+|m^ / (sqrt(v^) + eps)| in the compression stage (per parameter: ``max_update`` at its
 group's betas, or "warmup"'s recorded U_p), and its move into the compressed allreduce
-(``comm.capped_decode``: `decode_caps`). Functions of the optimizer's `FlatState`, called by
+(``capped_decode``: `decode_caps`; both `lbcomm.OneBitOptions`). Functions of the optimizer's `FlatState`, called by
 its `OneBitStage`."""
 from __future__ import annotations
 
@@ -36,10 +36,10 @@ def record_update_bounds(fs, L: FlatLayout, stage: Tensor) -> None:
         bound.copy_(fs.per_tensor(L, bound.reshape(-1, 1), op="max").reshape(-1))
 
 
-def update_bounds(fs, L: FlatLayout) -> List[Optional[float]]:
-    """Per parameter, this step's bound U on |m^ / (sqrt(v^) + eps)| (comm.max_update at
-    its group's betas; None: unbounded, the published update)."""
-    per_group = [F.resolve_max_update(fs.comm.max_update, g["betas"]) for g in fs.param_groups]
+def update_bounds(fs, L: FlatLayout, max_update) -> List[Optional[float]]:
+    """Per parameter, this step's bound U on |m^ / (sqrt(v^) + eps)| (the option
+    `max_update` at its group's betas; None: unbounded, the published update)."""
+    per_group = [F.resolve_max_update(max_update, g["betas"]) for g in fs.param_groups]
     recorded, out = None, []
     for i, gi in enumerate(L.group_of):
         u = per_group[gi]
@@ -53,7 +53,7 @@ def update_bounds(fs, L: FlatLayout) -> List[Optional[float]]:
 
 def decode_caps(fs, L: FlatLayout, segs, factors, bounds: List[Optional[float]],
                 scale: Optional[Tensor] = None) -> Callable[[int, int, Tensor], None]:
-    """max_update's bound moved into the compressed allreduce (comm.capped_decode): per
+    """max_update's bound moved into the compressed allreduce (capped_decode): per
     coordinate, the momentum whose Adam step is exactly the bound,
     c = U bc1 (sqrt(v^) + eps) with this step's bias corrections (`segs`, steps advanced)
     and rescale factors, times the parameter's `scale` when the reduced momentum is

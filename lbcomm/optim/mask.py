@@ -2,7 +2,7 @@
 after the freeze (`MomentumMask`, held by `OneBitStage`).
 
 At the freeze (and, for ZeroOneAdam, after every variance update) the coordinates whose
-variance is zero, or at most ``comm.mask_threshold`` times the mean variance, are masked:
+variance is zero, or at most ``mask_threshold`` (`lbcomm.OneBitOptions`) times the mean variance, are masked:
 they never saw a gradient, or only rounding noise (e.g. attention key biases, to which
 softmax is invariant), and would move by (compression noise) / eps. User masks
 (`set_momentum_mask`) override it per parameter. The mask is kept as an index list when few
@@ -22,10 +22,12 @@ __all__ = ["MomentumMask"]
 
 
 class MomentumMask:
-    """The mask over the flat momentum of the flat state `fs` (a `FlatState`)."""
+    """The mask over the flat momentum of the flat state `fs` (a `FlatState`); coordinates
+    whose variance is at most `threshold` times the mean are masked (`build`)."""
 
-    def __init__(self, fs):
+    def __init__(self, fs, threshold: float):
         self.fs = fs
+        self.threshold = threshold
         self.mask: Optional[Tensor] = None  # int64 indices (few masked) or bool (many): True/listed = held at zero
         self.counts = (0, 0)  # (variance exactly zero, at most the threshold) at the last build
         self.user: Dict[int, Tensor] = {}  # layout index -> bool mask (True = trained)
@@ -63,9 +65,9 @@ class MomentumMask:
         if fs.sharded():  # the mean variance of the whole model, over the shards
             total = torch.stack([v.sum(dtype=torch.float32), torch.tensor(float(v.numel()), device=v.device)])
             fs.shard_transport.all_reduce(total, op="sum")
-            thr = fs.comm.mask_threshold * float(total[0] / total[1]) if float(total[1]) else 0.0
+            thr = self.threshold * float(total[0] / total[1]) if float(total[1]) else 0.0
         else:
-            thr = fs.comm.mask_threshold * float(v.mean()) if v.numel() else 0.0
+            thr = self.threshold * float(v.mean()) if v.numel() else 0.0
         zero = v <= thr
         self.counts = (int((v == 0).sum()), int(zero.sum()))
         for i, mask in self.user.items():

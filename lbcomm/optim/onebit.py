@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from ..compressed import NonFiniteError
+from ..config import OneBitOptions
 from ..reducer import make_reducer, resolve_topology
 from ..topology import Topology
 from . import agree, bounds
@@ -65,6 +66,7 @@ class OneBitStage:
 
     Args:
         fs (FlatState): the flat state of the optimizer that holds the stage.
+        options (lbcomm.OneBitOptions): max_update, capped_decode and mask_threshold.
         exact_numel (int): parameters of at most this many elements are averaged exactly.
         flat_only (bool): the optimizer runs on the flat reduction only (ZeroOneAdam):
             ``comm.topology`` "auto" resolves to flat, a Topology of several nodes is refused.
@@ -75,8 +77,10 @@ class OneBitStage:
     # max_update_bound: max_update="warmup"'s U_p, recorded at the freeze (-1: not recorded)
     VECTORS: Dict[str, float] = {"step": 0.0, "variance_step": 0.0, "max_update_bound": -1.0}
 
-    def __init__(self, fs, *, exact_numel: int, flat_only: bool = False, freeze_option: str = "freeze_step"):
+    def __init__(self, fs, options: OneBitOptions, *, exact_numel: int, flat_only: bool = False,
+                 freeze_option: str = "freeze_step"):
         self.fs = fs
+        self.options = options
         self.freeze_option = freeze_option
         self.comm = fs.comm
         spec = self.comm.topology
@@ -89,7 +93,7 @@ class OneBitStage:
         self.topology: Optional[Topology] = None  # resolved at the first freeze (None: flat)
         self._topology_resolved = False
         self.reducer = None  # the Reducer of the momentum (None before the freeze and with one rank)
-        self.masks = MomentumMask(fs)
+        self.masks = MomentumMask(fs, options.mask_threshold)
         self._stage: Optional[Tensor] = None  # bounded staging buffer (lent to a flat reducer, `_make_reducer`)
         self._warned_no_blocks = False
         self._probe = True  # the compression stage's check for averaged gradients is undecided
@@ -133,18 +137,18 @@ class OneBitStage:
         bounds.record_update_bounds(self.fs, L, self.stage_buffer(L))
 
     def update_bounds(self, L: FlatLayout) -> List[Optional[float]]:
-        return bounds.update_bounds(self.fs, L)
+        return bounds.update_bounds(self.fs, L, self.options.max_update)
 
     def decode_caps(self, L: FlatLayout, segs, factors, bounds_: List[Optional[float]],
                     scale: Optional[Tensor] = None) -> Optional[Callable[[int, int, Tensor], None]]:
         """`bounds.decode_caps`, None when nothing is capped: one rank, capped_decode False, no
         bound, or no blocks (one scale per tensor; warned once)."""
-        if self.reducer is None or self.comm.capped_decode is False or all(b is None for b in bounds_):
+        if self.reducer is None or self.options.capped_decode is False or all(b is None for b in bounds_):
             return None
         if self.comm.block_size is None:  # asked for explicitly: a warning; by default: info
             if not self._warned_no_blocks:
                 self._warned_no_blocks = True
-                _log.log(logging.WARNING if self.comm.capped_decode else logging.INFO,
+                _log.log(logging.WARNING if self.options.capped_decode else logging.INFO,
                          "%s: the capped decode needs blocks (block_size is None); max_update bounds the step only",
                          self.fs.name)
             return None

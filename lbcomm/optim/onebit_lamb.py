@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from ..config import CommConfig
+from ..config import CommConfig, OneBitOptions, resolve, resolve_options
 from ..common import ring_allreduce_bytes
 from . import functional as F
 from .adam import check_freeze_step
@@ -53,21 +53,25 @@ class OneBitLamb(BaseOptimizer):
         trust_ratio: str = "max",
         coeff_beta: float = 0.9,
         factor_range: Tuple[float, float] = (0.5, 4.0),
-        bias_correction: bool = True,
         comm: Optional[CommConfig] = None,
+        options: Optional[OneBitOptions] = None,
     ) -> None:
+        comm, self.options = resolve_options(options, resolve(comm, "OneBitLamb"), "OneBitLamb")
+        if not self.options.rescale_variance:
+            raise ValueError("OneBitLamb: rescale_variance is OneBitAdam's and ZeroOneAdam's; OneBitLamb scales its "
+                             "frozen variance by its own factor (factor_range). Leave it at True")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, freeze_step=freeze_step,
                         coeff_range=tuple(coeff_range), trust_ratio=trust_ratio, coeff_beta=coeff_beta,
                         factor_range=tuple(factor_range), factor_threshold=0.1,
-                        norm_samples=256, norm_step_bound=0.1, bias_correction=bias_correction)
+                        norm_samples=256, norm_step_bound=0.1, bias_correction=self.options.bias_correction)
         super().__init__(params, defaults, comm)
-        self._onebit = OneBitStage(self.flat_state, exact_numel=self.comm.exact_numel)
+        self._onebit = OneBitStage(self.flat_state, self.options, exact_numel=self.comm.exact_numel)
         self._norms = LambNorms(self.flat_state, self._onebit)  # the direction, the live ratio's norm
 
     def _validate_group(self, group) -> None:
         super()._validate_group(group)
         check_freeze_step("freeze_step", group["freeze_step"])
-        F.resolve_max_update(self.comm.max_update, group["betas"])
+        F.resolve_max_update(self.options.max_update, group["betas"])
         check_range("coeff_range", group["coeff_range"], 0.0)
         if group["trust_ratio"] not in self.TRUST_RATIOS:
             raise ValueError(f"Invalid trust_ratio: {group['trust_ratio']!r} (must be 'live', 'frozen' or 'max')")
@@ -383,7 +387,7 @@ OneBitLamb.__doc__ = r"""Implements 1-bit LAMB: LAMB in the warmup, then a froze
     the largest steady Adam step (see :class:`OneBitAdam` for why the compressed momentum
     needs a bound). "warmup" takes the largest :math:`|\hat{m}/(\sqrt{\hat{v}}+\epsilon)|` of
     parameter tensor p after the last warmup step instead (the earlier default). With
-    comm.capped_decode (default) the bound also caps each coordinate of the compressed
+    options.capped_decode (default) the bound also caps each coordinate of the compressed
     allreduce's momentum (in its momentum scale), as in :class:`OneBitAdam`, and the error
     feedback keeps what the cap held back.
 
@@ -407,12 +411,14 @@ OneBitLamb.__doc__ = r"""Implements 1-bit LAMB: LAMB in the warmup, then a froze
         coeff_beta (float, optional): averaging factor of the frozen coefficient (default: 0.9)
         factor_range (Tuple[float, float], optional): (f_min, f_max), the bounds of the
             variance factor f of the frozen coefficient (default: (0.5, 4.0))
-        bias_correction (bool, optional): as in :class:`OneBitAdam` (default: True)
         comm (lbcomm.CommConfig, optional): the communication settings, as in
-            :class:`OneBitAdam`; ``max_update`` bounds each coordinate of u0 = m^ / (sqrt(v^) +
-            eps), before weight decay and the LAMB coefficient ("warmup": per parameter
-            tensor its largest |u0| after the last warmup step); under FSDP2 LAMB's norms
-            are reduced over ``shard_group`` (default: CommConfig())
+            :class:`OneBitAdam`; under FSDP2 LAMB's norms are reduced over ``shard_group``
+            (default: CommConfig())
+        options (lbcomm.OneBitOptions, optional): as in :class:`OneBitAdam`, but
+            ``max_update`` bounds each coordinate of u0 = m^ / (sqrt(v^) + eps), before weight
+            decay and the LAMB coefficient ("warmup": per parameter tensor its largest |u0|
+            after the last warmup step), and ``rescale_variance`` must stay True (the factor
+            f above scales the frozen variance instead) (default: OneBitOptions())
 
     A parameter group may also set, e.g.
     ``OneBitLamb([{"params": model.parameters(), "norm_samples": 0}])`` (details rarely

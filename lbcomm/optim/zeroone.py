@@ -13,7 +13,7 @@ from torch import Tensor
 
 from ..comm import get_transport
 from ..comm.counting import CountingTransport
-from ..config import CommConfig
+from ..config import CommConfig, OneBitOptions, resolve, resolve_options
 from . import functional as F
 from .adam import adamw_warmup_, check_freeze_step, frozen_adamw_step_
 from .freeze import AUTO
@@ -60,20 +60,21 @@ class ZeroOneAdam(BaseOptimizer):
         local_step_scaler: int = 32678,
         local_step_clipper: int = 16,
         var_decay: str = "time",
-        bias_correction: bool = True,
-        rescale_variance: bool = True,
         comm: Optional[CommConfig] = None,
+        options: Optional[OneBitOptions] = None,
     ) -> None:
+        comm, self.options = resolve_options(options, resolve(comm, "ZeroOneAdam"), "ZeroOneAdam")
+        o = self.options
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, var_freeze_step=var_freeze_step,
                         var_update_scaler=var_update_scaler, local_step_scaler=local_step_scaler,
-                        local_step_clipper=local_step_clipper, var_decay=var_decay, bias_correction=bias_correction,
-                        rescale_variance=rescale_variance)
+                        local_step_clipper=local_step_clipper, var_decay=var_decay, bias_correction=o.bias_correction,
+                        rescale_variance=o.rescale_variance)
         self._schedule = local_steps.initial_schedule()
         self._last_kind: Optional[str] = None
         self._counts = {k: 0 for k in _KINDS}
         super().__init__(params, defaults, comm)
         # the parameters of at most comm.exact_numel elements averaged exactly, the flat reduction only
-        self._onebit = OneBitStage(self.flat_state, exact_numel=self.comm.exact_numel, flat_only=True,
+        self._onebit = OneBitStage(self.flat_state, self.options, exact_numel=self.comm.exact_numel, flat_only=True,
                                    freeze_option="var_freeze_step")
         self._rescale = self.flat_state.local_stat = VarianceRescale(self.flat_state)
 
@@ -87,10 +88,10 @@ class ZeroOneAdam(BaseOptimizer):
             raise ValueError(f"Invalid var_decay: {group['var_decay']!r} (must be 'time' or 'update')")
         if not isinstance(group["rescale_variance"], bool):
             raise ValueError(f"Invalid rescale_variance: {group['rescale_variance']!r} (must be True or False)")
-        if self.comm.max_update == "warmup":
+        if self.options.max_update == "warmup":
             raise ValueError("Invalid max_update: 'warmup' is not supported by ZeroOneAdam (its variance keeps "
                              "changing until var_freeze_step); use a number, 'auto' or None")
-        F.resolve_max_update(self.comm.max_update, group["betas"])
+        F.resolve_max_update(self.options.max_update, group["betas"])
 
     # ------------------------------------------------------------------ public API
     @property
@@ -361,7 +362,7 @@ ZeroOneAdam.__doc__ = r"""Implements 0/1 Adam (Lu et al., 2022, "Maximizing Comm
     compressed momenta, whose values are of the size of a block scale: unbounded, a
     coordinate of a tiny variance, such as a nearly dead unit or a rare feature, would take
     a huge step); the mask (zero or negligible variance) is rebuilt after every variance update.
-    With comm.capped_decode (default) every compressed allreduce (1-bit step and sync)
+    With options.capped_decode (default) every compressed allreduce (1-bit step and sync)
     decodes each coordinate to at most the momentum whose step is that bound, as in
     OneBitAdam, and its error feedback keeps the rest.
 
@@ -420,11 +421,6 @@ ZeroOneAdam.__doc__ = r"""Implements 0/1 Adam (Lu et al., 2022, "Maximizing Comm
         var_decay (str, optional): "time": a variance update after k steps decays v by
             beta2^k (as Adam's v over the same steps); "update": by beta2, the paper's
             (default: "time")
-        bias_correction (bool, optional): divide m by 1-b1^t and v by 1-b2^(n_v);
-            False gives the published formulas (default: True)
-        rescale_variance (bool, optional): scale each parameter tensor's variance between
-            variance updates, and after var_freeze_step, by the change of its gradients' mean
-            square (as :class:`OneBitAdam`'s); False: the published stale variance (default: True)
         comm (lbcomm.CommConfig, optional): the communication settings, as in
             :class:`OneBitAdam`, with these differences: ``topology`` "auto" resolves to the
             flat reduction (the local steps and syncs are built on it; a `Topology` of
@@ -432,8 +428,13 @@ ZeroOneAdam.__doc__ = r"""Implements 0/1 Adam (Lu et al., 2022, "Maximizing Comm
             mean in place of the compressed one at every 1-bit step (from the mean gradient,
             as OneBitAdam's) and every sync (the mean of the ranks' inputs, one fp32
             allreduce of those coordinates), and local steps between syncs as the others;
-            ``max_update`` "warmup" is not supported, and ``nonfinite`` applies to every
-            rank's gradients (default: CommConfig())
+            ``nonfinite`` applies to every rank's gradients (default: CommConfig())
+        options (lbcomm.OneBitOptions, optional): as in :class:`OneBitAdam`, with these
+            differences: ``max_update`` "warmup" is not supported; ``rescale_variance``
+            scales each parameter tensor's variance between variance updates, and after
+            var_freeze_step, by the change of its gradients' mean square (False: the
+            published stale variance); ``bias_correction`` divides v by 1-b2^(n_v), n_v the
+            variance updates so far (default: OneBitOptions())
 
     Example::
 
