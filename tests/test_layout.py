@@ -1,7 +1,8 @@
 """The layout of the code: the lab (lbcomm.cli, lbcomm.testing, scripts/) kept apart from
 the library, no import circle inside the benchmark CLI, and no module of lbcomm or scripts over 450
-lines. Read with `ast` only: nothing here imports the modules it checks."""
-import ast
+lines. The import graph is scripts/importgraph.py's (read with `ast`: nothing here imports the
+modules it checks)."""
+import importlib.util
 import os
 import subprocess
 import sys
@@ -18,105 +19,46 @@ MAX_LINES = 450
 KNOWN_LAB_USERS = {"lbcomm.demo": ["lbcomm.cli.units"], "lbcomm.reference": ["lbcomm.testing.kernels"]}
 
 
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
+def _importgraph():
+    """scripts/importgraph.py, the one implementation of the import graph and its circles."""
+    spec = importlib.util.spec_from_file_location("importgraph", ROOT / "scripts" / "importgraph.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def _modules(package: str):
-    """{dotted name: path} of every .py file under ROOT/package."""
-    return {_module_name(p): p for p in sorted((ROOT / package).rglob("*.py"))}
+IG = _importgraph()
 
 
-def _imports(name: str, path: Path, known, module_level_only: bool):
-    """The modules of `known` that `name` imports (relative imports resolved; `from pkg
-    import sub` counts as an import of pkg.sub when that is a module)."""
-    tree = ast.parse(path.read_text(), str(path))
-    is_pkg = path.name == "__init__.py"
-    nodes = tree.body if module_level_only else list(ast.walk(tree))
-    found = set()
-    for node in nodes:
-        if isinstance(node, ast.Import):
-            targets = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = name.split(".") if is_pkg else name.split(".")[:-1]
-                base = base[:len(base) - (node.level - 1)]
-                mod = ".".join(base + ([node.module] if node.module else []))
-            else:
-                mod = node.module or ""
-            targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in known else mod for a in node.names]
-        else:
-            continue
-        for t in targets:
-            while t and t not in known:  # import a.b.c of a module a.b
-                t = t.rpartition(".")[0]
-            if t and t != name:
-                found.add(t)
-    return found
-
-
-def _graph(packages, module_level_only):
-    mods = {}
-    for pkg in packages:
-        mods.update(_modules(pkg))
-    return {n: _imports(n, p, mods, module_level_only) for n, p in mods.items()}
+def _graph(folder: str):
+    """{module: the modules of `folder` it imports}, imports inside functions included (a
+    deferred import is still a dependency)."""
+    root = ROOT / folder
+    modules, extensions = IG.module_names(root), IG.extension_names(root)
+    return {n: IG.imports_of(n, p, modules, True, extensions) for n, p in modules.items()}
 
 
 def _cycles(graph, within: str):
-    """Every strongly connected component (of more than one module) among the modules
-    named `within`*, by Tarjan's algorithm."""
-    nodes = [n for n in graph if n == within or n.startswith(within + ".")]
-    index, low, stack, on, out = {}, {}, [], set(), []
-
-    def visit(v):
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on.add(v)
-        for w in graph[v]:
-            if w not in nodes:
-                continue
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                comp.append(w)
-                if w == v:
-                    break
-            if len(comp) > 1:
-                out.append(sorted(comp))
-
-    for v in nodes:
-        if v not in index:
-            visit(v)
-    return out
+    """The circles among the modules named `within`*, the graph cut to them."""
+    inside = {n for n in graph if n == within or n.startswith(within + ".")}
+    return IG.cycles({n: graph[n] & inside for n in inside})
 
 
 @pytest.mark.parametrize("package", ["lbcomm.cli", "lbcomm.testing"])
 def test_no_import_circle(package):
     """No circle among a package's modules, counting the imports inside functions too (a
     deferred import is still a dependency)."""
-    graph = _graph(["lbcomm"], module_level_only=False)
-    assert _cycles(graph, package) == []
+    assert _cycles(_graph("lbcomm"), package) == []
 
 
 def test_no_import_circle_in_scripts():
-    graph = _graph(["scripts"], module_level_only=False)
-    assert _cycles(graph, "scripts") == []
+    assert _cycles(_graph("scripts"), "scripts") == []
 
 
 def test_the_library_does_not_depend_on_the_lab():
     """No module of the library (lbcomm outside cli/ and testing/) imports lbcomm.cli or
     lbcomm.testing, even inside a function: the kernel fallback is not the test oracle."""
-    graph = _graph(["lbcomm"], module_level_only=False)
+    graph = _graph("lbcomm")
     lab = ("lbcomm.cli", "lbcomm.testing")
     bad = {n: sorted(d for d in deps if d.startswith(lab)) for n, deps in graph.items()
            if not n.startswith(lab) and any(d.startswith(lab) for d in deps)}
