@@ -207,7 +207,10 @@ class DCTBoundary:
                 "activation_bytes": self.activation_bytes, "gradient_bytes": self.gradient_bytes,
                 "sent_entries": self.sent_entries, "offered_entries": self.offered_entries, "calls": self.calls}
 
-    def load_state_dict(self, sd: Dict[str, Any]) -> None:
+    def load_state_dict(self, sd: Dict[str, Any]) -> bool:
+        """Restore a `state_dict` (the residuals and the counters); True, as every
+        compressor's load returns whether its error feedback carried over (a boundary
+        between two fixed ranks has no world size to change)."""
         if sd.get("sparsifier") is not None:
             self.sparsifier = Sparsifier(sd["numel"], self.density or 1.0, self.refresh_every, residual=self.residual,
                                          threshold=self.threshold)
@@ -215,3 +218,4 @@ class DCTBoundary:
         for k in ("activation_bytes", "gradient_bytes", "sent_entries", "offered_entries"):
             setattr(self, k, int(sd[k]))
         self.calls = int(sd.get("calls", 0))  # absent from states saved before it was counted
+        return True

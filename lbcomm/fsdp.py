@@ -19,15 +19,11 @@ in full precision. `onebit_hsdp` then sets an all-reduce hook on every FSDP modu
 (``FSDPModule.set_all_reduce_hook``): FSDP calls it with the reduce-scatter output of that
 module's parameter group (this rank's gradient shard, the same shard on every node) and the
 hook replaces it in place by its 1-bit compressed mean over the replicate group, one
-`CompressionState` (error feedback) per FSDP parameter group. FSDP applies its own
-post-division afterwards; the mean is linear, so the result is the gradient mean over all
-ranks up to the compression error, which error feedback carries into the next step.
-
-FSDP's native HSDP (a 2-D mesh given to fully_shard) all-reduces across the replicate
-dimension in full precision before any hook runs (and ``set_requires_all_reduce(False)``
-accumulates the unreduced shard instead), so `onebit_hsdp` refuses 2-D-sharded modules.
-Replicas stay bitwise identical: the compressed call's result is identical on the ranks of
-a replicate group, and FSDP reduces a node's shards alike on every node.
+`CompressionState` per FSDP parameter group; FSDP's post-division follows (the mean is
+linear). FSDP's native HSDP (a 2-D mesh given to fully_shard) all-reduces across the
+replicate dimension in full precision before any hook runs, so `onebit_hsdp` refuses
+2-D-sharded modules. Replicas stay bitwise identical: the compressed call's result is
+identical on the ranks of a replicate group.
 """
 from __future__ import annotations
 
@@ -157,12 +153,13 @@ class OneBitHSDPState:
                 "stats": self.grad_stats.state_dict(), "weights": weights,
                 "replicate": world_info(self.replicate_group)}
 
-    def load_state_dict(self, sd: Dict[str, Any], *, all_ranks: Optional[Sequence[Dict[str, Any]]] = None) -> None:
+    def load_state_dict(self, sd: Dict[str, Any], *, all_ranks: Optional[Sequence[Dict[str, Any]]] = None) -> bool:
         """Restore a `state_dict` of this rank (before the next backward pass). Saved for
         another number of nodes, pass ``all_ranks`` (every saved rank's `state_dict`, in
         rank order): the error feedback of each parameter group is redistributed from the
         saved ranks that held this rank's shard with `CompressionState.redistribute` (its
-        total is preserved); without it the errors are reset with a logged warning."""
+        total is preserved); without it the errors are reset with a logged warning.
+        Returns True when the error feedback carries into this run, False when reset."""
         self.calls = dict(sd["calls"])
         self.bytes_sent, self.skipped_calls = int(sd["bytes_sent"]), int(sd["skipped_calls"])
         if sd["exact_numel"] != self.comm.exact_numel:
@@ -178,19 +175,21 @@ class OneBitHSDPState:
         self.saved_weights = {k: w.clone() for k, w in sd["weights"].items()}
         self.units = {}
         states, replicate = sd["states"], world_info(self.replicate_group)
+        carried = True
         if sd["replicate"][0] != replicate[0] and all_ranks is not None:
             states = _redistribute(all_ranks, replicate, world_info())
         elif sd["replicate"][0] != replicate[0]:
             _log.warning("onebit_hsdp: the state was saved by %s nodes and this run has %s; the error feedback is "
                          "reset to zero (load_state_dict(sd, all_ranks=[every saved rank's state_dict]) "
                          "redistributes it)", sd["replicate"][0], replicate[0])
-            states = {}
+            states, carried = {}, False
         for key, saved in states.items():
             st = self.states.get(key)
             if st is None:
                 st = self.states[key] = _new_reducer(self, int(saved["numel"]), None)
-            st.load_state_dict(saved)
+            carried = st.load_state_dict(saved) and carried
         self.resume.loaded = True
+        return carried
 
 
 def _redistribute(all_ranks: Sequence[Dict[str, Any]], replicate: Tuple[int, int],

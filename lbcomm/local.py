@@ -11,10 +11,9 @@ mean(u) − β b. Every rank then continues from the same new θ (bitwise identi
 ``compress=False`` averages Δ in fp32: DiLoCo itself, the same code.
 
 ``fragments=K`` (Streaming DiLoCo, `lbcomm.fragments`) synchronizes K runs of parameters at
-staggered inner steps; ``overlap=k`` runs each synchronization on a background thread while
-the next k inner steps train, then applies it keeping their progress: θ <- θ + (θ_start_new
-− θ_sent). Parameters of at most ``comm.exact_numel`` elements are averaged exactly beside
-the compressed call (`lbcomm.exact`).
+staggered inner steps; ``overlap=k`` runs each synchronization in the background while the
+next k inner steps train, then applies it keeping their progress. Parameters of at most
+``comm.exact_numel`` elements are averaged exactly beside the compressed call.
 
 Never silent: gradients identical on every rank at the first inner steps (a DDP averaging
 them every step) raise `AveragedGradientsError` (``comm.detect_averaged_grads``); a
@@ -395,8 +394,9 @@ class OneBitLocalUpdates:
                 "result": str(res) if isinstance(res, NonFiniteError) else bool(res)}  # str: the error raised
 
     def load_state_dict(self, state_dict: Dict[str, Any], *,
-                        all_ranks: Optional[Sequence[Dict[str, Any]]] = None) -> None:
+                        all_ranks: Optional[Sequence[Dict[str, Any]]] = None) -> bool:
         """Restore a `state_dict`: bitwise the run that never stopped with the same world.
+        Returns True when the error feedback carries into this run, False when reset.
 
         Saved with another world size (elastic resume), pass ``all_ranks``: every saved
         rank's state_dict in rank order (`lbcomm.load_sharded` with ``hook_state=`` does);
@@ -428,12 +428,12 @@ class OneBitLocalUpdates:
                                      f"{sd['world_size']} saved ranks of one checkpoint, in rank order")
                 reducers = [redistribute([s["reducers"][k] for s in all_ranks], self.world_size, self.rank,
                                          where=f"{name} fragment {k}") for k in range(len(self.fragments))]
+        carried = True
         for frag, anchor, red in zip(self.fragments, sd["anchors"], reducers):
             frag.anchor.copy_(anchor)
             if frag.reducer is not None:
                 frag.reducer.reset()
-                if red is not None:
-                    frag.reducer.load_state_dict(red)
+                carried = red is not None and frag.reducer.load_state_dict(red) and carried
         self.outer.load_state_dict(sd["outer"])
         for frag, fl in zip(self.fragments, sd.get("in_flight") or [None] * len(self.fragments)):
             if fl is None:
@@ -447,3 +447,4 @@ class OneBitLocalUpdates:
         self.inner_steps, self.syncs, self.skipped = sd["inner_steps"], sd["syncs"], sd["skipped"]
         self.bytes_sent = sd["bytes_sent"]
         self._probe = bool(sd["probe"]) and self.comm.detect_averaged_grads and self.world_size > 1
+        return carried

@@ -104,3 +104,38 @@ def test_every_compressor_reports_the_same_statistics():
         # restored: the counters and the residual; the ratio waits for the next send
         assert {k: link["loaded"][k] for k in STATS_KEYS if k != "error_ratio"} == \
             {k: link["stats"][k] for k in STATS_KEYS if k != "error_ratio"} and link["loaded"]["error_ratio"] == 0.0
+
+
+def test_one_load_signature_and_one_form_of_elastic_resume():
+    """Every compressor's load_state_dict returns whether its error feedback carried over
+    (a bool), and every data-parallel one takes the saved world as ``all_ranks=``: the
+    reducers too, not only their owners."""
+    import inspect
+
+    from lbcomm.reduce.hierarchical import HierarchicalState
+
+    elastic = (lbcomm.CompressionState, HierarchicalState, lbcomm.OneBitHookState, lbcomm.DCTHookState,
+               lbcomm.OneBitHSDPState, lbcomm.OneBitLocalUpdates)
+    for cls in elastic + (DCTBoundary, lbcomm.Reducer):
+        sig = inspect.signature(cls.load_state_dict)
+        assert sig.return_annotation in (bool, "bool"), cls
+        if cls is not DCTBoundary:  # two fixed ranks of a model-parallel boundary: no world to change
+            assert sig.parameters["all_ranks"].kind is inspect.Parameter.KEYWORD_ONLY, cls
+
+
+def test_a_reducer_resumes_elastically_with_all_ranks():
+    """CompressionState.load_state_dict(sd, all_ranks=saved) is the redistributed state,
+    loaded (one process: a world of one takes the state of two saved ranks)."""
+    from lbcomm.reduce.compression import CompressionState
+
+    one = CompressionState(5000, block_size=256).state_dict()
+    g = torch.Generator().manual_seed(0)
+    one["worker_error"].copy_(torch.randn(one["worker_error"].shape, generator=g))
+    one["server_error"].copy_(torch.randn(one["server_error"].shape, generator=g))
+    saved = [CompressionState.redistribute([one], 2, r) for r in range(2)]
+    elastic, direct, plain = (CompressionState(5000, block_size=256) for _ in range(3))
+    assert elastic.load_state_dict(saved[0], all_ranks=saved) is True
+    assert direct.load_state_dict(CompressionState.redistribute(saved, 1, 0)) is True
+    assert all(torch.equal(elastic.state_dict()[k], direct.state_dict()[k]) for k in ("worker_error", "server_error"))
+    assert plain.load_state_dict(saved[0]) is False  # another world without all_ranks: reset
+    assert float(plain.state_dict()["worker_error"].abs().sum()) == 0.0

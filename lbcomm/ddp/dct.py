@@ -193,10 +193,11 @@ class DCTHookState:
                           "compressed_calls": self.compressed_calls, "skipped_calls": self.skipped_calls}}
 
     def load_state_dict(self, state_dict: Dict[str, Any], *,
-                        all_ranks: Optional[Sequence[Dict[str, Any]]] = None) -> None:
+                        all_ranks: Optional[Sequence[Dict[str, Any]]] = None) -> bool:
         """Restore a `state_dict` of this rank; saved with another world size, pass
         ``all_ranks`` (every saved rank's state_dict, in rank order) to redistribute the
-        residuals (`DCTReducer.redistribute`); without it they are reset with a warning."""
+        residuals (`DCTReducer.redistribute`); without it they are reset with a warning.
+        Returns True when the residuals carry into this run, False when they were reset."""
         self._ensure_idle("load_state_dict")
         if not isinstance(state_dict, dict) or state_dict.get("kind") != "dct" or \
                 state_dict.get("version") != _STATE_VERSION:
@@ -212,8 +213,10 @@ class DCTHookState:
         self.total_bytes_sent, self.total_bytes_uncompressed = int(stats["bytes_sent"]), int(stats["bytes_uncompressed"])
         self.compressed_calls, self.skipped_calls = int(stats["compressed_calls"]), int(stats["skipped_calls"])
         units = state_dict["units"]
+        carried = True
         if state_dict["world_size"] != world and units:
             if all_ranks is None:
+                carried = False
                 _log.warning("dct_hook: the state was saved with world size %s and this run has %s; the residuals are "
                              "reset to zero (pass all_ranks=[every saved rank's state_dict], or use "
                              "lbcomm.load_sharded(dir, hook_state=state), to redistribute them)",
@@ -228,6 +231,7 @@ class DCTHookState:
                 units = redistribute_units([sd["units"] for sd in all_ranks], world, rank, DCTReducer.redistribute)
         self.planner.load_state_dict(units)
         self.resume.loaded = True
+        return carried
 
 
 # ---------------------------------------------------------------------- the hook

@@ -337,9 +337,10 @@ class OneBitHookState:
         }
 
     def load_state_dict(self, state_dict: Dict[str, Any], *,
-                        all_ranks: Optional[Sequence[Dict[str, Any]]] = None) -> None:
+                        all_ranks: Optional[Sequence[Dict[str, Any]]] = None) -> bool:
         """Restore a `state_dict` of this rank. The errors are attached to DDP's buckets as
-        they appear.
+        they appear. Returns True when the error feedback carries into this run (as saved,
+        or redistributed), False when it was reset.
 
         Saved for another world size (elastic resume), pass ``all_ranks``: the `state_dict`
         of every rank of the saved world, in rank order (``state_dict`` is then any one of
@@ -369,8 +370,10 @@ class OneBitHookState:
         self.compressed_calls = int(stats["compressed_calls"])
         self.skipped_calls = int(stats["skipped_calls"])
         units = state_dict["units"]
+        carried = True
         if state_dict.get("world_size") != world and units:
             if all_ranks is None:
+                carried = False
                 _log.warning("onebit_hook: the state was saved with world size %s and this run has %s; the error "
                              "feedback is reset to zero and training continues (lbcomm.load_sharded(dir, "
                              "hook_state=state), or load_state_dict(sd, all_ranks=[every saved rank's state_dict]), "
@@ -382,6 +385,7 @@ class OneBitHookState:
         self.planner.load_state_dict(units)
         self.grad_stats.load_state_dict(state_dict["grad_stats"])  # averaged gradients: any world size
         self.resume.loaded = True
+        return carried
 
 
 def _units_of(sd: Dict[str, Any], r: int, all_ranks: Sequence[Dict[str, Any]]):

@@ -297,10 +297,12 @@ class CompressionState(CallBook):
             "skipped": self.skipped,
         }
 
-    def load_state_dict(self, sd: Dict[str, Any]) -> bool:
+    def load_state_dict(self, sd: Dict[str, Any], *, all_ranks: Optional[Sequence[Dict[str, Any]]] = None) -> bool:
         """Restore error buffers saved by `state_dict`. Returns False, with zeroed errors,
         when they were saved for another world size, rank, size or block size (they cannot
-        be mapped onto this layout; see `redistribute` for another world size).
+        be mapped onto this layout). Saved with another world size (elastic resume), pass
+        ``all_ranks``, every saved rank's state_dict in rank order: they are redistributed
+        onto this rank (`redistribute`, the total error preserved) and True is returned.
 
         A shard of another rank of the same world (or of another world size) is what
         frameworks hand every rank when they save the optimizer of rank 0 only: that reset is
@@ -308,6 +310,8 @@ class CompressionState(CallBook):
         (or the redistributed state) is loaded before it, as the integrations do right after
         the framework's load."""
         self.ensure_idle()
+        if all_ranks is not None and sd.get("world_size") != self.world_size:
+            sd = self.redistribute(all_ranks, self.world_size, self.rank)
         layout = (sd.get("numel"), sd.get("world_size"), sd.get("rank"), sd.get("block_size"))
         mine = (self.numel, self.world_size, self.rank, self.block_size)
         self.calls = int(sd.get("calls", 0))

@@ -265,9 +265,11 @@ class HierarchicalState(CallBook):
         return {"layout": self._layout(), "calls": self.calls, "skipped": self.skipped,
                 "compression": self.compression.state_dict()}
 
-    def load_state_dict(self, sd: Dict[str, Any]) -> bool:
+    def load_state_dict(self, sd: Dict[str, Any], *, all_ranks=None) -> bool:
         """Restore a `state_dict`; saved for another topology or size, the errors are reset
-        with a logged warning and False is returned."""
+        with a logged warning and False is returned. ``all_ranks`` is taken for the one
+        contract of every reducer, but the errors of another node shape are not
+        redistributed (`redistribute`)."""
         self.ensure_idle()
         self.calls, self.skipped = int(sd.get("calls", 0)), int(sd.get("skipped", 0))
         if tuple(sd.get("layout", ())) != self._layout():

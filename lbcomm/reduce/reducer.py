@@ -74,8 +74,11 @@ class Reducer(Protocol):
     def state_dict(self) -> Dict[str, Any]:
         """This rank's error feedback and the layout it belongs to."""
 
-    def load_state_dict(self, sd: Dict[str, Any]) -> bool:
-        """Restore a `state_dict`; False (errors reset, warned) when it belongs to another layout."""
+    def load_state_dict(self, sd: Dict[str, Any], *, all_ranks: Optional[Sequence[Dict[str, Any]]] = None) -> bool:
+        """Restore a `state_dict`; True when the error feedback carries into this run, False
+        (errors reset, warned) when it belongs to another layout. Saved with another world
+        size (elastic resume): ``all_ranks``, every saved rank's state_dict in rank order,
+        the same keyword every lbcomm compressor takes."""
 
     def compression_stats(self) -> Dict[str, Any]:
         """`compressor_stats` of this reducer, plus its own figures."""
