@@ -43,6 +43,7 @@ def worker(a) -> None:
     import torch.distributed as dist
     from torchft import Manager, ProcessGroupGloo
 
+    from lbcomm import CommConfig
     from lbcomm.ft import FaultTolerantLocalUpdates
 
     torch.set_num_threads(1)  # several replicas share the cores
@@ -56,7 +57,8 @@ def worker(a) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(DIM, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, 1))
     inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
     local = FaultTolerantLocalUpdates(model.parameters(), inner, a.sync_every, manager=manager, pg=pg,
-                                      compress=bool(a.compress), exact_numel=300, block_size=a.block_size)
+                                      compress=bool(a.compress),
+                                      comm=CommConfig(exact_numel=300, block_size=a.block_size))
     xe, ye = _data(999, 1024)
     step_seed = 10_000 * (a.replica + 1) + 1_000_000 * a.incarnation
     log = []

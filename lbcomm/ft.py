@@ -49,9 +49,9 @@ Design decisions (the error feedback across membership changes):
   the failed round's input twice.
 
 ``compress=False`` averages the pseudo-gradient with a plain fp32 allreduce over the same
-group: torchft's DiLoCo exchange, for comparison. Parameters of at most ``exact_numel``
-elements are averaged exactly in fp32 beside the compressed call (their error feedback held
-at zero), as in `lbcomm.OneBitLocalUpdates`.
+group: torchft's DiLoCo exchange, for comparison. Parameters of at most
+``comm.exact_numel`` elements are averaged exactly in fp32 beside the compressed call (their
+error feedback held at zero), as in `lbcomm.OneBitLocalUpdates`.
 
 Not done here: the node topology (hierarchical reduction), streaming fragments and
 overlap; every replica group is one process (or the replica group's own data parallelism
@@ -74,7 +74,7 @@ from torch import Tensor
 
 from .common import ring_allreduce_bytes
 from .compressed import CompressionState
-from .config import DEFAULT_BLOCK_SIZE
+from .config import CommConfig, resolve
 from .exact import exact_index
 
 __all__ = ["FaultTolerantLocalUpdates", "require_torchft"]
@@ -120,9 +120,12 @@ class FaultTolerantLocalUpdates:
         nesterov (bool, optional): default: Nesterov when ``outer_momentum > 0``.
         compress (bool): True: the 1-bit error-feedback allreduce; False: plain fp32
             (torchft's DiLoCo exchange) (default: True).
-        block_size (int or None): elements per scale block (default: 2048).
-        exact_numel (int): parameters of at most this many elements are averaged exactly
-            (default: 4096).
+        comm (lbcomm.CommConfig, optional): ``block_size`` (elements per scale block) and
+            ``exact_numel`` (parameters of at most this many elements are averaged exactly);
+            the group is the Manager's `pg`, the exchange is flat, and a non-finite
+            pseudo-gradient discards the round on every member (``nonfinite="skip"``), so
+            ``process_group``, a ``Topology`` and ``nonfinite="raise"`` are refused
+            (default: CommConfig()).
         max_attempts (int): quorums tried per synchronization before the round is
             discarded (default: 3).
         trace (bool): keep the last exchange's input, output and error buffers in
@@ -131,10 +134,14 @@ class FaultTolerantLocalUpdates:
 
     def __init__(self, params: Iterable[Tensor], inner: torch.optim.Optimizer, sync_every: int, *, manager, pg,
                  outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: Optional[bool] = None,
-                 compress: bool = True, block_size: Optional[int] = DEFAULT_BLOCK_SIZE, exact_numel: int = 4096,
-                 max_attempts: int = 3, trace: bool = False):
+                 compress: bool = True, comm: Optional[CommConfig] = None, max_attempts: int = 3,
+                 trace: bool = False):
         require_torchft()
         name = type(self).__name__
+        comm = resolve(comm, name)
+        if comm.process_group is not None or comm.topology not in ("auto", "flat") or comm.nonfinite != "skip":
+            raise ValueError(f"{name}: the exchange runs flat over the Manager's pg and skips a non-finite round; "
+                             "leave comm's process_group, topology and nonfinite at their defaults")
         self.params: List[Tensor] = list(params)
         if not self.params:
             raise ValueError(f"{name}: got no parameters")
@@ -148,14 +155,14 @@ class FaultTolerantLocalUpdates:
             raise TypeError(f"{name}: compress must be a bool (False: plain fp32 allreduce, DiLoCo itself)")
         self.inner, self.sync_every, self.compress = inner, sync_every, compress
         self.manager, self.pg = manager, pg
-        self.block_size, self.max_attempts, self.trace = block_size, max_attempts, trace
+        self.block_size, self.max_attempts, self.trace = comm.block_size, max_attempts, trace
         nesterov = outer_momentum > 0 if nesterov is None else nesterov
         device = self.params[0].device
         self.anchor = torch.cat([p.detach().reshape(-1).float() for p in self.params])
         self.numel = self.anchor.numel()
         self.outer = torch.optim.SGD([self.anchor], lr=outer_lr, momentum=outer_momentum, nesterov=nesterov)
         self._buf = torch.empty_like(self.anchor)
-        self._exact = exact_index([p.numel() for p in self.params], exact_numel, device=device) if compress else None
+        self._exact = exact_index([p.numel() for p in self.params], comm.exact_numel, device=device) if compress else None
         self.uid = struct.unpack("<q", os.urandom(8))[0] or 1  # this process: a restarted replica is a new member
         self._reducer: Optional[CompressionState] = None
         self._members: Optional[Tuple[int, ...]] = None  # the membership the error feedback belongs to

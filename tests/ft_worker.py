@@ -40,6 +40,7 @@ def main() -> None:
     import torch.distributed as dist
     from torchft import Manager, ProcessGroupGloo
 
+    from lbcomm import CommConfig
     from lbcomm.ft import FaultTolerantLocalUpdates
 
     torch.set_num_threads(1)  # three replicas share the cores
@@ -54,7 +55,8 @@ def main() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
     inner = torch.optim.AdamW(model.parameters(), lr=3e-3)
     local = FaultTolerantLocalUpdates(model.parameters(), inner, a.sync_every, manager=manager, pg=pg,
-                                      compress=bool(a.compress), block_size=256, exact_numel=100, trace=True)
+                                      compress=bool(a.compress), comm=CommConfig(block_size=256, exact_numel=100),
+                                      trace=True)
     if a.die_at and a.in_sync:  # the first all-to-all of the compressed call at that synchronization
         from lbcomm.comm.torchft import TorchFTTransport
 

@@ -35,6 +35,19 @@ def test_missing_torchft_names_the_install():
     assert "pip install torchft" in out.stdout
 
 
+@pytest.mark.parametrize("comm", [dict(nonfinite="raise"), dict(topology="flat", process_group=object())])
+def test_settings_it_cannot_honour_are_refused(comm):
+    """The exchange runs flat over the Manager's group and skips a non-finite round: a
+    CommConfig asking for anything else is an error, not silently ignored."""
+    import lbcomm
+    from lbcomm.ft import FaultTolerantLocalUpdates
+
+    model = torch.nn.Linear(4, 1)
+    with pytest.raises(ValueError, match="leave comm's process_group, topology and nonfinite"):
+        FaultTolerantLocalUpdates(model.parameters(), torch.optim.SGD(model.parameters(), lr=0.1), 2, manager=None,
+                                  pg=None, comm=lbcomm.CommConfig(**comm))
+
+
 def _start(replica, lighthouse, out, *extra, incarnation=0):
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
     env.pop("WORLD_SIZE", None)
