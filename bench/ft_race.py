@@ -1,6 +1,7 @@
 """A fault race on loopback: `lbcomm.ft.FaultTolerantLocalUpdates` with the 1-bit outer
-exchange against the fp32 one (compress=False, torchft's DiLoCo exchange), each with and
-without a fault, from one run (docs/internet.md).
+exchange against the fp32 one (compress=False, torchft's DiLoCo exchange) and against
+torchft's own ``DiLoCo`` (at each H of --diloco-sync-every), each with and without a fault,
+from one run (docs/internet.md).
 
 Every run starts a torchft Lighthouse in this process (127.0.0.1) and --replicas replica
 groups of one process each. With a fault, the last replica crashes (os._exit) at a third of
@@ -17,6 +18,7 @@ step (its first exchange and commit).
 
     python -m bench.ft_race                  # 3 replicas, 900 inner steps, H=10
     python -m bench.ft_race --replicas 4 --json out.json
+    python -m bench.ft_race --replicas 4 --methods 1bit,diloco --diloco-sync-every 10,30
 """
 import argparse
 import json
@@ -39,20 +41,83 @@ def _data(seed, n=64):
     return x, torch.tanh(x @ w) + 0.05 * torch.randn(n, 1, generator=g)
 
 
-def worker(a) -> None:
+def _manager(a, load_state_dict=None, state_dict=None):
     import torch.distributed as dist
     from torchft import Manager, ProcessGroupGloo
 
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    pg = ProcessGroupGloo(timeout=timedelta(seconds=15))
+    manager = Manager(pg=pg, load_state_dict=load_state_dict, state_dict=state_dict, min_replica_size=2,
+                      use_async_quorum=False, replica_id=f"replica_{a.replica}", lighthouse_addr=a.lighthouse,
+                      rank=0, world_size=1, store_addr="127.0.0.1", store_port=store.port, hostname="127.0.0.1",
+                      timeout=timedelta(seconds=15), quorum_timeout=timedelta(seconds=120))
+    return manager, pg, store
+
+
+def _train_step(a, model, inner, step_seed, t) -> None:
+    x, y = _data(step_seed + t)
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    inner.zero_grad()
+    loss.backward()
+    inner.step()
+    time.sleep(a.step_sleep)  # the compute of a real step
+    if a.die_at and t + 1 == a.die_at:
+        with open(a.out + ".died", "w") as f:
+            f.write(str(time.time()))
+        os._exit(17)
+
+
+def diloco_worker(a) -> None:
+    """torchft's DiLoCo (fp32 outer exchange) on the same model, data and fault: its
+    Manager heals a restarted replica with the model and the inner optimizer's state, and
+    DiLoCo's own fragment state (the anchor, the outer optimizer)."""
+    from torchft.local_sgd import DiLoCo
+
+    from lbcomm.common import ring_allreduce_bytes
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(DIM, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, 1))
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def load(sd):
+        model.load_state_dict(sd["model"])
+        inner.load_state_dict(sd["inner"])
+
+    manager, pg, store = _manager(a, load, lambda: {"model": model.state_dict(), "inner": inner.state_dict()})
+    outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    xe, ye = _data(999, 1024)
+    step_seed = 10_000 * (a.replica + 1) + 1_000_000 * a.incarnation
+    numel = sum(p.numel() for p in model.parameters())
+    log, sent, t = [], 0, 0
+    with DiLoCo(manager, [model], inner, outer, sync_every=a.sync_every, backup_device=torch.device("cpu"),
+                pin_memory=False, use_bucketization=False):
+        # until the committed synchronizations of --steps (a replica whose commit failed
+        # takes its round again, as the others do), at most twice the inner steps
+        while manager.current_step() < a.steps // a.sync_every and t < 2 * a.steps:
+            before = manager.current_step()
+            _train_step(a, model, inner, step_seed, t)
+            t += 1
+            if t % a.sync_every == 0:
+                sent += int(ring_allreduce_bytes(4 * numel, manager.num_participants()))
+            if manager.current_step() > before:  # a committed synchronization
+                with torch.no_grad():
+                    ev = float(torch.nn.functional.mse_loss(model(xe), ye))
+                log.append({"t": time.time(), "step": manager.current_step(), "eval": ev,
+                            "members": manager.num_participants(), "quorum_s": None, "exchange_s": 0.0,
+                            "commit_s": 0.0})
+    with open(a.out, "w") as f:
+        json.dump({"log": log, "stats": {"syncs": len(log), "bytes_sent": sent, "failed": None}, "inner_steps": t}, f)
+    manager.shutdown(wait=False)
+    os._exit(0)
+
+
+def worker(a) -> None:
     from lbcomm import CommConfig
     from lbcomm.ft import FaultTolerantLocalUpdates
 
     torch.set_num_threads(1)  # several replicas share the cores
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    pg = ProcessGroupGloo(timeout=timedelta(seconds=15))
-    manager = Manager(pg=pg, load_state_dict=None, state_dict=None, min_replica_size=2, use_async_quorum=False,
-                      replica_id=f"replica_{a.replica}", lighthouse_addr=a.lighthouse, rank=0, world_size=1,
-                      store_addr="127.0.0.1", store_port=store.port, hostname="127.0.0.1",
-                      timeout=timedelta(seconds=15), quorum_timeout=timedelta(seconds=120))
+    manager, pg, store = _manager(a)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(DIM, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, 1))
     inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -63,16 +128,7 @@ def worker(a) -> None:
     step_seed = 10_000 * (a.replica + 1) + 1_000_000 * a.incarnation
     log = []
     while local.inner_steps < a.steps:
-        x, y = _data(step_seed + local.inner_steps)
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        inner.zero_grad()
-        loss.backward()
-        inner.step()
-        time.sleep(a.step_sleep)  # the compute of a real step
-        if a.die_at and local.inner_steps + 1 == a.die_at:
-            with open(a.out + ".died", "w") as f:
-                f.write(str(time.time()))
-            os._exit(17)
+        _train_step(a, model, inner, step_seed, local.inner_steps)
         if local.step():
             with torch.no_grad():
                 ev = float(torch.nn.functional.mse_loss(model(xe), ye))
@@ -83,20 +139,22 @@ def worker(a) -> None:
     os._exit(0)
 
 
-def run(args, compress: bool, fault: bool, tmp: str) -> dict:
+def run(args, method: str, fault: bool, tmp: str, sync_every: int) -> dict:
+    """One run of `method` ("1bit", "fp32" or "diloco") with H = `sync_every`."""
     from torchft.coordination import LighthouseServer
 
     lh = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=args.join_timeout_ms,
                           quorum_tick_ms=20, heartbeat_timeout_ms=args.heartbeat_timeout_ms)
-    tag = f"{'1bit' if compress else 'fp32'}_{'fault' if fault else 'clean'}"
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
+    name = f"diloco_h{sync_every}" if method == "diloco" else method
+    tag = f"{name}_{'fault' if fault else 'clean'}"
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1", RUST_LOG="warn")
 
     def start(i, incarnation=0, die_at=0):
         out = os.path.join(tmp, f"{tag}_r{i}_{incarnation}.json")
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--replica", str(i), "--incarnation",
-               str(incarnation), "--lighthouse", lh.address(), "--out", out, "--compress", str(int(compress)),
-               "--steps", str(args.steps), "--sync-every", str(args.sync_every), "--step-sleep", str(args.step_sleep),
-               "--die-at", str(die_at), "--block-size", str(args.block_size)]
+               str(incarnation), "--lighthouse", lh.address(), "--out", out, "--compress", str(int(method == "1bit")),
+               "--steps", str(args.steps), "--sync-every", str(sync_every), "--step-sleep", str(args.step_sleep),
+               "--die-at", str(die_at), "--block-size", str(args.block_size)] + (["--diloco"] * (method == "diloco"))
         return subprocess.Popen(cmd, env=env, stdout=open(out + ".log", "w"), stderr=subprocess.STDOUT), out
 
     victim = args.replicas - 1
@@ -130,11 +188,14 @@ def run(args, compress: bool, fault: bool, tmp: str) -> dict:
         lh.shutdown()
     res = [json.load(open(o)) if os.path.exists(o) else None for o in outs]
     ref = res[0]
+    if ref is None:
+        tail = open(outs[0] + ".log").read()[-3000:] if os.path.exists(outs[0] + ".log") else ""
+        raise RuntimeError(f"{tag}: replica 0 wrote no result; its log ends with:\n{tail}")
     log = ref["log"]
     final = log[-1]["eval"]
     hit = next((e["t"] - t0 for e in log if e["eval"] <= args.target), None)
     tail = [e["eval"] for e in log[-10:]]  # the final loss at a noise floor moves from sync to sync
-    row = {"run": tag, "final_loss": final, "last10_loss": sum(tail) / len(tail), "time_to_target_s": hit, "wall_s": log[-1]["t"] - t0,
+    row = {"run": tag, "method": name, "fault": fault, "final_loss": final, "last10_loss": sum(tail) / len(tail), "time_to_target_s": hit, "wall_s": log[-1]["t"] - t0,
            "syncs": ref["stats"]["syncs"], "bytes_per_replica": ref["stats"]["bytes_sent"],
            "failed_attempts": ref["stats"]["failed"]}
     if fault:
@@ -159,6 +220,11 @@ def main() -> None:
     ap.add_argument("--lighthouse", default="", help=argparse.SUPPRESS)
     ap.add_argument("--out", default="", help=argparse.SUPPRESS)
     ap.add_argument("--compress", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--diloco", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--methods", default="1bit,fp32,diloco",
+                    help="of 1bit (lbcomm's 1-bit exchange), fp32 (lbcomm, compress=False), diloco (torchft's DiLoCo)")
+    ap.add_argument("--diloco-sync-every", default="",
+                    help="H values of torchft's DiLoCo, comma separated (default: --sync-every)")
     ap.add_argument("--die-at", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--replicas", type=int, default=3, help="replica groups (3 or 4)")
     ap.add_argument("--block-size", type=int, default=2048, help="elements per scale block of the 1-bit exchange")
@@ -173,13 +239,19 @@ def main() -> None:
     ap.add_argument("--json", help="write the rows here")
     a = ap.parse_args()
     if a.worker:
-        worker(a)
+        (diloco_worker if a.diloco else worker)(a)
         return
+    methods = a.methods.split(",")
+    bad = sorted(set(methods) - {"1bit", "fp32", "diloco"})
+    if bad:
+        ap.error(f"unknown method(s) {bad}: use 1bit, fp32, diloco")
+    runs = [(m, h) for m in methods for h in ([int(v) for v in a.diloco_sync_every.split(",")]
+                                             if m == "diloco" and a.diloco_sync_every else [a.sync_every])]
     rows = []
     with tempfile.TemporaryDirectory(prefix="ft_race_") as tmp:
-        for compress in (True, False):
+        for method, h in runs:
             for fault in (False, True):
-                rows.append(run(a, compress, fault, tmp))
+                rows.append(run(a, method, fault, tmp, h))
                 print(json.dumps(rows[-1]), flush=True)
     cols = ["run", "final_loss", "last10_loss", "time_to_target_s", "wall_s", "syncs", "bytes_per_replica",
             "failed_attempts", "detect_s", "recovery_s", "rejoin_s", "quorum_s", "heal_s", "first_step_s"]
@@ -192,15 +264,20 @@ def main() -> None:
     for r in rows:
         print("| " + " | ".join(fmt(r.get(c)) for c in cols) + " |")
     by = {r["run"]: r for r in rows}
-    for mode in ("1bit", "fp32"):
-        c, f = by[f"{mode}_clean"], by[f"{mode}_fault"]
-        print(f"{mode}: final loss fault/clean = {f['final_loss'] / c['final_loss']:.3f}, "
+    names = list(dict.fromkeys(r["method"] for r in rows))
+    for name in names:
+        c, f = by[f"{name}_clean"], by[f"{name}_fault"]
+        print(f"{name}: final loss fault/clean = {f['final_loss'] / c['final_loss']:.3f}, "
               f"mean of the last 10 evaluations fault/clean = {f['last10_loss'] / c['last10_loss']:.3f}")
-    print(f"bytes per replica 1bit/fp32 (clean) = "
-          f"{by['1bit_clean']['bytes_per_replica'] / by['fp32_clean']['bytes_per_replica']:.4f}")
-    for key in ("final_loss", "last10_loss"):
-        print(f"{key} 1bit/fp32: clean {by['1bit_clean'][key] / by['fp32_clean'][key]:.3f}, "
-              f"fault {by['1bit_fault'][key] / by['fp32_fault'][key]:.3f}")
+    if "1bit" in names:
+        ref = by["1bit_fault"]
+        for name in names[1:] if names[0] == "1bit" else [n for n in names if n != "1bit"]:
+            other = by[f"{name}_fault"]
+            times = (ref["time_to_target_s"], other["time_to_target_s"])
+            ratio = f"{times[1] / times[0]:.2f}x" if None not in times else "-"
+            print(f"with the fault, {name} / 1bit: time to target {ratio}, last10 loss "
+                  f"{other['last10_loss'] / ref['last10_loss']:.3f}, bytes per replica "
+                  f"{other['bytes_per_replica'] / ref['bytes_per_replica']:.1f}x")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)
