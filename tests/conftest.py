@@ -141,9 +141,9 @@ MULTIPROC = {
     "test_stats_relative": {"test_error_ratio_is_the_error_norm_over_what_was_sent"},
     "test_topology": {"test_hierarchical_equals_reference_and_invariant", "test_degenerate_topology_is_the_flat_call",
                       "test_hierarchical_mean_is_exact_and_identical_on_every_rank",
-                      "test_nonfinite_skips_everywhere_with_errors_untouched", "test_clear_errors",
-                      "test_onebit_hook_with_topology", "test_bench_emulated_nodes_count_inter_node_bytes",
-                      "test_onebit_hook_with_topology_resumes_bitwise", "test_bench_train_nodes_loopback"},
+                      "test_nonfinite_skips_everywhere_with_errors_untouched", "test_clear_errors"},
+    "test_topology_hook": ALL,
+    "test_topology_bench": {"test_bench_emulated_nodes_count_inter_node_bytes", "test_bench_train_nodes_loopback"},
     "test_transport": {"test_torch_transport_all_reduce_and_barrier"},
     "test_zeroone": {"test_four_ranks_match_the_simulation_bitwise", "test_comm_stats_count_what_each_kind_of_step_sends",
                      "test_first_steps_are_adamw_on_the_averaged_gradients", "test_resume_mid_interval_is_bitwise_exact",
@@ -162,7 +162,7 @@ MPI = {
 
 # emulated clusters whose test skips inside its body rather than by a skipif mark
 NETNS = {
-    "test_topology": {"test_bench_emulated_nodes_count_inter_node_bytes"},
+    "test_topology_bench": {"test_bench_emulated_nodes_count_inter_node_bytes"},
 }
 
 # module -> the long tests, chosen from per-test durations measured on a 2-core machine:
@@ -230,15 +230,15 @@ SLOW = {
     "test_state_contract": {"test_every_compressor_reports_the_same_statistics"},
     "test_stats": MULTIPROC["test_stats"],
     "test_never_silent": {"test_exact_numel_covering_most_of_the_model_is_a_warning"},
-    "test_topology": {"test_onebit_hook_with_topology[mesh]", "test_hierarchical_mean_is_exact_and_identical_on_every_rank",
+    "test_topology": {"test_hierarchical_mean_is_exact_and_identical_on_every_rank",
                       "test_make_reducer_with_a_topology", "test_clear_errors",
                       "test_hierarchical_equals_reference_and_invariant[1000-None-dtype1-explicit]",
                       "test_hierarchical_equals_reference_and_invariant[777-64-dtype2-env]",
                       "test_hierarchical_equals_reference_and_invariant[4099-256-dtype3-mesh]",
                       "test_hierarchical_equals_reference_and_invariant[40-32-dtype4-mesh]",
-                      "test_degenerate_topology_is_the_flat_call", "test_nonfinite_skips_everywhere_with_errors_untouched[raise]",
-                      "test_onebit_hook_with_topology[auto]", "test_onebit_hook_with_topology_resumes_bitwise",
-                      "test_bench_emulated_nodes_count_inter_node_bytes", "test_bench_train_nodes_loopback"},
+                      "test_degenerate_topology_is_the_flat_call", "test_nonfinite_skips_everywhere_with_errors_untouched[raise]"},
+    "test_topology_hook": ALL,
+    "test_topology_bench": {"test_bench_emulated_nodes_count_inter_node_bytes", "test_bench_train_nodes_loopback"},
     "test_local_updates": {"test_four_ranks_flat_and_hierarchical_match_the_reference_bitwise",
                            "test_elastic_resume_4_to_2"},
     "test_zeroone": {"test_resume_mid_interval_is_bitwise_exact"},

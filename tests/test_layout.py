@@ -1,5 +1,5 @@
 """The layout of the code: the lab (lbcomm.cli, lbcomm.testing, scripts/) kept apart from
-the library, no import circle inside the benchmark CLI, and no module of lbcomm or scripts over 450
+the library, no import circle inside the lab (the CLI, scripts, bench), and no module of lbcomm, scripts, bench or tests over 450
 lines. The import graph is scripts/importgraph.py's (read with `ast`: nothing here imports the
 modules it checks)."""
 import importlib.util
@@ -51,8 +51,9 @@ def test_no_import_circle(package):
     assert _cycles(_graph("lbcomm"), package) == []
 
 
-def test_no_import_circle_in_scripts():
-    assert _cycles(_graph("scripts"), "scripts") == []
+@pytest.mark.parametrize("folder", ["scripts", "bench"])
+def test_no_import_circle_in_the_lab(folder):
+    assert _cycles(_graph(folder), folder) == []
 
 
 def test_the_library_does_not_depend_on_the_lab():
@@ -73,7 +74,7 @@ def test_import_lbcomm_loads_no_lab_module():
     assert out.stdout.strip() == "[]", out.stdout
 
 
-@pytest.mark.parametrize("folder", ["lbcomm", "scripts"])
+@pytest.mark.parametrize("folder", ["lbcomm", "scripts", "bench", "tests"])
 def test_no_module_is_over_450_lines(folder):
     long = {str(p.relative_to(ROOT)): n for p in sorted((ROOT / folder).rglob("*.py"))
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
