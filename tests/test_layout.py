@@ -1,7 +1,7 @@
 """The layout of the code: the lab (lbcomm.cli, lbcomm.testing, scripts/) kept apart from
-the library, no import circle inside the lab (the CLI, scripts, bench), and no module of lbcomm, scripts, bench or tests over 450
-lines. The import graph is scripts/importgraph.py's (read with `ast`: nothing here imports the
-modules it checks)."""
+the library, no import circle inside the lab (the CLI, scripts, bench), and no module of
+lbcomm, scripts, bench or tests over 450 lines. The import graph is scripts/importgraph.py's
+(read with `ast`: nothing here imports the modules it checks)."""
 import importlib.util
 import os
 import subprocess
