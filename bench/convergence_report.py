@@ -9,6 +9,7 @@ import math
 import lbcomm
 
 from .convergence_run import BASELINE, LABEL, TWIN
+from .plotting import pyplot
 
 
 def report(results, a, plot_path):
@@ -88,12 +89,8 @@ def traffic_report(results, a):
 
 
 def plot(results, a, path):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"\nmatplotlib is not installed (pip install matplotlib); no plot written to {path}")
+    plt = pyplot(path)
+    if plt is None:
         return
     pairs = [(k, b) for k, b in BASELINE.items() if any(r["kind"] in (k, b) for r in results)]
     fig, axes = plt.subplots(1, len(pairs), figsize=(5.5 * len(pairs), 4.4), sharey=True, layout="constrained",

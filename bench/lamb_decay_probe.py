@@ -199,12 +199,8 @@ def probe(rank, world, a, method, out_path, init_file):
     olamb_mod.OneBitLamb._estimated_norm = staticmethod(est_wrap)
     steps, log = task.steps, []
     for step in range(steps):
-        cur = a.lr * T.schedule_factor(a.schedule, step, steps)
-        for g in opt.param_groups:
-            g["lr"] = cur
-        batch = task.batch(step)
-        per = batch[0].shape[0] // world
-        part = tuple(t[rank * per:(rank + 1) * per] for t in batch)
+        part = T.rank_step(task, opt, a.lr, a.schedule, step, rank, world)
+        cur = opt.param_groups[0]["lr"]
         opt.zero_grad(set_to_none=True)
         task.loss(net, part).backward()
         before = [p.detach().clone() for p in model.parameters()]

@@ -39,6 +39,7 @@ import torch.distributed as dist
 import lbcomm
 from lbcomm.stats import AdaScale, GradientNoiseScale, allreduce_gradients_
 
+from .plotting import pyplot
 from .convergence import ByteLM, evaluate, lm_loss, load_corpus, lr_factor, sample, spawn_ranks
 
 FAMILY = {"sgd": "sgd", "sgd_linear": "sgd", "adascale_sgd": "sgd", "lars": "lars", "lars_legw": "lars",
@@ -219,10 +220,9 @@ def report(results, a):
 
 
 def plot(results, a, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot(path)
+    if plt is None:
+        return
     base = a.steps * a.batch
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.6), layout="constrained")
     ax = axes[0]

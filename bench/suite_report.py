@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+from .plotting import pyplot
 from .suite_runs import HOOKS, LABEL, TWIN
 
 
@@ -265,12 +266,8 @@ def report(results, a):
 
 
 def plot(results, a, path):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"matplotlib is not installed; no plot written to {path}")
+    plt = pyplot(path)
+    if plt is None:
         return
     s = summarize(results)
     tasks_ = list(s)

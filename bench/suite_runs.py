@@ -144,12 +144,8 @@ def one_run(rank, world, task, method, lr, a, classes=None):
     diverged, first_ratio, first_pmax, frozen_at = None, None, None, None
     every, trajectory = getattr(a, "trajectory", 0), []  # validation loss every `every` steps
     for step in range(steps):
-        cur = lr * T.schedule_factor(schedule, step, steps)
-        for g in opt.param_groups:
-            g["lr"] = cur
-        batch = task.batch(step)
-        per = batch[0].shape[0] // world
-        part = tuple(t[rank * per:(rank + 1) * per] for t in batch)
+        part = T.rank_step(task, opt, lr, schedule, step, rank, world)
+        cur = opt.param_groups[0]["lr"]
         opt.zero_grad(set_to_none=True)
         loss = task.loss(net, part)
         loss.backward()

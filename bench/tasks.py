@@ -92,6 +92,18 @@ def schedule_factor(schedule: str, step: int, total: int) -> float:
     raise ValueError(f"unknown schedule {schedule!r}: one of {', '.join(SCHEDULES)}")
 
 
+def rank_step(task, opt, lr: float, schedule: str, step: int, rank: int, world: int) -> Tuple[torch.Tensor, ...]:
+    """One step's set-up on one rank: every param group's lr at `step` of the task's
+    schedule, and this rank's slice of the step's global batch (the same samples in every
+    run, whatever the optimizer)."""
+    cur = lr * schedule_factor(schedule, step, task.steps)
+    for g in opt.param_groups:
+        g["lr"] = cur
+    batch = task.batch(step)
+    per = batch[0].shape[0] // world
+    return tuple(t[rank * per:(rank + 1) * per] for t in batch)
+
+
 def _ce(model, b):
     return F.cross_entropy(model(b[0]), b[1])
 
