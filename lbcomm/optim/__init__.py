@@ -13,7 +13,7 @@ One module per idea:
   checkpoint format with its versioning;
 * `functional`, `kernels`: the update math over flat slices (AdamW, LAMB, 1-bit LAMB's factor);
 * `base`: `BaseOptimizer`, the step skeleton and checkpoints; `warmup`: the warmup's
-  gradient averaging;
+  gradient averaging; `stepstats`: the gradient noise statistics each step feeds;
 * `agree`: what the ranks agree on (the averaged-gradients probe, shard verdicts, clipping);
 * `onebit`: `OneBitStage`, the 1-bit component (freeze, mask, bound, compressed momentum),
   with `exact` (exactly averaged small parameters), `mask`, `bounds` (max_update),

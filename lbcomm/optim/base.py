@@ -43,6 +43,7 @@ from ..config import CommConfig, resolve
 from . import agree, state, warmup
 from .flat import FlatLayout, Segment
 from .flatstate import FlatState
+from .stepstats import StepStats
 
 __all__ = ["BaseOptimizer"]
 
@@ -103,8 +104,7 @@ class BaseOptimizer(Optimizer):
         self.skipped_steps = 0
         self._loading: Optional[tuple] = None
         self._probe_warmup = True  # the warmup check for averaged gradients is still to be decided
-        self.gradient_stats = None  # a lbcomm.stats.GradientNoiseScale to feed each step (see `_stats_begin`)
-        self._stats_gsq: Optional[Tensor] = None  # this warmup step's |averaged gradient|^2, for gradient_stats
+        self._stats = StepStats(self.flat_state)  # gradient_stats, fed by each step
         if self.process_group is not None:  # a group without its backend is an error now, not at step 1
             self.transport  # noqa: B018
         super().__init__(params, defaults)
@@ -205,6 +205,15 @@ class BaseOptimizer(Optimizer):
         self._grads_averaged = bool(value)
 
     @property
+    def gradient_stats(self):
+        """The `lbcomm.stats.GradientNoiseScale` every step feeds (`lbcomm.optim.stepstats`), or None."""
+        return self._stats.tracker
+
+    @gradient_stats.setter
+    def gradient_stats(self, tracker) -> None:
+        self._stats.tracker = tracker
+
+    @property
     def frozen(self) -> bool:
         """True once a 1-bit optimizer's variance is frozen: every following step keeps the
         gradients local and compresses the momentum, so a warmup hook must not communicate
@@ -271,11 +280,11 @@ class BaseOptimizer(Optimizer):
                 loss = closure()
         L = self._prepare()
         self.last_step_skipped = False
-        pending, taken = self._stats_begin(L), False
+        pending, taken = self._stats.begin(L, self._onebit, self._grads_averaged), False
         try:
             taken = self._take_step(L)
         finally:
-            self._stats_finish(L, pending, not taken)
+            self._stats.finish(pending, not taken)
         if not taken:
             self.last_step_skipped = True
             self.skipped_steps += 1
@@ -295,37 +304,6 @@ class BaseOptimizer(Optimizer):
     def _after_step(self, L: FlatLayout) -> None:
         """Runs after every step taken (not after skipped ones)."""
 
-    # ---------------------------------------------------------- gradient statistics (lbcomm.stats)
-    def _stats_begin(self, L: FlatLayout):
-        """With ``gradient_stats`` set and the local gradients at hand (warmup without a DDP
-        hook, or the compression stage), start the small async allreduce of this step's
-        measurement: exact in warmup (the averaged gradient gives the global norm), a
-        coordinate sample in the compression stage (riding in the 1-bit stage's finiteness
-        agreement with several ranks)."""
-        stats = self.gradient_stats
-        if stats is None or (self._grads_averaged and not self.frozen):
-            return None  # no statistics, or a DDP hook (lbcomm.stats.stats_hook) measures them
-        if self.frozen and self.transport.world_size > 1:
-            self._onebit.stats_ride = stats.measure([p.grad for p in L.params], exact=False)
-            return "ride"
-        return (not self.frozen), stats.begin([p.grad for p in L.params], self.transport, exact=not self.frozen)
-
-    def _stats_finish(self, L: FlatLayout, pending, skipped: bool) -> None:
-        if pending == "ride":
-            mean, ride = self._onebit.take_stats_mean(), self._onebit.stats_ride_only()
-            if skipped:  # agreed on every rank: nothing to fold, no collective
-                return
-            if mean is None:  # a step without the agreement (ZeroOneAdam's variance steps): an allreduce of its own
-                mean = ride
-                self.transport.all_reduce(mean, op="mean")
-            self.gradient_stats.observe(mean, self.transport.world_size)
-            return
-        if pending is None or pending[1] is None:
-            return
-        exact, work = pending
-        gsq, self._stats_gsq = self._stats_gsq, None
-        self.gradient_stats.finish(work, gsq, fold=not skipped and (gsq is not None or not exact))
-
     # ---------------------------------------------------------- the warmup
     @staticmethod
     def _device(L: FlatLayout) -> torch.device:
@@ -338,8 +316,7 @@ class BaseOptimizer(Optimizer):
                                             self._check_replicas if self._probe_warmup else None)
         if decided is not None:
             self._probe_warmup = not decided
-        if self.gradient_stats is not None and not self._grads_averaged:  # the global norm for lbcomm.stats
-            self._stats_gsq = torch.linalg.vector_norm(buf[:L.total]).square()
+        self._stats.note_averaged(buf, L.total, self._grads_averaged)  # the global norm for lbcomm.stats
         # Every rank holds the same average (or, with a DDP hook, the same averaged grads),
         # so every rank reaches the same verdict here (sharded: the shard group agrees too).
         if not fs.over_shards(bool(torch.isfinite(buf).all())):
