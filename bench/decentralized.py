@@ -5,10 +5,10 @@ Methods (4 gloo ranks, each its share of the global batch, the same samples and 
 weights for all; best-of-grid final loss, the lr schedule of bench/suite.py):
 
     sgd              gradients averaged by one fp32 allreduce, torch.optim.SGD(momentum 0.9)
-    decentlam        lbcomm.DecentLaM(topology="ring")
-    dmsgd            lbcomm.DmSGD(topology="ring")
-    dmsgd_exp        lbcomm.DmSGD(topology="exponential")
-    dmsgd_1bit       lbcomm.DmSGD(topology="ring", compress=True) (on request; DecentLaM refuses compress)
+    decentlam        lbcomm.DecentLaM(graph="ring")
+    dmsgd            lbcomm.DmSGD(graph="ring")
+    dmsgd_exp        lbcomm.DmSGD(graph="exponential")
+    dmsgd_1bit       lbcomm.DmSGD(graph="ring", compress=True) (on request; DecentLaM refuses compress)
 
 Printed per task and batch: each method's best-of-grid final validation loss of the model
 averaged over the ranks (and rank 0's own model), its lr, the ratio to sgd's best (issue
@@ -47,13 +47,13 @@ def build(method, model, lr):
         return torch.optim.SGD(model.parameters(), lr=lr, momentum=MOMENTUM)
     comm = lbcomm.CommConfig(nonfinite="raise")
     if method == "decentlam":
-        return lbcomm.DecentLaM(model.parameters(), lr=lr, momentum=MOMENTUM, topology="ring", comm=comm)
+        return lbcomm.DecentLaM(model.parameters(), lr=lr, momentum=MOMENTUM, graph="ring", comm=comm)
     if method == "dmsgd_1bit":
-        return lbcomm.DmSGD(model.parameters(), lr=lr, momentum=MOMENTUM, topology="ring", compress=True, comm=comm)
+        return lbcomm.DmSGD(model.parameters(), lr=lr, momentum=MOMENTUM, graph="ring", compress=True, comm=comm)
     if method == "dmsgd":
-        return lbcomm.DmSGD(model.parameters(), lr=lr, momentum=MOMENTUM, topology="ring", comm=comm)
+        return lbcomm.DmSGD(model.parameters(), lr=lr, momentum=MOMENTUM, graph="ring", comm=comm)
     if method == "dmsgd_exp":
-        return lbcomm.DmSGD(model.parameters(), lr=lr, momentum=MOMENTUM, topology="exponential", comm=comm)
+        return lbcomm.DmSGD(model.parameters(), lr=lr, momentum=MOMENTUM, graph="exponential", comm=comm)
     raise ValueError(f"unknown method {method!r}")
 
 

@@ -35,7 +35,7 @@ def _matrix_from_neighbours(topology, n, step):
     return W
 
 
-@pytest.mark.parametrize("topology", gossip.TOPOLOGIES)
+@pytest.mark.parametrize("topology", gossip.GRAPHS)
 def test_neighbours_are_the_rows_of_a_doubly_stochastic_W(topology):
     for n in range(2, 10):
         for step in range(7):
@@ -125,16 +125,26 @@ def test_compressed_gossip_keeps_the_average_and_converges():
 
 
 # ---------------------------------------------------------------------------- errors (one process)
+def test_the_02_name_of_the_graph_still_works():
+    """0.2's topology= (the gossip graph) is graph= now: it is not CommConfig.topology."""
+    p = [nn.Parameter(torch.zeros(3))]
+    with pytest.warns(FutureWarning, match="graph='exponential' now"), \
+            pytest.raises(ValueError, match="nothing to decentralize"):  # the graph was taken: one rank refused next
+        lbcomm.DmSGD(p, lr=0.1, topology="exponential")
+    with pytest.raises(TypeError, match="graph= only"):
+        lbcomm.DecentLaM(p, lr=0.1, graph="exponential", topology="ring")
+
+
 def test_clear_errors_without_ranks():
     p = [nn.Parameter(torch.zeros(3))]
-    with pytest.raises(ValueError, match="unknown topology"):
-        lbcomm.DecentLaM(p, lr=0.1, topology="torus")
+    with pytest.raises(ValueError, match="unknown graph"):
+        lbcomm.DecentLaM(p, lr=0.1, graph="torus")
     with pytest.raises(ValueError, match="unknown algorithm"):
         lbcomm.DecentLaM(p, lr=0.1, algorithm="adam")
     with pytest.raises(ValueError, match="nothing to decentralize"):
         lbcomm.DecentLaM(p, lr=0.1)
     with pytest.raises(ValueError, match="nothing to decentralize"):
-        lbcomm.DmSGD(p, lr=0.1, topology="exponential")
+        lbcomm.DmSGD(p, lr=0.1, graph="exponential")
     with pytest.raises(ValueError, match="divides by lr"):
         lbcomm.DecentLaM(p, lr=0.0)
     with pytest.raises(ValueError, match="momentum"):
@@ -178,7 +188,7 @@ def _lr(k):
 
 def _make(cls, model, cfg, **kw):
     alg, topo, compress = cfg
-    opts = dict(lr=_lr(0), momentum=0.9, weight_decay=0.01, topology=topo, compress=compress,
+    opts = dict(lr=_lr(0), momentum=0.9, weight_decay=0.01, graph=topo, compress=compress,
                 comm=lbcomm.CommConfig(block_size=32, **kw))
     if cls is lbcomm.DecentLaM:
         opts["algorithm"] = alg

@@ -1,10 +1,11 @@
 """DecentLaM and DmSGD: decentralized momentum SGD, where every rank averages its model with
-its neighbours in a sparse topology (`gossip`) instead of averaging gradients over all
+its neighbours in a sparse graph (`gossip`) instead of averaging gradients over all
 ranks (docs/decentlam.md). No DDP: the optimizer communicates itself, one neighbour
 exchange of the flat model per step, plus one tiny allreduce (NaN/Inf agreement).
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -16,7 +17,7 @@ from ..errors import AveragedGradientsError
 from . import agree
 from .base import BaseOptimizer
 from .flat import FlatLayout
-from .gossip import TOPOLOGIES, Gossip, check_topology
+from .gossip import GRAPHS, Gossip, check_graph
 
 __all__ = ["DecentLaM", "DmSGD", "ALGORITHMS", "decentlam_update_", "dmsgd_momentum_"]
 
@@ -49,19 +50,21 @@ class DecentLaM(BaseOptimizer):
         lr: float,
         momentum: float = 0.9,
         weight_decay: float = 0.0,
-        topology: str = "ring",
+        graph: str = "ring",
         *,
         algorithm: Optional[str] = None,
         compress: bool = False,
         consensus_step: float = 0.5,
         comm: Optional[CommConfig] = None,
+        topology: Optional[str] = None,
     ) -> None:
         name = type(self).__name__
+        graph = _graph_of(name, graph, topology)
         algorithm = self._default_algorithm if algorithm is None else algorithm
         if algorithm not in ALGORITHMS:
             raise ValueError(f"{name}: unknown algorithm {algorithm!r} (use one of {ALGORITHMS})")
-        if topology not in TOPOLOGIES:
-            raise ValueError(f"{name}: unknown topology {topology!r} (use one of {TOPOLOGIES})")
+        if graph not in GRAPHS:
+            raise ValueError(f"{name}: unknown graph {graph!r} (use one of {GRAPHS})")
         if not isinstance(compress, bool):
             raise ValueError(f"{name}: compress must be a bool, got {compress!r}")
         if compress and algorithm == "decentlam":
@@ -69,13 +72,13 @@ class DecentLaM(BaseOptimizer):
                              "compression error of the mixing is divided by lr and amplified by the momentum: the "
                              "ranks' models drift apart, measured in tests/test_decentlam.py and bench/decentralized.py"
                              "). Use lbcomm.DmSGD(..., compress=True), or DecentLaM uncompressed")
-        self.algorithm, self.topology, self.compress = algorithm, topology, compress
+        self.algorithm, self.graph, self.compress = algorithm, graph, compress
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay)
         super().__init__(params, defaults, comm)
-        check_topology(topology, self.transport.world_size, name)
+        check_graph(graph, self.transport.world_size, name)
         for group in self.param_groups:
             self._check_combination(group)
-        self.gossip = Gossip(topology, self.transport, compress, self.comm.block_size, name, consensus_step)
+        self.gossip = Gossip(graph, self.transport, compress, self.comm.block_size, name, consensus_step)
         self._agree_bytes = 0
         self._sent_norm: Optional[Tensor] = None  # compress: norm of the last message, decoded (0-dim)
         self._x: Optional[Tensor] = None
@@ -100,12 +103,12 @@ class DecentLaM(BaseOptimizer):
         without gradients), which is stable for a fixed symmetric W (the ring) but diverges
         on the one-peer exponential graph, whose W changes every step and is not symmetric
         beyond 2 ranks: refused rather than left to blow up."""
-        if (self.algorithm == "decentlam" and self.topology == "exponential" and self.transport.world_size > 2
+        if (self.algorithm == "decentlam" and self.graph == "exponential" and self.transport.world_size > 2
                 and group["momentum"] > 0):
-            raise ValueError(f"{type(self).__name__}: topology='exponential' with momentum > 0 on more than 2 ranks "
+            raise ValueError(f"{type(self).__name__}: graph='exponential' with momentum > 0 on more than 2 ranks "
                              "is unstable for DecentLaM (its momentum also accelerates the consensus step, which "
                              "diverges when W changes every step and is not symmetric, as the one-peer exponential "
-                             "graph's does). Use topology='ring' with DecentLaM, or lbcomm.DmSGD (or momentum=0) on "
+                             "graph's does). Use graph='ring' with DecentLaM, or lbcomm.DmSGD (or momentum=0) on "
                              "the exponential graph")
 
     def _buffer_names(self) -> tuple:
@@ -216,7 +219,8 @@ class DecentLaM(BaseOptimizer):
     def _extra_state(self) -> Dict[str, Any]:
         extra = super()._extra_state()
         tr = self.transport
-        extra["decentralized"] = {"algorithm": self.algorithm, "topology": self.topology, "compress": self.compress,
+        # "topology": the graph (the key of 0.2's checkpoints)
+        extra["decentralized"] = {"algorithm": self.algorithm, "topology": self.graph, "compress": self.compress,
                                   "world_size": tr.world_size, "rank": tr.rank, "probe": self._probe_warmup}
         return extra
 
@@ -226,14 +230,14 @@ class DecentLaM(BaseOptimizer):
         if d is None:
             raise ValueError(f"{name}.load_state_dict: the state dict was not saved by a decentralized optimizer; load "
                              "it into the optimizer class that saved it")
-        mine = {"algorithm": self.algorithm, "topology": self.topology, "compress": self.compress,
+        mine = {"algorithm": self.algorithm, "topology": self.graph, "compress": self.compress,
                 "world_size": tr.world_size, "rank": tr.rank}
         wrong = {k: (d[k], v) for k, v in mine.items() if d[k] != v}
         if wrong:
             desc = ", ".join(f"{k} {a!r} saved, {b!r} now" for k, (a, b) in wrong.items())
             raise ValueError(f"{name}.load_state_dict: the state belongs to another setup ({desc}); each rank's "
-                             "momentum (and compressed estimates) belong to its place in the topology: resume with "
-                             "the same world size, rank, topology and options")
+                             "momentum (and compressed estimates) belong to its place in the graph: resume with "
+                             "the same world size, rank, graph and options")
         super()._load_extra_state(saved, extra)
         self._probe_warmup = bool(d["probe"])
         self._sent_norm = None  # the last message belongs to the estimates just replaced
@@ -245,17 +249,30 @@ class DmSGD(DecentLaM):
 
     _default_algorithm = "dmsgd"
 
-    def __init__(self, params, lr: float, momentum: float = 0.9, weight_decay: float = 0.0, topology: str = "ring",
-                 *, compress: bool = False, consensus_step: float = 0.5, comm: Optional[CommConfig] = None) -> None:
-        super().__init__(params, lr, momentum, weight_decay, topology, algorithm="dmsgd", compress=compress,
-                         consensus_step=consensus_step, comm=comm)
+    def __init__(self, params, lr: float, momentum: float = 0.9, weight_decay: float = 0.0, graph: str = "ring",
+                 *, compress: bool = False, consensus_step: float = 0.5, comm: Optional[CommConfig] = None,
+                 topology: Optional[str] = None) -> None:
+        super().__init__(params, lr, momentum, weight_decay, _graph_of(type(self).__name__, graph, topology),
+                         algorithm="dmsgd", compress=compress, consensus_step=consensus_step, comm=comm)
+
+
+def _graph_of(who: str, graph: str, topology: Optional[str]) -> str:
+    """The gossip graph: `graph`, or 0.2's name for it, ``topology=`` (a FutureWarning: it
+    is not `CommConfig.topology`, the node layout)."""
+    if topology is None:
+        return graph
+    if graph != "ring":
+        raise TypeError(f"{who}: pass the gossip graph as graph= only (topology= is its 0.2 name)")
+    warnings.warn(f"{who}(topology={topology!r}) is graph={topology!r} now (topology is CommConfig's node layout)",
+                  FutureWarning, stacklevel=3)
+    return topology
 
 
 DecentLaM.__doc__ = r"""Implements DecentLaM (decentralized large-batch momentum SGD, Yuan et
     al. 2021) and, with ``algorithm="dmsgd"`` (or `lbcomm.DmSGD`), its baseline DmSGD.
 
     Each rank i keeps its own model x_i and momentum m_i and averages with its neighbours only:
-    W is the topology's doubly stochastic mixing matrix (``"ring"``: the two neighbours, weight
+    W is the graph's doubly stochastic mixing matrix (``"ring"``: the two neighbours, weight
     1/3 each; ``"exponential"``: the one-peer exponential graph, one peer per step, weight 1/2,
     the peer changing every step, see `lbcomm.optim.gossip`; DecentLaM with momentum refuses
     it beyond 2 ranks, where it diverges), applied to the flat model with
@@ -300,20 +317,21 @@ DecentLaM.__doc__ = r"""Implements DecentLaM (decentralized large-batch momentum
         lr (float): learning rate gamma (> 0 for DecentLaM, which divides by it)
         momentum (float, optional): beta (default: 0.9)
         weight_decay (float, optional): L2 penalty added to the gradient (default: 0)
-        topology (str, optional): ``"ring"`` or ``"exponential"`` (default: "ring")
+        graph (str, optional): the gossip graph, ``"ring"`` or ``"exponential"`` (0.2 named
+            it ``topology``, still accepted with a FutureWarning) (default: "ring")
         algorithm (str, optional): ``"decentlam"`` or ``"dmsgd"`` (default: "decentlam")
         compress (bool, optional): 1-bit compression of the exchanged vectors, DmSGD only
             (default: False)
         consensus_step (float, optional): with compress, the share c in (0, 1] of the
             neighbours' compressed estimates mixed in per step; 1 diverges (default: 0.5)
         comm (lbcomm.CommConfig, optional): ``process_group`` / ``backend`` (the ranks that
-            form the topology), ``block_size`` (compression), ``nonfinite`` and
+            form the graph), ``block_size`` (compression), ``nonfinite`` and
             ``detect_averaged_grads`` (default: CommConfig())
 
     Example::
 
         >>> # xdoctest: +SKIP
-        >>> optimizer = lbcomm.DecentLaM(model.parameters(), lr=0.1, momentum=0.9, topology="ring")
+        >>> optimizer = lbcomm.DecentLaM(model.parameters(), lr=0.1, momentum=0.9, graph="ring")
         >>> loss_fn(model(local_batch), target).backward()   # the plain model, no DDP
         >>> optimizer.step()
     """

@@ -1,9 +1,9 @@
 """Gossip: the neighbour averaging of the decentralized optimizers (`lbcomm.DecentLaM`,
 `lbcomm.DmSGD`). Instead of a global allreduce, each rank mixes a flat vector y with its
-neighbours' in a sparse topology, z_i = sum_j w_ij y_j, through the transport's
+neighbours' in a sparse graph, z_i = sum_j w_ij y_j, through the transport's
 point-to-point `sendrecv`.
 
-Topologies (`TOPOLOGIES`); W is doubly stochastic for every world size n >= 2:
+Graphs (`GRAPHS`); W is doubly stochastic for every world size n >= 2:
 
 * ``"ring"``: rank i averages with i - 1 and i + 1 (mod n), weight 1/3 each, 1/3 for itself:
   W = (I + S + S^-1) / 3 with S the cyclic shift (at n = 2 both neighbours are the other
@@ -41,9 +41,9 @@ from torch import Tensor
 from .. import ops
 from ..wire import ALIGN, num_blocks
 
-__all__ = ["TOPOLOGIES", "Neighbours", "neighbours", "shifts", "Gossip"]
+__all__ = ["GRAPHS", "Neighbours", "neighbours", "shifts", "Gossip"]
 
-TOPOLOGIES = ("ring", "exponential")
+GRAPHS = ("ring", "exponential")
 
 
 class Neighbours(NamedTuple):
@@ -64,12 +64,12 @@ def shifts(n: int) -> List[int]:
     return out
 
 
-def check_topology(topology, n: int, who: str) -> None:
-    if topology not in TOPOLOGIES:
-        raise ValueError(f"{who}: unknown topology {topology!r} (use one of {TOPOLOGIES})")
+def check_graph(topology, n: int, who: str) -> None:
+    if topology not in GRAPHS:
+        raise ValueError(f"{who}: unknown graph {topology!r} (use one of {GRAPHS})")
     if n < 2:
         raise ValueError(f"{who}: the world has {n} rank: there is nothing to decentralize (each rank averages with "
-                         "its neighbours in the topology). Run it on 2 or more ranks (torchrun, mpirun), or use "
+                         "its neighbours in the graph). Run it on 2 or more ranks (torchrun, mpirun), or use "
                          "torch.optim.SGD(momentum=...) on one process")
 
 
@@ -112,7 +112,7 @@ class Gossip:
 
     def __init__(self, topology: str, transport, compress: bool = False, block_size: Optional[int] = 2048,
                  who: str = "DecentLaM", consensus_step: float = 0.5):
-        check_topology(topology, transport.world_size, who)
+        check_graph(topology, transport.world_size, who)
         check_consensus_step(consensus_step, who)
         self.topology, self.transport, self.compress, self.block_size = topology, transport, compress, block_size
         self.consensus_step = float(consensus_step)
