@@ -152,6 +152,24 @@ def test_advise_says_when_compression_will_not_pay(tmp_path, capsys):
     assert rows["onebit"]["speedup_vs_fp32"] < 1.10
 
 
+def test_advise_chooses_flat_or_hierarchical_on_nodes(tmp_path, capsys):
+    """On nodes of several ranks the hierarchical call sends a node's g slices of n/g once
+    across nodes: with intra-node stages for free it wins; over a slow link inside the
+    node (its fp32 reduce-scatter and all-gather) the verdict says to use the flat call."""
+    argv = ["--params", "50M", "--nodes", "2", "--ranks-per-node", "4", "--bandwidth", "10gbit",
+            "--step-time", "100ms"]
+    free = _advise(tmp_path, *argv)
+    rows = {r["method"]: r for r in free["rows"]}
+    assert list(rows)[-1] == "onebit_hier" and set(rows["onebit_hier"]) == set(ADVISE_ROW_FIELDS)
+    assert rows["onebit_hier"]["node_bytes_per_step"] < rows["onebit"]["node_bytes_per_step"] / 2
+    assert any("keep CommConfig(topology='auto')" in line for line in free["verdict"])
+    slow = _advise(tmp_path, *argv, "--intra-bandwidth", "1gbit")
+    assert any("use CommConfig(topology='flat')" in line for line in slow["verdict"])
+    assert "use CommConfig(topology='flat')" in capsys.readouterr().out
+    one_rank_nodes = _advise(tmp_path, "--params", "50M", "--nodes", "2", "--bandwidth", "10gbit", "--step-time", "1s")
+    assert "onebit_hier" not in {r["method"] for r in one_rank_nodes["rows"]}
+
+
 def test_advise_one_node(tmp_path, capsys):
     doc = _advise(tmp_path, "--params", "10M", "--nodes", "1", "--ranks-per-node", "8", "--bandwidth", "1gbit",
                   "--step-time", "100ms")

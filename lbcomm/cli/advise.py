@@ -15,6 +15,10 @@ so those two may run faster than predicted, never slower)::
     onebit_warmup  the 1-bit optimizers' warmup: the fp32 allreduce of the gradients
     onebit         the compression stage: one compressed allreduce of the momentum,
                    2 (p-1) alpha + node bytes / B_eff + K
+    onebit_hier    the same on nodes of g > 1 ranks, hierarchical (fp32 reduce-scatter and
+                   all-gather inside the node, 1 bit across nodes on each rank's slice of
+                   n/g): 2 (N-1) alpha + g b(n/g, N) / B_eff + K(n/g, N)
+                   + 2 (g-1)/g 4n / B_intra (0 without `intra_bandwidth_bps`: free)
 
 A ring crosses each node's link once per direction, so a node sends what one rank of the
 ring sends; the 1-bit all-to-all and all-gather send each rank's bytes to every other
@@ -33,18 +37,25 @@ from .model import PAYLOAD_FRACTION, compute_times, powersgd_compute_s, wire_byt
 
 __all__ = ["advise", "METHODS", "PAYS_OFF"]
 
-METHODS = ("fp32", "fp16", "powersgd", "onebit_warmup", "onebit")
+# onebit_hier only on several nodes of several ranks
+METHODS = ("fp32", "fp16", "powersgd", "onebit_warmup", "onebit", "onebit_hier")
 PAYS_OFF = 1.10  # below this compression-stage speedup over fp32, compression "will not pay"
 
 
 def advise(params: int, nodes: int, ranks_per_node: int, bandwidth_bps: float, latency_s: float,
            step_compute_s: float, *, block_size: Optional[int] = 2048, powersgd_rank: int = 4, width: int = 1024,
-           bucket_bytes: int = 25 * 2**20, device: str = "cpu", timing_elements: int = 2**22) -> Dict:
-    """Predicted step time of every method in `METHODS`, and a verdict in plain words."""
+           bucket_bytes: int = 25 * 2**20, device: str = "cpu", timing_elements: int = 2**22,
+           intra_bandwidth_bps: Optional[float] = None) -> Dict:
+    """Predicted step time of every method in `METHODS`, and a verdict in plain words.
+    `intra_bandwidth_bps`: the link between the ranks of a node (None: free), which the
+    hierarchical call's fp32 stages use."""
     p, g = nodes * ranks_per_node, ranks_per_node
+    hier = nodes > 1 and g > 1
     n_t = min(params, timing_elements)
     scale = params / n_t
-    k = compute_times([(m, n_t, p) for m in ("fp32", "fp16", "onebit")], block_size, processes=1, device=device)
+    slice_t = math.ceil(n_t / g)
+    items = [(m, n_t, p) for m in ("fp32", "fp16", "onebit")] + ([("onebit", slice_t, nodes)] if hier else [])
+    k = compute_times(items, block_size, processes=1, device=device)
     beff = bandwidth_bps / 8 * PAYLOAD_FRACTION
     buckets = math.ceil(4 * params / bucket_bytes)
     ring_alpha = 2 * (p - 1) * latency_s
@@ -64,9 +75,14 @@ def advise(params: int, nodes: int, ranks_per_node: int, bandwidth_bps: float, l
     onebit_rank_bytes = wire_bytes("onebit", n_t, p, block_size) * scale if p > 1 else 0.0
     onebit_node_bytes = g * onebit_rank_bytes * (p - g) / (p - 1) if p > 1 else 0.0
     comm["onebit"] = (ring_alpha, onebit_node_bytes, k[("onebit", n_t, p)] * scale)
+    if hier:
+        intra_s = 0.0 if intra_bandwidth_bps is None else 2 * (g - 1) / g * 4 * params / (intra_bandwidth_bps / 8)
+        comm["onebit_hier"] = (2 * (nodes - 1) * latency_s,
+                               g * wire_bytes("onebit", slice_t, nodes, block_size) * scale,
+                               k[("onebit", slice_t, nodes)] * scale + intra_s)
 
     rows: List[Dict] = []
-    for m in METHODS:
+    for m in (m for m in METHODS if m in comm):
         alpha, nbytes, compute = comm[m]
         c = alpha + nbytes / beff + compute
         rows.append(dict(method=m, comm_s=c, step_s=step_compute_s + c, node_bytes_per_step=float(nbytes),
@@ -96,6 +112,13 @@ def _verdict(rows: List[Dict], nodes: int, step_compute_s: float) -> List[str]:
         lines.append(f"1-bit pays: compression-stage steps {onebit['speedup_vs_fp32']:.2f}x faster than fp32 "
                      f"({onebit['step_s'] * 1e3:.1f} vs {fp32['step_s'] * 1e3:.1f} ms); the warmup steps run at "
                      f"fp32's speed")
+    if "onebit_hier" in by:
+        h = by["onebit_hier"]
+        ratio = onebit["step_s"] / h["step_s"]
+        lines.append(f"on nodes: the hierarchical call is predicted {ratio:.2f}x the flat call's speed "
+                     f"({h['step_s'] * 1e3:.1f} vs {onebit['step_s'] * 1e3:.1f} ms per step); "
+                     + ("keep CommConfig(topology='auto') (hierarchical under torchrun on several nodes)"
+                        if ratio >= 1 else "use CommConfig(topology='flat')"))
     best = max((r for r in rows if r["method"] in ("fp16", "powersgd")), key=lambda r: r["speedup_vs_fp32"])
     if nodes > 1 and best["speedup_vs_fp32"] >= onebit["speedup_vs_fp32"]:
         lines.append(f"{best['method']} is predicted at least as fast ({best['speedup_vs_fp32']:.2f}x fp32)")

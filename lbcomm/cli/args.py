@@ -260,7 +260,10 @@ def _add_advise(sub) -> None:
               "compression: timed on this machine with one thread, scaled linearly from at most 4M\n"
               "elements). A ring allreduce sends through each node's link what one rank sends; the 1-bit\n"
               "all-to-all and all-gather send what the node's ranks send to other nodes. Communication\n"
-              "inside a node is taken as free. PowerSGD counts every parameter in --width x --width\n"
+              "inside a node is taken as free unless --intra-bandwidth is given. On several nodes of several\n"
+              "ranks, onebit_hier is the hierarchical 1-bit call (fp32 inside a node, 1 bit between\n"
+              "nodes), and the verdict says whether it or the flat call is faster. PowerSGD counts every\n"
+              "parameter in --width x --width\n"
               "matrices. The verdict says plainly when compression will not pay.",
               "JSON: schema lbcomm-bench/advise with inputs, verdict and rows; one row per method:\n"
               + describe_fields(ADVISE_ROW_FIELDS))
@@ -272,6 +275,10 @@ def _add_advise(sub) -> None:
                     help="link rate of each machine per direction: 1gbit, 10gbit, 100gbit")
     ad.add_argument("--latency", type=_seconds, default=50e-6,
                     help="latency per message between machines: seconds or a time like 50us (default: 50us)")
+    ad.add_argument("--intra-bandwidth", type=_rate, default=None,
+                    help="link rate between the ranks of a machine (NVLink 3600gbit, PCIe 200gbit), used by the "
+                         "hierarchical 1-bit call's fp32 stages (onebit_hier, with --ranks-per-node > 1) "
+                         "(default: free)")
     ad.add_argument("--step-time", type=_seconds, required=True,
                     help="compute time of one training step without communication: 400ms, 1.2s")
     ad.add_argument("--block-size", type=_block_size, default=2048,
