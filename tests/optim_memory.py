@@ -8,7 +8,10 @@ parameters and gradients are excluded. Run on 4 gloo ranks, past the freeze:
     PYTHONPATH=$PWD python tests/optim_memory.py [numel [timed steps]]
 
 With timed steps, the median time of optimizer.step() in the compression stage is
-printed too (no bandwidth limit: the compute and loopback cost of a step). Under each
+printed too (no bandwidth limit: the compute and loopback cost of a step), the kinds taking
+their steps in turn, round by round, so that load from other processes hits them alike;
+AdamW+allreduce is torch's AdamW after an fp32 allreduce of the gradients, the step the
+1-bit optimizers replace (Lamb averages its gradients itself). Under each
 total, `breakdown` lists what holds the bytes (the same tensors, each storage once, named
 by the shortest path from the optimizer; the rows add up to the total).
 
@@ -87,28 +90,52 @@ def breakdown(opt, model):
     return rows
 
 
+class _AllreduceThen:
+    """torch.optim.AdamW after an fp32 allreduce of the gradients (one flat buffer): the
+    step a 1-bit optimizer's compression stage replaces."""
+
+    def __init__(self, params):
+        self.params = list(params)
+        self.opt = torch.optim.AdamW(self.params, lr=1e-3)
+
+    def step(self):
+        grads = [q.grad for q in self.params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        torch.distributed.all_reduce(flat)
+        flat.div_(torch.distributed.get_world_size())
+        torch._foreach_copy_(grads, [c.view_as(g) for c, g in zip(flat.split([g.numel() for g in grads]), grads)])
+        self.opt.step()
+
+
 def measure(rank, p, numel, steps=4, timed=0):
+    """Every kind built and stepped past its freeze, its state counted; then `timed` rounds
+    in which every kind takes one step in turn (so that load from other processes hits
+    them alike), the median per kind."""
     torch.set_num_threads(1)
-    out = {}
-    for kind in KINDS:
+    out, built = {}, {}
+    for kind in KINDS + ("AdamW+allreduce",):
         torch.manual_seed(0)
         width = 1024
         net = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(max(1, numel // width ** 2))])
-        opt = make(kind, net.parameters())
+        opt = _AllreduceThen(net.parameters()) if kind == "AdamW+allreduce" else make(kind, net.parameters())
         for t in range(steps):
             for q in net.parameters():
                 q.grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(t * 10 + rank))
             opt.step()
         n = sum(q.numel() for q in net.parameters())
-        out[kind] = {"bytes": state_bytes(opt, net)[0] / n,
-                     "parts": {k: v / n for k, v in breakdown(opt, net).items()}}
-        times = []
-        for t in range(timed):  # the compression stage's step (gradients already in place)
+        target = opt.opt if kind == "AdamW+allreduce" else opt
+        out[kind] = {"bytes": state_bytes(target, net)[0] / n,
+                     "parts": {k: v / n for k, v in breakdown(target, net).items()}, "times": []}
+        built[kind] = opt
+    for _ in range(timed):  # the compression stage's step (gradients already in place)
+        for kind, opt in built.items():
             torch.distributed.barrier()
             start = time.perf_counter()
             opt.step()
-            times.append(time.perf_counter() - start)
-        out[kind]["step_ms"] = 1e3 * sorted(times)[len(times) // 2] if times else None
+            out[kind]["times"].append(time.perf_counter() - start)
+    for r in out.values():
+        times = sorted(r.pop("times"))
+        r["step_ms"] = 1e3 * times[len(times) // 2] if times else None
     return out
 
 
@@ -121,7 +148,7 @@ if __name__ == "__main__":
     res = run_ranks(measure, 4, numel, 4, timed, timeout=1800)
     print(f"resident optimizer state, bytes per parameter, 4 ranks, {numel} parameters (rank 0):")
     for kind, r in res[0].items():
-        ms = "" if r["step_ms"] is None else f"   step {r['step_ms']:7.1f} ms (median of {timed})"
+        ms = "" if r["step_ms"] is None else f"   step {r['step_ms']:7.1f} ms (median of {timed} rounds)"
         print(f"  {kind:<18} {r['bytes']:6.2f}{ms}")
         if abs(sum(r["parts"].values()) - r["bytes"]) > 1e-9:
             print(f"    (the breakdown adds up to {sum(r['parts'].values()):.2f})")
@@ -131,3 +158,8 @@ if __name__ == "__main__":
                 print(f"    {v:6.3f}  {name}")
         if small:
             print(f"    {small:6.3f}  (rows under 0.005 each: vectors, masks, counts)")
+    steps = {k: r["step_ms"] for k, r in res[0].items()}
+    if timed:
+        for one, twin in (("OneBitAdam", "AdamW+allreduce"), ("OneBitLamb", "Lamb"), ("ZeroOneAdam", "AdamW+allreduce"),
+                          ("ZeroOneAdam/local", "AdamW+allreduce"), ("OneBitLamb", "OneBitLamb/decoded")):
+            print(f"step {one} / {twin}: {steps[one] / steps[twin]:.2f}")

@@ -32,6 +32,15 @@ def test_onebit_lamb_warmup_equals_lamb(four_ranks):
         assert max(res["warmup"]["lamb"]) <= 1e-6, res["warmup"]["lamb"]
 
 
+# The runs whose live ratio takes the estimated clean norm: its fp32 allreduce sums the four
+# ranks' values in gloo's order, the simulation in rank order, so these meet it to that
+# rounding (tests/test_lamb_norm.py: two ranks, where the order cannot matter); the others
+# bitwise
+ESTIMATED = {k for k, c in SIM_RUNS.items() if c["name"] == "lamb" and c["kw"].get("trust_ratio", "max") != "frozen"
+             and c["kw"].get("norm_samples", 256) > 0}
+ESTIMATE_TOL = 1e-7
+
+
 @pytest.mark.parametrize("run", [k for k in SIM_RUNS if k != "adam_rescale"])
 def test_four_ranks_match_the_simulation_bitwise(four_ranks, run):
     cfg = SIM_RUNS[run]
@@ -45,7 +54,8 @@ def test_four_ranks_match_the_simulation_bitwise(four_ranks, run):
     history = simulate(recs[0]["params0"], grads, freeze_step=cfg["freeze"], **kw)
     for t in range(cfg["steps"]):
         worst = max((a - b).abs().max().item() for a, b in zip(history[t], recs[0]["params"][t]))
-        assert worst == 0.0, f"step {t + 1}: max |optimizer - simulation| = {worst}"
+        tol = ESTIMATE_TOL if run in ESTIMATED else 0.0
+        assert worst <= tol, f"step {t + 1}: max |optimizer - simulation| = {worst}"
     # the compression stage really moved the parameters, differently from the warmup alone
     last_warm = recs[0]["params"][cfg["freeze"] - 1]
     assert max((a - b).abs().max().item() for a, b in zip(recs[0]["params"][-1], last_warm)) > 1e-3
@@ -80,7 +90,7 @@ def test_a_tight_max_update_changes_the_run(four_ranks, name):
 
 def test_the_live_ratios_norm_estimate_is_in_the_bitwise_comparison(four_ranks):
     """OneBitLamb's live ratio divides by an estimate of the uncompressed direction's norm:
-    the run with 4 sampled coordinates (equal to its simulation bitwise, above) ends
+    the run with 4 sampled coordinates (equal to its simulation to rounding, above) ends
     elsewhere than the simulation that averages every clamped coordinate exactly, or with
     the decoded norm (norm_samples=0), or with a step bound at the lr (the estimate may then
     only lower the coefficient); the decoded-norm run ends elsewhere than the default."""
@@ -91,15 +101,15 @@ def test_the_live_ratios_norm_estimate_is_in_the_bitwise_comparison(four_ranks):
         hist = SIM.simulate_onebit_lamb(rec["params0"], grads, freeze_step=cfg["freeze"], **dict(cfg["kw"], **kw))
         return max((a - b).abs().max().item() for a, b in zip(hist[-1], rec["params"][-1]))
 
-    assert gap() == 0.0
+    assert gap() <= ESTIMATE_TOL
     assert gap(norm_samples=10 ** 6) > 1e-6  # more clamped coordinates than 4: the draw is a subset
     assert gap(norm_samples=0) > 1e-6
     assert gap(norm_step_bound=cfg["kw"]["lr"]) > 1e-6
     decoded, default = four_ranks[0]["sim"]["lamb_decoded_norm"], four_ranks[0]["sim"]["lamb_max"]
     assert max((a - b).abs().max().item() for a, b in zip(decoded["params"][-1], default["params"][-1])) > 1e-5
-    # what it sends: one fp64 allreduce of (samples + 1) per parameter, in bytes_per_step
+    # what it sends: one fp32 allreduce of (samples + 1) per parameter, in bytes_per_step
     sent = rec["bytes"]
-    assert sent["norm_estimate"] == ring_allreduce_bytes(8 * 5 * len(rec["params0"]), 4)
+    assert sent["norm_estimate"] == ring_allreduce_bytes(4 * 5 * len(rec["params0"]), 4)
     assert sent["total"] == sent["compressed"] + sent["exact"] + sent["agreement"] + sent["norm_estimate"]
     assert decoded["bytes"]["norm_estimate"] == 0
 
@@ -181,7 +191,7 @@ def test_grads_averaged_by_a_hook_skip_the_optimizers_allreduce(four_ranks):
 
 @pytest.mark.parametrize("name", ["adam", "lamb"])
 def test_exact_numel_takes_effect(four_ranks, name):
-    """The exact runs equal their simulation bitwise (above); the same gradients with every
+    """The exact runs equal their simulation (above); the same gradients with every
     parameter compressed end elsewhere, so the exact averaging did something."""
     cfg, key = SIM_RUNS[f"{name}_exact"], f"{name}_exact"
     recs = [r["sim"][key] for r in four_ranks]

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from . import functional as F
+from . import kernels as K
 from .flat import FlatLayout, Segment
 
 __all__ = ["LambNorms", "AT_BOUND", "trust_mode", "samples"]
@@ -34,7 +35,8 @@ def samples(group) -> int:
 
 class LambNorms:
     """The direction and the clean-norm estimate of a OneBitLamb (`fs`: its flat state,
-    `stage`: its `OneBitStage`); ``scratch_u`` holds one parameter's direction."""
+    `stage`: its `OneBitStage`); ``scratch_u`` holds the direction of a parameter larger than
+    the stage's staging buffer (allocated only for one)."""
 
     def __init__(self, fs, stage):
         self.fs = fs
@@ -51,17 +53,17 @@ class LambNorms:
         buffer, with (if `stats`) max(d / d~) and, under weight decay, ||u0|| and ||u||
         (1-element tensors) of this rank's elements."""
         m, v, vf = self.fs.buffers["exp_avg"], self.fs.buffers["exp_avg_sq"], self.fs.buffers["exp_avg_sq_fresh"]
-        stage, u_buf = self.stage.stage_buffer(L), self.update_buffer(L)
         group = self.fs.param_groups[seg.group]
         bc1, bc2 = self.fs.bias_corrections(group, seg)
         eps, wd = group["eps"], group["weight_decay"]
         o, n = L.offsets[i], L.numels[i]
-        u = u_buf[:n]
+        u_buf, stage = self.update_buffers(L, n)
+        u, step = u_buf[:n], stage.numel()
         # d = sqrt(v^) + eps, d~ likewise of the fresh variance; f = max(d / d~);
         # u0 = m^ / d, clamped to [-U, U] per coordinate (max_update)
         ratio_max = None
-        for lo in range(0, n, F.STAGE):
-            hi = min(n, lo + F.STAGE)
+        for lo in range(0, n, step):
+            hi = min(n, lo + step)
             d = F.denominator(v[o + lo:o + hi], bc2, eps, out=stage[:hi - lo])
             if stats:
                 r = F.denominator(vf[o + lo:o + hi], bc2, eps, out=u[lo:hi])
@@ -109,18 +111,20 @@ class LambNorms:
         estimated (`estimate_slots`). (None, empty) when no parameter needs it.
 
         The ranks' mean of clamp(m_r / d) is projected on the decoded direction u0 where u0
-        is neither clamped nor masked (one scalar per parameter); where it is, the compression
-        error is largest and not independent of u0, so norm_samples of those coordinates (the
-        same ones on every rank) are averaged exactly, clamped, and their squares scaled up
-        to all of them. One fp64 allreduce of (samples + 1) per parameter; one pass over each
-        parameter, STAGE elements at a time (nothing model-sized is allocated)."""
+        is neither clamped nor masked (one scalar per parameter, summed in fp64); where it
+        is, the compression error is largest and not independent of u0, so norm_samples of
+        those coordinates (the same ones on every rank) are averaged exactly, clamped, and
+        their squares scaled up to all of them. One fp32 allreduce of (samples + 1) per
+        parameter; one fused pass over each parameter (`kernels.lamb_clean_pass_`), STAGE
+        elements at a time (nothing model-sized is allocated). Its d takes the correctly
+        rounded sqrt and u0 = m / (d bc1): within an ulp or two of the direction's."""
         slots = self.estimate_slots(L)
         if slots is None:
             return None, set()
         dev = self.fs.device_of(L)
         rows = [i for i in range(len(L.params)) if slots[i] > 0]
         row_of = {i: r for r, i in enumerate(rows)}
-        sent = torch.zeros(len(rows), 1 + int(slots.max()), dtype=torch.float64, device=dev)
+        sent = torch.zeros(len(rows), 1 + int(slots.max()), dtype=torch.float32, device=dev)
         out = torch.zeros(len(L.params), dtype=torch.float64, device=dev)
         number = self.fs.param_indices()  # torch's numbering: the same on every shard
         picked: List[Tuple[int, int, int]] = []
@@ -128,12 +132,16 @@ class LambNorms:
             group = self.fs.param_groups[seg.group]
             if not samples(group):
                 continue
+            bc1, bc2 = self.fs.bias_corrections(group, seg)
             for i in seg.idx:
                 if i not in row_of:  # averaged exactly
                     continue
-                r = row_of[i]
-                edges = self._projection(L, seg, i, bounds[i], sent[r, :1], out[i:i + 1])
-                n_edge = sum(int(e.numel()) if isinstance(e, Tensor) else e for e in edges)
+                r, wd = row_of[i], group["weight_decay"]
+                acc, pos, starts = self._pass(L, i, bounds[i], bc1, bc2, group["eps"], wd)
+                if wd != 0:
+                    out[i] = 2 * wd * acc[1] + wd * wd * acc[2]
+                sent[r, 0] = acc[0]
+                n_edge = starts[-1]
                 k = min(int(slots[i]), n_edge)
                 if k:  # the same draw on every rank: the decoded u0, and so the edge, is the same
                     if n_edge > k:
@@ -141,7 +149,9 @@ class LambNorms:
                         draws = torch.randint(n_edge, (k,), generator=gen).to(dev)
                     else:
                         draws = torch.arange(n_edge, device=dev)
-                    self._sample(L, seg, i, bounds[i], edges, draws, sent[r, 1:1 + k])
+                    at = L.offsets[i] + self._positions(L, i, bounds[i], bc1, bc2, group["eps"], pos, starts, draws)
+                    q = K.clean_denominator(self.fs.buffers["exp_avg_sq"][at], bc2 ** 0.5, group["eps"]).mul_(bc1)
+                    sent[r, 1:1 + k] = torch.div(self.fs.buffers["exp_avg_local"][at], q)
                 picked.append((i, k, n_edge))
         self.fs.transport.all_reduce(sent, op="sum")
         sent.div_(self.fs.transport.world_size)
@@ -150,81 +160,61 @@ class LambNorms:
             z = sent[r, 1:1 + k]
             if bound is not None:
                 z = z.clamp(-bound, bound)
-            out[i] += sent[r, 0] + (z.square().sum() * (n_edge / k) if k else 0.0)
+            out[i] += sent[r, 0].double() + (z.double().square().sum() * (n_edge / k) if k else 0.0)
         return out, set(row_of)
 
-    def _edge(self, L: FlatLayout, seg: Segment, i: int, bound: Optional[float], lo: int, hi: int):
-        """(d, u0, edge) of parameter i's elements [lo, hi) in the staging buffers: d =
-        sqrt(v^) + eps, u0 = clamp(m^ / d, -U, U), edge: the coordinates that u0 holds at
-        the bound or that the momentum mask holds at zero."""
-        m, v = self.fs.buffers["exp_avg"], self.fs.buffers["exp_avg_sq"]
-        group = self.fs.param_groups[seg.group]
-        bc1, bc2 = self.fs.bias_corrections(group, seg)
-        o = L.offsets[i]
-        stage, u_buf = self.stage.stage_buffer(L), self.update_buffer(L)
-        d = F.denominator(v[o + lo:o + hi], bc2, group["eps"], out=stage[:hi - lo])
-        u0 = torch.div(m[o + lo:o + hi], bc1, out=u_buf[:hi - lo]).div_(d)
-        if bound is not None:
-            u0.clamp_(-bound, bound)
-            edge = torch.abs(u0) >= bound * AT_BOUND
-        else:
-            edge = torch.zeros(hi - lo, dtype=torch.bool, device=u0.device)
-        self.stage.masks.mark(edge, o + lo, o + hi)
-        return d, u0, edge
+    def _pass(self, L: FlatLayout, i: int, bound: Optional[float], bc1: float, bc2: float, eps: float, wd: float,
+              only: Optional[int] = None):
+        """The fused pass over parameter i (`kernels.lamb_clean_pass_`), STAGE elements at a
+        time: (acc, positions, starts) with acc (fp64) = (sum off the edge of clamp(m_local /
+        (d bc1)) u0, <u0, theta>, ||theta||^2, edge count); positions: the edge coordinates' indices
+        in the parameter while they take at most STAGE of them; starts[c]: the edge
+        coordinates before STAGE range c (starts[-1]: all). `only` = c: range c alone, its
+        edge numbered from 0 (the sums are then not needed)."""
+        m, v, ml = (self.fs.buffers[n] for n in ("exp_avg", "exp_avg_sq", "exp_avg_local"))
+        o, n = L.offsets[i], L.numels[i]
+        theta = L.tensor(i).reshape(-1) if wd != 0 and only is None else None
+        acc = torch.zeros(4, dtype=torch.float64, device=m.device)
+        pos = torch.empty(min(n, F.STAGE), dtype=torch.int64, device=m.device)
+        starts = [0]
+        mask = self.stage.masks
+        for c in range(-(-n // F.STAGE)) if only is None else [only]:
+            lo, hi = c * F.STAGE, min(n, (c + 1) * F.STAGE)
+            masked = None
+            if mask.mask is not None:
+                masked = torch.zeros(hi - lo, dtype=torch.bool, device=m.device)
+                mask.mark(masked, o + lo, o + hi)
+            K.lamb_clean_pass_(acc, pos, m[o + lo:o + hi], v[o + lo:o + hi], ml[o + lo:o + hi],
+                               None if theta is None else theta[lo:hi], masked, lo, 0, bc1, bc2 ** 0.5, eps, bound,
+                               0.0 if bound is None else bound * AT_BOUND)
+            starts.append(int(acc[3]))
+        return acc, pos, starts
 
-    def _projection(self, L: FlatLayout, seg: Segment, i: int, bound: Optional[float], proj: Tensor,
-                    decay: Tensor) -> list:
-        """The pass over parameter i: proj = sum over the non-edge coordinates of
-        clamp(m_local^ / d) u0 (this rank's), decay = the weight decay's part of ||u*||^2
-        (2 wd <u0, theta> + wd^2 ||theta||^2, with the decoded u0). Returns each STAGE
-        range's edge: its positions (a tensor) while they take at most STAGE elements in
-        all, its count (an int) after that."""
-        group = self.fs.param_groups[seg.group]
-        bc1, wd = self.fs.bias_corrections(group, seg)[0], group["weight_decay"]
-        ml, o, n = self.fs.buffers["exp_avg_local"], L.offsets[i], L.numels[i]
-        theta = L.tensor(i).reshape(-1)
-        y_buf = torch.empty(min(n, F.STAGE), dtype=torch.float32, device=self.fs.device_of(L))
-        edges, kept = [], 0
-        for lo in range(0, n, F.STAGE):
-            hi = min(n, lo + F.STAGE)
-            d, u0, edge = self._edge(L, seg, i, bound, lo, hi)
-            y = torch.div(ml[o + lo:o + hi], bc1, out=y_buf[:hi - lo]).div_(d)
-            if bound is not None:
-                y.clamp_(-bound, bound)
-            where = edge.nonzero().view(-1)
-            y.mul_(u0)
-            proj += (y.sum() - y[where].sum()).double()  # the sum off the edge
-            kept += where.numel()
-            edges.append(where if kept <= F.STAGE else where.numel())
-            if wd != 0:
-                th = theta[lo:hi].float()
-                decay += 2 * wd * torch.dot(u0, th).double() + wd * wd * torch.dot(th, th).double()
-        return edges
-
-    def _sample(self, L: FlatLayout, seg: Segment, i: int, bound: Optional[float], edges: list, draws: Tensor,
-                out: Tensor) -> None:
-        """out[j] = m_local^ / d at the draws[j]-th edge coordinate (in order); the ranges
-        whose edge positions were not kept are computed again."""
-        group = self.fs.param_groups[seg.group]
-        bc1, bc2 = self.fs.bias_corrections(group, seg)
-        ml, v, o = self.fs.buffers["exp_avg_local"], self.fs.buffers["exp_avg_sq"], L.offsets[i]
-        seen = 0
-        for c, where in enumerate(edges):
-            lo = c * F.STAGE
-            count = where.numel() if isinstance(where, Tensor) else where
-            mine = ((draws >= seen) & (draws < seen + count)).nonzero().view(-1)
+    def _positions(self, L: FlatLayout, i: int, bound: Optional[float], bc1: float, bc2: float, eps: float,
+                   pos: Tensor, starts: List[int], draws: Tensor) -> Tensor:
+        """The indices in parameter i of the draws-th edge coordinates (in order): from the
+        first pass's positions when they hold every edge coordinate, else each STAGE range
+        with a draw passed again for its own."""
+        if starts[-1] <= pos.numel():
+            return pos[draws]
+        out = torch.empty_like(draws)
+        for c in range(len(starts) - 1):
+            mine = ((draws >= starts[c]) & (draws < starts[c + 1])).nonzero().view(-1)
             if mine.numel():
-                if not isinstance(where, Tensor):
-                    where = self._edge(L, seg, i, bound, lo, min(L.numels[i], lo + F.STAGE))[2].nonzero().view(-1)
-                at = o + lo + where[draws[mine] - seen]
-                d = F.denominator(v[at], bc2, group["eps"], out=torch.empty_like(v[at]))
-                out[mine] = torch.div(ml[at], bc1).div_(d).double()
-            seen += count
+                rpos = self._pass(L, i, bound, bc1, bc2, eps, 0.0, only=c)[1]
+                out[mine] = rpos[draws[mine] - starts[c]]
+        return out
 
-
-    def update_buffer(self, L: FlatLayout) -> Tensor:
-        """One parameter's update direction (the largest parameter's size): its norms need
-        the whole of it."""
+    def update_buffers(self, L: FlatLayout, n: int) -> Tuple[Tensor, Tensor]:
+        """(u, d): where a parameter of n elements holds its whole direction (its norms need
+        all of it) and where its denominator is staged. The stage's staging buffer, idle
+        after the reduction, holds u when it has room, and d goes through a transient
+        quarter of a stage; a larger parameter's u takes ``scratch_u`` (the largest
+        parameter's size) and d the staging buffer. The elementwise operations are the
+        same in any staging: the direction's bits do not depend on it."""
+        stage = self.stage.stage_buffer(L)
+        if n <= stage.numel():
+            return stage, torch.empty(max(1, min(n, F.STAGE // 4)), dtype=torch.float32, device=stage.device)
         if self.scratch_u is None:
-            self.scratch_u = torch.empty(max(L.numels, default=0), dtype=torch.float32, device=self.fs.device_of(L))
-        return self.scratch_u
+            self.scratch_u = torch.empty(max(L.numels, default=0), dtype=torch.float32, device=stage.device)
+        return self.scratch_u, stage

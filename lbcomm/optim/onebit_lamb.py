@@ -107,7 +107,7 @@ class OneBitLamb(BaseOptimizer):
     def bytes_per_step(self) -> Optional[Dict[str, int]]:
         """What this rank sends per compression-stage step, as `OneBitAdam.bytes_per_step`,
         with ``"norm_estimate"``: the allreduce of the sampled coordinates behind the live
-        ratio's norm (fp64, ``norm_samples`` + 1 per parameter)."""
+        ratio's norm (fp32, ``norm_samples`` + 1 per parameter)."""
         out = self._onebit.report.bytes_per_step()
         L = self.flat_state.layout
         if out is None or L is None:
@@ -115,7 +115,7 @@ class OneBitLamb(BaseOptimizer):
         slots = self._norms.estimate_slots(L)
         n = 0 if slots is None else int((slots > 0).sum()) * (1 + int(slots.max()))
         total = out.pop("total")
-        out["norm_estimate"] = int(ring_allreduce_bytes(8 * n, self.transport.world_size))
+        out["norm_estimate"] = int(ring_allreduce_bytes(4 * n, self.transport.world_size))
         out["total"] = total + out["norm_estimate"]
         return out
 
@@ -369,8 +369,9 @@ OneBitLamb.__doc__ = r"""Implements 1-bit LAMB: LAMB in the warmup, then a froze
     the projection keeps the clean part of the norm and drops the error's; on the other
     coordinates, where the error is largest, ``norm_samples`` of them (the same on every
     rank) are averaged exactly, clamped, and their squares scaled up to all of them; the
-    weight decay's terms are added with the decoded :math:`u_0`. That costs one fp64
-    allreduce of (``norm_samples`` + 1) values per parameter and step
+    weight decay's terms are added with the decoded :math:`u_0`. That costs one fused pass
+    over the state and one fp32 allreduce of (``norm_samples`` + 1) values per parameter
+    and step
     (``bytes_per_step()["norm_estimate"]``). The estimate may raise the coefficient above
     the decoded direction's by at most :math:`\max(1, \sigma/\gamma_{peak})`
     (``norm_step_bound`` :math:`\sigma`; :math:`\gamma_{peak}` the largest lr of the group

@@ -146,35 +146,41 @@ def simulate_onebit_lamb(params0, grads, *, lr: float, betas=(0.9, 0.999), eps: 
                  capped_decode=capped_decode, norm_samples=norm_samples, norm_step_bound=norm_step_bound)
 
 
-def _clean_sq(m: Tensor, locals_: List[Tensor], d: Tensor, bc1: float, bound: Optional[float], theta: Tensor,
-              keep: Tensor, weight_decay: float, k: int, seed: int) -> Tensor:
-    """Estimated ||clamp(mean_r local_r / bc1 / d) + wd theta||^2 of one (piece of a)
-    parameter, fp64: the ranks' mean of clamp(y_r) projected on the decoded direction u0
+def _clean_sq(m: Tensor, locals_: List[Tensor], v: Tensor, bc1: float, bc2: float, eps: float,
+              bound: Optional[float], theta: Tensor, keep: Tensor, weight_decay: float, k: int, seed: int) -> Tensor:
+    """Estimated ||clamp(mean_r local_r / (d bc1)) + wd theta||^2 of one (piece of a)
+    parameter, fp64, with d = sqrt(v) / sqrt(bc2) + eps and the correctly rounded fp32 sqrt
+    (the fp64 root rounded: exact), so u0 = m / (d bc1) may differ from the direction's by
+    an ulp: the ranks' mean of clamp(y_r) projected on the decoded direction u0
     where u0 is neither clamped nor masked (not `keep`), plus k of the other coordinates
     (drawn with `seed`; all of them when there are at most k) averaged exactly, clamped,
     and their squares scaled to all of them; plus the weight decay's terms with the
-    decoded u0."""
-    m, d, theta, keep = m.reshape(-1), d.reshape(-1), theta.reshape(-1), keep.reshape(-1)
+    decoded u0. What the ranks exchange is fp32: each rank's projection (its fp64 sum
+    rounded) and its y at the drawn coordinates, averaged in fp32 (summed here in rank
+    order: the real allreduce sums in its own order, which can round differently)."""
+    m, v, theta, keep = m.reshape(-1), v.reshape(-1), theta.reshape(-1), keep.reshape(-1)
     p = len(locals_)
-    u0 = (m / bc1) / d
-    ys = [(l.reshape(-1) / bc1) / d for l in locals_]
+    q = (torch.sqrt(v.double()).float() / bc2 ** 0.5 + eps) * bc1
+    u0 = m / q
+    ys = [l.reshape(-1) / q for l in locals_]
     edge = ~keep
     if bound is not None:
         u0 = u0.clamp(-bound, bound)
         edge = edge | (u0.abs() >= bound * (1 - 1e-5))  # at the bound up to the decode's roundings
     where = edge.nonzero().view(-1)
-    prods = [(y.clamp(-bound, bound) if bound is not None else y) * u0 for y in ys]
-    proj = torch.stack([(x.sum() - x[where].sum()).double() for x in prods]).sum() / p
+    u64 = u0.double()
+    projs = [((y.clamp(-bound, bound) if bound is not None else y).double() * u64)[~edge].sum().float() for y in ys]
+    proj = (torch.stack(projs).sum() / p).double()
     if where.numel() > k:
         where = where[torch.randint(where.numel(), (k,), generator=torch.Generator().manual_seed(seed))]
-    z = torch.stack([y[where].double() for y in ys]).sum(0) / p
+    z = torch.stack([y[where] for y in ys]).sum(0) / p
     if bound is not None:
         z = z.clamp(-bound, bound)
-    sampled = z.square().sum() * (int(edge.sum()) / where.numel()) if where.numel() else 0.0
+    sampled = z.double().square().sum() * (int(edge.sum()) / where.numel()) if where.numel() else 0.0
     out = torch.zeros((), dtype=torch.float64)
     if weight_decay != 0:
-        out = (2 * weight_decay * torch.dot(u0, theta).double()
-               + weight_decay * weight_decay * torch.dot(theta, theta).double())
+        th = theta.double()
+        out = 2 * weight_decay * torch.dot(u64, th) + weight_decay * weight_decay * torch.dot(th, th)
     return out + (proj + sampled)
 
 
@@ -260,10 +266,11 @@ def _lamb(params0, grads, *, lr, betas, eps, weight_decay, max_coeff, min_coeff,
             c_live = _lamb_coeff(theta[i], u, min_coeff, max_coeff)
             if estimate and theta[i].numel() > exact_numel:  # exactly averaged: the decoded norm is clean
                 sq = torch.zeros((), dtype=torch.float64)
-                parts = zip(*[_pieces(t, shards) for t in [m[i], d, theta[i], keep[i]] + [own[r][i] for r in range(p)]])
+                mine = [m[i], v[i], theta[i], keep[i]] + [own[r][i] for r in range(p)]
+                parts = zip(*[_pieces(t, shards) for t in mine])
                 for piece in parts:
-                    sq = sq + _clean_sq(piece[0], list(piece[4:]), piece[1], bc1, frozen["bounds"][i], piece[2],
-                                        piece[3], weight_decay, norm_samples, 1009 * step + i)
+                    sq = sq + _clean_sq(piece[0], list(piece[4:]), piece[1], bc1, bc2, eps, frozen["bounds"][i],
+                                        piece[2], piece[3], weight_decay, norm_samples, 1009 * step + i)
                 un = torch.linalg.vector_norm(u).double()
                 est = torch.sqrt(torch.maximum(sq, 0.01 * un.square()))
                 if norm_step_bound is not None:
