@@ -1,6 +1,7 @@
 """OneBitAdam, OneBitLamb and Lamb under plain mpirun (backend="mpi"): warmup averaging,
 compression, a sharded checkpoint and its resume, bitwise equal to the same run on gloo
-ranks (see tests/optim_mpi_worker.py for why bitwise is the right expectation)."""
+ranks (see tests/optim_mpi_worker.py for why bitwise is the right expectation), but for
+OneBitLamb's fp32 norm estimate, whose sum over 3 ranks depends on the backend's order."""
 import os
 
 import pytest
@@ -18,6 +19,17 @@ def _same(a, b):
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+def _close(a, b, tol=1e-6):
+    return len(a) == len(b) and all((x - y).abs().max().item() <= tol for x, y in zip(a, b))
+
+
+# OneBitLamb's norm estimate averages fp32 values over the ranks: the sum of 3 of them
+# depends on the order, which is MPI's on one side and gloo's on the other (each backend
+# gives every rank the same result, so the replicas of one run stay bitwise identical).
+# Everything else is exact in any order, and bitwise.
+SAME = {"OneBitAdam": _same, "Lamb": _same, "OneBitLamb": _close}
+
+
 @pytest.fixture(scope="module")
 def mpi_ranks(tmp_path_factory):
     return run_mpi(os.path.join(HERE, "optim_mpi_worker.py"), tmp_path_factory.mktemp("optim_mpi"), P)
@@ -32,10 +44,10 @@ def test_optimizers_under_mpirun_equal_gloo_bitwise(mpi_ranks, tmp_path):
             assert mine["transport"] == "MPITransport" and theirs["transport"] == "TorchTransport"
             assert mine["frozen"] == theirs["frozen"] == (kind != "Lamb")
             for t in range(W.STEPS):
-                assert _same(mine["params"][t], theirs["params"][t]), (r, kind, t)
+                assert SAME[kind](mine["params"][t], theirs["params"][t]), (r, kind, t)
             if kind != "Lamb":  # the compression stage ran, with this rank's own errors
                 assert mine["worker_error"].abs().sum() > 0
-                assert torch.equal(mine["worker_error"], theirs["worker_error"])
+                assert SAME[kind]([mine["worker_error"]], [theirs["worker_error"]])
             # the checkpoint barrier and the resume went through the transport too
             assert mine["exact"]
             for t, params in enumerate(mine["resumed"], W.SAVE_AT):
