@@ -9,7 +9,6 @@ bench/suite.py, which re-exports these names.
 """
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import functools
 import itertools
@@ -24,7 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import lbcomm
-from lbcomm.config import MOVED_TO_OPTIONS
+from lbcomm.config import COMM_FIELDS
 from lbcomm.common import ring_allreduce_bytes
 
 from .cli_options import construct, optimizer_options
@@ -47,8 +46,6 @@ SGD_MOMENTUM = 0.9
 HOOKS = ("sgd_hook", "sgd_mom_hook", "lars_hook", "adamw_hook")
 # sgd_mom_hook: the hook as README recommends it for SGD momentum (its momentum = SGD's)
 MOM_HOOK = {"momentum": SGD_MOMENTUM, "normalize": "adaptive"}
-# hook options that go to comm= (the 1-bit optimizers' math of OneBitOptions is not a hook's)
-COMM_FIELDS = {f.name for f in dataclasses.fields(lbcomm.CommConfig)} - set(MOVED_TO_OPTIONS)
 ORDER_STRIDE = 1_000_003  # --repeats: order k reads the task's batches of steps k * ORDER_STRIDE + step
 
 
@@ -119,6 +116,7 @@ def build(method, model, lr, task, world, a, classes=None):
         base = MOM_HOOK if method == "sgd_mom_hook" else {}
         # its bytes are reported
         opts = {**base, **extra}
+        # hook options that go to comm= (OneBitOptions' math is not a hook's)
         comm = lbcomm.CommConfig(**{k: opts.pop(k) for k in list(opts) if k in COMM_FIELDS})
         ddp.hook_state = lbcomm.OneBitHookState(freeze_of(task, a, hook=True), **opts, comm=comm)
         ddp.register_comm_hook(ddp.hook_state, lbcomm.onebit_hook)

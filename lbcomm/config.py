@@ -198,14 +198,18 @@ def resolve_options(options: Optional[OneBitOptions], comm: CommConfig,
     return clean, OneBitOptions(**moved)
 
 
+# CommConfig's communication fields (not its 0.2 fields that moved to OneBitOptions) and
+# OneBitOptions' fields: the one place a flat settings dict is told apart
+COMM_FIELDS = frozenset(f.name for f in dataclasses.fields(CommConfig)) - frozenset(MOVED_TO_OPTIONS)
+OPTION_FIELDS = frozenset(f.name for f in dataclasses.fields(OneBitOptions))
+
+
 def split_settings(flat: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Any], Dict[str, Any]]:
     """One flat dict of settings (a benchmark's or a test's option string) as (CommConfig
     fields, OneBitOptions fields, the rest): ``CommConfig(**c)``, ``OneBitOptions(**o)``
     and the optimizer's own keyword arguments."""
-    comm_fields = {f.name for f in dataclasses.fields(CommConfig)} - set(MOVED_TO_OPTIONS)
-    option_fields = {f.name for f in dataclasses.fields(OneBitOptions)}
-    comm = {k: v for k, v in flat.items() if k in comm_fields}
-    options = {k: v for k, v in flat.items() if k in option_fields}
+    comm = {k: v for k, v in flat.items() if k in COMM_FIELDS}
+    options = {k: v for k, v in flat.items() if k in OPTION_FIELDS}
     rest = {k: v for k, v in flat.items() if k not in comm and k not in options}
     return comm, options, rest
 

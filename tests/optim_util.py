@@ -1,22 +1,15 @@
 """Shared by the optimizer tests (test_optim_*.py and others): `make_opt` (one flat dict of
 options to an optimizer), the small models and their deterministic data, state snapshots,
 and a training loop in one process. Not a test module: importing it collects nothing."""
-import dataclasses
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import lbcomm
-from lbcomm.config import split_settings
-
+from lbcomm.config import COMM_FIELDS, split_settings  # noqa: F401  (COMM_FIELDS: for the tests that import it here)
 
 OPTS = {"adam": lbcomm.OneBitAdam, "lamb": lbcomm.OneBitLamb}
-
-
-# the settings that are not an optimizer's own keyword arguments
-COMM_FIELDS = set(split_settings({f.name: None for f in dataclasses.fields(lbcomm.CommConfig)})[0])
-OPTION_FIELDS = {f.name for f in dataclasses.fields(lbcomm.OneBitOptions)}
 
 
 def make_opt(cls, params, **kw):
