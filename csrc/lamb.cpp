@@ -21,6 +21,7 @@
 // the edge's threshold (edge_at, below the bound by far more) allows for that. Built with
 // -ffp-contract=off (no FMA).
 #include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -37,15 +38,15 @@ constexpr int kLanes = 8;  // the fp64 sums: lane l adds the elements j = l (mod
 
 // One block's u0, y (0 on the edge: only its products off the edge are summed) and edge
 // flags, without branches (vectorized; B: with the bound). Cloned per ISA: the divisions
-// dominate.
-template <bool B>
+// dominate. ml (the rank's own momentum) is fp32 or bf16, widened exactly to fp32.
+template <bool B, typename L>
 __attribute__((target_clones("avx512f", "avx2", "default"))) void clean_block(
-    const float* __restrict m, const float* __restrict v, const float* __restrict ml, int64_t n, float s, float e,
+    const float* __restrict m, const float* __restrict v, const L* __restrict ml, int64_t n, float s, float e,
     float c1, float b, float at_b, float* __restrict u0, float* __restrict y, uint8_t* __restrict edge) {
   for (int64_t j = 0; j < n; ++j) {
     const float q = (std::sqrt(v[j]) / s + e) * c1;
     float u = m[j] / q;
-    float w = ml[j] / q;
+    float w = static_cast<float>(ml[j]) / q;
     if (B) {  // torch.clamp_: a NaN stays NaN
       u = u > b ? b : (u < -b ? -b : u);
       w = w > b ? b : (w < -b ? -b : w);
@@ -156,7 +157,9 @@ void lamb_clean_pass_cpu(at::Tensor& acc, at::Tensor& positions, const at::Tenso
   check(positions, "positions", -1, at::kLong);
   check(m, "exp_avg", n, at::kFloat);
   check(v, "exp_avg_sq", n, at::kFloat);
-  check(ml, "exp_avg_local", n, at::kFloat);
+  TORCH_CHECK_TYPE(ml.scalar_type() == at::kFloat || ml.scalar_type() == at::kBFloat16,
+                   "lbcomm::lamb_clean_pass_: exp_avg_local must be Float or BFloat16, got ", ml.scalar_type());
+  check(ml, "exp_avg_local", n, ml.scalar_type());
   if (theta.has_value()) check(*theta, "theta", n, at::kFloat);
   if (masked.has_value()) check(*masked, "masked", n, at::kBool);
   double* a = acc.data_ptr<double>();
@@ -164,7 +167,9 @@ void lamb_clean_pass_cpu(at::Tensor& acc, at::Tensor& positions, const at::Tenso
   const int64_t cap = positions.numel();
   const float* pm = m.data_ptr<float>();
   const float* pv = v.data_ptr<float>();
-  const float* pl = ml.data_ptr<float>();
+  const bool half = ml.scalar_type() == at::kBFloat16;
+  const float* pl = half ? nullptr : ml.data_ptr<float>();
+  const c10::BFloat16* pb = half ? ml.data_ptr<c10::BFloat16>() : nullptr;
   const float* th = theta.has_value() ? theta->data_ptr<float>() : nullptr;
   const bool* mk = masked.has_value() ? masked->data_ptr<bool>() : nullptr;
   // torch turns each Python float into the tensors' dtype before the elementwise op
@@ -177,7 +182,13 @@ void lamb_clean_pass_cpu(at::Tensor& acc, at::Tensor& positions, const at::Tenso
   uint8_t edge[kBlock];
   for (int64_t lo = 0; lo < n; lo += kBlock) {
     const int64_t k = std::min(kBlock, n - lo);
-    if (bounded) {
+    if (half) {
+      if (bounded) {
+        clean_block<true>(pm + lo, pv + lo, pb + lo, k, s, e, c1, b, at_b, u0, y, edge);
+      } else {
+        clean_block<false>(pm + lo, pv + lo, pb + lo, k, s, e, c1, b, at_b, u0, y, edge);
+      }
+    } else if (bounded) {
       clean_block<true>(pm + lo, pv + lo, pl + lo, k, s, e, c1, b, at_b, u0, y, edge);
     } else {
       clean_block<false>(pm + lo, pv + lo, pl + lo, k, s, e, c1, b, at_b, u0, y, edge);

@@ -56,10 +56,13 @@ PASSES = [K.clean_pass_torch] + ([torch.ops.lbcomm.lamb_clean_pass_] if K._CLEAN
 @pytest.mark.parametrize("bound", [None, 1.0, 0.05])
 @pytest.mark.parametrize("with_mask", [False, True])
 @pytest.mark.parametrize("with_theta", [False, True])
-def test_clean_pass_computes_its_sums_and_the_edge(run, bound, with_mask, with_theta):
+@pytest.mark.parametrize("ml_dtype", [torch.float32, torch.bfloat16])
+def test_clean_pass_computes_its_sums_and_the_edge(run, bound, with_mask, with_theta, ml_dtype):
+    """exp_avg_local in either dtype (OneBitLamb keeps bf16): widened exactly, as from scratch."""
     n, bc1, bc2, eps = 5003, 0.4, 0.02, 1e-8
     m, v, ml, theta, masked = _data(n, 3)
-    sums, edge = _expected(m, v, ml, theta if with_theta else None, masked if with_mask else None, bc1, bc2, eps, bound)
+    ml = ml.to(ml_dtype)
+    sums, edge = _expected(m, v, ml.float(), theta if with_theta else None, masked if with_mask else None, bc1, bc2, eps, bound)
     # two calls (the ranges of one parameter), positions numbered across them from acc[3]
     acc = torch.zeros(4, dtype=torch.float64)
     pos = torch.full((n,), -1, dtype=torch.int64)
@@ -84,8 +87,10 @@ def test_clean_pass_computes_its_sums_and_the_edge(run, bound, with_mask, with_t
 
 
 @pytest.mark.skipif(not K._CLEAN_OP, reason="lbcomm._C has no lamb_clean_pass_")
-def test_the_op_equals_the_torch_pass():
+@pytest.mark.parametrize("ml_dtype", [torch.float32, torch.bfloat16])
+def test_the_op_equals_the_torch_pass(ml_dtype):
     m, v, ml, theta, masked = _data(40000, 5)
+    ml = ml.to(ml_dtype)
     out = []
     for run in PASSES:
         acc, pos = torch.zeros(4, dtype=torch.float64), torch.full((40000,), -1, dtype=torch.int64)

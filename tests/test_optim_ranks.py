@@ -34,11 +34,11 @@ def test_onebit_lamb_warmup_equals_lamb(four_ranks):
 
 # The runs whose live ratio takes the estimated clean norm: its fp32 allreduce sums the four
 # ranks' values in gloo's order, the simulation in rank order, so these meet it to that
-# rounding (tests/test_lamb_norm.py: two ranks, where the order cannot matter); the others
-# bitwise
+# rounding, two ulps of a parameter near 1 (tests/test_lamb_norm.py: two ranks, where the
+# order cannot matter); the others bitwise
 ESTIMATED = {k for k, c in SIM_RUNS.items() if c["name"] == "lamb" and c["kw"].get("trust_ratio", "max") != "frozen"
              and c["kw"].get("norm_samples", 256) > 0}
-ESTIMATE_TOL = 1e-7
+ESTIMATE_TOL = 2.4e-7
 
 
 @pytest.mark.parametrize("run", [k for k in SIM_RUNS if k != "adam_rescale"])

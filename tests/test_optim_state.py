@@ -49,7 +49,7 @@ def test_onebit_lamb_checkpoint_without_the_local_momentum(caplog):
         opt2.load_state_dict(sd)
     assert any("no exp_avg_local" in r.getMessage() for r in caplog.records)
     for q in clone.parameters():
-        assert torch.equal(opt2.state[q]["exp_avg_local"], opt2.state[q]["exp_avg"])
+        assert torch.equal(opt2.state[q]["exp_avg_local"], opt2.state[q]["exp_avg"].bfloat16())
     _train(clone, opt2, 2, start=5)
 
 
@@ -65,15 +65,16 @@ def test_rank_local_buffers_round_trip(caplog):
     _train(model, opt, 3, start=2)
     local = opt.rank_local_buffers()["exp_avg_local"]
     assert local.numel() == sum(q.numel() for q in model.parameters())
+    assert local.dtype == torch.bfloat16  # a statistic's input: 2 bytes per parameter
     assert lbcomm.OneBitAdam(model.parameters()).rank_local_buffers() == {}
     a, b = local.clone() + 1, local.clone() - 3
     opt.load_rank_local_buffers({"exp_avg_local": a})
     assert torch.equal(local, a)
     opt.load_rank_local_buffers({"exp_avg_local": a}, all_ranks=[{"exp_avg_local": a}, {"exp_avg_local": b}])
-    assert torch.equal(local, (a + b) / 2)
+    assert torch.equal(local, ((a.float() + b.float()) / 2).bfloat16())  # averaged in fp32, rounded once
     with caplog.at_level(logging.WARNING, logger="lbcomm"):
         opt.load_rank_local_buffers(None)
-    assert torch.equal(local, opt._flat["exp_avg"]) and any("rank-local" in r.getMessage() for r in caplog.records)
+    assert torch.equal(local, opt._flat["exp_avg"].bfloat16()) and any("rank-local" in r.getMessage() for r in caplog.records)
     with pytest.raises(ValueError, match="another model or layout"):
         opt.load_rank_local_buffers({"exp_avg_local": torch.zeros(3)})
 

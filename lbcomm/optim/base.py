@@ -85,6 +85,8 @@ class BaseOptimizer(Optimizer):
     _param_vectors: Dict[str, float] = {"step": 0.0}
     # Flat buffers whose values differ between ranks (`rank_local_buffers`).
     _rank_local_buffers: tuple = ()
+    # Flat buffers kept in another dtype than fp32 (a statistic's input, never a step's).
+    _buffer_dtypes: Dict[str, torch.dtype] = {}
     # Whether the optimizer runs the averaged-gradients probe (comm.detect_averaged_grads).
     _probes_averaged_grads: bool = True
     # Options a param group may set that are not constructor arguments (rarely tuned details).
@@ -98,7 +100,7 @@ class BaseOptimizer(Optimizer):
         self._grads_averaged = False
         self.flat_state = FlatState(type(self).__name__, self.comm, self._current_groups, defaults,
                                     self._current_transport, self._param_vectors, self._buffer_names,
-                                    self._probes_averaged_grads)
+                                    self._probes_averaged_grads, self._buffer_dtypes)
         self.flat_state.layout_listeners.append(self._views_on_layout)  # the stage and others add their own
         self.last_step_skipped = False
         self.skipped_steps = 0

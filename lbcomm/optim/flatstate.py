@@ -58,12 +58,15 @@ class FlatState:
         vector_defaults (dict): the per-parameter vectors and their initial values.
         buffer_names (callable): the flat buffers the state holds now.
         probes_averaged_grads (bool): whether the averaged-gradients probe runs.
+        buffer_dtypes (dict, optional): the buffers kept in another dtype than fp32, by name.
     """
 
     def __init__(self, name: str, comm: CommConfig, groups: Callable[[], List[Dict[str, Any]]],
                  defaults: Dict[str, Any], transport: Callable[[], Any], vector_defaults: Dict[str, float],
-                 buffer_names: Callable[[], tuple], probes_averaged_grads: bool = True):
+                 buffer_names: Callable[[], tuple], probes_averaged_grads: bool = True,
+                 buffer_dtypes: Optional[Dict[str, torch.dtype]] = None):
         self.name = name
+        self.buffer_dtypes = dict(buffer_dtypes or {})
         self.comm = comm
         self.defaults = defaults
         self.vector_defaults = vector_defaults
@@ -81,6 +84,10 @@ class FlatState:
         self._groups = groups
         self._transport = transport
         self._shard_transport = None
+
+    def new_buffer(self, name: str, L: FlatLayout) -> Tensor:
+        """A zero flat buffer `name` of layout L, in its dtype (fp32 unless `buffer_dtypes` says)."""
+        return torch.zeros(L.total, dtype=self.buffer_dtypes.get(name, torch.float32), device=self.device_of(L))
 
     # ------------------------------------------------------------------ the optimizer's options
     @property

@@ -109,7 +109,7 @@ def lamb_clean_pass_(acc: Tensor, positions: Tensor, m: Tensor, v: Tensor, ml: T
     coordinates numbered [skip, skip + positions.numel()) from acc[3] on written to
     positions (plus base); u0 = clamp(m / (d bc1)), y = clamp(ml / (d bc1)), d =
     `clean_denominator`(v), the edge |u0| >= edge_at (with a bound) or `masked`.
-    The fused op on CPU (fp32 contiguous m, v, ml, theta), `clean_pass_torch` elsewhere."""
+    The fused op on CPU (fp32 contiguous m, v, theta; ml fp32 or bf16), `clean_pass_torch` elsewhere."""
     if _CLEAN_OP and m.device.type == "cpu":
         if theta is not None and (theta.dtype != torch.float32 or not theta.is_contiguous()):
             theta = theta.float().contiguous()

@@ -82,14 +82,23 @@ class LambNorms:
 
 
     def track_local_momentum(self, L: FlatLayout, segs) -> None:
-        """exp_avg_local <- b1 exp_avg_local + (1 - b1) g, this rank's own gradients."""
+        """exp_avg_local <- b1 exp_avg_local + (1 - b1) g, this rank's own gradients: the lerp
+        in fp32 (in the staging buffer, idle after the reduction), rounded once to the
+        buffer's bf16."""
         ml = self.fs.buffers["exp_avg_local"]
+        stage = self.stage.stage_buffer(L)
+        zero = torch.zeros((), dtype=torch.float32, device=stage.device)
         for seg in segs:
             w = 1 - self.fs.param_groups[seg.group]["betas"][0]
             for i in seg.idx:
                 g = L.grad(i)
-                view = ml[L.offsets[i]:L.offsets[i] + L.numels[i]]
-                view.lerp_(torch.zeros_like(view) if g is None else g.reshape(-1).float(), w)
+                g = None if g is None else g.reshape(-1)
+                o, n = L.offsets[i], L.numels[i]
+                for lo in range(0, n, stage.numel()):
+                    hi = min(n, lo + stage.numel())
+                    t = stage[:hi - lo].copy_(ml[o + lo:o + hi])
+                    t.lerp_(zero if g is None else g[lo:hi].float(), w)
+                    ml[o + lo:o + hi].copy_(t)
 
     def estimate_slots(self, L: FlatLayout) -> Optional[Tensor]:
         """Per parameter whose live ratio takes the estimated norm: its norm_samples (a long

@@ -39,6 +39,9 @@ class OneBitLamb(BaseOptimizer):
     # its mean over the ranks is the momentum an uncompressed allreduce would give
     _frozen_buffers = ("exp_avg_sq_fresh", "exp_avg_local")
     _rank_local_buffers = ("exp_avg_local",)
+    # it only feeds the live ratio's norm estimate (whose sampling error is far larger than
+    # bf16's rounding), so it takes 2 bytes per parameter; each update runs in fp32
+    _buffer_dtypes = {"exp_avg_local": torch.bfloat16}
 
     def __init__(
         self,
@@ -156,7 +159,7 @@ class OneBitLamb(BaseOptimizer):
         if not self.frozen and self._onebit.freeze_due(L):
             self._onebit.freeze(L)
             for name in self._frozen_buffers:
-                self.flat_state.buffers[name] = torch.zeros_like(self.flat_state.buffers["exp_avg"])
+                self.flat_state.buffers[name] = self.flat_state.new_buffer(name, L)
             self._on_freeze(L)
             self._attach_views()
             self._onebit.report.log_freeze(L)
@@ -362,7 +365,8 @@ OneBitLamb.__doc__ = r"""Implements 1-bit LAMB: LAMB in the warmup, then a froze
 
     So the live ratio does not divide by the 1-bit error, it divides by an estimate
     :math:`\hat{n}` of the clean direction's norm: each rank keeps the momentum of its
-    own gradients (``exp_avg_local``, 4 bytes per parameter, never sent), whose mean over
+    own gradients (``exp_avg_local``, never sent; 2 bytes per parameter in bf16, each update
+    computed in fp32 and rounded once: it feeds only this estimate), whose mean over
     the ranks is the uncompressed momentum :math:`m^*`. Where the decoded :math:`u_0` is
     neither clamped nor masked, :math:`\mathrm{clamp}(\hat{m}_r / d)` is projected on
     :math:`u_0`: there the 1-bit error is nearly uncorrelated with the clean direction, so

@@ -76,7 +76,7 @@ def build_layout(fs, order: Optional[Sequence[int]] = None) -> FlatLayout:
                          "group as comm.process_group and the shard group as comm.shard_group")
     f32 = dict(dtype=torch.float32, device=params[0].device if params else torch.device("cpu"))
     old, old_flat, old_vec = fs.layout, fs.buffers, fs.vectors
-    fs.buffers = {n: torch.zeros(L.total, **f32) for n in fs.buffer_names()}
+    fs.buffers = {n: fs.new_buffer(n, L) for n in fs.buffer_names()}
     fs.vectors = {n: torch.full((len(params),), v, **f32) for n, v in fs.vector_defaults.items()}
     if old is not None:  # keep the state of parameters that were already there
         for i, p in enumerate(params):
@@ -146,7 +146,7 @@ def extra_state(fs, saved_class: str, skipped_steps: int, rank_local) -> Dict[st
 
 def rank_mean(tensors) -> Tensor:
     """The saved ranks' mean of a rank-local buffer (an elastic resume starts every rank from it)."""
-    return torch.stack(list(tensors)).sum(0) / len(tensors)
+    return torch.stack([t.float() for t in tensors]).sum(0) / len(tensors)
 
 
 def load_rank_local(name: str, mine: Dict[str, Tensor], saved: Optional[Dict[str, Tensor]], all_ranks,
@@ -228,7 +228,7 @@ def restore(fs, state: Dict[Any, Dict[str, Any]], extra: Dict[str, Any]) -> None
             fs.vectors[n].copy_(torch.stack([state[k][n].reshape(()) for k in order]))
         else:
             if n not in fs.buffers:
-                fs.buffers[n] = torch.zeros(L.total, dtype=torch.float32, device=fs.device_of(L))
+                fs.buffers[n] = fs.new_buffer(n, L)
             fs.buffers[n].copy_(torch.cat([state[k][n].reshape(-1) for k in order]))
 
 

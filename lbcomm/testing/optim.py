@@ -231,7 +231,8 @@ def _lamb(params0, grads, *, lr, betas, eps, weight_decay, max_coeff, min_coeff,
                 "k": [mean_rms / r if r > 0 else torch.ones(()) for r in rms],
                 "f_last": [torch.ones(()) for _ in theta],
                 "c": [c if c != 0 else torch.ones(()) for c in c_frz],
-                "local": [[mi.clone() for mi in m] for _ in range(p)],  # each rank's own momentum
+                # each rank's own momentum, kept in bf16 (updated in fp32, rounded once)
+                "local": [[mi.to(torch.bfloat16) for mi in m] for _ in range(p)],
             }
         k, keep, v_fresh = frozen["k"], frozen["keep"], frozen["v_fresh"]
         bc2 = 1 - b2 ** freeze_step if bias_correction else 1.0
@@ -248,7 +249,7 @@ def _lamb(params0, grads, *, lr, betas, eps, weight_decay, max_coeff, min_coeff,
         own = frozen["local"]
         for r in range(p):
             for i in range(n_params):
-                own[r][i] = torch.lerp(own[r][i], g_step[r][i].float(), 1 - b1)
+                own[r][i] = torch.lerp(own[r][i].float(), g_step[r][i].float(), 1 - b1).to(torch.bfloat16)
         estimate = trust_ratio != "frozen" and norm_samples > 0 and p > 1
         for i in range(n_params):
             g_tilde = (new_m[i] - b1 * m[i]) / (1 - b1)
