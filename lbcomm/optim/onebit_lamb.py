@@ -181,7 +181,7 @@ class OneBitLamb(BaseOptimizer):
     def _on_freeze(self, L: FlatLayout) -> None:
         flat = self.flat_state.buffers
         flat["exp_avg_sq_fresh"].copy_(flat["exp_avg_sq"])
-        flat["exp_avg_local"].copy_(flat["exp_avg"])  # the warmup's momentum is exact
+        self._reset_rank_local(self._rank_local_buffers)  # the warmup's momentum is exact
         idx = [i for i, on in enumerate(self._onebit.participating(L)) if on]
         m = self.flat_state.buffers["exp_avg"]
         if self.flat_state.sharded():  # rms of whole parameters, the mean over every parameter of the model
