@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import lbcomm
-from lbcomm.config import COMM_FIELDS, split_settings  # noqa: F401  (COMM_FIELDS: for the tests that import it here)
+from lbcomm.config import split_settings
 
 OPTS = {"adam": lbcomm.OneBitAdam, "lamb": lbcomm.OneBitLamb}
 

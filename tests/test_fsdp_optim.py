@@ -24,9 +24,9 @@ import pytest
 import torch
 
 import lbcomm
+from lbcomm.config import COMM_FIELDS
 from dist_util import run_ranks
 from test_fsdp import _batch  # the same synthetic regression batches as the HSDP hook's tests
-from optim_util import COMM_FIELDS
 
 N, G = 2, 2
 STEPS, FREEZE, BLOCK = 8, 4, 64

@@ -10,8 +10,9 @@ import torch
 from torch import nn
 
 import lbcomm
+from lbcomm.config import COMM_FIELDS
 from dist_util import same as _same
-from optim_util import COMM_FIELDS, OPTS, _max_diff, _mlp, _snapshot, _train
+from optim_util import OPTS, _max_diff, _mlp, _snapshot, _train
 
 
 def test_state_dict_round_trip_is_exact_in_process():
