@@ -2,6 +2,7 @@
 // op (lbcomm/optim/lamb_norm.py wraps it and holds the pure-torch sequence it replaces,
 // which runs where the op cannot). Per coordinate, in fp32 with torch's roundings:
 //
+//   with a gradient g: ml <- ml + w (g - ml)  (three roundings, no FMA), stored in ml's dtype
 //   d = sqrt(v) / denom_scale + eps;  q = d bc1;  u0 = m / q;  y = ml / q
 //   with a bound B: u0 = clamp(u0, -B, B), y = clamp(y, -B, B), edge = |u0| >= edge_at
 //   edge |= masked (the momentum mask)
@@ -12,16 +13,18 @@
 //   acc[1] += sum of u0 theta;  acc[2] += sum of theta^2        (when theta is given)
 //   acc[3] += the number of edge coordinates
 //
-// The edge coordinates are numbered on from acc[3]; those numbered in [skip, skip +
-// positions.numel()) have base + their index in the range written to positions (nothing
-// else is written). The sums run in a fixed order on one thread (8 lanes of every 8th
+// lamb_advance_local_ makes the first step alone.
+//
+// counts[b] = the edge coordinates in block b (kBlock elements) of the range: the sampled
+// edge coordinates are then found by lamb_edge_find_, which passes again over the blocks
+// holding them only, instead of every edge position being written (most coordinates can
+// sit at the bound). The sums run in a fixed order on one thread (8 lanes of every 8th
 // element, then the lanes in order): the same bits on every rank and thread count.
 // sqrt is IEEE's (correctly rounded, the same on every ISA; torch's vectorized sqrt is not,
 // see csrc/optim.cpp), so u0 may differ from the direction's (m / bc1) / d by an ulp or two:
 // the edge's threshold (edge_at, below the bound by far more) allows for that. Built with
 // -ffp-contract=off (no FMA).
 #include <ATen/core/Tensor.h>
-#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -36,25 +39,62 @@ namespace {
 constexpr int64_t kBlock = 512;
 constexpr int kLanes = 8;  // the fp64 sums: lane l adds the elements j = l (mod 8), then the lanes in order
 
+// ml's element: fp32, or bf16 as its bits (uint16_t), widened exactly and stored rounded to
+// nearest even (NaN kept a quiet NaN), as torch converts; bit operations only, so that the
+// block's loop stays vectorized.
+inline float widen(float x) { return x; }
+inline float widen(uint16_t x) {
+  const uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof out);
+  return out;
+}
+inline float narrow(float x, float*) { return x; }
+inline uint16_t narrow(float x, uint16_t*) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  const bool nan = (bits & 0x7fffffffu) > 0x7f800000u;
+  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  return static_cast<uint16_t>(nan ? 0x7fc0u : rounded);
+}
+
 // One block's u0, y (0 on the edge: only its products off the edge are summed) and edge
-// flags, without branches (vectorized; B: with the bound). Cloned per ISA: the divisions
-// dominate. ml (the rank's own momentum) is fp32 or bf16, widened exactly to fp32.
-template <bool B, typename L>
+// flags, without branches (vectorized; B: with the bound; T: ml advanced by g first).
+// Cloned per ISA: the divisions dominate.
+template <bool B, bool T, typename L>
 __attribute__((target_clones("avx512f", "avx2", "default"))) void clean_block(
-    const float* __restrict m, const float* __restrict v, const L* __restrict ml, int64_t n, float s, float e,
-    float c1, float b, float at_b, float* __restrict u0, float* __restrict y, uint8_t* __restrict edge) {
+    const float* __restrict m, const float* __restrict v, L* __restrict ml, const float* __restrict g, float w,
+    int64_t n, float s, float e, float c1, float b, float at_b, float* __restrict u0, float* __restrict y,
+    uint8_t* __restrict edge) {
   for (int64_t j = 0; j < n; ++j) {
     const float q = (std::sqrt(v[j]) / s + e) * c1;
+    float a = widen(ml[j]);
+    if (T) {
+      const L stored = narrow((g[j] - a) * w + a, ml);
+      ml[j] = stored;
+      a = widen(stored);
+    }
     float u = m[j] / q;
-    float w = static_cast<float>(ml[j]) / q;
+    float x = a / q;
     if (B) {  // torch.clamp_: a NaN stays NaN
       u = u > b ? b : (u < -b ? -b : u);
-      w = w > b ? b : (w < -b ? -b : w);
+      x = x > b ? b : (x < -b ? -b : x);
     }
     const bool at = B && std::fabs(u) >= at_b;
     u0[j] = u;
-    y[j] = at ? 0.0f : w;
+    y[j] = at ? 0.0f : x;
     edge[j] = static_cast<uint8_t>(at);
+  }
+}
+
+// ml <- ml + w (g - ml), g null: zero; the update of clean_block, alone (the parameters
+// whose pass does not run: no estimate in their group, or no compression).
+template <typename L>
+__attribute__((target_clones("avx512f", "avx2", "default"))) void advance_block(
+    L* __restrict ml, const float* __restrict g, float w, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) {
+    const float a = widen(ml[j]);
+    ml[j] = narrow(((g == nullptr ? 0.0f : g[j]) - a) * w + a, ml);
   }
 }
 
@@ -107,122 +147,174 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) int64_t clean_sums(
   return count;
 }
 
-// out[0..count) = first + the indices of the edge flags set, in order (nothing else written):
-// when few are set, eight flags (bytes of 0 or 1) at a time, skipping the words without one;
-// else every index written and the position advanced by the flag.
-void record_edge(const uint8_t* edge, int64_t n, int64_t count, int64_t first, int64_t* out) {
-  if (4 * count > n) {
-    const int64_t kept = count < n ? out[count] : 0;  // the loop writes out[count] too: put it back
-    int64_t w = 0;
-    for (int64_t j = 0; j < n; ++j) {
-      out[w] = first + j;
-      w += edge[j];
-    }
-    if (count < n) out[count] = kept;
-    return;
-  }
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8) {
-    uint64_t w;
-    std::memcpy(&w, edge + j, 8);
-    while (w != 0) {
-      *out++ = first + j + (__builtin_ctzll(w) >> 3);
-      w &= w - 1;
-    }
-  }
-  for (; j < n; ++j) {
-    if (edge[j]) *out++ = first + j;
-  }
-}
-
 double lanes_total(const double* lanes) {
   double t = 0.0;
   for (int l = 0; l < kLanes; ++l) t += lanes[l];
   return t;
 }
 
-void check(const at::Tensor& t, const char* name, int64_t n, at::ScalarType type) {
-  const char* op = "lbcomm::lamb_clean_pass_";
+void check(const at::Tensor& t, const char* name, int64_t n, at::ScalarType type, const char* op) {
   TORCH_CHECK_TYPE(t.scalar_type() == type, op, ": ", name, " must be ", type, ", got ", t.scalar_type());
   TORCH_CHECK_VALUE(t.is_contiguous() && t.device().is_cpu(), op, ": ", name, " must be a contiguous CPU tensor");
   TORCH_CHECK_VALUE(n < 0 || t.numel() == n, op, ": ", name, " must have ", n, " elements, got ", t.numel());
 }
 
-void lamb_clean_pass_cpu(at::Tensor& acc, at::Tensor& positions, const at::Tensor& m, const at::Tensor& v,
-                         const at::Tensor& ml, const std::optional<at::Tensor>& theta,
-                         const std::optional<at::Tensor>& masked, int64_t base, int64_t skip, double bc1,
+// The constants of a pass, as torch turns each Python float into the tensors' dtype
+// before an elementwise op.
+struct Consts {
+  float s, e, c1, b, at_b;
+  bool bounded;
+  Consts(double bc1, double denom_scale, double eps, std::optional<double> bound, double edge_at)
+      : s(static_cast<float>(denom_scale)), e(static_cast<float>(eps)), c1(static_cast<float>(bc1)),
+        b(static_cast<float>(bound.value_or(0.0))), at_b(static_cast<float>(edge_at)), bounded(bound.has_value()) {}
+};
+
+// clean_block for ml's dtype, the bound and the tracking known at run time.
+template <typename L>
+void run_block(const Consts& c, const float* m, const float* v, L* ml, const float* g, float w, int64_t k,
+               float* u0, float* y, uint8_t* edge) {
+  if (c.bounded) {
+    if (g != nullptr) {
+      clean_block<true, true>(m, v, ml, g, w, k, c.s, c.e, c.c1, c.b, c.at_b, u0, y, edge);
+    } else {
+      clean_block<true, false>(m, v, ml, g, w, k, c.s, c.e, c.c1, c.b, c.at_b, u0, y, edge);
+    }
+  } else if (g != nullptr) {
+    clean_block<false, true>(m, v, ml, g, w, k, c.s, c.e, c.c1, c.b, c.at_b, u0, y, edge);
+  } else {
+    clean_block<false, false>(m, v, ml, g, w, k, c.s, c.e, c.c1, c.b, c.at_b, u0, y, edge);
+  }
+}
+
+int64_t blocks(int64_t n) { return (n + kBlock - 1) / kBlock; }
+
+void lamb_clean_pass_cpu(at::Tensor& acc, at::Tensor& counts, const at::Tensor& m, const at::Tensor& v,
+                         at::Tensor& ml, const std::optional<at::Tensor>& grad, double weight,
+                         const std::optional<at::Tensor>& theta, const std::optional<at::Tensor>& masked, double bc1,
                          double denom_scale, double eps, std::optional<double> bound, double edge_at) {
+  const char* op = "lbcomm::lamb_clean_pass_";
   const int64_t n = m.numel();
-  check(acc, "acc", 4, at::kDouble);
-  check(positions, "positions", -1, at::kLong);
-  check(m, "exp_avg", n, at::kFloat);
-  check(v, "exp_avg_sq", n, at::kFloat);
-  TORCH_CHECK_TYPE(ml.scalar_type() == at::kFloat || ml.scalar_type() == at::kBFloat16,
-                   "lbcomm::lamb_clean_pass_: exp_avg_local must be Float or BFloat16, got ", ml.scalar_type());
-  check(ml, "exp_avg_local", n, ml.scalar_type());
-  if (theta.has_value()) check(*theta, "theta", n, at::kFloat);
-  if (masked.has_value()) check(*masked, "masked", n, at::kBool);
+  check(acc, "acc", 4, at::kDouble, op);
+  check(counts, "counts", blocks(n), at::kLong, op);
+  check(m, "exp_avg", n, at::kFloat, op);
+  check(v, "exp_avg_sq", n, at::kFloat, op);
+  TORCH_CHECK_TYPE(ml.scalar_type() == at::kFloat || ml.scalar_type() == at::kBFloat16, op,
+                   ": exp_avg_local must be Float or BFloat16, got ", ml.scalar_type());
+  check(ml, "exp_avg_local", n, ml.scalar_type(), op);
+  if (grad.has_value()) check(*grad, "grad", n, at::kFloat, op);
+  if (theta.has_value()) check(*theta, "theta", n, at::kFloat, op);
+  if (masked.has_value()) check(*masked, "masked", n, at::kBool, op);
   double* a = acc.data_ptr<double>();
-  int64_t* pos = positions.data_ptr<int64_t>();
-  const int64_t cap = positions.numel();
+  int64_t* cnt = counts.data_ptr<int64_t>();
   const float* pm = m.data_ptr<float>();
   const float* pv = v.data_ptr<float>();
   const bool half = ml.scalar_type() == at::kBFloat16;
-  const float* pl = half ? nullptr : ml.data_ptr<float>();
-  const c10::BFloat16* pb = half ? ml.data_ptr<c10::BFloat16>() : nullptr;
+  float* pl = half ? nullptr : ml.data_ptr<float>();
+  // bf16's bits (at::BFloat16 holds its uint16_t and nothing else)
+  uint16_t* pb = half ? reinterpret_cast<uint16_t*>(ml.data_ptr<at::BFloat16>()) : nullptr;
+  const float* pg = grad.has_value() ? grad->data_ptr<float>() : nullptr;
+  const float w = static_cast<float>(weight);
   const float* th = theta.has_value() ? theta->data_ptr<float>() : nullptr;
   const bool* mk = masked.has_value() ? masked->data_ptr<bool>() : nullptr;
-  // torch turns each Python float into the tensors' dtype before the elementwise op
-  const float s = static_cast<float>(denom_scale), e = static_cast<float>(eps), c1 = static_cast<float>(bc1);
-  const float b = static_cast<float>(bound.value_or(0.0)), at_b = static_cast<float>(edge_at);
-  const bool bounded = bound.has_value();
+  const Consts c(bc1, denom_scale, eps, bound, edge_at);
   double sums[3][kLanes] = {};
-  int64_t seen = static_cast<int64_t>(a[3]);
+  int64_t seen = 0;
   float u0[kBlock], y[kBlock];
   uint8_t edge[kBlock];
   for (int64_t lo = 0; lo < n; lo += kBlock) {
     const int64_t k = std::min(kBlock, n - lo);
+    const float* g = pg == nullptr ? nullptr : pg + lo;
     if (half) {
-      if (bounded) {
-        clean_block<true>(pm + lo, pv + lo, pb + lo, k, s, e, c1, b, at_b, u0, y, edge);
-      } else {
-        clean_block<false>(pm + lo, pv + lo, pb + lo, k, s, e, c1, b, at_b, u0, y, edge);
-      }
-    } else if (bounded) {
-      clean_block<true>(pm + lo, pv + lo, pl + lo, k, s, e, c1, b, at_b, u0, y, edge);
+      run_block(c, pm + lo, pv + lo, pb + lo, g, w, k, u0, y, edge);
     } else {
-      clean_block<false>(pm + lo, pv + lo, pl + lo, k, s, e, c1, b, at_b, u0, y, edge);
+      run_block(c, pm + lo, pv + lo, pl + lo, g, w, k, u0, y, edge);
     }
     if (mk != nullptr) mark_masked(mk + lo, k, y, edge);
     const int64_t count = clean_sums(u0, y, edge, th == nullptr ? nullptr : th + lo, k, sums);
-    if (count == 0) continue;
-    if (seen >= skip && seen + k <= skip + cap) {  // the whole block fits the window
-      record_edge(edge, k, count, base + lo, pos + (seen - skip));
-    } else {
-      int64_t at = seen;
-      for (int64_t j = 0; j < k; ++j) {
-        if (edge[j]) {
-          if (at >= skip && at - skip < cap) pos[at - skip] = base + lo + j;
-          ++at;
-        }
-      }
-    }
+    cnt[lo / kBlock] = count;
     seen += count;
   }
   a[0] += lanes_total(sums[0]);
   a[1] += lanes_total(sums[1]);
   a[2] += lanes_total(sums[2]);
-  a[3] = static_cast<double>(seen);
+  a[3] += static_cast<double>(seen);
+}
+
+void lamb_advance_local_cpu(at::Tensor& ml, const std::optional<at::Tensor>& grad, double weight) {
+  const char* op = "lbcomm::lamb_advance_local_";
+  const int64_t n = ml.numel();
+  TORCH_CHECK_TYPE(ml.scalar_type() == at::kFloat || ml.scalar_type() == at::kBFloat16, op,
+                   ": exp_avg_local must be Float or BFloat16, got ", ml.scalar_type());
+  check(ml, "exp_avg_local", n, ml.scalar_type(), op);
+  if (grad.has_value()) check(*grad, "grad", n, at::kFloat, op);
+  const float* g = grad.has_value() ? grad->data_ptr<float>() : nullptr;
+  if (ml.scalar_type() == at::kBFloat16) {
+    advance_block(reinterpret_cast<uint16_t*>(ml.data_ptr<at::BFloat16>()), g, static_cast<float>(weight), n);
+  } else {
+    advance_block(ml.data_ptr<float>(), g, static_cast<float>(weight), n);
+  }
+}
+
+// out[i] = the index in the range of the draws[i]-th edge coordinate (draws ascending,
+// numbered from 0 in the range; counts: the pass's per-block counts over the same range):
+// each block holding a draw has its edge flags computed again, as the pass computed them.
+void lamb_edge_find_cpu(at::Tensor& out, const at::Tensor& draws, const at::Tensor& counts, const at::Tensor& m,
+                        const at::Tensor& v, const std::optional<at::Tensor>& masked, double bc1, double denom_scale,
+                        double eps, std::optional<double> bound, double edge_at) {
+  const char* op = "lbcomm::lamb_edge_find_";
+  const int64_t n = m.numel(), k = draws.numel(), nb = blocks(n);
+  check(draws, "draws", -1, at::kLong, op);
+  check(out, "out", k, at::kLong, op);
+  check(counts, "counts", nb, at::kLong, op);
+  check(m, "exp_avg", n, at::kFloat, op);
+  check(v, "exp_avg_sq", n, at::kFloat, op);
+  if (masked.has_value()) check(*masked, "masked", n, at::kBool, op);
+  const int64_t* d = draws.data_ptr<int64_t>();
+  const int64_t* cnt = counts.data_ptr<int64_t>();
+  int64_t* o = out.data_ptr<int64_t>();
+  const float* pm = m.data_ptr<float>();
+  const float* pv = v.data_ptr<float>();
+  const bool* mk = masked.has_value() ? masked->data_ptr<bool>() : nullptr;
+  const Consts c(bc1, denom_scale, eps, bound, edge_at);
+  float u0[kBlock], y[kBlock];
+  uint8_t edge[kBlock];
+  int64_t blk = 0, before = 0, ready = -1;  // before: the edge coordinates ahead of block blk
+  int64_t j = -1, rank = -1;                // in block ready: rank + 1 edge flags in [0, j]
+  for (int64_t i = 0; i < k; ++i) {
+    TORCH_CHECK_VALUE(d[i] >= (i > 0 ? d[i - 1] : 0), op, ": draws must be ascending and >= 0");
+    while (blk < nb && before + cnt[blk] <= d[i]) before += cnt[blk++];
+    TORCH_CHECK_VALUE(blk < nb, op, ": draw ", d[i], " is past the range's edge coordinates (", before, ")");
+    const int64_t lo = blk * kBlock, len = std::min(kBlock, n - lo);
+    if (ready != blk) {  // ml = m: y is not used, and nothing is written with no gradient
+      run_block(c, pm + lo, pv + lo, const_cast<float*>(pm + lo), nullptr, 0.0f, len, u0, y, edge);
+      if (mk != nullptr) mark_masked(mk + lo, len, y, edge);
+      ready = blk;
+      j = rank = -1;
+    }
+    while (rank < d[i] - before) {
+      ++j;
+      TORCH_CHECK_VALUE(j < len, op, ": the block's edge flags do not match its count");
+      rank += edge[j];
+    }
+    o[i] = lo + j;
+  }
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(lbcomm, m) {
-  m.def("lamb_clean_pass_(Tensor(a!) acc, Tensor(b!) positions, Tensor exp_avg, Tensor exp_avg_sq, "
-        "Tensor exp_avg_local, Tensor? theta, Tensor? masked, int base, int skip, float bc1, float denom_scale, "
-        "float eps, float? bound, float edge_at) -> ()");
+  m.def("lamb_clean_pass_(Tensor(a!) acc, Tensor(b!) counts, Tensor exp_avg, Tensor exp_avg_sq, "
+        "Tensor(c!) exp_avg_local, Tensor? grad, float weight, Tensor? theta, Tensor? masked, float bc1, "
+        "float denom_scale, float eps, float? bound, float edge_at) -> ()");
+  m.def("lamb_advance_local_(Tensor(a!) exp_avg_local, Tensor? grad, float weight) -> ()");
+  m.def("lamb_edge_find_(Tensor(a!) out, Tensor draws, Tensor counts, Tensor exp_avg, Tensor exp_avg_sq, "
+        "Tensor? masked, float bc1, float denom_scale, float eps, float? bound, float edge_at) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(lbcomm, CPU, m) { m.impl("lamb_clean_pass_", &lamb_clean_pass_cpu); }
+TORCH_LIBRARY_IMPL(lbcomm, CPU, m) {
+  m.impl("lamb_clean_pass_", &lamb_clean_pass_cpu);
+  m.impl("lamb_edge_find_", &lamb_edge_find_cpu);
+  m.impl("lamb_advance_local_", &lamb_advance_local_cpu);
+}
 
 }  // namespace lbcomm

@@ -1,9 +1,10 @@
 """OneBitLamb's clean-norm estimate (lbcomm/optim/lamb_norm.py): the fused pass
 (torch.ops.lbcomm.lamb_clean_pass_, csrc/lamb.cpp) and its torch fallback against a
-plain-torch computation of what they promise, and the optimizer on two real gloo ranks
-against the simulation (lbcomm.testing.optim) with passes of a few elements, so that the
-staged ranges, the second pass for the sampled positions and the direction of a
-parameter larger than the staging buffer run."""
+plain-torch computation of what they promise, the search for the sampled edge coordinates
+(lamb_edge_find_) likewise, and the optimizer on two real gloo ranks against the
+simulation (lbcomm.testing.optim) with passes of a few elements, so that the staged
+ranges, the search across them and the direction of a parameter larger than the staging
+buffer run."""
 import numpy as np
 import pytest
 import torch
@@ -50,6 +51,22 @@ def _data(n, seed):
 
 
 PASSES = [K.clean_pass_torch] + ([torch.ops.lbcomm.lamb_clean_pass_] if K._CLEAN_OP else [])
+FINDS = [K.edge_find_torch] + ([torch.ops.lbcomm.lamb_edge_find_] if K._CLEAN_OP else [])
+
+
+def _advanced(ml, g, w):
+    """ml + w (g - ml), fp32 roundings one op at a time, in ml's dtype: from scratch, in numpy."""
+    a = ml.float().numpy()
+    with np.errstate(invalid="ignore"):  # inf - inf: NaN, as in torch
+        out = torch.from_numpy(((g.numpy() - a) * np.float32(w) + a).astype(np.float32))
+    return out.to(ml.dtype)
+
+
+def _blocks(edge, n):
+    """Per block of K.EDGE_BLOCK elements, its flags set (edge: bool, n of them)."""
+    pad = torch.zeros(-(-n // K.EDGE_BLOCK) * K.EDGE_BLOCK, dtype=torch.int64)
+    pad[:n] = edge.long()
+    return pad.view(-1, K.EDGE_BLOCK).sum(1)
 
 
 @pytest.mark.parametrize("run", PASSES, ids=lambda f: getattr(f, "__name__", str(f)))
@@ -57,33 +74,79 @@ PASSES = [K.clean_pass_torch] + ([torch.ops.lbcomm.lamb_clean_pass_] if K._CLEAN
 @pytest.mark.parametrize("with_mask", [False, True])
 @pytest.mark.parametrize("with_theta", [False, True])
 @pytest.mark.parametrize("ml_dtype", [torch.float32, torch.bfloat16])
-def test_clean_pass_computes_its_sums_and_the_edge(run, bound, with_mask, with_theta, ml_dtype):
-    """exp_avg_local in either dtype (OneBitLamb keeps bf16): widened exactly, as from scratch."""
-    n, bc1, bc2, eps = 5003, 0.4, 0.02, 1e-8
+@pytest.mark.parametrize("with_grad", [False, True])
+def test_clean_pass_computes_its_sums_and_the_edge(run, bound, with_mask, with_theta, ml_dtype, with_grad):
+    """exp_avg_local in either dtype (OneBitLamb keeps bf16), advanced by a gradient first or
+    not: widened exactly, as from scratch; the per-block edge counts of each range."""
+    n, bc1, bc2, eps, w = 5003, 0.4, 0.02, 1e-8, 0.1
     m, v, ml, theta, masked = _data(n, 3)
     ml = ml.to(ml_dtype)
-    sums, edge = _expected(m, v, ml.float(), theta if with_theta else None, masked if with_mask else None, bc1, bc2, eps, bound)
-    # two calls (the ranges of one parameter), positions numbered across them from acc[3]
+    g = ml.float() + 1e-2 * torch.randn(n, generator=torch.Generator().manual_seed(9))
+    want_ml = _advanced(ml, g, w) if with_grad else ml.clone()
+    sums, edge = _expected(m, v, want_ml.float(), theta if with_theta else None, masked if with_mask else None, bc1,
+                           bc2, eps, bound)
+    # two calls (the ranges of one parameter), acc summed across them
     acc = torch.zeros(4, dtype=torch.float64)
-    pos = torch.full((n,), -1, dtype=torch.int64)
-    cut = 2048
+    cut, counts = 2048, []
     for lo, hi in ((0, cut), (cut, n)):
-        run(acc, pos, m[lo:hi], v[lo:hi], ml[lo:hi], theta[lo:hi] if with_theta else None,
-            masked[lo:hi] if with_mask else None, lo, 0, bc1, bc2 ** 0.5, eps, bound,
+        c = torch.full((-(-(hi - lo) // K.EDGE_BLOCK),), -1, dtype=torch.int64)
+        run(acc, c, m[lo:hi], v[lo:hi], ml[lo:hi], g[lo:hi] if with_grad else None, w,
+            theta[lo:hi] if with_theta else None, masked[lo:hi] if with_mask else None, bc1, bc2 ** 0.5, eps, bound,
             0.0 if bound is None else bound * AT_BOUND)
+        counts.append(c)
+    assert torch.equal(ml, want_ml)
     assert acc[3].item() == sums[3] == edge.numel()
-    assert torch.equal(pos[:edge.numel()], edge)
+    on = torch.zeros(n, dtype=torch.bool)
+    on[edge] = True
+    assert torch.equal(counts[0], _blocks(on[:cut], cut)) and torch.equal(counts[1], _blocks(on[cut:], n - cut))
     for got, want in zip(acc[:3].tolist(), sums[:3]):
         assert got == pytest.approx(want, rel=1e-12, abs=1e-300)
     if bound == 0.05:
         assert edge.numel() > 100  # many coordinates at the bound: the edge is exercised
-    # a window of the numbering: positions [skip, skip + cap) only, nothing else written
-    if edge.numel() > 20:
-        acc2 = torch.zeros(4, dtype=torch.float64)
-        win = torch.full((7,), -1, dtype=torch.int64)
-        run(acc2, win, m, v, ml, None, masked if with_mask else None, 0, 11, bc1, bc2 ** 0.5, eps, bound,
-            0.0 if bound is None else bound * AT_BOUND)
-        assert torch.equal(win, edge[11:18])
+
+
+ADVANCES = [K._advance_torch] + ([torch.ops.lbcomm.lamb_advance_local_] if K._CLEAN_OP else [])
+
+
+@pytest.mark.parametrize("advance", ADVANCES, ids=lambda f: getattr(f, "__name__", str(f)))
+@pytest.mark.parametrize("ml_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_grad", [False, True])
+def test_advance_local_is_the_update_from_scratch(advance, ml_dtype, with_grad):
+    """ml + w (g - ml) rounded op by op, then to ml's dtype (bf16: to nearest even), g None as
+    zeros; a NaN stays NaN and an infinity an infinity."""
+    n, w = 4099, 0.1
+    gen = torch.Generator().manual_seed(2)
+    ml = (torch.randn(n, generator=gen) * 1e-2).to(ml_dtype)
+    ml[5], ml[6] = float("nan"), float("inf")
+    g = torch.randn(n, generator=gen) * 1e-2
+    want = _advanced(ml, g if with_grad else torch.zeros(n), w)
+    advance(ml, g if with_grad else None, w)
+    nan = want.isnan()
+    assert torch.equal(ml.isnan(), nan) and torch.equal(ml[~nan], want[~nan])
+
+
+@pytest.mark.parametrize("find", FINDS, ids=lambda f: getattr(f, "__name__", str(f)))
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_edge_find_gives_the_drawn_edge_coordinates(find, with_mask):
+    """Ascending draws, repeated ones included, against the edge's indices from scratch; a
+    draw past the edge is refused by the op."""
+    n, bc1, bc2, eps, bound = 5003, 0.4, 0.02, 1e-8, 0.05
+    m, v, ml, _, masked = _data(n, 4)
+    masked = masked if with_mask else None
+    edge = _expected(m, v, ml, None, masked, bc1, bc2, eps, bound)[1]
+    acc, counts = torch.zeros(4, dtype=torch.float64), torch.empty(-(-n // K.EDGE_BLOCK), dtype=torch.int64)
+    args = (bc1, bc2 ** 0.5, eps, bound, bound * AT_BOUND)
+    K.lamb_clean_pass_(acc, counts, m, v, ml, None, 0.0, None, masked, *args)
+    draws = torch.sort(torch.randint(edge.numel(), (300,), generator=torch.Generator().manual_seed(1)))[0]
+    draws = torch.cat([torch.zeros(2, dtype=torch.int64), draws, torch.full((2,), edge.numel() - 1)])
+    out = torch.full_like(draws, -1)
+    find(out, draws, counts, m, v, masked, *args)
+    assert torch.equal(out, edge[draws])
+    if find is not K.edge_find_torch:
+        with pytest.raises(ValueError, match="past"):
+            find(out[:1], torch.tensor([edge.numel()]), counts, m, v, masked, *args)
+        with pytest.raises(ValueError, match="ascending"):
+            find(out[:2], torch.tensor([5, 4]), counts, m, v, masked, *args)
 
 
 @pytest.mark.skipif(not K._CLEAN_OP, reason="lbcomm._C has no lamb_clean_pass_")
@@ -91,12 +154,13 @@ def test_clean_pass_computes_its_sums_and_the_edge(run, bound, with_mask, with_t
 def test_the_op_equals_the_torch_pass(ml_dtype):
     m, v, ml, theta, masked = _data(40000, 5)
     ml = ml.to(ml_dtype)
+    g = torch.randn(40000, generator=torch.Generator().manual_seed(6)) * 1e-2
     out = []
     for run in PASSES:
-        acc, pos = torch.zeros(4, dtype=torch.float64), torch.full((40000,), -1, dtype=torch.int64)
-        run(acc, pos, m, v, ml, theta, masked, 0, 0, 0.3, 0.05, 1e-8, 1.0, AT_BOUND)
-        out.append((acc, pos))
-    assert torch.equal(out[0][1], out[1][1]) and out[0][0][3] == out[1][0][3]
+        acc, counts, own = torch.zeros(4, dtype=torch.float64), torch.empty(79, dtype=torch.int64), ml.clone()
+        run(acc, counts, m, v, own, g, 0.1, theta, masked, 0.3, 0.05, 1e-8, 1.0, AT_BOUND)
+        out.append((acc, counts, own))
+    assert torch.equal(out[0][1], out[1][1]) and torch.equal(out[0][2], out[1][2]) and out[0][0][3] == out[1][0][3]
     torch.testing.assert_close(out[0][0], out[1][0], rtol=1e-12, atol=0.0)
 
 
@@ -105,8 +169,8 @@ RUN = dict(exact_numel=0, lr=1e-2, weight_decay=0.01, block_size=64, max_update=
 
 def _small_stage_runs(rank, p):
     """Two recorded runs with passes and a staging buffer of 64 elements: every matrix spans
-    several ranges, has more edge coordinates than one range holds (the positions' second
-    pass) and its direction does not fit the staging buffer (``scratch_u``)."""
+    several ranges (the sampled edge coordinates found across them) and its direction
+    does not fit the staging buffer (``scratch_u``)."""
     F.STAGE = onebit.STAGE = 64
     return {k: _record(rank, p, "lamb", 12, 4, dict(RUN, norm_samples=k)) for k in (4, 10 ** 6)}
 

@@ -1,6 +1,6 @@
 """Typed wrappers of the optimizers' fused ops, torch.ops.lbcomm.frozen_adamw_ (csrc/optim.cpp)
-and lamb_clean_pass_ (csrc/lamb.cpp), with the pure-torch sequences they replace as the
-fallback (`functional.frozen_adamw_`, `clean_pass_torch`).
+and lamb_clean_pass_ / lamb_edge_find_ / lamb_advance_local_ (csrc/lamb.cpp), with the pure-torch sequences they
+replace as the fallback (`functional.frozen_adamw_`, `clean_pass_torch`, `edge_find_torch`).
 
 OneBitAdam keeps no denominator after the freeze: every step computes
 sqrt(v) / sqrt(1 - b2^T) + eps again. torch.sqrt runs on a cache-sized stage (torch's
@@ -21,7 +21,8 @@ from torch import Tensor
 from .. import ops
 from . import functional as F
 
-__all__ = ["frozen_adamw_", "has_fused_kernel", "lamb_clean_pass_", "clean_pass_torch", "clean_denominator"]
+__all__ = ["frozen_adamw_", "has_fused_kernel", "lamb_clean_pass_", "lamb_edge_find_", "clean_pass_torch",
+           "edge_find_torch", "clean_denominator", "advance_local_", "EDGE_BLOCK"]
 
 _log = logging.getLogger(__name__)
 
@@ -39,7 +40,9 @@ def _op_is_current() -> bool:
 
 
 _OP = _op_is_current()
-_CLEAN_OP = ops.HAS_EXTENSION and hasattr(torch.ops.lbcomm, "lamb_clean_pass_")
+_CLEAN_OP = ops.HAS_EXTENSION and hasattr(torch.ops.lbcomm, "lamb_advance_local_")
+# the clean pass's blocks (kBlock in csrc/lamb.cpp): one edge count each
+EDGE_BLOCK = 512
 
 
 def has_fused_kernel(device: torch.device) -> bool:
@@ -71,11 +74,35 @@ def clean_denominator(v: Tensor, denom_scale: float, eps: float) -> Tensor:
     return torch.sqrt(v.double()).float().div_(denom_scale).add_(eps)
 
 
-def clean_pass_torch(acc: Tensor, positions: Tensor, m: Tensor, v: Tensor, ml: Tensor, theta: Optional[Tensor],
-                     masked: Optional[Tensor], base: int, skip: int, bc1: float, denom_scale: float, eps: float,
-                     bound: Optional[float], edge_at: float) -> None:
-    """`lamb_clean_pass_` in torch ops (any device): the same per-coordinate roundings, the
-    fp64 sums in torch's order (see csrc/lamb.cpp for what it computes)."""
+def advance_local_(ml: Tensor, g: Optional[Tensor], weight: float, scratch: Optional[Tensor] = None) -> None:
+    """ml <- ml + weight (g - ml) in fp32 (g None: zero), three roundings and no FMA, stored
+    in ml's dtype (bf16: rounded once, to nearest even): the update the fused pass makes
+    with a gradient. The op on CPU (ml contiguous); elsewhere torch ops in `scratch` (fp32,
+    at least ml.numel() elements; allocated if not given)."""
+    if _CLEAN_OP and ml.device.type == "cpu" and ml.is_contiguous():
+        torch.ops.lbcomm.lamb_advance_local_(ml, _f32(g), weight)
+        return
+    if scratch is None:
+        scratch = torch.empty(ml.numel(), dtype=torch.float32, device=ml.device)
+    t = scratch[:ml.numel()].view_as(ml)
+    if g is None:
+        t.zero_()
+    else:
+        t.copy_(g)
+    t.sub_(ml).mul_(weight).add_(ml)
+    ml.copy_(t)
+
+
+def _advance_torch(ml: Tensor, g: Optional[Tensor], weight: float) -> None:
+    """`advance_local_` in torch ops alone (the fallback pass's first step)."""
+    t = torch.zeros(ml.shape, dtype=torch.float32, device=ml.device) if g is None else g.float().clone()
+    t.sub_(ml).mul_(weight).add_(ml)
+    ml.copy_(t)
+
+
+def _clean_torch(m: Tensor, v: Tensor, ml: Tensor, masked: Optional[Tensor], bc1: float, denom_scale: float,
+                 eps: float, bound: Optional[float], edge_at: float):
+    """(u0, y, edge) of the pass, in torch ops."""
     q = clean_denominator(v, denom_scale, eps).mul_(bc1)
     u0 = torch.div(m, q)
     y = torch.div(ml, q)
@@ -87,43 +114,80 @@ def clean_pass_torch(acc: Tensor, positions: Tensor, m: Tensor, v: Tensor, ml: T
         edge = torch.zeros(m.numel(), dtype=torch.bool, device=m.device)
     if masked is not None:
         edge |= masked
+    return u0, y, edge
+
+
+def clean_pass_torch(acc: Tensor, counts: Tensor, m: Tensor, v: Tensor, ml: Tensor, grad: Optional[Tensor],
+                     weight: float, theta: Optional[Tensor], masked: Optional[Tensor], bc1: float, denom_scale: float,
+                     eps: float, bound: Optional[float], edge_at: float) -> None:
+    """`lamb_clean_pass_` in torch ops (any device): the same per-coordinate roundings, the
+    fp64 sums in torch's order (see csrc/lamb.cpp for what it computes)."""
+    if grad is not None:
+        _advance_torch(ml, grad, weight)
+    u0, y, edge = _clean_torch(m, v, ml, masked, bc1, denom_scale, eps, bound, edge_at)
     u64 = u0.double()
     acc[0] += torch.where(edge, 0.0, y.double() * u64).sum()
     if theta is not None:
         th = theta.double()
         acc[1] += torch.dot(u64, th)
         acc[2] += torch.dot(th, th)
-    where = edge.nonzero().view(-1)
-    seen, cap = int(acc[3]), positions.numel()
-    a, b = max(skip - seen, 0), min(skip + cap - seen, where.numel())
-    if b > a:
-        positions[seen + a - skip:seen + b - skip] = where[a:b] + base
-    acc[3] += where.numel()
+    pad = -m.numel() % EDGE_BLOCK
+    counts.copy_(torch.nn.functional.pad(edge.long(), (0, pad)).view(-1, EDGE_BLOCK).sum(1))
+    acc[3] += edge.sum()
 
 
-def lamb_clean_pass_(acc: Tensor, positions: Tensor, m: Tensor, v: Tensor, ml: Tensor, theta: Optional[Tensor],
-                     masked: Optional[Tensor], base: int, skip: int, bc1: float, denom_scale: float, eps: float,
-                     bound: Optional[float], edge_at: float) -> None:
-    """OneBitLamb's clean-norm pass over one range (`LambNorms.clean_norm_parts`): acc (fp64,
-    4) += (sum off the edge of y u0, sum u0 theta, sum theta^2, edge count) and the edge
-    coordinates numbered [skip, skip + positions.numel()) from acc[3] on written to
-    positions (plus base); u0 = clamp(m / (d bc1)), y = clamp(ml / (d bc1)), d =
-    `clean_denominator`(v), the edge |u0| >= edge_at (with a bound) or `masked`.
-    The fused op on CPU (fp32 contiguous m, v, theta; ml fp32 or bf16), `clean_pass_torch` elsewhere."""
+def edge_find_torch(out: Tensor, draws: Tensor, counts: Tensor, m: Tensor, v: Tensor, masked: Optional[Tensor],
+                    bc1: float, denom_scale: float, eps: float, bound: Optional[float], edge_at: float) -> None:
+    """`lamb_edge_find_` in torch ops (any device)."""
+    edge = _clean_torch(m, v, m, masked, bc1, denom_scale, eps, bound, edge_at)[2]
+    out.copy_(edge.nonzero().view(-1)[draws])
+
+
+def _f32(t: Optional[Tensor]) -> Optional[Tensor]:
+    """t as the op takes it: fp32 and contiguous (a copy only where it is not)."""
+    return t if t is None or (t.dtype == torch.float32 and t.is_contiguous()) else t.float().contiguous()
+
+
+def lamb_clean_pass_(acc: Tensor, counts: Tensor, m: Tensor, v: Tensor, ml: Tensor, grad: Optional[Tensor],
+                     weight: float, theta: Optional[Tensor], masked: Optional[Tensor], bc1: float, denom_scale: float,
+                     eps: float, bound: Optional[float], edge_at: float) -> None:
+    """OneBitLamb's clean-norm pass over one range (`LambNorms.track_and_estimate`): with
+    `grad`, first ml <- ml + weight (grad - ml) (`advance_local_`); then acc (fp64, 4) +=
+    (sum off the edge of y u0, sum u0 theta, sum theta^2, edge count) and counts[b] = the
+    edge coordinates of block b (EDGE_BLOCK elements) of the range; u0 = clamp(m / (d bc1)),
+    y = clamp(ml / (d bc1)), d = `clean_denominator`(v), the edge |u0| >= edge_at (with a
+    bound) or `masked`. The fused op on CPU (m, v fp32 contiguous; ml fp32 or bf16),
+    `clean_pass_torch` elsewhere."""
     if _CLEAN_OP and m.device.type == "cpu":
-        if theta is not None and (theta.dtype != torch.float32 or not theta.is_contiguous()):
-            theta = theta.float().contiguous()
-        torch.ops.lbcomm.lamb_clean_pass_(acc, positions, m, v, ml, theta, masked, base, skip, bc1, denom_scale,
-                                          eps, bound, edge_at)
+        torch.ops.lbcomm.lamb_clean_pass_(acc, counts, m, v, ml, _f32(grad), weight, _f32(theta), masked, bc1,
+                                          denom_scale, eps, bound, edge_at)
     else:
-        clean_pass_torch(acc, positions, m, v, ml, theta, masked, base, skip, bc1, denom_scale, eps, bound,
-                         edge_at)
+        clean_pass_torch(acc, counts, m, v, ml, grad, weight, theta, masked, bc1, denom_scale, eps, bound, edge_at)
+
+
+def lamb_edge_find_(out: Tensor, draws: Tensor, counts: Tensor, m: Tensor, v: Tensor, masked: Optional[Tensor],
+                    bc1: float, denom_scale: float, eps: float, bound: Optional[float], edge_at: float) -> None:
+    """out[i] = the index in the range of its draws[i]-th edge coordinate (draws ascending,
+    counts: `lamb_clean_pass_`'s over the same range and arguments): the op passes again
+    over the blocks holding a draw only; `edge_find_torch` elsewhere."""
+    if _CLEAN_OP and m.device.type == "cpu":
+        torch.ops.lbcomm.lamb_edge_find_(out, draws, counts, m, v, masked, bc1, denom_scale, eps, bound, edge_at)
+    else:
+        edge_find_torch(out, draws, counts, m, v, masked, bc1, denom_scale, eps, bound, edge_at)
 
 
 if _CLEAN_OP:
     @torch.library.register_fake("lbcomm::lamb_clean_pass_")
-    def _(acc, positions, exp_avg, exp_avg_sq, exp_avg_local, theta, masked, base, skip, bc1, denom_scale, eps,
-          bound, edge_at):
+    def _(acc, counts, exp_avg, exp_avg_sq, exp_avg_local, grad, weight, theta, masked, bc1, denom_scale, eps, bound,
+          edge_at):
+        return None
+
+    @torch.library.register_fake("lbcomm::lamb_advance_local_")
+    def _(exp_avg_local, grad, weight):
+        return None
+
+    @torch.library.register_fake("lbcomm::lamb_edge_find_")
+    def _(out, draws, counts, exp_avg, exp_avg_sq, masked, bc1, denom_scale, eps, bound, edge_at):
         return None
 
 

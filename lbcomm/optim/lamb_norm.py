@@ -1,8 +1,8 @@
 """1-bit LAMB's per-tensor quantities in the compression stage, over the optimizer's
 `FlatState` and its `OneBitStage`: the update direction u = clamp(m^ / d, -U, U) [+ wd p]
 (`LambNorms.direction`), and the estimate of the norm the uncompressed direction would
-have, behind the live trust ratio (`LambNorms.clean_norm_parts`, from each rank's own
-momentum ``exp_avg_local``, `track_local_momentum`; see `OneBitLamb`'s docs)."""
+have, behind the live trust ratio (`LambNorms.track_and_estimate`, from each rank's own
+momentum ``exp_avg_local``, advanced in the same pass; see `OneBitLamb`'s docs)."""
 from __future__ import annotations
 
 from typing import List, Optional, Tuple
@@ -81,24 +81,24 @@ class LambNorms:
         return u, ratio_max, u0n, un
 
 
-    def track_local_momentum(self, L: FlatLayout, segs) -> None:
-        """exp_avg_local <- b1 exp_avg_local + (1 - b1) g, this rank's own gradients: the lerp
-        in fp32 (in the staging buffer, idle after the reduction), rounded once to the
-        buffer's bf16."""
+    def track_local_momentum(self, L: FlatLayout, segs, skip=()) -> None:
+        """exp_avg_local <- exp_avg_local + (1 - b1) (g - exp_avg_local), this rank's own
+        gradients, for the parameters of `segs` not in `skip` (`K.advance_local_`: in fp32,
+        rounded once to the buffer's bf16; where torch ops do it, in the staging buffer, idle
+        after the reduction)."""
         ml = self.fs.buffers["exp_avg_local"]
         stage = self.stage.stage_buffer(L)
-        zero = torch.zeros((), dtype=torch.float32, device=stage.device)
         for seg in segs:
             w = 1 - self.fs.param_groups[seg.group]["betas"][0]
             for i in seg.idx:
+                if i in skip:
+                    continue
                 g = L.grad(i)
                 g = None if g is None else g.reshape(-1)
                 o, n = L.offsets[i], L.numels[i]
                 for lo in range(0, n, stage.numel()):
                     hi = min(n, lo + stage.numel())
-                    t = stage[:hi - lo].copy_(ml[o + lo:o + hi])
-                    t.lerp_(zero if g is None else g[lo:hi].float(), w)
-                    ml[o + lo:o + hi].copy_(t)
+                    K.advance_local_(ml[o + lo:o + hi], None if g is None else g[lo:hi], w, stage)
 
     def estimate_slots(self, L: FlatLayout) -> Optional[Tensor]:
         """Per parameter whose live ratio takes the estimated norm: its norm_samples (a long
@@ -113,11 +113,13 @@ class LambNorms:
              for i, on in enumerate(self.stage.participating(L))]
         return torch.tensor(k) if any(k) else None
 
-    def clean_norm_parts(self, L: FlatLayout, segs, bounds: List[Optional[float]]):
-        """Per parameter (fp64, this rank's shard), an estimate of ||u*||^2 where u* is the
-        direction an uncompressed allreduce would give: u* = clamp(m* / d, -U, U) + wd theta
-        with m* the mean over the ranks of exp_avg_local; and the set of the parameters
-        estimated (`estimate_slots`). (None, empty) when no parameter needs it.
+    def track_and_estimate(self, L: FlatLayout, segs, bounds: List[Optional[float]]):
+        """exp_avg_local advanced by this step's gradients (`track_local_momentum`; for the
+        parameters estimated, inside their pass), then per parameter (fp64, this rank's
+        shard), an estimate of ||u*||^2 where u* is the direction an uncompressed allreduce
+        would give: u* = clamp(m* / d, -U, U) + wd theta with m* the mean over the ranks of
+        exp_avg_local; and the set of the parameters estimated (`estimate_slots`). (None,
+        empty) when no parameter needs it.
 
         The ranks' mean of clamp(m_r / d) is projected on the decoded direction u0 where u0
         is neither clamped nor masked (one scalar per parameter, summed in fp64); where it
@@ -125,13 +127,15 @@ class LambNorms:
         those coordinates (the same ones on every rank) are averaged exactly, clamped, and
         their squares scaled up to all of them. One fp32 allreduce of (samples + 1) per
         parameter; one fused pass over each parameter (`kernels.lamb_clean_pass_`), STAGE
-        elements at a time (nothing model-sized is allocated). Its d takes the correctly
-        rounded sqrt and u0 = m / (d bc1): within an ulp or two of the direction's."""
+        elements at a time (nothing model-sized is allocated), and the sampled coordinates
+        found again in their blocks only (`kernels.lamb_edge_find_`). Its d takes the
+        correctly rounded sqrt and u0 = m / (d bc1): within an ulp or two of the direction's."""
         slots = self.estimate_slots(L)
+        rows = [] if slots is None else [i for i in range(len(L.params)) if slots[i] > 0]
+        self.track_local_momentum(L, segs, skip=set(rows))
         if slots is None:
             return None, set()
         dev = self.fs.device_of(L)
-        rows = [i for i in range(len(L.params)) if slots[i] > 0]
         row_of = {i: r for r, i in enumerate(rows)}
         sent = torch.zeros(len(rows), 1 + int(slots.max()), dtype=torch.float32, device=dev)
         out = torch.zeros(len(L.params), dtype=torch.float64, device=dev)
@@ -139,14 +143,13 @@ class LambNorms:
         picked: List[Tuple[int, int, int]] = []
         for seg in segs:
             group = self.fs.param_groups[seg.group]
-            if not samples(group):
-                continue
             bc1, bc2 = self.fs.bias_corrections(group, seg)
             for i in seg.idx:
-                if i not in row_of:  # averaged exactly
+                if i not in row_of:  # averaged exactly, or no estimate in this group
                     continue
                 r, wd = row_of[i], group["weight_decay"]
-                acc, pos, starts = self._pass(L, i, bounds[i], bc1, bc2, group["eps"], wd)
+                p = _Pass(self, L, i, bounds[i], group, bc1, bc2)
+                acc, counts, starts = p.run()
                 if wd != 0:
                     out[i] = 2 * wd * acc[1] + wd * wd * acc[2]
                 sent[r, 0] = acc[0]
@@ -158,8 +161,8 @@ class LambNorms:
                         draws = torch.randint(n_edge, (k,), generator=gen).to(dev)
                     else:
                         draws = torch.arange(n_edge, device=dev)
-                    at = L.offsets[i] + self._positions(L, i, bounds[i], bc1, bc2, group["eps"], pos, starts, draws)
-                    q = K.clean_denominator(self.fs.buffers["exp_avg_sq"][at], bc2 ** 0.5, group["eps"]).mul_(bc1)
+                    at = L.offsets[i] + p.positions(counts, starts, draws)
+                    q = K.clean_denominator(self.fs.buffers["exp_avg_sq"][at], p.scale, p.eps).mul_(p.bc1)
                     sent[r, 1:1 + k] = torch.div(self.fs.buffers["exp_avg_local"][at], q)
                 picked.append((i, k, n_edge))
         self.fs.transport.all_reduce(sent, op="sum")
@@ -171,48 +174,6 @@ class LambNorms:
                 z = z.clamp(-bound, bound)
             out[i] += sent[r, 0].double() + (z.double().square().sum() * (n_edge / k) if k else 0.0)
         return out, set(row_of)
-
-    def _pass(self, L: FlatLayout, i: int, bound: Optional[float], bc1: float, bc2: float, eps: float, wd: float,
-              only: Optional[int] = None):
-        """The fused pass over parameter i (`kernels.lamb_clean_pass_`), STAGE elements at a
-        time: (acc, positions, starts) with acc (fp64) = (sum off the edge of clamp(m_local /
-        (d bc1)) u0, <u0, theta>, ||theta||^2, edge count); positions: the edge coordinates' indices
-        in the parameter while they take at most STAGE of them; starts[c]: the edge
-        coordinates before STAGE range c (starts[-1]: all). `only` = c: range c alone, its
-        edge numbered from 0 (the sums are then not needed)."""
-        m, v, ml = (self.fs.buffers[n] for n in ("exp_avg", "exp_avg_sq", "exp_avg_local"))
-        o, n = L.offsets[i], L.numels[i]
-        theta = L.tensor(i).reshape(-1) if wd != 0 and only is None else None
-        acc = torch.zeros(4, dtype=torch.float64, device=m.device)
-        pos = torch.empty(min(n, F.STAGE), dtype=torch.int64, device=m.device)
-        starts = [0]
-        mask = self.stage.masks
-        for c in range(-(-n // F.STAGE)) if only is None else [only]:
-            lo, hi = c * F.STAGE, min(n, (c + 1) * F.STAGE)
-            masked = None
-            if mask.mask is not None:
-                masked = torch.zeros(hi - lo, dtype=torch.bool, device=m.device)
-                mask.mark(masked, o + lo, o + hi)
-            K.lamb_clean_pass_(acc, pos, m[o + lo:o + hi], v[o + lo:o + hi], ml[o + lo:o + hi],
-                               None if theta is None else theta[lo:hi], masked, lo, 0, bc1, bc2 ** 0.5, eps, bound,
-                               0.0 if bound is None else bound * AT_BOUND)
-            starts.append(int(acc[3]))
-        return acc, pos, starts
-
-    def _positions(self, L: FlatLayout, i: int, bound: Optional[float], bc1: float, bc2: float, eps: float,
-                   pos: Tensor, starts: List[int], draws: Tensor) -> Tensor:
-        """The indices in parameter i of the draws-th edge coordinates (in order): from the
-        first pass's positions when they hold every edge coordinate, else each STAGE range
-        with a draw passed again for its own."""
-        if starts[-1] <= pos.numel():
-            return pos[draws]
-        out = torch.empty_like(draws)
-        for c in range(len(starts) - 1):
-            mine = ((draws >= starts[c]) & (draws < starts[c + 1])).nonzero().view(-1)
-            if mine.numel():
-                rpos = self._pass(L, i, bound, bc1, bc2, eps, 0.0, only=c)[1]
-                out[mine] = rpos[draws[mine] - starts[c]]
-        return out
 
     def update_buffers(self, L: FlatLayout, n: int) -> Tuple[Tensor, Tensor]:
         """(u, d): where a parameter of n elements holds its whole direction (its norms need
@@ -227,3 +188,71 @@ class LambNorms:
         if self.scratch_u is None:
             self.scratch_u = torch.empty(max(L.numels, default=0), dtype=torch.float32, device=stage.device)
         return self.scratch_u, stage
+
+
+class _Pass:
+    """The clean-norm pass over parameter i of a `LambNorms`, STAGE elements at a time, and
+    the search for its sampled edge coordinates, with the same arguments."""
+
+    def __init__(self, norms: LambNorms, L: FlatLayout, i: int, bound: Optional[float], group, bc1: float,
+                 bc2: float):
+        fs = norms.fs
+        self.m, self.v, self.ml = (fs.buffers[n] for n in ("exp_avg", "exp_avg_sq", "exp_avg_local"))
+        self.L, self.i, self.bound, self.group = L, i, bound, group
+        self.mask = norms.stage.masks
+        self.bc1, self.scale, self.eps = bc1, bc2 ** 0.5, group["eps"]
+        self.edge_at = 0.0 if bound is None else bound * AT_BOUND
+        self.o, self.n = L.offsets[i], L.numels[i]
+
+    def _masked(self, lo: int, hi: int) -> Optional[Tensor]:
+        if self.mask.mask is None:
+            return None
+        out = torch.zeros(hi - lo, dtype=torch.bool, device=self.m.device)
+        self.mask.mark(out, self.o + lo, self.o + hi)
+        return out
+
+    def run(self):
+        """exp_avg_local advanced by the gradient and (acc, counts, starts): acc (fp64) = (sum
+        off the edge of clamp(m_local / (d bc1)) u0, <u0, theta>, ||theta||^2, edge count);
+        counts[c]: range c's per-block edge counts; starts[c]: the edge coordinates before
+        range c (starts[-1]: all)."""
+        L, o, n = self.L, self.o, self.n
+        g = L.grad(self.i)
+        g = None if g is None else g.reshape(-1)
+        w = 1 - self.group["betas"][0]
+        theta = L.tensor(self.i).reshape(-1) if self.group["weight_decay"] != 0 else None
+        acc = torch.zeros(4, dtype=torch.float64, device=self.m.device)
+        counts, starts = [], [0]
+        for lo in range(0, n, F.STAGE):
+            hi = min(n, lo + F.STAGE)
+            c = torch.empty(-(-(hi - lo) // K.EDGE_BLOCK), dtype=torch.int64, device=self.m.device)
+            ml = self.ml[o + lo:o + hi]
+            if g is None:  # no gradient: the momentum decays
+                K.advance_local_(ml, None, w)
+            K.lamb_clean_pass_(acc, c, self.m[o + lo:o + hi], self.v[o + lo:o + hi], ml,
+                               None if g is None else g[lo:hi], w, None if theta is None else theta[lo:hi],
+                               self._masked(lo, hi), self.bc1, self.scale, self.eps, self.bound, self.edge_at)
+            counts.append(c)
+            starts.append(int(acc[3]))
+        return acc, counts, starts
+
+    def positions(self, counts: List[Tensor], starts: List[int], draws: Tensor) -> Tensor:
+        """The indices in the parameter of its draws-th edge coordinates (in draws' order)."""
+        order = torch.argsort(draws)
+        sorted_draws = draws[order]
+        found = torch.empty_like(draws)
+        cuts = torch.searchsorted(sorted_draws, torch.tensor(starts[1:-1], dtype=draws.dtype, device=draws.device))
+        edges = [0] + cuts.tolist() + [draws.numel()]
+        o = self.o
+        for c, lo in enumerate(range(0, self.n, F.STAGE)):
+            a, b = edges[c], edges[c + 1]
+            if a == b:
+                continue
+            hi = min(self.n, lo + F.STAGE)
+            K.lamb_edge_find_(found[a:b], (sorted_draws[a:b] - starts[c]).contiguous(), counts[c],
+                              self.m[o + lo:o + hi], self.v[o + lo:o + hi], self._masked(lo, hi), self.bc1,
+                              self.scale, self.eps, self.bound, self.edge_at)
+            found[a:b] += lo
+        out = torch.empty_like(draws)
+        out[order] = found
+        return out

@@ -230,11 +230,10 @@ class OneBitLamb(BaseOptimizer):
                                                       self._momentum_sink(L, scale), scale=scale)
         if not applied:
             return False
-        self._norms.track_local_momentum(L, segs)
         for seg in segs:  # norm_step_bound's reference; saved with the param groups
             group = self.param_groups[seg.group]
             group["lr_peak"] = max(group.get("lr_peak", 0.0), group["lr"])
-        clean, estimated = self._norms.clean_norm_parts(L, segs, bounds)
+        clean, estimated = self._norms.track_and_estimate(L, segs, bounds)
         if not self.flat_state.sharded():  # every rank holds the whole reduced momentum and parameters
             for seg in segs:
                 group = self.param_groups[seg.group]

@@ -249,7 +249,8 @@ def _lamb(params0, grads, *, lr, betas, eps, weight_decay, max_coeff, min_coeff,
         own = frozen["local"]
         for r in range(p):
             for i in range(n_params):
-                own[r][i] = torch.lerp(own[r][i].float(), g_step[r][i].float(), 1 - b1).to(torch.bfloat16)
+                a = own[r][i].float()  # a + w (g - a), rounded per op (no FMA), then to bf16
+                own[r][i] = ((g_step[r][i].float() - a) * (1 - b1) + a).to(torch.bfloat16)
         estimate = trust_ratio != "frozen" and norm_samples > 0 and p > 1
         for i in range(n_params):
             g_tilde = (new_m[i] - b1 * m[i]) / (1 - b1)
