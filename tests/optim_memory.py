@@ -8,7 +8,9 @@ parameters and gradients are excluded. Run on 4 gloo ranks, past the freeze:
     PYTHONPATH=$PWD python tests/optim_memory.py [numel [timed steps]]
 
 With timed steps, the median time of optimizer.step() in the compression stage is
-printed too (no bandwidth limit: the compute and loopback cost of a step), the kinds taking
+printed too (no bandwidth limit: the compute and loopback cost of a step), wall clock and
+the rank's process (CPU) time: with 4 ranks on fewer cores the wall clock also holds the
+time a rank waits for a core, so the CPU ratios vary less from run to run; the kinds taking
 their steps in turn, round by round, so that load from other processes hits them alike;
 AdamW+allreduce is torch's AdamW after an fp32 allreduce of the gradients, the step the
 1-bit optimizers replace (Lamb averages its gradients itself). Under each
@@ -125,17 +127,19 @@ def measure(rank, p, numel, steps=4, timed=0):
         n = sum(q.numel() for q in net.parameters())
         target = opt.opt if kind == "AdamW+allreduce" else opt
         out[kind] = {"bytes": state_bytes(target, net)[0] / n,
-                     "parts": {k: v / n for k, v in breakdown(target, net).items()}, "times": []}
+                     "parts": {k: v / n for k, v in breakdown(target, net).items()}, "times": [], "cpu": []}
         built[kind] = opt
     for _ in range(timed):  # the compression stage's step (gradients already in place)
         for kind, opt in built.items():
             torch.distributed.barrier()
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             opt.step()
             out[kind]["times"].append(time.perf_counter() - start)
+            out[kind]["cpu"].append(time.process_time() - cpu)
     for r in out.values():
-        times = sorted(r.pop("times"))
-        r["step_ms"] = 1e3 * times[len(times) // 2] if times else None
+        for key, name in (("times", "step_ms"), ("cpu", "cpu_ms")):
+            times = sorted(r.pop(key))
+            r[name] = 1e3 * times[len(times) // 2] if times else None
     return out
 
 
@@ -148,7 +152,8 @@ if __name__ == "__main__":
     res = run_ranks(measure, 4, numel, 4, timed, timeout=1800)
     print(f"resident optimizer state, bytes per parameter, 4 ranks, {numel} parameters (rank 0):")
     for kind, r in res[0].items():
-        ms = "" if r["step_ms"] is None else f"   step {r['step_ms']:7.1f} ms (median of {timed} rounds)"
+        ms = "" if r["step_ms"] is None else (f"   step {r['step_ms']:7.1f} ms, cpu {r['cpu_ms']:7.1f} ms "
+                                              f"(medians of {timed} rounds)")
         print(f"  {kind:<18} {r['bytes']:6.2f}{ms}")
         if abs(sum(r["parts"].values()) - r["bytes"]) > 1e-9:
             print(f"    (the breakdown adds up to {sum(r['parts'].values()):.2f})")
@@ -158,8 +163,9 @@ if __name__ == "__main__":
                 print(f"    {v:6.3f}  {name}")
         if small:
             print(f"    {small:6.3f}  (rows under 0.005 each: vectors, masks, counts)")
-    steps = {k: r["step_ms"] for k, r in res[0].items()}
-    if timed:
+    if timed:  # cpu: the median over the ranks of each rank's median process time
+        steps = {k: r["step_ms"] for k, r in res[0].items()}
+        cpu = {k: sorted(rank[k]["cpu_ms"] for rank in res)[len(res) // 2] for k in steps}
         for one, twin in (("OneBitAdam", "AdamW+allreduce"), ("OneBitLamb", "Lamb"), ("ZeroOneAdam", "AdamW+allreduce"),
                           ("ZeroOneAdam/local", "AdamW+allreduce"), ("OneBitLamb", "OneBitLamb/decoded")):
-            print(f"step {one} / {twin}: {steps[one] / steps[twin]:.2f}")
+            print(f"step {one} / {twin}: {steps[one] / steps[twin]:.2f} (cpu {cpu[one] / cpu[twin]:.2f})")
