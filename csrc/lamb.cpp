@@ -31,7 +31,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <numeric>
 #include <optional>
+#include <vector>
 
 namespace lbcomm {
 namespace {
@@ -84,6 +86,20 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void clean_block(
     u0[j] = u;
     y[j] = at ? 0.0f : x;
     edge[j] = static_cast<uint8_t>(at);
+  }
+}
+
+// One block's edge flags alone, as clean_block sets them (the search for the sampled
+// coordinates: u0 only, no ml).
+template <bool B>
+__attribute__((target_clones("avx512f", "avx2", "default"))) void edge_block(
+    const float* __restrict m, const float* __restrict v, int64_t n, float s, float e, float c1, float b,
+    float at_b, uint8_t* __restrict edge) {
+  for (int64_t j = 0; j < n; ++j) {
+    const float q = (std::sqrt(v[j]) / s + e) * c1;
+    float u = m[j] / q;
+    if (B) u = u > b ? b : (u < -b ? -b : u);
+    edge[j] = static_cast<uint8_t>(B && std::fabs(u) >= at_b);
   }
 }
 
@@ -255,9 +271,10 @@ void lamb_advance_local_cpu(at::Tensor& ml, const std::optional<at::Tensor>& gra
   }
 }
 
-// out[i] = the index in the range of the draws[i]-th edge coordinate (draws ascending,
-// numbered from 0 in the range; counts: the pass's per-block counts over the same range):
-// each block holding a draw has its edge flags computed again, as the pass computed them.
+// out[i] = the index in the range of its draws[i]-th edge coordinate (numbered from 0 in
+// the range, in any order; counts: the pass's per-block counts over the same range): the
+// draws are visited in ascending order, and each block holding one has its edge flags
+// computed again, as the pass computed them.
 void lamb_edge_find_cpu(at::Tensor& out, const at::Tensor& draws, const at::Tensor& counts, const at::Tensor& m,
                         const at::Tensor& v, const std::optional<at::Tensor>& masked, double bc1, double denom_scale,
                         double eps, std::optional<double> bound, double edge_at) {
@@ -276,18 +293,26 @@ void lamb_edge_find_cpu(at::Tensor& out, const at::Tensor& draws, const at::Tens
   const float* pv = v.data_ptr<float>();
   const bool* mk = masked.has_value() ? masked->data_ptr<bool>() : nullptr;
   const Consts c(bc1, denom_scale, eps, bound, edge_at);
-  float u0[kBlock], y[kBlock];
+  std::vector<int64_t> order(k);
+  std::iota(order.begin(), order.end(), int64_t{0});
+  std::sort(order.begin(), order.end(), [d](int64_t x, int64_t y) { return d[x] < d[y]; });
   uint8_t edge[kBlock];
   int64_t blk = 0, before = 0, ready = -1;  // before: the edge coordinates ahead of block blk
   int64_t j = -1, rank = -1;                // in block ready: rank + 1 edge flags in [0, j]
-  for (int64_t i = 0; i < k; ++i) {
-    TORCH_CHECK_VALUE(d[i] >= (i > 0 ? d[i - 1] : 0), op, ": draws must be ascending and >= 0");
+  for (const int64_t i : order) {
+    TORCH_CHECK_VALUE(d[i] >= 0, op, ": draws must be >= 0, got ", d[i]);
     while (blk < nb && before + cnt[blk] <= d[i]) before += cnt[blk++];
     TORCH_CHECK_VALUE(blk < nb, op, ": draw ", d[i], " is past the range's edge coordinates (", before, ")");
     const int64_t lo = blk * kBlock, len = std::min(kBlock, n - lo);
-    if (ready != blk) {  // ml = m: y is not used, and nothing is written with no gradient
-      run_block(c, pm + lo, pv + lo, const_cast<float*>(pm + lo), nullptr, 0.0f, len, u0, y, edge);
-      if (mk != nullptr) mark_masked(mk + lo, len, y, edge);
+    if (ready != blk) {
+      if (c.bounded) {
+        edge_block<true>(pm + lo, pv + lo, len, c.s, c.e, c.c1, c.b, c.at_b, edge);
+      } else {
+        edge_block<false>(pm + lo, pv + lo, len, c.s, c.e, c.c1, c.b, c.at_b, edge);
+      }
+      if (mk != nullptr) {
+        for (int64_t t = 0; t < len; ++t) edge[t] |= static_cast<uint8_t>(mk[lo + t]);
+      }
       ready = blk;
       j = rank = -1;
     }

@@ -167,9 +167,9 @@ def lamb_clean_pass_(acc: Tensor, counts: Tensor, m: Tensor, v: Tensor, ml: Tens
 
 def lamb_edge_find_(out: Tensor, draws: Tensor, counts: Tensor, m: Tensor, v: Tensor, masked: Optional[Tensor],
                     bc1: float, denom_scale: float, eps: float, bound: Optional[float], edge_at: float) -> None:
-    """out[i] = the index in the range of its draws[i]-th edge coordinate (draws ascending,
-    counts: `lamb_clean_pass_`'s over the same range and arguments): the op passes again
-    over the blocks holding a draw only; `edge_find_torch` elsewhere."""
+    """out[i] = the index in the range of its draws[i]-th edge coordinate (draws in any
+    order; counts: `lamb_clean_pass_`'s over the same range and arguments): the op passes
+    again over the blocks holding a draw only; `edge_find_torch` elsewhere."""
     if _CLEAN_OP and m.device.type == "cpu":
         torch.ops.lbcomm.lamb_edge_find_(out, draws, counts, m, v, masked, bc1, denom_scale, eps, bound, edge_at)
     else:

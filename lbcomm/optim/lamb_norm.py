@@ -238,21 +238,18 @@ class _Pass:
 
     def positions(self, counts: List[Tensor], starts: List[int], draws: Tensor) -> Tensor:
         """The indices in the parameter of its draws-th edge coordinates (in draws' order)."""
-        order = torch.argsort(draws)
-        sorted_draws = draws[order]
-        found = torch.empty_like(draws)
-        cuts = torch.searchsorted(sorted_draws, torch.tensor(starts[1:-1], dtype=draws.dtype, device=draws.device))
-        edges = [0] + cuts.tolist() + [draws.numel()]
-        o = self.o
+        o, out = self.o, torch.empty_like(draws)
         for c, lo in enumerate(range(0, self.n, F.STAGE)):
-            a, b = edges[c], edges[c + 1]
-            if a == b:
-                continue
             hi = min(self.n, lo + F.STAGE)
-            K.lamb_edge_find_(found[a:b], (sorted_draws[a:b] - starts[c]).contiguous(), counts[c],
-                              self.m[o + lo:o + hi], self.v[o + lo:o + hi], self._masked(lo, hi), self.bc1,
-                              self.scale, self.eps, self.bound, self.edge_at)
-            found[a:b] += lo
-        out = torch.empty_like(draws)
-        out[order] = found
+            if len(counts) == 1:  # one range: every draw is in it
+                sel, local, found = None, draws, out
+            else:
+                sel = ((draws >= starts[c]) & (draws < starts[c + 1])).nonzero().view(-1)
+                if not sel.numel():
+                    continue
+                local, found = draws[sel] - starts[c], torch.empty_like(sel)
+            K.lamb_edge_find_(found, local, counts[c], self.m[o + lo:o + hi], self.v[o + lo:o + hi],
+                              self._masked(lo, hi), self.bc1, self.scale, self.eps, self.bound, self.edge_at)
+            if sel is not None:
+                out[sel] = found + lo
         return out
