@@ -20,6 +20,9 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include <cmath>
+#include <optional>
+
 #include "ops.h"
 #include "optim.h"
 
@@ -84,13 +87,57 @@ void frozen_adamw_cpu(at::Tensor& param, const at::Tensor& exp_avg, const at::Te
                    [&](int64_t lo, int64_t hi) { frozen_adamw_range(p, m, r, lo, hi, s, e, k, a); });
 }
 
+// The capped decode's caps (lbcomm/optim/bounds.py), out = (sqrt(v) a + b) s, in one pass
+// instead of four. Its sqrt is IEEE's (correctly rounded: the fp64 root rounded to fp32,
+// which the torch fallback and the reference take, so they agree on every ISA); then the
+// multiply, the add and the scale, each rounded as torch's ops round them.
+__attribute__((target_clones("avx512f", "avx2", "default"))) void decode_caps_range(
+    float* __restrict out, const float* __restrict v, int64_t lo, int64_t hi, float a, float b, float s) {
+  for (int64_t i = lo; i < hi; ++i) out[i] = (std::sqrt(v[i]) * a + b) * s;
+}
+
+__attribute__((target_clones("avx512f", "avx2", "default"))) void decode_caps_range(
+    float* __restrict out, const float* __restrict v, int64_t lo, int64_t hi, float a, float b) {
+  for (int64_t i = lo; i < hi; ++i) out[i] = std::sqrt(v[i]) * a + b;
+}
+
+void decode_caps_cpu(at::Tensor& out, const at::Tensor& v, double a, double b,
+                     const std::optional<at::Tensor>& scale) {
+  const char* op = "lbcomm::decode_caps_";
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&out, &v}) {
+    TORCH_CHECK_TYPE(t->scalar_type() == at::kFloat, op, ": out and v must be Float, got ", t->scalar_type());
+    TORCH_CHECK_VALUE(t->is_contiguous() && t->device().is_cpu(), op, ": out and v must be contiguous CPU tensors");
+  }
+  TORCH_CHECK_VALUE(out.numel() == v.numel(), op, ": out and v must have as many elements, got ", out.numel(),
+                    " and ", v.numel());
+  if (scale.has_value()) {
+    TORCH_CHECK_VALUE(scale->numel() == 1 && scale->scalar_type() == at::kFloat && scale->device().is_cpu(), op,
+                      ": scale must be one Float on the CPU");
+  }
+  float* o = out.data_ptr<float>();
+  const float* pv = v.data_ptr<float>();
+  // torch turns each Python float into the tensor's dtype before the elementwise op
+  const float fa = static_cast<float>(a), fb = static_cast<float>(b);
+  if (scale.has_value()) {
+    const float s = scale->item<float>();
+    at::parallel_for(0, v.numel(), 1 << 15,
+                     [&](int64_t lo, int64_t hi) { decode_caps_range(o, pv, lo, hi, fa, fb, s); });
+  } else {
+    at::parallel_for(0, v.numel(), 1 << 15, [&](int64_t lo, int64_t hi) { decode_caps_range(o, pv, lo, hi, fa, fb); });
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(lbcomm, m) {
   m.def("frozen_adamw_(Tensor(a!) param, Tensor exp_avg, Tensor sqrt_v, float denom_scale, float eps, "
         "float keep, float neg_step, float? bound=None) -> ()");
+  m.def("decode_caps_(Tensor(a!) out, Tensor v, float a, float b, Tensor? scale) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(lbcomm, CPU, m) { m.impl("frozen_adamw_", kernel<FrozenAdamwFn>(&frozen_adamw_cpu)); }
+TORCH_LIBRARY_IMPL(lbcomm, CPU, m) {
+  m.impl("frozen_adamw_", kernel<FrozenAdamwFn>(&frozen_adamw_cpu));
+  m.impl("decode_caps_", &decode_caps_cpu);
+}
 
 }  // namespace lbcomm

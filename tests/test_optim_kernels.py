@@ -123,3 +123,32 @@ def test_cuda_fused_op_equals_the_cuda_torch_sequence_bitwise(n, decay):
     torch.ops.lbcomm.frozen_adamw_(fused, m, v.sqrt(), bc2 ** 0.5, eps, 1 - decay if decay else 1.0, -step_size,
                                    3e-4)
     assert torch.equal(fused, ref)
+
+
+@pytest.mark.skipif(not K._CAPS_OP, reason="lbcomm._C without decode_caps_")
+@pytest.mark.parametrize("n", [1, 7, 40000])
+@pytest.mark.parametrize("with_scale", [False, True])
+def test_decode_caps_op_is_the_caps_from_scratch(n, with_scale):
+    """(sqrt(v) a + b) s with IEEE's sqrt (numpy's fp32 sqrt) and each op rounded, bitwise;
+    the torch fallback (the fp64 root rounded) gives the same bits; zeros and an infinity in v."""
+    import numpy as np
+
+    v = _inputs(n, seed=4)[2]
+    v[-1] = math.inf
+    a, b = 0.37, 3e-9
+    s = torch.tensor(1.7) if with_scale else None
+    with np.errstate(over="ignore"):
+        want = np.sqrt(v.numpy()) * np.float32(a) + np.float32(b)
+        if with_scale:
+            want = want * np.float32(1.7)
+    out = torch.full_like(v, -1.0)
+    K.decode_caps_(out, v, a, b, s)
+    assert torch.equal(out, torch.from_numpy(want))
+    fallback = torch.full_like(v, -1.0)
+    fallback.copy_(torch.sqrt(v.double())).mul_(a).add_(b)
+    if with_scale:
+        fallback.mul_(s)
+    assert torch.equal(out, fallback)
+    torch.library.opcheck(torch.ops.lbcomm.decode_caps_.default, (out, v, a, b, s))
+    with pytest.raises(ValueError, match="as many elements"):
+        K.decode_caps_(out[:1].clone(), v if n > 1 else torch.zeros(2), a, b, s)

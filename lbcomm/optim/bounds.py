@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from . import functional as F
+from . import kernels as K
 from .flat import FlatLayout
 
 __all__ = ["record_update_bounds", "update_bounds", "decode_caps"]
@@ -61,8 +62,9 @@ def decode_caps(fs, L: FlatLayout, segs, factors, bounds: List[Optional[float]],
     to at most c and its error feedback keeps the rest (`lbcomm.compressed.reduce_`).
     Returned as a callable cap(lo, hi, buf) that computes the caps of flat elements
     [lo, hi) from the variance when the reducer asks for them (range by range, into
-    its bounded staging), so no model-sized buffer holds them; each element goes
-    through the same operations as in `lbcomm.testing.compressors.decode_caps`."""
+    its bounded staging, one fused pass each: `kernels.decode_caps_`), so no model-sized
+    buffer holds them; each element goes through the same operations as in
+    `lbcomm.testing.compressors.decode_caps`."""
     v = fs.buffers["exp_avg_sq"]
     # per parameter: (a, b) with c = a sqrt(v) + b (U bc1 (sqrt(v) / sqrt(bc2') + eps)), None: uncapped
     coeffs: List[Optional[tuple]] = [None] * len(L.params)
@@ -80,9 +82,6 @@ def decode_caps(fs, L: FlatLayout, segs, factors, bounds: List[Optional[float]],
             if coeffs[i] is None:  # no bound here: nothing capped
                 out.fill_(float("inf"))
                 continue
-            # the sqrt, its multiply and its add in three passes (the simulation's order)
-            torch.sqrt(v[o + a:o + b], out=out).mul_(coeffs[i][0]).add_(coeffs[i][1])
-            if scale is not None:
-                out.mul_(scale[i])
+            K.decode_caps_(out, v[o + a:o + b], coeffs[i][0], coeffs[i][1], None if scale is None else scale[i])
 
     return cap

@@ -1,6 +1,7 @@
-"""Typed wrappers of the optimizers' fused ops, torch.ops.lbcomm.frozen_adamw_ (csrc/optim.cpp)
-and lamb_clean_pass_ / lamb_edge_find_ / lamb_advance_local_ (csrc/lamb.cpp), with the pure-torch sequences they
-replace as the fallback (`functional.frozen_adamw_`, `clean_pass_torch`, `edge_find_torch`).
+"""Typed wrappers of the optimizers' fused ops, torch.ops.lbcomm.frozen_adamw_ and
+decode_caps_ (csrc/optim.cpp) and lamb_clean_pass_ / lamb_edge_find_ / lamb_advance_local_
+(csrc/lamb.cpp), with the pure-torch sequences they replace as the fallback
+(`functional.frozen_adamw_`, `clean_pass_torch`, `edge_find_torch`).
 
 OneBitAdam keeps no denominator after the freeze: every step computes
 sqrt(v) / sqrt(1 - b2^T) + eps again. torch.sqrt runs on a cache-sized stage (torch's
@@ -21,8 +22,8 @@ from torch import Tensor
 from .. import ops
 from . import functional as F
 
-__all__ = ["frozen_adamw_", "has_fused_kernel", "lamb_clean_pass_", "lamb_edge_find_", "clean_pass_torch",
-           "edge_find_torch", "clean_denominator", "advance_local_", "EDGE_BLOCK"]
+__all__ = ["frozen_adamw_", "has_fused_kernel", "decode_caps_", "lamb_clean_pass_", "lamb_edge_find_",
+           "clean_pass_torch", "edge_find_torch", "clean_denominator", "advance_local_", "EDGE_BLOCK"]
 
 _log = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ def _op_is_current() -> bool:
 
 _OP = _op_is_current()
 _CLEAN_OP = ops.HAS_EXTENSION and hasattr(torch.ops.lbcomm, "lamb_advance_local_")
+_CAPS_OP = ops.HAS_EXTENSION and hasattr(torch.ops.lbcomm, "decode_caps_")
 # the clean pass's blocks (kBlock in csrc/lamb.cpp): one edge count each
 EDGE_BLOCK = 512
 
@@ -66,6 +68,24 @@ def frozen_adamw_(w: Tensor, m: Tensor, v: Tensor, bc2: float, eps: float, decay
                                            -step_size, bound)
     else:
         F.frozen_adamw_(w, m, v, bc2, eps, decay, step_size, scratch, bound)
+
+
+def decode_caps_(out: Tensor, v: Tensor, a: float, b: float, scale: Optional[Tensor] = None) -> None:
+    """out = (sqrt(v) a + b) [scale]: the capped decode's caps (`bounds.decode_caps`), each op
+    rounded, the root correctly rounded (the fp64 root rounded to fp32: the same on every
+    ISA). One pass of the op on CPU (fp32 contiguous, `scale` one fp32 element); elsewhere
+    torch ops (on CUDA torch's sqrt, correctly rounded there)."""
+    if _CAPS_OP and v.device.type == "cpu" and v.dtype == out.dtype == torch.float32 and v.is_contiguous() \
+            and out.is_contiguous():
+        torch.ops.lbcomm.decode_caps_(out, v, a, b, None if scale is None else scale.reshape(1).float())
+        return
+    if v.device.type == "cuda":
+        torch.sqrt(v, out=out)
+    else:
+        out.copy_(torch.sqrt(v.double()))
+    out.mul_(a).add_(b)
+    if scale is not None:
+        out.mul_(scale)
 
 
 def clean_denominator(v: Tensor, denom_scale: float, eps: float) -> Tensor:
@@ -188,6 +208,12 @@ if _CLEAN_OP:
 
     @torch.library.register_fake("lbcomm::lamb_edge_find_")
     def _(out, draws, counts, exp_avg, exp_avg_sq, masked, bc1, denom_scale, eps, bound, edge_at):
+        return None
+
+
+if _CAPS_OP:
+    @torch.library.register_fake("lbcomm::decode_caps_")
+    def _(out, v, a, b, scale):
         return None
 
 

@@ -169,8 +169,9 @@ def decode_caps(v: Sequence[Tensor], bounds: Sequence[Optional[float]], bc1: flo
     for vi, b, c in zip(v, bounds, bc2s):
         if b is None:
             out.append(torch.full_like(vi, math.inf))
-        else:  # a sqrt(v) + b, a = U bc1 / sqrt(bc2), b = U bc1 eps: the optimizers' three passes
-            out.append(vi.sqrt().mul_(b * bc1 / c ** 0.5).add_(b * bc1 * eps))
+        else:  # a sqrt(v) + b, a = U bc1 / sqrt(bc2), b = U bc1 eps, each op rounded, the root
+            # correctly rounded (the fp64 root rounded to fp32), as the optimizers compute them
+            out.append(torch.sqrt(vi.double()).float().mul_(b * bc1 / c ** 0.5).add_(b * bc1 * eps))
     return _cat(out)
 
 
