@@ -101,7 +101,12 @@ def advance_local_(ml: Tensor, g: Optional[Tensor], weight: float, scratch: Opti
     at least ml.numel() elements; allocated if not given)."""
     if _CLEAN_OP and ml.device.type == "cpu" and ml.is_contiguous():
         torch.ops.lbcomm.lamb_advance_local_(ml, _f32(g), weight)
-        return
+    else:
+        _advance_torch(ml, g, weight, scratch)
+
+
+def _advance_torch(ml: Tensor, g: Optional[Tensor], weight: float, scratch: Optional[Tensor] = None) -> None:
+    """`advance_local_` in torch ops (its fallback, and the fallback pass's first step)."""
     if scratch is None:
         scratch = torch.empty(ml.numel(), dtype=torch.float32, device=ml.device)
     t = scratch[:ml.numel()].view_as(ml)
@@ -109,13 +114,6 @@ def advance_local_(ml: Tensor, g: Optional[Tensor], weight: float, scratch: Opti
         t.zero_()
     else:
         t.copy_(g)
-    t.sub_(ml).mul_(weight).add_(ml)
-    ml.copy_(t)
-
-
-def _advance_torch(ml: Tensor, g: Optional[Tensor], weight: float) -> None:
-    """`advance_local_` in torch ops alone (the fallback pass's first step)."""
-    t = torch.zeros(ml.shape, dtype=torch.float32, device=ml.device) if g is None else g.float().clone()
     t.sub_(ml).mul_(weight).add_(ml)
     ml.copy_(t)
 
