@@ -14,7 +14,10 @@
 // memory latencies overlap: a warp that waits on one load at a time runs far below copy
 // bandwidth.
 // The capped decode (kernels.h; block mode, no weights) has kernels of its own
-// (capped_group_kernel, unpack_kernel<I, true>): the kernels without a cap are unchanged.
+// (capped_group_kernel, unpack_octets_kernel<I, true>). The server's block mode for blocks
+// of 128 to 4096 elements, and unpack without weights or caps, use four elements per lane
+// instead (server_quad_kernel, unpack_quads_kernel): there one element per lane was bound
+// by load or store instructions, not bytes.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -425,12 +428,230 @@ __global__ void __launch_bounds__(kFinishThreads)
   for (int64_t i = threadIdx.x; i < n_out; i += kFinishThreads) scales[i] = result;
 }
 
-// Decode 8 elements (one packed byte, one scale) per thread; out is flat [numel]. I: the
+// ---- Block-mode server pass, four elements per lane ----
+// The server's cost is load instructions, not bytes: with one element per lane a warp
+// spends one load per rank on each 32-element word, each fetching 4 bytes of sign bits.
+// Here lane l owns elements 4l .. 4l+3 of a 128-element slab, so one load per rank covers
+// four words, and the error, cap and error_out traffic moves as float4. The arithmetic of
+// an element is ServerSrc::sum's (rank order, no FMA); the scale sums are group_kernel's
+// and capped_group_kernel's over the same values.
+constexpr int kSlab = 128;  // elements of one warp-wide quad row
+
+// Spread the 8 bits of `byte` to bits 0, 4, ..., 28.
+__device__ __forceinline__ unsigned spread_nibbles(unsigned byte) {
+  unsigned x = byte & 0xffu;
+  x = (x | (x << 12)) & 0x000F000Fu;
+  x = (x | (x << 6)) & 0x03030303u;
+  return (x | (x << 3)) & 0x11111111u;
+}
+
+// The 4 packed words of a slab from the lanes' quads: word k holds lanes 8k .. 8k+7, lane
+// l's element t at bit 4 (l - 8k) + t. Lane k < 4 writes word k if the group has it.
+__device__ __forceinline__ void emit_slab_bits(uint32_t* bits, int64_t word0, int64_t words_left, const float (&v)[4],
+                                               int lane) {
+  unsigned b[4];
+#pragma unroll
+  for (int t = 0; t < 4; ++t) b[t] = __ballot_sync(kFullMask, (__float_as_uint(v[t]) >> 31) != 0u);
+  if (lane < 4 && lane < words_left) {
+    unsigned w = 0;
+#pragma unroll
+    for (int t = 0; t < 4; ++t) w |= spread_nibbles(b[t] >> (8 * lane)) << t;
+    bits[word0 + lane] = w;
+  }
+}
+
+// Four floats at p + f, as one float4 when vec (p 16-byte aligned; f is a multiple of 4)
+// and all four are below n; else each below n, 0 past it.
+__device__ __forceinline__ void load4(float (&d)[4], const float* p, int64_t f, int64_t n, bool vec) {
+  if (vec && f + 4 <= n) {
+    const float4 q = *reinterpret_cast<const float4*>(p + f);
+    d[0] = q.x, d[1] = q.y, d[2] = q.z, d[3] = q.w;
+  } else {
+#pragma unroll
+    for (int t = 0; t < 4; ++t) d[t] = f + t < n ? p[f + t] : 0.0f;
+  }
+}
+
+__device__ __forceinline__ void store4(float* p, int64_t f, const float (&d)[4], int64_t n, bool vec) {
+  if (vec && f + 4 <= n) {
+    *reinterpret_cast<float4*>(p + f) = make_float4(d[0], d[1], d[2], d[3]);
+  } else {
+#pragma unroll
+    for (int t = 0; t < 4; ++t)
+      if (f + t < n) p[f + t] = d[t];
+  }
+}
+
+// GW warps per group (1 or kWarps), R slabs per warp, all in registers (the launcher picks
+// R so that a group's slabs fit). vec: error, error_out and cap are 16-byte aligned;
+// words4: the packed rows are 4-byte aligned (base and stride). Four blocks per SM where R
+// allows it: the kernel waits on memory, and more groups in flight hide more of the wait.
+template <int GW, int R, bool Cap>
+__global__ void __launch_bounds__(kThreads, R <= 2 ? 4 : 2) server_quad_kernel(ServerSrc src, Groups gs, Out out,
+                                                                              const float* cap, bool vec, bool words4) {
+  static_assert(GW == 1 || GW == kWarps, "a group is one warp or the whole block");
+  constexpr int kGroupsPerBlock = kWarps / GW;
+  __shared__ double red[kWarps];
+  const int warp = static_cast<int>(threadIdx.x >> 5), lane = static_cast<int>(threadIdx.x & 31);
+  const int wg = warp % GW;
+  const unsigned shift = static_cast<unsigned>(lane & 1) * 4u;  // slabs start at multiples of 8
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kGroupsPerBlock;
+  for (int64_t g = static_cast<int64_t>(blockIdx.x) * kGroupsPerBlock + warp / GW; g < gs.count; g += stride) {
+    int64_t start, len;
+    gs.locate(g, start, len);
+    const int64_t words = len >> 5;
+    // slab it * GW + wg; this lane's quad is word (4 * slab + lane / 8) of the group
+    bool ok[R];
+    int64_t f[R];
+    float v[R][4], c[R][4], e[R][4], acc[R][4];
+#pragma unroll
+    for (int it = 0; it < R; ++it) {
+      const int64_t sl = static_cast<int64_t>(it) * GW + wg;
+      ok[it] = 4 * sl + (lane >> 3) < words;
+      f[it] = start + sl * kSlab + 4 * lane;
+      const int64_t n = ok[it] ? gs.numel : 0;  // pads and quads past the group: not read
+      load4(e[it], src.error, f[it], n, vec);
+      if constexpr (Cap) load4(c[it], cap, f[it], n, vec);
+#pragma unroll
+      for (int t = 0; t < 4; ++t) acc[it][t] = 0.0f;
+    }
+    const float* sc = src.scales + g;
+    // Rank j's term of this lane's quad in slab it; nib: the quad's 4 sign bits.
+    auto add_rank = [&](int it, float s, unsigned nib) {
+#pragma unroll
+      for (int t = 0; t < 4; ++t)
+        acc[it][t] = __fadd_rn(acc[it][t], set_sign(Cap ? cap_min(c[it][t], s) : s, (nib >> t) & 1u));
+    };
+    if (words4) {
+      // Lane 4u + k loads word k of the slab for rank j0 + u, so one load instruction
+      // covers eight ranks; the lanes that own a word's elements take it by shuffle, and
+      // lane u's load of rank j0 + u's scale serves the warp the same way.
+      const uint32_t* rows = reinterpret_cast<const uint32_t*>(src.packed) + (start >> 5) + (lane & 3);
+      const int64_t row_words = src.packed_stride / 4;
+      const int mine = lane >> 2;
+      for (int64_t j0 = 0; j0 < src.p; j0 += 8) {
+        const int nr = src.p - j0 < 8 ? static_cast<int>(src.p - j0) : 8;
+        const float s_mine = (lane & 7) < nr ? sc[(j0 + (lane & 7)) * src.scales_stride] : 0.0f;
+        unsigned x[R];
+#pragma unroll
+        for (int it = 0; it < R; ++it) {
+          const int64_t sl = static_cast<int64_t>(it) * GW + wg;
+          x[it] = mine < nr && 4 * sl + (lane & 3) < words ? rows[(j0 + mine) * row_words + 4 * sl] : 0u;
+        }
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+          if (u >= nr) break;  // nr is uniform over the warp
+          const float s = __shfl_sync(kFullMask, s_mine, u);
+#pragma unroll
+          for (int it = 0; it < R; ++it)
+            add_rank(it, s, __shfl_sync(kFullMask, x[it], 4 * u + (lane >> 3)) >> (4 * (lane & 7)));
+        }
+      }
+    } else {  // rows without 4-byte alignment: byte loads, four ranks' at a time
+      const uint8_t* bytes = src.packed + (start >> 3) + (lane >> 1);
+      for (int64_t j0 = 0; j0 < src.p; j0 += 4) {
+        const int nr = src.p - j0 < 4 ? static_cast<int>(src.p - j0) : 4;
+        float s[4];
+        unsigned b[4][R];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          s[u] = u < nr ? sc[(j0 + u) * src.scales_stride] : 0.0f;
+#pragma unroll
+          for (int it = 0; it < R; ++it)
+            b[u][it] = u < nr && ok[it]
+                           ? bytes[(j0 + u) * src.packed_stride + (static_cast<int64_t>(it) * GW + wg) * (kSlab / 8)]
+                           : 0u;
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          if (u >= nr) break;
+#pragma unroll
+          for (int it = 0; it < R; ++it) add_rank(it, s[u], b[u][it] >> shift);
+        }
+      }
+    }
+    double ss = 0.0;  // pads add +0; fp32 squares are exact in float64
+#pragma unroll
+    for (int it = 0; it < R; ++it)
+#pragma unroll
+      for (int t = 0; t < 4; ++t) {
+        const bool real = ok[it] && f[it] + t < gs.numel;
+        v[it][t] = real ? __fadd_rn(__fmul_rn(acc[it][t], src.inv_p), e[it][t]) : 0.0f;
+        ss += static_cast<double>(v[it][t]) * static_cast<double>(v[it][t]);
+      }
+    const int64_t real_count = min(max(gs.numel - start, int64_t{0}), len);
+    const float s1 = rms(group_sum<GW>(ss, red, warp), real_count);
+    float scale = s1;
+    if constexpr (Cap) {  // the RMS of the real values with cap >= s1 (s1 if none)
+      double ms = 0.0, mc = 0.0;
+#pragma unroll
+      for (int it = 0; it < R; ++it)
+#pragma unroll
+        for (int t = 0; t < 4; ++t)
+          if (ok[it] && f[it] + t < gs.numel && c[it][t] >= s1) {
+            ms += static_cast<double>(v[it][t]) * static_cast<double>(v[it][t]);
+            mc += 1.0;
+          }
+      const double msum = group_sum<GW>(ms, red, warp);
+      const double mcount = group_sum<GW>(mc, red, warp);
+      if (mcount > 0.0) scale = rms(msum, static_cast<int64_t>(mcount));
+    }
+    if (wg == 0 && lane == 0) out.scales[g] = scale;
+#pragma unroll
+    for (int it = 0; it < R; ++it) {
+      const int64_t sl = static_cast<int64_t>(it) * GW + wg;
+      if (4 * sl >= words) continue;  // uniform over the warp: the ballots below are safe
+      emit_slab_bits(out.bits, (start >> 5) + 4 * sl, words - 4 * sl, v[it], lane);
+      float r[4];
+#pragma unroll
+      for (int t = 0; t < 4; ++t) {
+        const bool real = f[it] + t < gs.numel;
+        if constexpr (Cap) {
+          r[t] = real ? clamp_cap(__fsub_rn(v[it][t], copysignf(cap_min(c[it][t], scale), v[it][t])), c[it][t]) : 0.0f;
+        } else {
+          r[t] = real ? __fsub_rn(v[it][t], copysignf(scale, v[it][t])) : 0.0f;
+        }
+      }
+      store4(out.error_out, f[it], r, ok[it] ? start + len : 0, vec);  // pads of the chunk get 0
+    }
+  }
+}
+
+// unpack without weights or caps: 4 elements (half a packed byte, one scale) per thread,
+// rows on blockIdx.y, so that a warp's float4 stores write 512 contiguous bytes (eight
+// elements per thread left every store instruction half of each sector it touched; four
+// quads per thread, loaded together, measured slower than one). out is flat [numel], row k
+// at k * m. I: the type of the in-row index arithmetic, 32-bit where m fits (its division
+// by the block is several times cheaper). vec: out is 16-byte aligned.
+template <typename I>
+__global__ void __launch_bounds__(kThreads) unpack_quads_kernel(UnpackArgs a, bool vec) {
+  const I m = static_cast<I>(a.m), block = static_cast<I>(a.block);
+  const I quads = m >> 2;  // m % 8 == 0: a quad is in one row and half of one byte
+  for (int64_t k = blockIdx.y; k < a.p; k += gridDim.y) {
+    const int64_t row = k * a.m;
+    const uint8_t* bytes = a.packed + k * a.packed_stride;
+    const float* sc = a.scales + k * a.scales_stride;
+    for (I q = static_cast<I>(blockIdx.x) * kThreads + threadIdx.x; q < quads; q += gridDim.x * kThreads) {
+      const I i = q << 2;
+      const int64_t f = row + static_cast<int64_t>(i);
+      if (f >= a.numel) break;  // later quads of the row are past numel too
+      const unsigned nib = static_cast<unsigned>(bytes[i >> 3]) >> (i & 4);
+      const float s = sc[block > 0 ? i / block : 0];
+      float v[4];
+#pragma unroll
+      for (int t = 0; t < 4; ++t) v[t] = set_sign(s, (nib >> t) & 1u);
+      store4(a.out, f, v, a.numel, vec);
+    }
+  }
+}
+
+// unpack with weights or caps: 8 elements (one packed byte, one scale) per thread; out is
+// flat [numel]. (unpack_quads_kernel's layout measured 5-14 % slower with these loads.) I: the
 // type of the index arithmetic, 32-bit where p * m fits (its divisions are several times
 // cheaper than 64-bit ones, which otherwise dominate this kernel). Cap: the capped decode
 // (a.cap indexed like out, no weights); vec4 then also means a.cap is 16-byte aligned.
 template <typename I, bool Cap>
-__global__ void __launch_bounds__(kThreads) unpack_kernel(UnpackArgs a, bool vec4) {
+__global__ void __launch_bounds__(kThreads) unpack_octets_kernel(UnpackArgs a, bool vec4) {
   const I m = static_cast<I>(a.m), block = static_cast<I>(a.block);
   const int64_t octets = (a.numel + 7) >> 3;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
@@ -480,6 +701,8 @@ int64_t grid_for(int64_t items, int64_t per_block) {
 
 int last_error() { return static_cast<int>(cudaGetLastError()); }
 
+bool aligned(const void* ptr, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
+
 // Cap: capped_group_kernel (P must be kFused) with the caps `cap`, else group_kernel.
 template <class Src, int GW, int R, Pass P, bool Cap = false>
 int launch_groups(const Src& src, const Groups& gs, const Out& out, cudaStream_t stream, const float* cap = nullptr) {
@@ -510,6 +733,31 @@ int launch_fused(const Src& src, const Groups& gs, const Out& out, cudaStream_t 
   return launch_groups<Src, kWarps, 16, Pass::kFused, Cap>(src, gs, out, stream, cap);
 }
 
+template <int GW, int R, bool Cap>
+int launch_server_quad(const ServerSrc& src, const Groups& gs, const Out& out, cudaStream_t st, const float* cap,
+                       bool vec) {
+  const int64_t grid = grid_for(gs.count, kWarps / GW);
+  const bool words4 = aligned(src.packed, 4) && src.packed_stride % 4 == 0;
+  server_quad_kernel<GW, R, Cap><<<static_cast<unsigned>(grid), kThreads, 0, st>>>(src, gs, out, cap, vec, words4);
+  return last_error();
+}
+
+// Block mode of the server: server_quad_kernel for groups of 128 to 4096 elements (all in
+// registers), launch_fused otherwise. Cap: the capped decode with the caps `cap`.
+template <bool Cap>
+int launch_server_blocks(const ServerSrc& src, const Groups& gs, const Out& out, cudaStream_t st, const float* cap) {
+  const int64_t words = (gs.group < gs.seg ? gs.group : gs.seg) / 32;
+  const int64_t slabs = ceil_div(words, 4), per_warp = ceil_div(slabs, kWarps);
+  const bool vec = aligned(src.error, 16) && aligned(out.error_out, 16) && (!Cap || aligned(cap, 16));
+  if (words < 4 || per_warp > 4) return launch_fused<ServerSrc, Cap>(src, gs, out, st, cap);
+  if (slabs <= 1) return launch_server_quad<1, 1, Cap>(src, gs, out, st, cap, vec);
+  if (slabs <= 2) return launch_server_quad<1, 2, Cap>(src, gs, out, st, cap, vec);
+  if (slabs <= 4) return launch_server_quad<1, 4, Cap>(src, gs, out, st, cap, vec);
+  if (per_warp <= 1) return launch_server_quad<kWarps, 1, Cap>(src, gs, out, st, cap, vec);
+  if (per_warp <= 2) return launch_server_quad<kWarps, 2, Cap>(src, gs, out, st, cap, vec);
+  return launch_server_quad<kWarps, 4, Cap>(src, gs, out, st, cap, vec);
+}
+
 // Single-scale mode over kPartialBlock units: partials, finish, pack.
 template <class Src>
 int launch_single(const Src& src, const Groups& gs, const Out& out, double* partials, float* scales, int64_t n_scales,
@@ -526,8 +774,6 @@ int launch_single(const Src& src, const Groups& gs, const Out& out, double* part
   apply.scales = scales;
   return launch_groups<Src, kWarps, kWordsPerWarp, Pass::kApply>(src, gs, apply, stream);
 }
-
-bool aligned(const void* ptr, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
 
 template <typename T, typename W, bool Cap = false>
 int worker_launch(const WorkerArgs& a, cudaStream_t stream) {
@@ -594,11 +840,11 @@ int server_compress(const ServerArgs& a, void* stream) {
   if (a.cap != nullptr) {  // the capped decode, block mode only: caps indexed like error
     if (a.block == 0) return static_cast<int>(cudaErrorInvalidValue);
     const int64_t nb = num_blocks(a.m, a.block);
-    return launch_fused<ServerSrc, true>(src, Groups{a.m, a.block, nb, nb, numel}, out, st, a.cap);
+    return launch_server_blocks<true>(src, Groups{a.m, a.block, nb, nb, numel}, out, st, a.cap);
   }
   if (a.block > 0) {
     const int64_t nb = num_blocks(a.m, a.block);
-    return launch_fused(src, Groups{a.m, a.block, nb, nb, numel}, out, st);
+    return launch_server_blocks<false>(src, Groups{a.m, a.block, nb, nb, numel}, out, st, nullptr);
   }
   if (a.partials == nullptr) return static_cast<int>(cudaErrorInvalidValue);
   const int64_t units = ceil_div(a.m, kPartialBlock);
@@ -615,15 +861,25 @@ int unpack(const UnpackArgs& a, void* stream) {
     if (a.block == 0 || a.weights != nullptr) return static_cast<int>(cudaErrorInvalidValue);
     const bool vec4 = aligned(a.out, 16) && aligned(a.cap, 16);
     if (a.p * a.m <= INT32_MAX)
-      unpack_kernel<uint32_t, true><<<static_cast<unsigned>(grid), kThreads, 0, st>>>(a, vec4);
+      unpack_octets_kernel<uint32_t, true><<<static_cast<unsigned>(grid), kThreads, 0, st>>>(a, vec4);
     else
-      unpack_kernel<int64_t, true><<<static_cast<unsigned>(grid), kThreads, 0, st>>>(a, vec4);
+      unpack_octets_kernel<int64_t, true><<<static_cast<unsigned>(grid), kThreads, 0, st>>>(a, vec4);
     return last_error();
   }
-  if (a.p * a.m <= INT32_MAX)
-    unpack_kernel<uint32_t, false><<<static_cast<unsigned>(grid), kThreads, 0, st>>>(a, aligned(a.out, 16));
+  if (a.weights != nullptr) {
+    if (a.p * a.m <= INT32_MAX)
+      unpack_octets_kernel<uint32_t, false><<<static_cast<unsigned>(grid), kThreads, 0, st>>>(a, aligned(a.out, 16));
+    else
+      unpack_octets_kernel<int64_t, false><<<static_cast<unsigned>(grid), kThreads, 0, st>>>(a, aligned(a.out, 16));
+    return last_error();
+  }
+  const int64_t rows = ceil_div(a.numel, a.m);
+  const dim3 rows_grid(static_cast<unsigned>(grid_for(ceil_div(a.m, 4), kThreads)),
+                       static_cast<unsigned>(rows < 65535 ? rows : 65535));
+  if (a.m <= INT32_MAX)
+    unpack_quads_kernel<uint32_t><<<rows_grid, kThreads, 0, st>>>(a, aligned(a.out, 16));
   else
-    unpack_kernel<int64_t, false><<<static_cast<unsigned>(grid), kThreads, 0, st>>>(a, aligned(a.out, 16));
+    unpack_quads_kernel<int64_t><<<rows_grid, kThreads, 0, st>>>(a, aligned(a.out, 16));
   return last_error();
 }
 
