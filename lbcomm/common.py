@@ -88,8 +88,8 @@ def report_exact_share(log, who: str, what: str, exact: int, total: int, limit: 
            "averaged exactly in fp32, not compressed")
     args = (who, exact, total, what, 100 * share, limit)
     if share > 0.5:
-        log.warning(msg + "; that is most of this model: pass exact_numel=0 (or a smaller value) to compress them",
-                    *args)
+        log.warning(msg + "; that is most of this model: pass comm=lbcomm.CommConfig(exact_numel=0) (or a smaller "
+                    "value) to compress them", *args)
     else:
         log.info(msg, *args)
 
@@ -109,14 +109,16 @@ def error_ratio(error_norm: float, sent_norm: float) -> float:
     return error_norm / sent_norm if sent_norm > 0 else 0.0
 
 
-def compressor_stats(reducer) -> Dict[str, Any]:
+def compressor_stats(reducer, checked: bool = False) -> Dict[str, Any]:
     """The `STATS_KEYS` of one reducer as plain numbers (all zero for None, a reducer not
     made yet): ``bytes_sent`` counts its compressed calls at `bytes_per_call` (a skipped
-    call sends only the small finiteness agreement); ``error_ratio`` is ``error_norm`` over
-    the reducer's ``last_sent_norm`` (see `error_ratio`)."""
+    call sends only the small finiteness agreement; `checked`: the caller agrees on
+    finiteness itself and its calls send no agreement, see `bytes_per_call`);
+    ``error_ratio`` is ``error_norm`` over the reducer's ``last_sent_norm`` (see `error_ratio`)."""
     if reducer is None:
         return {"compressed_calls": 0, "skipped_calls": 0, "bytes_sent": 0, "error_norm": 0.0, "error_ratio": 0.0}
     done = reducer.calls - reducer.skipped
     err = float(reducer.worker_error.double().square().sum() + reducer.server_error.double().square().sum()) ** 0.5
-    return {"compressed_calls": done, "skipped_calls": reducer.skipped, "bytes_sent": done * reducer.bytes_per_call(),
-            "error_norm": err, "error_ratio": error_ratio(err, reducer.last_sent_norm)}
+    return {"compressed_calls": done, "skipped_calls": reducer.skipped,
+            "bytes_sent": done * reducer.bytes_per_call(checked), "error_norm": err,
+            "error_ratio": error_ratio(err, reducer.last_sent_norm)}

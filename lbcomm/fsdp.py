@@ -325,7 +325,7 @@ def _unit(state: OneBitHSDPState, key: str, st: CompressionState, out: Tensor) -
     if sum(chunks) != out.numel():
         raise RuntimeError(f"onebit_hsdp: parameter group {key} reduced {out.numel()} gradient elements, its FSDP "
                            f"parameters' padded shards hold {sum(chunks)}; this torch's FSDP2 lays them out "
-                           "differently than lbcomm expects: pass exact_numel=0")
+                           "differently than lbcomm expects: pass comm=lbcomm.CommConfig(exact_numel=0)")
     weights = state.saved_weights.pop(key, None)
     if weights is None and state.normalize == "warmup" and key in state.layouts:
         weights = state.grad_stats.weights(_stats_key(state, key), state.normalize_floor)
@@ -352,7 +352,7 @@ def _group_layout(module, name: str, exact_numel: int) -> Optional[Tuple[List[in
         if not exact_numel:
             return None
         raise ValueError(f"onebit_hsdp: cannot read the parameter layout of FSDP module {name} from this torch "
-                         f"({exc}); exact_numel needs it: pass exact_numel=0") from None
+                         f"({exc}); exact_numel needs it: pass comm=lbcomm.CommConfig(exact_numel=0)") from None
 
 
 def _check_mesh(mesh, replicate_dim: str, shard_dim: str, who: str) -> None:

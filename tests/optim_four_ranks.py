@@ -60,7 +60,7 @@ def _record(rank, p, name, steps, freeze, kw):
         opt.step()
         params.append([q.detach().clone() for q in model.parameters()])
     return {"params0": params0, "grads": grads, "params": params, "numel": sum(q.numel() for q in params0),
-            "bytes": opt.bytes_per_step()}
+            "bytes": opt.bytes_per_step(), "stats": opt.compression_stats()}
 
 
 # exact_numel=0: this model is small enough for the default (4096) to average all of it exactly

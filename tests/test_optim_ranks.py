@@ -112,6 +112,11 @@ def test_the_live_ratios_norm_estimate_is_in_the_bitwise_comparison(four_ranks):
     assert sent["norm_estimate"] == ring_allreduce_bytes(4 * 5 * len(rec["params0"]), 4)
     assert sent["total"] == sent["compressed"] + sent["exact"] + sent["agreement"] + sent["norm_estimate"]
     assert decoded["bytes"]["norm_estimate"] == 0
+    # compression_stats counts what the compressed calls sent: the step's own agreement
+    # replaces the reducer's, so no agreement bytes per call there
+    stats = rec["stats"]
+    assert stats["compressed_calls"] == cfg["steps"] - cfg["freeze"]
+    assert stats["bytes_sent"] == stats["compressed_calls"] * sent["compressed"]
 
 
 def test_the_capped_decode_is_in_the_bitwise_comparison(four_ranks):

@@ -122,9 +122,10 @@ class StageReport:
                   self.stage.comm.block_size, self.stage.masked_coordinates, exact, below, len(self.stage.masks.user))
 
     def stats(self) -> Dict[str, Any]:
-        """The reducer's `lbcomm.common.compressor_stats` and ``status``: "compressing", or
-        why nothing is compressed (`not_compressing`)."""
-        return {**compressor_stats(self.stage.reducer), "status": self.not_compressing() or "compressing"}
+        """The reducer's `lbcomm.common.compressor_stats` (its calls are checked: the step's
+        own agreement, counted in `bytes_per_step`'s ``agreement``, replaces the reducer's)
+        and ``status``: "compressing", or why nothing is compressed (`not_compressing`)."""
+        return {**compressor_stats(self.stage.reducer, checked=True), "status": self.not_compressing() or "compressing"}
 
     def bytes_per_step(self) -> Optional[Dict[str, int]]:
         """What this rank sends per compression-stage step (see `OneBitAdam.bytes_per_step`);
