@@ -1,20 +1,21 @@
 // The frozen-variance AdamW update of OneBitAdam's compression stage as one fused op
 // (lbcomm/optim/kernels.py wraps it; the pure-torch sequence it replaces is
-// lbcomm.optim.functional.frozen_adamw_). Given r = torch.sqrt(v):
+// lbcomm.optim.functional.frozen_adamw_). With v the frozen variance:
 //
-//   d = r / denom_scale + eps;  p = p * keep;  p = p + (neg_step * m) / d
+//   d = sqrt(v) / denom_scale + eps;  p = p * keep;  p = p + (neg_step * m) / d
 //
 // and with a bound B (the optimizers' max_update option), the step of each coordinate
 // clamped to [-B, B] before it is added:
 //
 //   q = (neg_step * m) / d;  q = clamp(q, -B, B);  p = p * keep + q
 //
-// one pass that reads p, m, r and writes p, with exactly the rounding of torch's CPU ops
-// (div by a scalar, add of a scalar, mul by a scalar, addcdiv: (value * m) / d, then the
-// add; mul, div_, clamp_, add_; all correctly rounded IEEE operations, so an unclamped
-// coordinate gets bitwise the unbounded update). The square root stays torch's: its
-// vectorized CPU sqrt is not correctly rounded on every ISA (its AVX-512 path can differ
-// from IEEE sqrt by 1 ulp), so no kernel of ours could match it everywhere.
+// one pass that reads p, m, v and writes p. The square root is IEEE's (correctly rounded,
+// as the fallback's fp64 root rounded to fp32, so both agree on every ISA; torch's fp32
+// CPU sqrt is neither correctly rounded nor fast, and staging it took longer than this
+// whole pass). The rest rounds exactly as torch's CPU ops (div by a scalar, add of a
+// scalar, mul by a scalar, addcdiv: (value * m) / d, then the add; mul, div_, clamp_, add_;
+// all correctly rounded IEEE operations, so an unclamped coordinate gets bitwise the
+// unbounded update).
 // Built with -ffp-contract=off so that nothing is fused into an FMA.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -28,20 +29,20 @@
 
 namespace lbcomm {
 
-void check_frozen_adamw(const at::Tensor& param, const at::Tensor& exp_avg, const at::Tensor& sqrt_v,
+void check_frozen_adamw(const at::Tensor& param, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
                         std::optional<double> bound) {
   const char* op = "lbcomm::frozen_adamw_";
   TORCH_CHECK_VALUE(!bound.has_value() || *bound >= 0.0, op, ": bound must be >= 0 (or None), got ",
                     bound.value_or(0.0));
-  for (const auto* t : {&param, &exp_avg, &sqrt_v}) {
+  for (const auto* t : {&param, &exp_avg, &exp_avg_sq}) {
     TORCH_CHECK_TYPE(t->scalar_type() == at::kFloat, op, ": expected float32 tensors, got ", t->scalar_type());
     TORCH_CHECK_VALUE(t->is_contiguous(), op, ": expected contiguous tensors, got strides ", t->strides());
     TORCH_CHECK_VALUE(t->device() == param.device(), op, ": expected all tensors on ", param.device(), ", got ",
                       t->device());
   }
-  TORCH_CHECK_VALUE(exp_avg.numel() == param.numel() && sqrt_v.numel() == param.numel(), op,
-                    ": param, exp_avg and sqrt_v must have as many elements, got ", param.numel(), ", ",
-                    exp_avg.numel(), " and ", sqrt_v.numel());
+  TORCH_CHECK_VALUE(exp_avg.numel() == param.numel() && exp_avg_sq.numel() == param.numel(), op,
+                    ": param, exp_avg and exp_avg_sq must have as many elements, got ", param.numel(), ", ",
+                    exp_avg.numel(), " and ", exp_avg_sq.numel());
 }
 
 namespace {
@@ -49,9 +50,9 @@ namespace {
 // Cloned per ISA (picked at load time): the divisions dominate, and wider vectors divide
 // more per cycle. Every clone computes the same correctly rounded IEEE operations.
 __attribute__((target_clones("avx512f", "avx2", "default"))) void frozen_adamw_range(
-    float* p, const float* m, const float* r, int64_t lo, int64_t hi, float s, float e, float k, float a) {
+    float* p, const float* m, const float* v, int64_t lo, int64_t hi, float s, float e, float k, float a) {
   for (int64_t i = lo; i < hi; ++i) {
-    const float d = r[i] / s + e;
+    const float d = std::sqrt(v[i]) / s + e;
     const float w = p[i] * k;
     p[i] = w + (a * m[i]) / d;
   }
@@ -59,32 +60,32 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void frozen_adamw_r
 
 // The same with the step clamped to [-b, b] (a NaN step stays NaN, as torch.clamp_ keeps it).
 __attribute__((target_clones("avx512f", "avx2", "default"))) void frozen_adamw_bounded_range(
-    float* p, const float* m, const float* r, int64_t lo, int64_t hi, float s, float e, float k, float a, float b) {
+    float* p, const float* m, const float* v, int64_t lo, int64_t hi, float s, float e, float k, float a, float b) {
   for (int64_t i = lo; i < hi; ++i) {
-    const float d = r[i] / s + e;
+    const float d = std::sqrt(v[i]) / s + e;
     float q = (a * m[i]) / d;
     q = q > b ? b : (q < -b ? -b : q);
     p[i] = p[i] * k + q;
   }
 }
 
-void frozen_adamw_cpu(at::Tensor& param, const at::Tensor& exp_avg, const at::Tensor& sqrt_v,
+void frozen_adamw_cpu(at::Tensor& param, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
                       double denom_scale, double eps, double keep, double neg_step, std::optional<double> bound) {
-  check_frozen_adamw(param, exp_avg, sqrt_v, bound);
+  check_frozen_adamw(param, exp_avg, exp_avg_sq, bound);
   float* p = param.data_ptr<float>();
   const float* m = exp_avg.data_ptr<float>();
-  const float* r = sqrt_v.data_ptr<float>();
+  const float* v = exp_avg_sq.data_ptr<float>();
   // torch turns each Python float into the tensor's dtype before the elementwise op
   const float s = static_cast<float>(denom_scale), e = static_cast<float>(eps);
   const float k = static_cast<float>(keep), a = static_cast<float>(neg_step);
   if (bound.has_value()) {
     const float b = static_cast<float>(*bound);
     at::parallel_for(0, param.numel(), 1 << 15,
-                     [&](int64_t lo, int64_t hi) { frozen_adamw_bounded_range(p, m, r, lo, hi, s, e, k, a, b); });
+                     [&](int64_t lo, int64_t hi) { frozen_adamw_bounded_range(p, m, v, lo, hi, s, e, k, a, b); });
     return;
   }
   at::parallel_for(0, param.numel(), 1 << 15,
-                   [&](int64_t lo, int64_t hi) { frozen_adamw_range(p, m, r, lo, hi, s, e, k, a); });
+                   [&](int64_t lo, int64_t hi) { frozen_adamw_range(p, m, v, lo, hi, s, e, k, a); });
 }
 
 // The capped decode's caps (lbcomm/optim/bounds.py), out = (sqrt(v) a + b) s, in one pass
@@ -130,7 +131,7 @@ void decode_caps_cpu(at::Tensor& out, const at::Tensor& v, double a, double b,
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(lbcomm, m) {
-  m.def("frozen_adamw_(Tensor(a!) param, Tensor exp_avg, Tensor sqrt_v, float denom_scale, float eps, "
+  m.def("frozen_adamw_(Tensor(a!) param, Tensor exp_avg, Tensor exp_avg_sq, float denom_scale, float eps, "
         "float keep, float neg_step, float? bound=None) -> ()");
   m.def("decode_caps_(Tensor(a!) out, Tensor v, float a, float b, Tensor? scale) -> ()");
 }

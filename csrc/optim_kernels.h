@@ -4,12 +4,12 @@
 
 namespace lbcomm {
 namespace cuda {
-// p = fma(neg_step, m / d, p * keep) with d = r * inv_scale + eps, r = torch.sqrt(v): torch's
-// CUDA ops (a scalar divisor becomes a multiply by its reciprocal; addcdiv is
+// p = fma(neg_step, m / d, p * keep) with d = sqrt(v) * inv_scale + eps (the IEEE root, as
+// the CPU body's): torch's CUDA ops (a scalar divisor becomes a multiply by its reciprocal; addcdiv is
 // a + alpha * (b / c), contracted to an FMA). With bounded != 0 the torch sequence of the
 // clamped step instead: q = (neg_step * m) / d; q = clamp(q, -bound, bound); p = p * keep + q.
 // Returns a cudaError_t.
-int frozen_adamw(float* p, const float* m, const float* r, long long n, float inv_scale, float eps, float keep,
+int frozen_adamw(float* p, const float* m, const float* v, long long n, float inv_scale, float eps, float keep,
                  float neg_step, int bounded, float bound, void* stream);
 }  // namespace cuda
 }  // namespace lbcomm

@@ -98,7 +98,8 @@ def test_one_rank_past_freeze_equals_adamw_with_frozen_variance():
             for q in ref.parameters():
                 m, v = state[q]
                 m.lerp_(q.grad, 1 - b1)
-                denom = (v.sqrt() / math.sqrt(1 - b2 ** freeze)).add_(eps)  # v and its correction frozen
+                # v and its correction frozen; the root correctly rounded (fp64, rounded once)
+                denom = (torch.sqrt(v.double()).float() / math.sqrt(1 - b2 ** freeze)).add_(eps)
                 q.mul_(1 - lr * wd).addcdiv_(m, denom, value=-lr / (1 - b1 ** t))
         assert _max_diff(model, ref) <= 1e-6, t
     assert torch.equal(opt.state[model[0].weight]["exp_avg_sq"], state[ref[0].weight][1])
@@ -131,7 +132,7 @@ def test_past_freeze_missing_grads_and_eps_changes_match_the_formula():
             for q in ref.parameters():
                 m, v = state[q]
                 m.lerp_(torch.zeros_like(q) if q.grad is None else q.grad, 1 - b1)
-                denom = (v.sqrt() / math.sqrt(1 - b2 ** freeze)).add_(eps)
+                denom = (torch.sqrt(v.double()).float() / math.sqrt(1 - b2 ** freeze)).add_(eps)
                 q.mul_(1 - lr * wd).addcdiv_(m, denom, value=-lr / (1 - b1 ** t))
         assert _max_diff(model, ref) == 0, t
 

@@ -12,9 +12,10 @@ from typing import Callable, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-__all__ = ["norms", "moments_", "denominator", "rescaled_bc2", "adamw_", "frozen_adamw_", "lamb_direction",
-           "trust_ratio", "track_coeff", "onebit_lamb_factor", "implied_grad_variance_", "apply_fp32",
-           "adam_update_bound", "resolve_max_update", "max_abs_update", "cap_coefficients", "STAGE"]
+__all__ = ["norms", "moments_", "denominator", "ieee_sqrt", "frozen_denominator", "rescaled_bc2", "adamw_",
+           "frozen_adamw_", "lamb_direction", "trust_ratio", "track_coeff", "onebit_lamb_factor",
+           "implied_grad_variance_", "apply_fp32", "adam_update_bound", "resolve_max_update", "max_abs_update",
+           "cap_coefficients", "STAGE"]
 
 # Elements per pass of the staged computations (4 MB of fp32: the pieces stay in cache).
 STAGE = 1 << 20
@@ -42,9 +43,24 @@ def moments_(m: Tensor, v: Tensor, g: Tensor, b1: float, b2: float) -> None:
 
 
 def denominator(v: Tensor, bc2: float, eps: float, out: Tensor) -> Tensor:
-    """out = sqrt(v) / sqrt(bc2) + eps, i.e. sqrt(v^) + eps."""
+    """out = sqrt(v) / sqrt(bc2) + eps, i.e. sqrt(v^) + eps, with torch's sqrt: AdamW's
+    denominator bit for bit (the warmup's steps)."""
     torch.sqrt(v, out=out)
     return out.div_(bc2 ** 0.5).add_(eps)
+
+
+def ieee_sqrt(v: Tensor, out: Optional[Tensor] = None) -> Tensor:
+    """The correctly rounded square root of fp32 `v` (the fp64 root, rounded once; fp64 `v`:
+    its own root), into `out` if given. The fused ops take IEEE's root, which this equals on
+    every ISA; torch's fp32 CPU sqrt is not correctly rounded on every host."""
+    r = torch.sqrt(v.double())
+    return r.to(v.dtype) if out is None else out.copy_(r)
+
+
+def frozen_denominator(v: Tensor, bc2: float, eps: float, out: Tensor) -> Tensor:
+    """`denominator` with the correctly rounded root (`ieee_sqrt`): the compression stage's,
+    as the fused `kernels.frozen_adamw_` computes it."""
+    return ieee_sqrt(v, out).div_(bc2 ** 0.5).add_(eps)
 
 
 def cap_coefficients(bound: float, bc1: float, bc2: float, eps: float) -> Tuple[float, float]:
@@ -76,7 +92,7 @@ def adamw_(w: Tensor, m: Tensor, denom: Tensor, decay: float, step_size: float,
 
 def frozen_adamw_(w: Tensor, m: Tensor, v: Tensor, bc2: float, eps: float, decay: float, step_size: float,
                   scratch: Tensor, bound: Optional[float] = None) -> None:
-    """`adamw_` with denom = `denominator`(v), computed STAGE elements at a time into
+    """`adamw_` with denom = `frozen_denominator`(v), computed STAGE elements at a time into
     `scratch` (at least min(STAGE, numel) fp32 elements): every element goes through the
     same operations as with a model-sized denominator, but the denominator never leaves the
     cache and needs no memory of its own. w, m, v: contiguous, of equal numel."""
@@ -84,7 +100,7 @@ def frozen_adamw_(w: Tensor, m: Tensor, v: Tensor, bc2: float, eps: float, decay
     n = w.numel()
     for lo in range(0, n, STAGE):
         hi = min(n, lo + STAGE)
-        d = denominator(v[lo:hi], bc2, eps, out=scratch[:hi - lo])
+        d = frozen_denominator(v[lo:hi], bc2, eps, out=scratch[:hi - lo])
         adamw_(w[lo:hi], m[lo:hi], d, decay, step_size, bound)
 
 

@@ -4,12 +4,13 @@ decode_caps_ (csrc/optim.cpp) and lamb_clean_pass_ / lamb_edge_find_ / lamb_adva
 (`functional.frozen_adamw_`, `clean_pass_torch`, `edge_find_torch`).
 
 OneBitAdam keeps no denominator after the freeze: every step computes
-sqrt(v) / sqrt(1 - b2^T) + eps again. torch.sqrt runs on a cache-sized stage (torch's
-vectorized sqrt is not correctly rounded on every ISA, so it stays torch's), and the op
-does the rest in one pass that reads p, m and the staged sqrt and writes p, bitwise equal
-to the torch ops; with a bound (max_update) each coordinate's step is clamped in the same
-pass. CPU tensors use the op; CUDA tensors use the torch sequence until the
-CUDA body (csrc/cuda/optim.cu) has been checked bitwise on a GPU (tests/test_optim_kernels.py).
+sqrt(v) / sqrt(1 - b2^T) + eps again, in the op's one pass that reads p, m and v and
+writes p, with IEEE's root (`functional.ieee_sqrt` in the torch sequence, so the two are
+bitwise equal on every ISA; torch's own fp32 sqrt on the CPU is not correctly rounded and
+took longer than the whole pass); with a bound (max_update) each coordinate's step is
+clamped in the same pass. CPU tensors use the op; CUDA tensors use the torch sequence until
+the CUDA body (csrc/cuda/optim.cu) has been checked bitwise on a GPU
+(tests/test_optim_kernels.py).
 """
 from __future__ import annotations
 
@@ -29,13 +30,15 @@ _log = logging.getLogger(__name__)
 
 
 def _op_is_current() -> bool:
-    """The compiled op takes the bound (an extension built before max_update does not)."""
+    """The compiled op takes the variance itself and the bound (an extension built before
+    takes sqrt(v), or no bound: it would compute another update)."""
     if not (ops.HAS_EXTENSION and hasattr(torch.ops.lbcomm, "frozen_adamw_")):
         return False
-    if any(a.name == "bound" for a in torch.ops.lbcomm.frozen_adamw_.default._schema.arguments):
+    names = {a.name for a in torch.ops.lbcomm.frozen_adamw_.default._schema.arguments}
+    if {"bound", "exp_avg_sq"} <= names:
         return True
-    _log.warning("lbcomm._C is older than lbcomm/optim (its frozen_adamw_ has no bound argument); OneBitAdam uses "
-                 "the slower torch sequence. Rebuild: pip install --no-build-isolation -e . (or python setup.py "
+    _log.warning("lbcomm._C is older than lbcomm/optim (its frozen_adamw_ takes sqrt(v) or has no bound); OneBitAdam "
+                 "uses the slower torch sequence. Rebuild: pip install --no-build-isolation -e . (or python setup.py "
                  "build_ext --inplace)")
     return False
 
@@ -54,18 +57,13 @@ def has_fused_kernel(device: torch.device) -> bool:
 
 def frozen_adamw_(w: Tensor, m: Tensor, v: Tensor, bc2: float, eps: float, decay: float, step_size: float,
                   scratch: Tensor, bound: Optional[float] = None) -> None:
-    """w <- w (1 - decay) - step_size m / (sqrt(v) / sqrt(bc2) + eps), in place, each
-    coordinate's step clamped to [-bound, bound] if bound is given, bitwise as
-    `lbcomm.optim.functional.frozen_adamw_` (which runs where the op cannot). `scratch`:
-    at least min(STAGE, numel) fp32 elements."""
+    """w <- w (1 - decay) - step_size m / (sqrt(v) / sqrt(bc2) + eps), in place, the root
+    correctly rounded, each coordinate's step clamped to [-bound, bound] if bound is given,
+    bitwise as `lbcomm.optim.functional.frozen_adamw_` (which runs where the op cannot, in
+    `scratch`: at least min(STAGE, numel) fp32 elements)."""
     if w.dtype == torch.float32 and w.is_contiguous() and has_fused_kernel(w.device):
-        w, m, v = w.view(-1), m.view(-1), v.view(-1)
-        n = w.numel()
-        for lo in range(0, n, F.STAGE):
-            hi = min(n, lo + F.STAGE)
-            r = torch.sqrt(v[lo:hi], out=scratch[:hi - lo])
-            torch.ops.lbcomm.frozen_adamw_(w[lo:hi], m[lo:hi], r, bc2 ** 0.5, eps, 1 - decay if decay != 0 else 1.0,
-                                           -step_size, bound)
+        torch.ops.lbcomm.frozen_adamw_(w.view(-1), m.view(-1), v.view(-1), bc2 ** 0.5, eps,
+                                       1 - decay if decay != 0 else 1.0, -step_size, bound)
     else:
         F.frozen_adamw_(w, m, v, bc2, eps, decay, step_size, scratch, bound)
 
@@ -74,16 +72,12 @@ def decode_caps_(out: Tensor, v: Tensor, a: float, b: float, scale: Optional[Ten
     """out = (sqrt(v) a + b) [scale]: the capped decode's caps (`bounds.decode_caps`), each op
     rounded, the root correctly rounded (the fp64 root rounded to fp32: the same on every
     ISA). One pass of the op on CPU (fp32 contiguous, `scale` one fp32 element); elsewhere
-    torch ops (on CUDA torch's sqrt, correctly rounded there)."""
+    torch ops."""
     if _CAPS_OP and v.device.type == "cpu" and v.dtype == out.dtype == torch.float32 and v.is_contiguous() \
             and out.is_contiguous():
         torch.ops.lbcomm.decode_caps_(out, v, a, b, None if scale is None else scale.reshape(1).float())
         return
-    if v.device.type == "cuda":
-        torch.sqrt(v, out=out)
-    else:
-        out.copy_(torch.sqrt(v.double()))
-    out.mul_(a).add_(b)
+    F.ieee_sqrt(v, out).mul_(a).add_(b)
     if scale is not None:
         out.mul_(scale)
 
@@ -91,7 +85,7 @@ def decode_caps_(out: Tensor, v: Tensor, a: float, b: float, scale: Optional[Ten
 def clean_denominator(v: Tensor, denom_scale: float, eps: float) -> Tensor:
     """d = sqrt(v) / denom_scale + eps, the root taken in fp64 and rounded to fp32: the value
     the fused op computes, whatever the vector instructions of either side."""
-    return torch.sqrt(v.double()).float().div_(denom_scale).add_(eps)
+    return F.ieee_sqrt(v).div_(denom_scale).add_(eps)
 
 
 def advance_local_(ml: Tensor, g: Optional[Tensor], weight: float, scratch: Optional[Tensor] = None) -> None:
@@ -217,5 +211,5 @@ if _CAPS_OP:
 
 if _OP:
     @torch.library.register_fake("lbcomm::frozen_adamw_")
-    def _(param, exp_avg, sqrt_v, denom_scale, eps, keep, neg_step, bound=None):
+    def _(param, exp_avg, exp_avg_sq, denom_scale, eps, keep, neg_step, bound=None):
         return None

@@ -153,8 +153,11 @@ def _f32(xs: Sequence[float]) -> List[float]:
     return torch.tensor(list(xs), dtype=torch.float32).tolist()
 
 
-def _denom(v: Tensor, bc2: float, eps: float) -> Tensor:
-    return (v.sqrt() / bc2 ** 0.5).add_(eps)
+def _denom(v: Tensor, bc2: float, eps: float, frozen: bool = False) -> Tensor:
+    """sqrt(v^) + eps: torch's root as AdamW's (the warmup), or with frozen the correctly
+    rounded root (fp64, rounded once) of the compression stage's steps."""
+    root = torch.sqrt(v.double()).float() if frozen else v.sqrt()
+    return (root / bc2 ** 0.5).add_(eps)
 
 
 def decode_caps(v: Sequence[Tensor], bounds: Sequence[Optional[float]], bc1: float, bc2s: Sequence[float],

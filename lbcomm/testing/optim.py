@@ -96,9 +96,9 @@ def simulate_onebit_adam(params0: Sequence[Tensor], grads: Sequence[Sequence[Seq
                 theta[i].mul_(1 - lr * weight_decay)
             bc2_i = bc2 if factors[i] is None else bc2 / factors[i]
             if bounds is None or bounds[i] is None:
-                theta[i].addcdiv_(m[i], _denom(v[i], bc2_i, eps), value=-lr / bc1)
+                theta[i].addcdiv_(m[i], _denom(v[i], bc2_i, eps, step > freeze_step), value=-lr / bc1)
             else:  # the clamped step (-lr/bc1) m / d, addcdiv's roundings
-                step_i = torch.mul(m[i], -lr / bc1).div_(_denom(v[i], bc2_i, eps))
+                step_i = torch.mul(m[i], -lr / bc1).div_(_denom(v[i], bc2_i, eps, step > freeze_step))
                 theta[i].add_(step_i.clamp_(-lr * bounds[i], lr * bounds[i]))
         history.append([t.clone() for t in theta])
     return history

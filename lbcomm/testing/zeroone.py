@@ -54,10 +54,10 @@ def simulate_zero_one_adam(params0: Sequence[Tensor], grads: Sequence[Sequence[S
     q_ref: List[float] = []
     history = []
 
-    def adam_step(w, m_i, v_i, bc2, decay, step_size, bound):  # frozen_adamw_'s operations
+    def adam_step(w, m_i, v_i, bc2, decay, step_size, bound, frozen=True):  # frozen_adamw_'s operations
         if decay != 0:
             w.mul_(1 - decay)
-        d = _denom(v_i, bc2, eps)
+        d = _denom(v_i, bc2, eps, frozen)  # variance steps: AdamW's root
         if bound is None:
             w.addcdiv_(m_i, d, value=-step_size)
         else:
@@ -93,7 +93,7 @@ def simulate_zero_one_adam(params0: Sequence[Tensor], grads: Sequence[Sequence[S
                 m[0][i].lerp_(g, 1 - b1)
                 v[i].mul_(b2 ** k).addcmul_(g, g, value=1 - b2 ** k)
                 b = None if not compressed or bounds[i] is None else lrs[i] * bounds[i]
-                adam_step(theta[0][i], m[0][i], v[i], bc2, lrs[i] * wds[i], lrs[i] / bc1, b)
+                adam_step(theta[0][i], m[0][i], v[i], bc2, lrs[i] * wds[i], lrs[i] / bc1, b, frozen=False)
             m = [[t.clone() for t in m[0]] for _ in range(p)]
             theta = [[t.clone() for t in theta[0]] for _ in range(p)]
             var_updates += 1
