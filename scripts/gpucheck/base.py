@@ -65,7 +65,8 @@ def check_params(quick: bool) -> Dict[str, Dict[str, Any]]:
 CHECKS: Dict[str, Tuple[int, str]] = {
     "build": (300, "lbcomm._C built in place with nvcc for this GPU (LBCOMM_CUDA=1)"),
     "environment": (60, "the extension loads with its CUDA kernels; versions of torch, CUDA, NCCL, MPI"),
-    "pytest_cuda": (180, "tests/test_cuda.py: CUDA kernels against the reference and the CPU kernels"),
+    "pytest_cuda": (180, "tests/test_cuda.py, test_cuda_layouts.py: CUDA kernels against the reference and the "
+                         "CPU kernels"),
     "kernels": (150, "worker/server/unpack kernels as a ratio to a torch op of the same reads and writes, and to a "
                      "device-to-device copy of their traffic"),
     "allreduce_nccl_1rank": (90, "NCCL transport and compressed_allreduce on CUDA tensors, one-rank group"),

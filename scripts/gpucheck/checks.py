@@ -87,7 +87,7 @@ def _pytest(args: List[str], timeout: float) -> Tuple[Optional[int], Dict[str, A
 
 
 def check_pytest_cuda(params):
-    rc, fig, out = _pytest(["tests/test_cuda.py"], params["timeout"])
+    rc, fig, out = _pytest(["tests/test_cuda.py", "tests/test_cuda_layouts.py"], params["timeout"])
     if rc is None:
         raise TimeoutError(f"pytest did not finish in {params['timeout']:.0f} s:\n{tail(out)}")
     if not fig.get("tests"):
@@ -102,8 +102,9 @@ def check_pytest_cuda(params):
 
 
 def check_pytest_cuda_rest(params):
-    # -k matches module, test and parameter names: every case outside test_cuda.py that names CUDA.
-    rc, fig, out = _pytest(["tests", "--ignore=tests/test_cuda.py", "--ignore=tests/test_gpu_check.py", "-k", "cuda",
+    # -k matches module, test and parameter names: every case outside pytest_cuda's files that names CUDA.
+    rc, fig, out = _pytest(["tests", "--ignore=tests/test_cuda.py", "--ignore=tests/test_cuda_layouts.py",
+                            "--ignore=tests/test_gpu_check.py", "-k", "cuda",
                             "--continue-on-collection-errors", "-rs"], params["timeout"])
     if rc is None:
         raise TimeoutError(f"pytest did not finish in {params['timeout']:.0f} s:\n{tail(out)}")
