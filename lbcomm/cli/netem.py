@@ -5,7 +5,8 @@ veths are ports of a Linux bridge that lives in a dedicated namespace, so the ho
 namespace is never touched. Both ends of every veth are shaped with a token bucket
 (``tc qdisc add dev IF root tbf rate RATE burst BURST latency LAT``): each rank has
 ``bandwidth`` upstream and ``bandwidth`` downstream, like a host on a switch port; with a
-``delay``, a netem qdisc in front of each token bucket adds a wide-area link's latency.
+``delay``, a delay line in each node's namespace (`lbcomm.cli.delayline`: a TUN device
+and a small process) holds every packet a node sends for that long before its token bucket.
 Addresses come from a private subnet that exists only inside these namespaces.
 
 Ranks are launched as ``ip netns exec NS python ...`` with ``GLOO_SOCKET_IFNAME`` and
@@ -46,6 +47,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 
+from . import delayline
 from .netns import (DEFAULT_PREFIX, PREFIX_RE, NetemError, available, cleanup_stale, list_netns, netns_pids, probe,
                     require, run)
 from .procs import die_with_parent, failure_report, kill_sessions, wait_all
@@ -83,8 +85,8 @@ class EmulatedCluster:
             bucket's queue (this bounds the queue; it adds no fixed delay). (default: ``"50ms"``)
         burst (str, optional): tbf's bucket size; kb = 1024 bytes, as in tc. (default: ``"256kb"``)
         delay (str, optional): a fixed one-way delay between two nodes, as on a wide-area
-            link (``"50ms"``): netem holds every packet half of it on each of the two shaped
-            hops (node -> switch, switch -> node), in front of the rate limit; "0" for none.
+            link (``"50ms"``): each node's delay line holds every packet it sends to another
+            node that long, in front of the rate limit (`lbcomm.cli.delayline`); "0" for none.
             (default: ``"0"``)
         subnet (str, optional): IPv4 subnet for the ranks' addresses; it exists only inside
             the run's namespaces. (default: ``"10.213.0.0/24"``)
@@ -280,18 +282,9 @@ class EmulatedCluster:
         run(["ip", "-n", ns, "link", "set", "lo", "up"])
 
     def _tbf(self, ns: str, dev: str) -> None:
-        """The rate limit of one hop; with a delay, netem (half the one-way delay) at the root
-        and the tbf as its child."""
-        where = ["root"]
-        if self.delay_us:
-            # the queue must hold a delay's worth of packets at the link rate (and more: bursts)
-            limit = max(1000, 4 * self.rate_bits * self.delay_us // (2 * 8 * 1_000_000 * 1500))
-            run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem",
-                 "delay", f"{self.delay_us // 2}us", "limit", str(limit)])
-            where = ["parent", "1:1", "handle", "10:"]
-        run(["tc", "-n", ns, "qdisc", "add", "dev", dev, *where, "tbf",
-             "rate", f"{self.rate_bits}bit", "burst", str(self.burst_bytes),
-             "latency", f"{self.latency_us}us"])
+        """The rate limit of one hop."""
+        run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{self.rate_bits}bit",
+             "burst", str(self.burst_bytes), "latency", f"{self.latency_us}us"])
 
     def _setup(self) -> None:
         br = self.bridge_netns
@@ -312,6 +305,9 @@ class EmulatedCluster:
             self._tbf(br, port)  # switch -> rank
             run(["ip", "-n", br, "link", "set", port, "up"])
             run(["ip", "-n", ns, "link", "set", dev, "up"])
+            if self.delay_us:
+                delayline.start(ns, self.addr(rank), str(self.subnet), self.delay_us,
+                                lambda argv, **kw: self.popen(rank, argv, **kw))
 
     def close(self) -> None:
         """Kill processes left in the namespaces and delete them. Idempotent."""

@@ -70,7 +70,7 @@ def missing_requirements() -> str | None:
 @functools.lru_cache(maxsize=2)
 def probe(delay: bool = False) -> tuple[bool, str]:
     """Try the real thing once: a namespace with a veth pair shaped by tbf (and, with
-    `delay`, a netem qdisc on its other end), then remove it.
+    `delay`, a TUN device for the delay line), then remove it.
 
     Returns ``(ok, reason)``; cached for the life of the process. Catches what the cheap
     checks of :func:`available` cannot: a container without CAP_SYS_ADMIN, a kernel without
@@ -99,19 +99,18 @@ def probe(delay: bool = False) -> tuple[bool, str]:
         except NetemError as exc:
             return False, f"cannot add a tbf qdisc ({exc}); the kernel needs sch_tbf (`modprobe sch_tbf`)"
         if delay:
-            try:
-                run(["tc", "-n", ns, "qdisc", "add", "dev", "p1", "root", "netem", "delay", "1ms"])
-            except NetemError as exc:
-                return False, (f"cannot add a netem qdisc for the delay ({exc}); the kernel needs sch_netem "
-                               "(`modprobe sch_netem`)")
-        return True, "network namespaces, veth and tbf work" + (" (netem too)" if delay else "")
+            code = "from lbcomm.cli.delayline import probe; ok, why = probe(); print('ok' if ok else why)"
+            res = run(["ip", "netns", "exec", ns, sys.executable, "-c", code], check=False)
+            if res.stdout.strip() != "ok":
+                return False, res.stdout.strip() or f"the delay line's probe failed: {res.stderr.strip()[-300:]}"
+        return True, "network namespaces, veth and tbf work" + (" (a TUN device too)" if delay else "")
     finally:
         run(["ip", "netns", "del", ns], check=False)
 
 
 def available(delay: bool = False) -> tuple[bool, str]:
-    """``(True, reason)`` if :class:`EmulatedCluster` can run here (with a `delay`: netem
-    too), else ``(False, why + fix)``.
+    """``(True, reason)`` if :class:`EmulatedCluster` can run here (with a `delay`: a TUN
+    device too), else ``(False, why + fix)``.
 
     Meant for tests: ``ok, why = available(); pytest.skip(why) if not ok``.
     """

@@ -70,7 +70,7 @@ def add_parser(sub, make) -> None:
     p.add_argument("--latency", default="50ms", help="with --bandwidth: tbf queue latency (default: 50ms)")
     p.add_argument("--burst", default="256kb", help="with --bandwidth: tbf burst (default: 256kb)")
     p.add_argument("--delay", default="0", help="with --bandwidth: one-way delay between two ranks, as on a "
-                   "wide-area link, e.g. 50ms (netem in front of the rate limit) (default: 0, none)")
+                   "wide-area link, e.g. 50ms (a delay line in front of the rate limit) (default: 0, none)")
     p.add_argument("--methods", type=_methods, default=None,
                    help=f"comma-separated subset of {','.join(FAMILIES)} (default: all; diloco is left out "
                         "with a note when torchft is not installed)")
