@@ -16,48 +16,32 @@ discarded (the parameters return to the round's start).
 torchft is optional: importing `lbcomm` does not import it; this module imports it when an
 object is built and says ``pip install torchft`` when it is missing.
 
-Design decisions (the error feedback across membership changes):
-
-* What a replica group holds of the compression: its worker error e (length n, the padded
-  input) and the server error s of the chunk it serves (n / p). The error-feedback
-  invariant of a run of calls with a fixed membership R of p members is
-  sum_t out_t = sum_t mean_R(x_t) - mean_R(e_T) - concat_k(s_k,T) + mean_R(e_0) +
-  concat_k(s_k,0): what is still owed after call T is E = mean_R(e) + concat_k(s_k).
-* A membership change (another set of members, another rank order, or any member whose
-  last exchange failed) is detected by every member alike from one small all-gather at the
-  start of each exchange (a random id per process, the id list its error feedback was
-  built for, its call count). Then every member builds a new reducer for the new quorum
-  R' (p' members) and folds what it owed into its new worker error, without
-  communicating: e' = (p'/p) e + p' s (s added on the span it served); s' = 0. Then
-  mean_R'(e') = (1/p) sum_S e + concat_{k in S} s_k: exactly the survivors' (S) share of
-  E is carried into the new membership, and the new server chunks (their partition n / p'
-  changed with p) start at zero, so nothing has to be redistributed over the network.
-  The invariant then holds over each run of calls with a fixed membership, starting
-  from the folded errors (tests/test_ft.py checks it on the survivors).
-* What a leaving replica group owed, (1/p) e + its s, is lost: a bounded error of the
-  order of one round's compression error, never accumulated.
-* A joining (or restarted, or healing) replica group starts with zero error feedback: it
-  owes nothing, which keeps the survivors' invariant exact. It heals from a live peer
-  through the Manager's state-dict callbacks (``register_state_dict_fn``): the anchor
-  θ_start, the outer momentum, the inner optimizer's state, the peer's current weights and
-  the counters; the compressed call count is agreed in the all-gather above. Since the
-  peer serves its weights at the synchronization, the joiner's first pseudo-gradient is
-  the peer's (that peer's data counts twice in that one round, as in torchft's DiLoCo);
-  after that synchronization the joiner is bitwise the survivors.
-* An exchange that fails part way restores this member's error buffers to what they were
-  before it (a snapshot taken per exchange, n + n / p floats), so a retry does not count
-  the failed round's input twice.
+The error feedback across membership changes (derived in docs/internet.md): every
+member sees a change alike from one small all-gather at the start of each exchange, and
+folds what it owed into a reducer for the new quorum, e' = (p'/p) e + p' s on the span it
+served, s' = 0, which carries exactly the survivors' share of what was owed; a joining or
+healed member starts at zero; an attempt that is not committed restores this member's
+errors from a snapshot taken before its call. The invariant then holds over every run of
+calls with a fixed membership (tests/test_ft.py checks it on the survivors).
 
 ``compress=False`` averages the pseudo-gradient with a plain fp32 allreduce over the same
 group: torchft's DiLoCo exchange, for comparison. Parameters of at most
 ``comm.exact_numel`` elements are averaged exactly in fp32 beside the compressed call (their
 error feedback held at zero), as in `lbcomm.OneBitLocalUpdates`.
 
-Not done here: the node topology (hierarchical reduction), streaming fragments and
-overlap; every replica group is one process (or the replica group's own data parallelism
-stays inside it), and the exchange is flat over the quorum. The Manager must be created
-with ``use_async_quorum=False``: every member of the group then takes part in every
-exchange (a healing member heals before it, inside ``start_quorum``).
+The node topology (``local_group``): a replica group of G ranks that hold the same weights
+(data parallelism inside the group, e.g. DDP) is one node. torchft's Manager of local rank
+l joins the ranks l of every replica group, so rank l exchanges only slice l of the
+pseudo-gradient (`lbcomm.topology.slice_spans`) over it, and the group all-gathers the G
+averaged slices over ``local_group``: a node sends 1/G of the bytes of a flat exchange of
+every rank. Each rank holds the error feedback of its slice only, and everything above
+holds per slice. So that every slice reaches the same verdict, a rank whose Δ is not finite
+anywhere makes its slice non-finite, and every rank takes the worst status of the G slices
+(the Manager's ``should_commit`` already agrees within the group).
+
+Not done here: streaming fragments and overlap. The Manager must be created with
+``use_async_quorum=False``: every member of the group then takes part in every exchange (a
+healing member heals before it, inside ``start_quorum``).
 """
 from __future__ import annotations
 
@@ -76,6 +60,7 @@ from .common import ring_allreduce_bytes
 from .compressed import CompressionState
 from .config import CommConfig, resolve
 from .exact import exact_index
+from .reduce.topology import slice_spans
 
 __all__ = ["FaultTolerantLocalUpdates", "require_torchft"]
 
@@ -130,12 +115,15 @@ class FaultTolerantLocalUpdates:
             discarded (default: 3).
         trace (bool): keep the last exchange's input, output and error buffers in
             `last_trace` (for tests of the error-feedback invariant) (default: False).
+        local_group (torch.distributed.ProcessGroup, optional): this replica group's own
+            ranks when it has several that hold the same weights (the node topology, module
+            docs); construction checks that their weights agree (default: None, one rank).
     """
 
     def __init__(self, params: Iterable[Tensor], inner: torch.optim.Optimizer, sync_every: int, *, manager, pg,
                  outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: Optional[bool] = None,
                  compress: bool = True, comm: Optional[CommConfig] = None, max_attempts: int = 3,
-                 trace: bool = False):
+                 trace: bool = False, local_group=None):
         require_torchft()
         name = type(self).__name__
         comm = resolve(comm, name)
@@ -162,11 +150,19 @@ class FaultTolerantLocalUpdates:
         self.numel = self.anchor.numel()
         self.outer = torch.optim.SGD([self.anchor], lr=outer_lr, momentum=outer_momentum, nesterov=nesterov)
         self._buf = torch.empty_like(self.anchor)
-        self._exact = exact_index([p.numel() for p in self.params], comm.exact_numel, device=device) if compress else None
+        self.local_group, self.local_size, lo, hi = local_group, 1, 0, self.numel
+        if local_group is not None:
+            self.local_size, lo, hi = self._check_local_group(name)
+        self._lo, self._n = lo, hi - lo  # this rank's slice of the pseudo-gradient
+        self._exact = None
+        if compress:
+            ex = exact_index([p.numel() for p in self.params], comm.exact_numel, device=device)
+            self._exact = ex[(ex >= lo) & (ex < hi)] - lo if ex is not None else None
         self.uid = struct.unpack("<q", os.urandom(8))[0] or 1  # this process: a restarted replica is a new member
         self._reducer: Optional[CompressionState] = None
         self._members: Optional[Tuple[int, ...]] = None  # the membership the error feedback belongs to
         self._owed: Optional[Tuple[int, int, Tensor, Tensor]] = None  # (p, rank, e, s) without a live reducer
+        self._snapshot: Optional[Tuple[int, int, Tensor, Tensor, int]] = None  # before this attempt's call
         self._calls = 0
         self._dirty = False  # the last exchange failed: the next one rebuilds the reducer
         self._healed = False
@@ -210,13 +206,15 @@ class FaultTolerantLocalUpdates:
                     self._outer_step()
                 else:  # non-finite on some member: every member discards the round alike
                     self.skipped += 1
+                    if self.local_size > 1:  # another slice skipped: this slice's call must not count either
+                        self._restore()
                     _log.warning("%s: the outer pseudo-gradient holds NaN/Inf on some replica group at inner step "
                                  "%s; the round is discarded on every one", type(self).__name__, self.inner_steps)
                 self._write()
                 self.syncs += 1
                 return ok
             self.failed += 1
-            self._dirty = True
+            self._restore()
             _log.warning("%s: synchronization at inner step %s not committed (attempt %s of %s: %s); retrying with a "
                          "new quorum", type(self).__name__, self.inner_steps, attempt + 1, self.max_attempts,
                          self.manager.errored())
@@ -224,6 +222,13 @@ class FaultTolerantLocalUpdates:
                      "(weights back to its start)", type(self).__name__, self.max_attempts, self.inner_steps)
         self._write()
         return False
+
+    def _restore(self) -> None:
+        """Back to what this member owed before the attempt's call, which did not count;
+        the next exchange rebuilds the reducer on every member."""
+        self._dirty = True
+        if self._snapshot is not None:
+            self._owed, self._calls, self._reducer = self._snapshot[:4], self._snapshot[4], None
 
     def _delta_(self) -> Tensor:
         """Δ = θ_start − θ into the buffer (compressed: u = β b + Δ, the outer momentum)."""
@@ -242,61 +247,105 @@ class FaultTolerantLocalUpdates:
         return beta, self.outer.state.get(self.anchor, {}).get("momentum_buffer")
 
     def _exchange(self, info: Dict[str, Any]) -> bool:
-        """The mean of Δ (or u) over the quorum into the buffer. False: non-finite on some
-        member. A failure of the network is reported to the Manager (its should_commit
-        then refuses) and the error feedback restored."""
-        from .comm.torchft import TorchFTTransport
-
+        """The mean of Δ (or u) over the quorum into the buffer (with a local group: this
+        rank's slice, then the group's all-gather). False: non-finite on some member or a
+        failed exchange; a failure of the network is reported to the Manager (its
+        should_commit then refuses)."""
         buf = self._delta_()
+        x = buf[self._lo:self._lo + self._n]
+        if self.local_size > 1 and self._n and not bool(torch.isfinite(buf).all()):
+            x[0] = float("nan")  # every slice's exchange then skips the round alike
+        check = int(self.anchor.view(torch.int32).sum(dtype=torch.int64)) if self.local_size > 1 else 0
+        status = self._exchange_slice(x, info)
+        if self.local_size > 1:
+            status = self._gather(buf, status, check)
+        return status == 1
+
+    def _exchange_slice(self, x: Tensor, info: Dict[str, Any]) -> int:
+        """The mean of this rank's slice over the quorum, in place: 1 done, 0 non-finite
+        on some member, -1 the exchange failed."""
+        from .comm.torchft import TorchFTTransport
         p, rank = self.manager.num_participants(), self.manager.participating_rank()
         info["members"] = p
         if rank is None:
             raise RuntimeError(f"{type(self).__name__}: this replica group is not part of the quorum; create the "
                                "torchft Manager with use_async_quorum=False")
-        snapshot = None
+        self._snapshot = None
+        if not self._n:  # an empty slice (a model smaller than the group): nothing to send
+            return 1
         try:
             xport = TorchFTTransport(self.pg, rank, p)
             if not self.compress:
-                xport.all_reduce(buf, "mean")
-                self.bytes_sent += int(ring_allreduce_bytes(4 * self.numel, p))
-                return bool(torch.isfinite(buf).all())
+                xport.all_reduce(x, "mean")
+                self.bytes_sent += int(ring_allreduce_bytes(4 * self._n, p))
+                return int(bool(torch.isfinite(x).all()))
             if p == 1:  # alone: nothing to average, the error feedback waits for company
-                return bool(torch.isfinite(buf).all())
+                return int(bool(torch.isfinite(x).all()))
             info["rebuilt"] = self._agree_members(xport)
             red = self._reducer
-            snapshot = (red.worker_error.clone(), red.server_error.clone(), red.calls)
+            self._snapshot = (red.world_size, red.rank, red.worker_error.clone(), red.server_error.clone(), red.calls)
             if self.trace:
-                self.last_trace = {"x": buf.clone(), "e0": red.worker_error[:self.numel].clone(),
+                self.last_trace = {"x": x.clone(), "e0": red.worker_error[:self._n].clone(),
                                    "s0": red.server_error.clone(), "span": red.served_span(),
                                    "members": self._members, "rebuilt": info["rebuilt"]}
             exact = None
             if self._exact is not None:
-                vals = buf.index_select(0, self._exact)
+                vals = x.index_select(0, self._exact)
                 gathered = torch.empty(p * vals.numel(), dtype=torch.float32)
                 xport.all_gather(gathered.view(torch.uint8), vals.view(torch.uint8))
                 exact = gathered.view(p, -1).sum(0) / p
-            ok = bool(red.reduce_(buf, buf))
+            ok = bool(red.reduce_(x, x))
             self._calls = red.calls
             if ok:
                 if exact is not None:
-                    buf.index_copy_(0, self._exact, exact)
+                    x.index_copy_(0, self._exact, exact)
                     red.zero_errors_at(self._exact)
                 self.bytes_sent += red.bytes_per_call() + (4 * self._exact.numel() * (p - 1)
                                                            if self._exact is not None else 0)
                 if self.trace:
-                    self.last_trace.update(out=buf.clone(), e1=red.worker_error[:self.numel].clone(),
+                    self.last_trace.update(out=x.clone(), e1=red.worker_error[:self._n].clone(),
                                            s1=red.server_error.clone())
-            return ok
+            return int(ok)
         except Exception as exc:  # noqa: BLE001 - a peer left: handed to the Manager
             _log.warning("%s: the exchange failed (%s: %s); reported to the torchft Manager", type(self).__name__,
                          type(exc).__name__, exc)
             self.manager.report_error(exc)
-            if snapshot is not None:  # what this member owed before the failed call
-                red = self._reducer
-                self._owed = (red.world_size, red.rank, snapshot[0], snapshot[1])
-                self._calls = snapshot[2]
-                self._reducer = None
-            return False
+            return -1
+
+    def _check_local_group(self, name: str) -> Tuple[int, int, int]:
+        """(G, lo, hi): the group's size and this rank's slice; checks the weights agree."""
+        import torch.distributed as dist
+        size, rank = dist.get_world_size(self.local_group), dist.get_rank(self.local_group)
+        digest = hashlib.blake2b(self.anchor.numpy().tobytes(), digest_size=8).digest()
+        mine = torch.tensor([struct.unpack("<q", digest)[0], self.numel], dtype=torch.int64)
+        every = [torch.empty_like(mine) for _ in range(size)]
+        dist.all_gather(every, mine, group=self.local_group)
+        if any(not torch.equal(e, mine) for e in every):
+            raise ValueError(f"{name}: the ranks of local_group hold different weights; they must be replicas "
+                             "(data parallelism inside the replica group) for the node topology")
+        lo, hi = slice_spans(self.numel, size)[rank]
+        return size, lo, hi
+
+    def _gather(self, buf: Tensor, status: int, check: int) -> int:
+        """The G averaged slices (with statuses and the anchors' checksums) into the buffer;
+        the worst status. Raises if the G ranks' anchors differ (torchft healed them from
+        peers that were not replicas)."""
+        import torch.distributed as dist
+        spans = slice_spans(self.numel, self.local_size)
+        width = spans[0][1] - spans[0][0]
+        mine = torch.zeros(3 + width)  # checksum (int64 in two floats), status, slice
+        mine[:2].view(torch.int64)[0] = check
+        mine[2] = status
+        mine[3:3 + self._n] = buf[self._lo:self._lo + self._n]
+        every = [torch.empty(3 + width) for _ in spans]
+        dist.all_gather(every, mine, group=self.local_group)
+        if any(int(row[:2].view(torch.int64)[0]) != check for row in every):
+            raise RuntimeError(f"{type(self).__name__}: the ranks of this replica group hold different models at "
+                               f"inner step {self.inner_steps}; every replica group must start from the same "
+                               "weights (torchft heals each rank of a group from its own peer)")
+        for (lo, hi), row in zip(spans, every):
+            buf[lo:hi] = row[3:3 + hi - lo]
+        return int(min(row[2] for row in every))
 
     def _agree_members(self, xport) -> bool:
         """One all-gather of (id, membership of the error feedback, calls, failed): on a
@@ -319,11 +368,11 @@ class FaultTolerantLocalUpdates:
             owed = (red.world_size, red.rank, red.worker_error, red.server_error)
         elif self._owed is not None:
             owed = self._owed
-        new = CompressionState(self.numel, transport=xport, device=self.anchor.device, block_size=self.block_size,
+        new = CompressionState(self._n, transport=xport, device=self.anchor.device, block_size=self.block_size,
                                nonfinite="skip")
         if owed is not None and not self._healed:
             old_p, old_rank, e, s = owed
-            n = self.numel
+            n = self._n
             e_new = new.worker_error
             e_new[:n].copy_(e[:n]).mul_(p / old_p)
             lo = min(n, old_rank * s.numel())
@@ -389,7 +438,7 @@ class FaultTolerantLocalUpdates:
         red = self._reducer
         if red is None:
             return None
-        return {"worker_error": red.worker_error[:self.numel].clone(), "server_error": red.server_error.clone(),
+        return {"worker_error": red.worker_error[:self._n].clone(), "server_error": red.server_error.clone(),
                 "span": red.served_span(), "members": self._members}
 
     def stats(self) -> Dict[str, Any]:

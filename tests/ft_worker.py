@@ -9,6 +9,10 @@ synchronization after which it has seen --stop-after committed synchronizations 
 --count-from), so that every
 member stops at the same synchronization. Its records (per committed synchronization: the
 Manager's step, the members, a hash of the model, the exchange's trace) go to --out.
+
+With --local-size G the replica group has G ranks (--local-rank, the group's store on
+--store-port, hosted by local rank 0): DDP inside the group over a gloo group of its own,
+and the node topology (``local_group``) between the groups.
 """
 import argparse
 import hashlib
@@ -35,6 +39,10 @@ def main() -> None:
     ap.add_argument("--compress", type=int, default=1)
     ap.add_argument("--step-sleep", type=float, default=0.03)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--local-size", type=int, default=1)
+    ap.add_argument("--local-rank", type=int, default=0)
+    ap.add_argument("--store-port", type=int, default=0)
+    ap.add_argument("--distinct-init", action="store_true", help="groups of several ranks start apart (a misuse)")
     a = ap.parse_args()
 
     import torch.distributed as dist
@@ -44,19 +52,32 @@ def main() -> None:
     from lbcomm.ft import FaultTolerantLocalUpdates
 
     torch.set_num_threads(1)  # three replicas share the cores
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    first = a.local_rank == 0
+    store = dist.TCPStore("127.0.0.1", a.store_port, world_size=a.local_size, is_master=first,
+                          wait_for_workers=False, timeout=timedelta(seconds=60))
+    local_group = None
+    if a.local_size > 1:
+        dist.init_process_group("gloo", store=dist.PrefixStore("local", store), rank=a.local_rank,
+                                world_size=a.local_size)
+        local_group = dist.group.WORLD
     pg = ProcessGroupGloo(timeout=timedelta(seconds=10))
     manager = Manager(pg=pg, load_state_dict=None, state_dict=None, min_replica_size=2, use_async_quorum=False,
-                      replica_id=f"replica_{a.replica}", lighthouse_addr=a.lighthouse, rank=0, world_size=1,
+                      replica_id=f"replica_{a.replica}", lighthouse_addr=a.lighthouse, rank=a.local_rank,
+                      world_size=a.local_size,
                       store_addr="127.0.0.1", store_port=store.port, hostname="127.0.0.1",
                       timeout=timedelta(seconds=10), quorum_timeout=timedelta(seconds=60),
                       connect_timeout=timedelta(seconds=10))
-    torch.manual_seed(100 + 10 * a.replica + a.incarnation)  # a restarted replica starts elsewhere: it must heal
+    # A restarted replica starts elsewhere: it must heal. Groups of several ranks start alike, as
+    # torchft's first quorum assumes when it heals each rank from another peer.
+    torch.manual_seed(100 + 10 * a.replica * (a.local_size == 1 or a.distinct_init) + a.incarnation)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
-    inner = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    local = FaultTolerantLocalUpdates(model.parameters(), inner, a.sync_every, manager=manager, pg=pg,
+    params = list(model.parameters())
+    if local_group is not None:  # data parallelism inside the replica group
+        model = torch.nn.parallel.DistributedDataParallel(model, process_group=local_group)
+    inner = torch.optim.AdamW(params, lr=3e-3)
+    local = FaultTolerantLocalUpdates(params, inner, a.sync_every, manager=manager, pg=pg,
                                       compress=bool(a.compress), comm=CommConfig(block_size=256, exact_numel=100),
-                                      trace=True)
+                                      trace=True, local_group=local_group)
     if a.die_at and a.in_sync:  # the first all-to-all of the compressed call at that synchronization
         from lbcomm.comm.torchft import TorchFTTransport
 
@@ -70,7 +91,7 @@ def main() -> None:
         TorchFTTransport.all_to_all = dying_all_to_all
     teacher = torch.Generator().manual_seed(7)
     w_true = torch.randn(16, 1, generator=teacher)
-    data = torch.Generator().manual_seed(1000 + 10 * a.replica + a.incarnation)
+    data = torch.Generator().manual_seed(1000 + 10 * a.replica + a.incarnation + 100 * a.local_rank)
     records, seen_small, full_after, loss = [], a.incarnation > 0, 0, float("nan")
     while local.inner_steps < a.max_steps:
         x = torch.randn(32, 16, generator=data)

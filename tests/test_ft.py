@@ -8,6 +8,7 @@ calls of a fixed membership; the crashed one is restarted, heals from a live pee
 bitwise the survivors from its first synchronization on.
 """
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -48,9 +49,31 @@ def test_settings_it_cannot_honour_are_refused(comm):
                                   pg=None, comm=lbcomm.CommConfig(**comm))
 
 
+def _different_weights(rank, p):
+    import torch.distributed as dist
+
+    from lbcomm.ft import FaultTolerantLocalUpdates
+
+    torch.manual_seed(rank)  # not replicas
+    model = torch.nn.Linear(4, 1)
+    try:
+        FaultTolerantLocalUpdates(model.parameters(), torch.optim.SGD(model.parameters(), lr=0.1), 2, manager=None,
+                                  pg=None, local_group=dist.group.WORLD)
+    except ValueError as exc:
+        return str(exc)
+    return "accepted"
+
+
+def test_local_group_of_ranks_with_different_weights_is_refused():
+    from dist_util import run_ranks
+
+    assert all("hold different weights" in r for r in run_ranks(_different_weights, 2)), "must refuse"
+
+
 def _start(replica, lighthouse, out, *extra, incarnation=0):
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
-    env.pop("WORLD_SIZE", None)
+    for k in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
     log = open(out + ".log", "w")
     cmd = [sys.executable, WORKER, "--replica", str(replica), "--incarnation", str(incarnation),
            "--lighthouse", lighthouse, "--out", out, *extra]
@@ -184,3 +207,99 @@ def test_replica_dies_survivors_go_on_and_a_restart_heals(tmp_path, when):
     assert any(p == 3 for p, _ in checked), checked
     # it learned
     assert a["loss"] < a["records"][0]["loss"]
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _group(g, lighthouse, tmp_path, *args, incarnation=0):
+    """The two ranks of replica group g (one store, hosted by local rank 0)."""
+    port = str(_free_port())
+    outs = [str(tmp_path / f"g{g}i{incarnation}l{l}.pt") for l in range(2)]
+    return outs, [_start(g, lighthouse, outs[l], "--local-size", "2", "--local-rank", str(l), "--store-port", port,
+                         *args, incarnation=incarnation) for l in range(2)]
+
+
+def test_node_topology_replica_groups_that_start_apart_are_refused(tmp_path):
+    """torchft's first quorum heals each rank of a group from its own peer, which is only
+    right when every group starts from the same weights: otherwise the ranks of a group end
+    up apart, and the first synchronization says so instead of training on."""
+    from torchft.coordination import LighthouseServer
+
+    lh = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=5000, quorum_tick_ms=20,
+                          heartbeat_timeout_ms=1000)
+    procs = []
+    try:
+        for g in range(2):
+            procs += _group(g, lh.address(), tmp_path, "--distinct-init", "--sync-every", "5")[1]
+        _wait(procs, time.monotonic() + DEADLINE_S, "the first synchronization")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
+        lh.shutdown()
+    logs = _logs(tmp_path)
+    assert any(p.returncode != 0 for p in procs), logs
+    assert "the ranks of this replica group hold different models" in logs, logs
+
+
+def test_node_topology_groups_of_two_ranks_lose_one_and_heal_it(tmp_path):
+    """Three replica groups of two ranks each (DDP inside a group, `local_group`): every
+    rank exchanges its half of the pseudo-gradient with the same rank of the other groups.
+    A group crashes between synchronizations and restarts; every rank of every group holds
+    the same model at every committed step, and the invariant holds per slice."""
+    from torchft.coordination import LighthouseServer
+
+    from lbcomm.topology import slice_spans
+
+    lh = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=5000, quorum_tick_ms=20,
+                          heartbeat_timeout_ms=1000)
+    procs = []
+    deadline = time.monotonic() + 2 * DEADLINE_S
+    die_at, common = 18, ["--sync-every", "5", "--count-from", "18"]
+
+    try:
+        groups = [_group(g, lh.address(), tmp_path, *common, *(["--die-at", str(die_at)] if g == 2 else []))
+                  for g in range(3)]
+        procs = [p for _, ps in groups for p in ps]
+        for p in groups[2][1]:
+            try:
+                assert p.wait(timeout=max(1.0, deadline - time.monotonic())) == 17, _logs(tmp_path)
+            except subprocess.TimeoutExpired:
+                raise AssertionError("the group meant to crash did not\n" + _logs(tmp_path)) from None
+        time.sleep(2.0)
+        assert all(p.poll() is None for _, ps in groups[:2] for p in ps), _logs(tmp_path)
+        reborn = _group(2, lh.address(), tmp_path, *common, incarnation=1)
+        procs += reborn[1]
+        live = [p for _, ps in groups[:2] for p in ps] + reborn[1]
+        _wait(live, deadline, "training")
+        assert [p.returncode for p in live] == [0] * 6, _logs(tmp_path)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
+        lh.shutdown()
+
+    runs = [[torch.load(f, weights_only=False) for f in outs] for outs in (groups[0][0], groups[1][0], reborn[0])]
+    ref = runs[0][0]["anchor"]
+    assert all(torch.equal(r["anchor"], ref) for g in runs for r in g)
+    shas = {}
+    for g in runs:
+        for r in g:
+            for rec in r["records"]:
+                shas.setdefault(rec["step"], set()).add(rec["sha"])
+    assert all(len(s) == 1 for s in shas.values()), {k: v for k, v in shas.items() if len(v) > 1}
+    assert runs[2][0]["records"][0]["healed"] and runs[2][1]["records"][0]["healed"]
+    assert any(rec["members"] == 2 and rec["inner_steps"] >= die_at for rec in runs[0][0]["records"])
+    spans = slice_spans(ref.numel(), 2)
+    for l in range(2):  # rank l of every group exchanges slice l only, with its own error feedback
+        traced = [rec["trace"] for rec in runs[0][l]["records"] if "trace" in rec]
+        assert traced and all(t["x"].numel() == spans[l][1] - spans[l][0] for t in traced)
+        checked = _check_invariant([g[l]["records"] for g in runs])
+        assert any(p == 2 and k >= 2 for p, k in checked) and any(p == 3 for p, _ in checked), checked
+    assert runs[0][0]["loss"] < runs[0][0]["records"][0]["loss"]
