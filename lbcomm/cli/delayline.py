@@ -18,8 +18,8 @@ sysctls itself, since it runs inside the namespace.
 The process releases a packet no earlier than its arrival plus the delay (polling at
 millisecond resolution), in arrival order. It costs one read and one write per packet of
 up to the MTU: about 850 packets per second per direction at 10 Mbit/s, far more at
-1 Gbit/s; it is meant for wide-area rates. Standard library only;
-``python -m lbcomm.cli.delayline --dev dly0 --delay-us 50000`` runs it.
+1 Gbit/s; it is meant for wide-area rates. Standard library only, and run as a script
+(``python .../delayline.py --delay-us 50000``), so that it does not import torch.
 """
 from __future__ import annotations
 
@@ -33,8 +33,6 @@ import struct
 import subprocess
 import sys
 import time
-
-from .netns import NetemError, run
 
 __all__ = ["DEV", "TABLE", "probe", "start"]
 
@@ -109,7 +107,9 @@ def start(ns: str, addr: str, subnet: str, delay_us: int, popen, timeout: float 
     """Start the delay line of the node in namespace `ns` (address `addr`; its veth must
     exist already, for the sysctls) and route its traffic to `subnet` through it. `popen(argv, **kwargs)` starts the
     process inside `ns` (the cluster's, so that its teardown kills it). Returns the process."""
-    proc = popen([sys.executable, "-m", "lbcomm.cli.delayline", "--dev", DEV, "--delay-us", str(delay_us)],
+    from .netns import NetemError, run
+
+    proc = popen([sys.executable, os.path.abspath(__file__), "--dev", DEV, "--delay-us", str(delay_us)],
                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     ready, _, _ = select.select([proc.stdout], [], [], timeout)
     line = proc.stdout.readline().strip() if ready else ""
@@ -127,8 +127,13 @@ def start(ns: str, addr: str, subnet: str, delay_us: int, popen, timeout: float 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description="Hold every packet routed into a TUN device for a fixed delay.")
     p.add_argument("--dev", default=DEV)
-    p.add_argument("--delay-us", type=int, required=True)
+    p.add_argument("--delay-us", type=int, default=0)
+    p.add_argument("--probe", action="store_true", help="say whether a TUN device can be created, and exit")
     args = p.parse_args(argv)
+    if args.probe:
+        ok, why = probe()
+        print("ok" if ok else why)
+        return
     if args.delay_us < 0:
         p.error("--delay-us must be >= 0")
     try:

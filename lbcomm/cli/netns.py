@@ -99,8 +99,8 @@ def probe(delay: bool = False) -> tuple[bool, str]:
         except NetemError as exc:
             return False, f"cannot add a tbf qdisc ({exc}); the kernel needs sch_tbf (`modprobe sch_tbf`)"
         if delay:
-            code = "from lbcomm.cli.delayline import probe; ok, why = probe(); print('ok' if ok else why)"
-            res = run(["ip", "netns", "exec", ns, sys.executable, "-c", code], check=False)
+            script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "delayline.py")
+            res = run(["ip", "netns", "exec", ns, sys.executable, script, "--probe"], check=False)
             if res.stdout.strip() != "ok":
                 return False, res.stdout.strip() or f"the delay line's probe failed: {res.stderr.strip()[-300:]}"
         return True, "network namespaces, veth and tbf work" + (" (a TUN device too)" if delay else "")
