@@ -89,6 +89,15 @@ def _wait(procs, deadline, what):
             raise AssertionError(f"{what}: a replica did not finish in time") from None
 
 
+def _stop(procs, lighthouse):
+    """Kill what is left of the replicas, then the Lighthouse."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait(timeout=30)
+    lighthouse.shutdown()
+
+
 def _logs(tmp_path):
     return "\n".join(f"--- {f.name}\n{f.read_text()[-3000:]}" for f in sorted(tmp_path.glob("*.log")))
 
@@ -172,11 +181,7 @@ def test_replica_dies_survivors_go_on_and_a_restart_heals(tmp_path, when):
         _wait([procs[0], procs[1], procs[3]], deadline, "training")
         assert [p.returncode for p in (procs[0], procs[1], procs[3])] == [0, 0, 0], _logs(tmp_path)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=30)
-        lh.shutdown()
+        _stop(procs, lh)
 
     a, b, c = (torch.load(f, weights_only=False) for f in (outs[0], outs[1], reborn))
     # the survivors went on in a quorum of two after the crash
@@ -237,11 +242,7 @@ def test_node_topology_replica_groups_that_start_apart_are_refused(tmp_path):
             procs += _group(g, lh.address(), tmp_path, "--distinct-init", "--sync-every", "5")[1]
         _wait(procs, time.monotonic() + DEADLINE_S, "the first synchronization")
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=30)
-        lh.shutdown()
+        _stop(procs, lh)
     logs = _logs(tmp_path)
     assert any(p.returncode != 0 for p in procs), logs
     assert "the ranks of this replica group hold different models" in logs, logs
@@ -279,11 +280,7 @@ def test_node_topology_groups_of_two_ranks_lose_one_and_heal_it(tmp_path):
         _wait(live, deadline, "training")
         assert [p.returncode for p in live] == [0] * 6, _logs(tmp_path)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=30)
-        lh.shutdown()
+        _stop(procs, lh)
 
     runs = [[torch.load(f, weights_only=False) for f in outs] for outs in (groups[0][0], groups[1][0], reborn[0])]
     ref = runs[0][0]["anchor"]
