@@ -43,6 +43,7 @@ def main() -> None:
     ap.add_argument("--local-rank", type=int, default=0)
     ap.add_argument("--store-port", type=int, default=0)
     ap.add_argument("--distinct-init", action="store_true", help="groups of several ranks start apart (a misuse)")
+    ap.add_argument("--nan-at", type=int, default=0, help="this group's last weight is NaN after inner step N")
     a = ap.parse_args()
 
     import torch.distributed as dist
@@ -100,6 +101,9 @@ def main() -> None:
         inner.zero_grad()
         loss.backward()
         inner.step()
+        if a.nan_at and local.inner_steps + 1 == a.nan_at:
+            with torch.no_grad():
+                params[-1].view(-1)[-1] = float("nan")  # in the last slice only
         if a.die_at and not a.in_sync and local.inner_steps + 1 == a.die_at:
             os._exit(17)  # a crash: no goodbye to anyone
         if local.step():

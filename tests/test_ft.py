@@ -248,6 +248,34 @@ def test_node_topology_replica_groups_that_start_apart_are_refused(tmp_path):
     assert "the ranks of this replica group hold different models" in logs, logs
 
 
+def test_node_topology_a_slice_that_is_not_finite_skips_the_round_in_every_group(tmp_path):
+    """Group 0's Δ is NaN in one coordinate of the last slice only: that slice's exchange
+    skips, the other goes through, and every rank of every group still discards the round
+    alike and trains on."""
+    from torchft.coordination import LighthouseServer
+
+    lh = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=5000, quorum_tick_ms=20,
+                          heartbeat_timeout_ms=1000)
+    procs, outs = [], []
+    try:
+        for g in range(2):
+            o, ps = _group(g, lh.address(), tmp_path, "--sync-every", "5", "--max-steps", "25",
+                           *(["--nan-at", "10"] if g == 0 else []))
+            outs, procs = outs + o, procs + ps
+        _wait(procs, time.monotonic() + DEADLINE_S, "training")
+        assert [p.returncode for p in procs] == [0] * 4, _logs(tmp_path)
+    finally:
+        _stop(procs, lh)
+    runs = [torch.load(f, weights_only=False) for f in outs]
+    assert [r["stats"]["skipped"] for r in runs] == [1] * 4, [r["stats"] for r in runs]
+    assert all(torch.equal(r["anchor"], runs[0]["anchor"]) and bool(torch.isfinite(r["anchor"]).all()) for r in runs)
+    shas = {}
+    for r in runs:
+        for rec in r["records"]:
+            shas.setdefault(rec["step"], set()).add(rec["sha"])
+    assert len(shas) >= 3 and all(len(v) == 1 for v in shas.values()), shas
+
+
 def test_node_topology_groups_of_two_ranks_lose_one_and_heal_it(tmp_path):
     """Three replica groups of two ranks each (DDP inside a group, `local_group`): every
     rank exchanges its half of the pseudo-gradient with the same rank of the other groups.
