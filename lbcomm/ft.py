@@ -13,8 +13,7 @@ to the Manager; the synchronization is then retried at once with a new quorum fr
 same local progress (``max_attempts``), and only when every attempt fails is the round
 discarded (the parameters return to the round's start).
 
-torchft is optional: importing `lbcomm` does not import it; this module imports it when an
-object is built and says ``pip install torchft`` when it is missing.
+torchft is optional: this module imports it when an object is built.
 
 The error feedback across membership changes (derived in docs/internet.md): every
 member sees a change alike from one small all-gather at the start of each exchange, and
@@ -29,16 +28,11 @@ group: torchft's DiLoCo exchange, for comparison. Parameters of at most
 ``comm.exact_numel`` elements are averaged exactly in fp32 beside the compressed call (their
 error feedback held at zero), as in `lbcomm.OneBitLocalUpdates`.
 
-The node topology (``local_group``): a replica group of G ranks that hold the same weights
-(data parallelism inside the group, e.g. DDP) is one node. torchft's Manager of local rank
-l joins the ranks l of every replica group, so rank l exchanges only slice l of the
-pseudo-gradient (`lbcomm.topology.slice_spans`) over it, and the group all-gathers the G
-averaged slices over ``local_group``: a node sends 1/G of the bytes of a flat exchange of
-every rank. Each rank holds the error feedback of its slice only, and everything above
-holds per slice. Every rank takes the worst status of the G slices: a slice that is not
-finite on some member is skipped by its ranks in every group, so every group skips the
-round alike (and restores the slices that went through); the Manager's ``should_commit``
-already agrees on failures within the group.
+The node topology (``local_group``, docs/internet.md): a replica group of G replicas (DDP
+inside it) is a node; rank l exchanges only slice l of the pseudo-gradient with the ranks l
+of the other groups (torchft's Manager joins exactly those), then the group all-gathers
+the slices and takes their worst status, so a slice skipped anywhere skips the round in
+every group. Each rank holds the error feedback of its slice only.
 
 Not done here: streaming fragments and overlap. The Manager must be created with
 ``use_async_quorum=False``: every member of the group then takes part in every exchange (a
@@ -106,19 +100,17 @@ class FaultTolerantLocalUpdates:
         nesterov (bool, optional): default: Nesterov when ``outer_momentum > 0``.
         compress (bool): True: the 1-bit error-feedback allreduce; False: plain fp32
             (torchft's DiLoCo exchange) (default: True).
-        comm (lbcomm.CommConfig, optional): ``block_size`` (elements per scale block) and
-            ``exact_numel`` (parameters of at most this many elements are averaged exactly);
-            the group is the Manager's `pg`, the exchange is flat, and a non-finite
-            pseudo-gradient discards the round on every member (``nonfinite="skip"``), so
+        comm (lbcomm.CommConfig, optional): ``block_size`` and ``exact_numel``; the group
+            is the Manager's `pg` and a non-finite round is skipped on every member, so
             ``process_group``, a ``Topology`` and ``nonfinite="raise"`` are refused
             (default: CommConfig()).
         max_attempts (int): quorums tried per synchronization before the round is
             discarded (default: 3).
         trace (bool): keep the last exchange's input, output and error buffers in
             `last_trace` (for tests of the error-feedback invariant) (default: False).
-        local_group (torch.distributed.ProcessGroup, optional): this replica group's own
-            ranks when it has several that hold the same weights (the node topology, module
-            docs); construction checks that their weights agree (default: None, one rank).
+        local_group (torch.distributed.ProcessGroup, optional): this replica group's ranks
+            when it has several replicas (the node topology); required then, and checked
+            (default: None).
     """
 
     def __init__(self, params: Iterable[Tensor], inner: torch.optim.Optimizer, sync_every: int, *, manager, pg,
@@ -154,6 +146,9 @@ class FaultTolerantLocalUpdates:
         self.local_group, self.local_size, lo, hi = local_group, 1, 0, self.numel
         if local_group is not None:
             self.local_size, lo, hi = self._check_local_group(name)
+        elif self._replicated(None):  # each rank would exchange on its own group, and they would drift apart
+            raise ValueError(f"{name}: the ranks of the default process group hold the same weights (data "
+                             "parallelism inside the replica group); pass local_group=torch.distributed.group.WORLD")
         self._lo, self._n = lo, hi - lo  # this rank's slice of the pseudo-gradient
         self._exact = None
         if compress:
@@ -225,8 +220,7 @@ class FaultTolerantLocalUpdates:
         return False
 
     def _restore(self) -> None:
-        """Back to what this member owed before the attempt's call, which did not count;
-        the next exchange rebuilds the reducer on every member."""
+        """Back to what was owed before the uncounted call; every member then rebuilds."""
         self._dirty = True
         if self._snapshot is not None:
             self._owed, self._calls, self._reducer = self._snapshot[:4], self._snapshot[4], None
@@ -312,15 +306,23 @@ class FaultTolerantLocalUpdates:
             self.manager.report_error(exc)
             return -1
 
+    def _replicated(self, group) -> bool:
+        """Whether `group`'s ranks (None: the default group, if there is one of several
+        ranks) hold the same weights, compared by a hash."""
+        import torch.distributed as dist
+        if group is None and not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return False
+        digest = hashlib.blake2b(self.anchor.numpy().tobytes(), digest_size=8).digest()
+        mine = torch.tensor([struct.unpack("<q", digest)[0], self.numel], dtype=torch.int64)
+        every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(every, mine, group=group)
+        return all(torch.equal(e, mine) for e in every)
+
     def _check_local_group(self, name: str) -> Tuple[int, int, int]:
         """(G, lo, hi): the group's size and this rank's slice; checks the weights agree."""
         import torch.distributed as dist
         size, rank = dist.get_world_size(self.local_group), dist.get_rank(self.local_group)
-        digest = hashlib.blake2b(self.anchor.numpy().tobytes(), digest_size=8).digest()
-        mine = torch.tensor([struct.unpack("<q", digest)[0], self.numel], dtype=torch.int64)
-        every = [torch.empty_like(mine) for _ in range(size)]
-        dist.all_gather(every, mine, group=self.local_group)
-        if any(not torch.equal(e, mine) for e in every):
+        if not self._replicated(self.local_group):
             raise ValueError(f"{name}: the ranks of local_group hold different weights; they must be replicas "
                              "(data parallelism inside the replica group) for the node topology")
         lo, hi = slice_spans(self.numel, size)[rank]

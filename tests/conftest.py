@@ -81,6 +81,7 @@ MULTIPROC = {
     "test_fsdp_optim": ALL,
     "test_ft": {"test_replica_dies_survivors_go_on_and_a_restart_heals",
                 "test_local_group_of_ranks_with_different_weights_is_refused",
+                "test_replicas_in_the_default_group_without_local_group_are_refused",
                 "test_node_topology_replica_groups_that_start_apart_are_refused",
                 "test_node_topology_a_slice_that_is_not_finite_skips_the_round_in_every_group",
                 "test_node_topology_groups_of_two_ranks_lose_one_and_heal_it"},

@@ -64,10 +64,32 @@ def _different_weights(rank, p):
     return "accepted"
 
 
+def _replicas_without_local_group(rank, p):
+    from lbcomm.ft import FaultTolerantLocalUpdates
+
+    torch.manual_seed(0)  # replicas, as under DDP
+    model = torch.nn.Linear(4, 1)
+    try:
+        FaultTolerantLocalUpdates(model.parameters(), torch.optim.SGD(model.parameters(), lr=0.1), 2, manager=None,
+                                  pg=None)
+    except ValueError as exc:
+        return str(exc)
+    return "accepted"
+
+
 def test_local_group_of_ranks_with_different_weights_is_refused():
     from dist_util import run_ranks
 
     assert all("hold different weights" in r for r in run_ranks(_different_weights, 2)), "must refuse"
+
+
+def test_replicas_in_the_default_group_without_local_group_are_refused():
+    """Without local_group every rank would exchange the whole pseudo-gradient over its own
+    torchft group, and the replicas of a group would drift apart (seen under torchrun)."""
+    from dist_util import run_ranks
+
+    assert all("pass local_group=torch.distributed.group.WORLD" in r
+               for r in run_ranks(_replicas_without_local_group, 2)), "must refuse"
 
 
 def _start(replica, lighthouse, out, *extra, incarnation=0):
