@@ -51,6 +51,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from .comm import get_transport
 from .common import ring_allreduce_bytes
 from .compressed import CompressionState
 from .config import CommConfig, resolve
@@ -285,7 +286,7 @@ class FaultTolerantLocalUpdates:
             exact = None
             if self._exact is not None:
                 vals = x.index_select(0, self._exact)
-                gathered = torch.empty(p * vals.numel(), dtype=torch.float32)
+                gathered = vals.new_empty(p * vals.numel())
                 xport.all_gather(gathered.view(torch.uint8), vals.view(torch.uint8))
                 exact = gathered.view(p, -1).sum(0) / p
             ok = bool(red.reduce_(x, x))
@@ -312,11 +313,12 @@ class FaultTolerantLocalUpdates:
         import torch.distributed as dist
         if group is None and not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
             return False
-        digest = hashlib.blake2b(self.anchor.numpy().tobytes(), digest_size=8).digest()
-        mine = torch.tensor([struct.unpack("<q", digest)[0], self.numel], dtype=torch.int64)
-        every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(every, mine, group=group)
-        return all(torch.equal(e, mine) for e in every)
+        digest = hashlib.blake2b(self.anchor.cpu().numpy().tobytes(), digest_size=8).digest()
+        mine = torch.tensor([struct.unpack("<q", digest)[0], self.numel], dtype=torch.int64, device=self.anchor.device)
+        xport = get_transport(group)
+        every = mine.new_empty(xport.world_size, 2)
+        xport.all_gather(every.view(torch.uint8), mine.view(torch.uint8))
+        return bool((every == mine).all())
 
     def _check_local_group(self, name: str) -> Tuple[int, int, int]:
         """(G, lo, hi): the group's size and this rank's slice; checks the weights agree."""
@@ -325,29 +327,29 @@ class FaultTolerantLocalUpdates:
         if not self._replicated(self.local_group):
             raise ValueError(f"{name}: the ranks of local_group hold different weights; they must be replicas "
                              "(data parallelism inside the replica group) for the node topology")
-        lo, hi = slice_spans(self.numel, size)[rank]
+        self._spans = slice_spans(self.numel, size)
+        lo, hi = self._spans[rank]
         return size, lo, hi
 
     def _gather(self, buf: Tensor, status: int, check: int) -> int:
         """The G averaged slices (with statuses and the anchors' checksums) into the buffer;
         the worst status. Raises if the G ranks' anchors differ (torchft healed them from
         peers that were not replicas)."""
-        import torch.distributed as dist
-        spans = slice_spans(self.numel, self.local_size)
+        spans = self._spans
         width = spans[0][1] - spans[0][0]
-        mine = torch.zeros(3 + width)  # checksum (int64 in two floats), status, slice
+        mine = buf.new_zeros(3 + width)  # checksum (int64 in two floats), status, slice
         mine[:2].view(torch.int64)[0] = check
         mine[2] = status
         mine[3:3 + self._n] = buf[self._lo:self._lo + self._n]
-        every = [torch.empty(3 + width) for _ in spans]
-        dist.all_gather(every, mine, group=self.local_group)
-        if any(int(row[:2].view(torch.int64)[0]) != check for row in every):
+        every = buf.new_empty(len(spans), 3 + width)
+        get_transport(self.local_group).all_gather(every.view(torch.uint8), mine.view(torch.uint8))
+        if bool((every[:, :2].contiguous().view(torch.int64) != check).any()):
             raise RuntimeError(f"{type(self).__name__}: the ranks of this replica group hold different models at "
                                f"inner step {self.inner_steps}; every replica group must start from the same "
                                "weights (torchft heals each rank of a group from its own peer)")
         for (lo, hi), row in zip(spans, every):
             buf[lo:hi] = row[3:3 + hi - lo]
-        return int(min(row[2] for row in every))
+        return int(every[:, 2].min())
 
     def _agree_members(self, xport) -> bool:
         """One all-gather of (id, membership of the error feedback, calls, failed): on a
@@ -357,8 +359,8 @@ class FaultTolerantLocalUpdates:
         red = self._reducer
         calls = red.calls if red is not None else self._calls
         mine = torch.tensor([self.uid, _members_hash(self._members), calls,
-                             int(self._dirty or red is None)], dtype=torch.int64)
-        everyone = torch.empty(p * 4, dtype=torch.int64)
+                             int(self._dirty or red is None)], dtype=torch.int64, device=self.anchor.device)
+        everyone = mine.new_empty(p * 4)
         xport.all_gather(everyone.view(torch.uint8), mine.view(torch.uint8))
         rows = everyone.view(p, 4).tolist()
         members = tuple(r[0] for r in rows)
@@ -397,11 +399,8 @@ class FaultTolerantLocalUpdates:
 
     def _write(self) -> None:
         """θ <- θ_start, the committed model (identical on every member)."""
-        o = 0
-        for p in self.params:
-            n = p.numel()
-            p.detach().copy_(self.anchor[o:o + n].view_as(p))
-            o += n
+        for p, v in zip(self.params, self.anchor.split([p.numel() for p in self.params])):
+            p.detach().copy_(v.view_as(p))
 
     # ------------------------------------------------------------------ healing
     def _peer_state(self) -> Dict[str, Any]:
