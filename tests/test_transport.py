@@ -39,6 +39,43 @@ def test_torch_transport_all_reduce_and_barrier():
         check_transport_results(res, P)
 
 
+def _small_sums(rank, p):
+    """A few non-integer values (the small path) and a larger tensor (gloo's ring)."""
+    from lbcomm.comm.torch_dist import SMALL_ALL_REDUCE_BYTES
+
+    tr = get_transport()
+    out = {}
+    for name, n in (("small", 37), ("large", SMALL_ALL_REDUCE_BYTES // 4)):
+        for op in ("sum", "max"):
+            t = torch.randn(SMALL_ALL_REDUCE_BYTES // 4, generator=torch.Generator().manual_seed(100 + rank))
+            t = t[:n].clone()
+            tr.all_reduce(t, op)
+            out[f"{name}_{op}"] = t
+    return out
+
+
+def test_small_all_reduce_is_the_rank_order_sum_on_every_rank():
+    """On gloo, a few values go through one all-to-all and are summed here in rank order:
+    every rank holds the same bits, those of the sequential sum; a larger tensor takes
+    gloo's ring (equal on every rank, the sum within rounding)."""
+    res = run_ranks(_small_sums, 4)
+    from lbcomm.comm.torch_dist import SMALL_ALL_REDUCE_BYTES
+
+    n_large = SMALL_ALL_REDUCE_BYTES // 4
+    inputs = [torch.randn(n_large, generator=torch.Generator().manual_seed(100 + r)) for r in range(4)]
+    for name, n in (("small", 37), ("large", n_large)):
+        seq = inputs[0][:n].clone()
+        for x in inputs[1:]:
+            seq.add_(x[:n])
+        peak = torch.stack([x[:n] for x in inputs]).max(0).values
+        for r in res:
+            assert torch.equal(r[f"{name}_sum"], res[0][f"{name}_sum"]) and torch.equal(r[f"{name}_max"], peak)
+        if name == "small":
+            assert torch.equal(res[0]["small_sum"], seq)
+        else:
+            torch.testing.assert_close(res[0]["large_sum"], seq)
+
+
 def test_one_rank_transport_is_identity():
     tr = get_transport()
     t = torch.arange(5.0)
