@@ -28,7 +28,7 @@ def _rank(size: int, iters: int, warmup: int) -> dict:
     import torch.distributed as dist
 
     import lbcomm
-    from lbcomm.cli.allreduce import measure
+    from lbcomm.cli.allreduce import busy_between, host_cpu_ticks, measure
     from lbcomm.comm import get_transport
 
     torch.set_num_threads(1)
@@ -41,12 +41,16 @@ def _rank(size: int, iters: int, warmup: int) -> dict:
     state = lbcomm.CompressionState(size)
     for _ in range(warmup):
         lbcomm.compressed_allreduce_(grad, state)
-    times = []
+    times, cpu0, host0 = [], time.process_time(), host_cpu_ticks()
     for _ in range(iters):
         transport.barrier()
         t0 = time.perf_counter()
         lbcomm.compressed_allreduce_(grad, state)
         times.append(time.perf_counter() - t0)
+    cpu = torch.tensor([(time.process_time() - cpu0) / iters], dtype=torch.float64)
+    busy = busy_between(host0, host_cpu_ticks())
+    transport.all_reduce(cpu, op="sum")
+    plain_cpu = float(cpu.item()) / transport.world_size
     slowest = torch.tensor(times, dtype=torch.float64)
     transport.all_reduce(slowest, op="max")
     plain = float(slowest.median())
@@ -56,7 +60,10 @@ def _rank(size: int, iters: int, warmup: int) -> dict:
     return {"cli_onebit_s": rows["onebit"], "cli_fp32_s": rows["fp32"], "plain_s": plain,
             "plain_over_cli": plain / rows["onebit"], "fp32_over_plain": rows["fp32"] / plain,
             "onebit_compute_s": full["onebit"]["compute_s"], "onebit_wire_bytes": full["onebit"]["wire_bytes"],
-            "fp32_compute_s": full["fp32"]["compute_s"], "fp32_wire_bytes": full["fp32"]["wire_bytes"]}
+            "fp32_compute_s": full["fp32"]["compute_s"], "fp32_wire_bytes": full["fp32"]["wire_bytes"],
+            "plain_cpu_s": plain_cpu, "plain_host_busy": busy,
+            "onebit_compute_cpu_s": full["onebit"]["compute_cpu_s"], "onebit_cpu_s": full["onebit"]["cpu_s"],
+            "onebit_host_busy": full["onebit"]["host_busy"]}
 
 
 def _limit(res: dict, method: str, bandwidth) -> tuple:
@@ -115,6 +122,16 @@ def main() -> None:
         wtxt = f"wire {1e3 * wire:.1f} ms" if wire is not None else "no wire part (loopback)"
         print(f"  limit {what + ':':<12} {1e3 * limit:.1f} ms = max({wtxt}, compute "
               f"{1e3 * res[method + '_compute_s']:.1f} ms); reached {limit / t:.0%}")
+    # when the host's cores are saturated, the time is CPU: the kernels' and the transport's
+    kern, cores = res["onebit_compute_cpu_s"], len(os.sched_getaffinity(0))
+    for what, cpu, busy, t in (("CLI onebit", res["onebit_cpu_s"], res["onebit_host_busy"], res["cli_onebit_s"]),
+                               ("plain call", res["plain_cpu_s"], res["plain_host_busy"], res["plain_s"])):
+        btxt = "-" if busy is None else f"{busy:.0%}"
+        bound = a.world_size * cpu / min(cores, a.world_size)  # the ranks' CPU on the cores they share
+        print(f"  cpu {what + ':':<14} host busy {btxt}; per rank and call {1e3 * cpu:.1f} ms of CPU: kernels "
+              f"{1e3 * kern:.1f} ms, the transport and the rest {1e3 * (cpu - kern):.1f} ms ({1 - kern / cpu:.0%}); "
+              f"{a.world_size} ranks' CPU on {min(cores, a.world_size)} cores: {1e3 * bound:.1f} ms, reached "
+              f"{bound / t:.0%}")
 
 
 if __name__ == "__main__":

@@ -101,14 +101,15 @@ def test_allreduce_loopback_table(loopback):
     assert "2 ranks, local processes over loopback" in out
     header = next(line for line in out.splitlines() if line.lstrip().startswith("bytes"))
     for col in ("elements", "method", "median ms", "p10 ms", "p90 ms", "algbw", "busbw", "wire B/rank", "vs fp32",
-                "compute ms", "wire ms", "limit ms", "of limit"):
+                "compute ms", "wire ms", "limit ms", "of limit", "cpu ms", "host busy"):
         assert col in header
     assert "loopback has no link rate: limit = compute" in out
     rows = [line.split() for line in out.splitlines() if re.match(r"\s*\d+\s+\d+\s+(fp32|fp16|onebit)\s", line)]
     assert [(r[0], r[1], r[2]) for r in rows] == [
         (str(4 * n), str(n), m) for n in (4096, 65536) for m in ("fp32", "fp16", "onebit")]
-    for r in rows:  # compute ms, wire ms (none over loopback), limit ms, of limit
-        assert r[-3] == "-" and r[-4] == r[-2] and float(r[-2]) >= 0 and r[-1].endswith("%")
+    for r in rows:  # compute ms, wire ms (none over loopback), limit ms, of limit, cpu ms, host busy
+        assert r[-5] == "-" and r[-6] == r[-4] and float(r[-4]) >= 0 and r[-3].endswith("%")
+        assert float(r[-2]) > 0 and (r[-1] == "-" or r[-1].endswith("%"))
     # Not a terminal: plain progress lines, one per size and method.
     assert len(re.findall(r"allreduce \[\d/6\] \S+ \S+ done", proc.stderr)) == 6
 
@@ -129,6 +130,9 @@ def test_allreduce_json_schema(loopback):
         assert r["compute_s"] > 0 and r["wire_s"] is None
         assert r["limit_s"] == r["compute_s"]
         assert r["limit_fraction"] == pytest.approx(r["compute_s"] / r["median_s"]) and r["limit_fraction"] > 0
+        # where the time goes: the CPU of a call and of its kernels, and how busy the host was
+        # (null when the timed calls took less than a tenth of a second)
+        assert r["cpu_s"] > 0 and r["compute_cpu_s"] > 0 and (r["host_busy"] is None or 0 <= r["host_busy"] <= 1)
     by = {(r["elements"], r["method"]): r for r in doc["rows"]}
     assert by[(65536, "fp32")]["speedup_vs_fp32"] == 1.0
     assert by[(65536, "fp32")]["wire_bytes_per_rank"] == 4 * 65536  # ring, 2 ranks: 2 (p-1)/p * 4n

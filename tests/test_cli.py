@@ -5,6 +5,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 import tomllib
 from pathlib import Path
 
@@ -185,9 +186,10 @@ def _limit_doc(bandwidth, ranks_per_node=1, world=4):
 
     rows = [dict(size=1024, bytes=4096, method=m, world_size=world, median_s=t, p10_s=t, p90_s=t,
                  algbw_gbps=4096 / t / 1e9, busbw_gbps=4096 / t / 1e9, wire_bytes=w, speedup_vs_fp32=None,
-                 inter_node_bytes=inb, compute_s=c)
-            for m, t, w, inb, c in (("fp32", 2e-3, 6144, 12_000, 1e-3), ("onebit", 1e-3, 400, 1_000, 5e-4),
-                                     ("hier", 1e-3, 200, 600, None))]
+                 inter_node_bytes=inb, compute_s=c, cpu_s=cpu, compute_cpu_s=c, host_busy=busy)
+            for m, t, w, inb, c, cpu, busy in (("fp32", 2e-3, 6144, 12_000, 1e-3, 2e-3, 0.5),
+                                               ("onebit", 1e-3, 400, 1_000, 5e-4, 8e-4, 0.97),
+                                               ("hier", 1e-3, 200, 600, None, None, None))]
     shaping = dict(bandwidth=bandwidth, latency="50ms", burst="256kb") if bandwidth else {}
     config = allreduce_config(world_size=world, backend="gloo", launcher="netem" if bandwidth else "local",
                               threads=1, iters=3, warmup=1, block_size=2048, pieces=None,
@@ -223,7 +225,8 @@ def test_allreduce_limit_fields(bandwidth, ranks_per_node, capsys):
     out = capsys.readouterr().out
     assert "limit ms" in out and "of limit" in out
     onebit = next(line.split() for line in out.splitlines() if re.match(r"\s*4096\s+1024\s+onebit\s", line))
-    assert onebit[-1] == f"{doc['rows'][1]['limit_fraction']:.0%}"
+    assert onebit[-3] == f"{doc['rows'][1]['limit_fraction']:.0%}"
+    assert onebit[-2:] == ["0.80", "97%"]  # cpu ms and host busy
 
 
 def test_allreduce_docs_without_limits_still_check():
@@ -235,3 +238,21 @@ def test_allreduce_docs_without_limits_still_check():
     for r in doc["rows"]:
         del r["compute_s"]
     check_allreduce_doc(doc)
+
+
+def test_host_busy_from_proc_stat():
+    """busy_between reads the share of the host's CPU capacity that was busy: a process
+    spinning on one core keeps at least 1/cpus of it busy."""
+    from lbcomm.cli.allreduce import busy_between, host_cpu_ticks
+
+    assert busy_between(None, (1, 2)) is None and busy_between((5, 10), (5, 10), min_ticks=1) is None
+    assert busy_between((10, 100), (40, 160), min_ticks=60) == pytest.approx(0.5)
+    assert busy_between((10, 100), (40, 160), min_ticks=61) is None  # too short a window to read
+    before = host_cpu_ticks()
+    if before is None:
+        pytest.skip("no /proc/stat on this host")
+    t0 = time.process_time()
+    while time.process_time() - t0 < 0.3:
+        pass
+    busy = busy_between(before, host_cpu_ticks())
+    assert busy is not None and 0.5 / os.cpu_count() <= busy <= 1.0

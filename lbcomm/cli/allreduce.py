@@ -36,7 +36,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -147,22 +147,49 @@ def _compute_op(method: str, x: torch.Tensor, p: int, block_size: Optional[int])
     return None
 
 
-def _time_compute(fn, reps: int, transport, device: str) -> Optional[float]:
-    """Median seconds of `fn` over `reps` runs on every rank at once; the slowest rank's."""
+def _time_compute(fn, reps: int, transport, device: str) -> Tuple[Optional[float], Optional[float]]:
+    """(median seconds of `fn` over `reps` runs on every rank at once, the slowest rank's;
+    the CPU seconds of one run, mean over the ranks); (None, None) for no `fn`."""
     if fn is None:
-        return None
+        return None, None
     fn()
     transport.barrier()
-    times = []
+    times, cpu0 = [], time.process_time()
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
         if device != "cpu":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
+    cpu = torch.tensor([(time.process_time() - cpu0) / reps], dtype=torch.float64)
     slowest = torch.tensor([statistics.median(times)], dtype=torch.float64)
     transport.all_reduce(slowest, op="max")
-    return float(slowest.item())
+    transport.all_reduce(cpu, op="sum")
+    return float(slowest.item()), float(cpu.item()) / transport.world_size
+
+
+def host_cpu_ticks() -> Optional[Tuple[int, int]]:
+    """(busy, total) clock ticks of all this host's CPUs since boot, from /proc/stat (busy:
+    everything but idle and iowait, the kernel's network work included); None where there
+    is no /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    return sum(ticks) - ticks[3] - ticks[4], sum(ticks)
+
+
+def busy_between(before: Optional[Tuple[int, int]], after: Optional[Tuple[int, int]],
+                 min_ticks: Optional[int] = None) -> Optional[float]:
+    """The share of the host's CPU capacity busy between two `host_cpu_ticks` readings;
+    None when they span fewer than `min_ticks` ticks (default: 10 per CPU, a tenth of a
+    second at the usual 100 Hz: a shorter window is off by a tick in ten)."""
+    if min_ticks is None:
+        min_ticks = 10 * (os.cpu_count() or 1)
+    if before is None or after is None or after[1] - before[1] < max(1, min_ticks):
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1])
 
 
 def _link_tx_bytes() -> Optional[int]:
@@ -231,7 +258,7 @@ def measure(sizes: Sequence[int], methods: Sequence[str] = METHODS, iters: int =
                 run()
             transport.barrier()
             tx0 = _link_tx_bytes() if reader else 0
-            times = []
+            times, cpu0, host0 = [], time.process_time(), host_cpu_ticks()
             for _ in range(iters):
                 transport.barrier()
                 t0 = time.perf_counter()
@@ -241,7 +268,12 @@ def measure(sizes: Sequence[int], methods: Sequence[str] = METHODS, iters: int =
                 times.append(time.perf_counter() - t0)
                 if progress is not None:
                     progress()
+            cpu = torch.tensor([(time.process_time() - cpu0) / iters], dtype=torch.float64)
+            busy = busy_between(host0, host_cpu_ticks())
             transport.barrier()  # every packet of the timed calls has arrived
+            transport.all_reduce(cpu, op="sum")
+            busiest = torch.tensor([-1.0 if busy is None else busy], dtype=torch.float64)
+            transport.all_reduce(busiest, op="max")
             sent = torch.tensor([float(_link_tx_bytes() - tx0) if reader else 0.0], dtype=torch.float64)
             if counted:
                 transport.all_reduce(sent, op="sum")
@@ -253,8 +285,10 @@ def measure(sizes: Sequence[int], methods: Sequence[str] = METHODS, iters: int =
                              algbw_gbps=nbytes / med / 1e9, busbw_gbps=ring_allreduce_bytes(nbytes, p) / med / 1e9,
                              wire_bytes=int(wire),
                              inter_node_bytes=int(sent.item() / iters) if counted else None))
-            rows[-1]["compute_s"] = _time_compute(_compute_op(method, x, p, block_size), min(iters, 5), transport,
-                                                  device)
+            rows[-1]["cpu_s"] = float(cpu.item()) / p
+            rows[-1]["host_busy"] = float(busiest.item()) if busiest.item() >= 0 else None
+            rows[-1]["compute_s"], rows[-1]["compute_cpu_s"] = _time_compute(
+                _compute_op(method, x, p, block_size), min(iters, 5), transport, device)
             if profile:
                 rows[-1]["profile"] = _profile(run, iters, transport)
     base = {r["size"]: r["median_s"] for r in rows if r["method"] == "fp32"}

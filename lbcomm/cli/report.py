@@ -54,6 +54,8 @@ def allreduce_header(config: Dict) -> str:
                  "call's local work alone, timed on these ranks after the calls; "
                  + (wire if config.get("bandwidth") else "loopback has no link rate: limit = compute")
                  + "; of limit = limit / median")
+    lines.append("# cpu ms = CPU time of one call per rank (all threads); host busy = share of this host's cores "
+                 "busy during the calls (near 100 %: the host's CPU, not the link, bounds the call)")
     return "\n".join(lines)
 
 
@@ -61,7 +63,7 @@ def allreduce_table(rows: List[Dict]) -> str:
     """nccl-tests-like table of JSON rows: size in bytes and fp32 elements, times in ms, GB/s."""
     hdr = (f"{'bytes':>10} {'elements':>9} {'method':>7} {'median ms':>10} {'p10 ms':>8} {'p90 ms':>8} "
            f"{'algbw GB/s':>10} {'busbw GB/s':>10} {'wire B/rank':>11} {'vs fp32':>8} "
-           f"{'compute ms':>10} {'wire ms':>8} {'limit ms':>8} {'of limit':>8}")
+           f"{'compute ms':>10} {'wire ms':>8} {'limit ms':>8} {'of limit':>8} {'cpu ms':>7} {'host busy':>9}")
     lines = [hdr, "-" * len(hdr)]
 
     def ms(v):
@@ -70,10 +72,12 @@ def allreduce_table(rows: List[Dict]) -> str:
     for r in rows:
         sp = f"{r['speedup_vs_fp32']:.2f}x" if r.get("speedup_vs_fp32") else "-"
         frac = "-" if r.get("limit_fraction") is None else f"{r['limit_fraction']:.0%}"
+        busy = "-" if r.get("host_busy") is None else f"{r['host_busy']:.0%}"
         lines.append(f"{r['bytes']:>10} {r['elements']:>9} {r['method']:>7} {r['median_s'] * 1e3:>10.2f} "
                      f"{r['p10_s'] * 1e3:>8.2f} {r['p90_s'] * 1e3:>8.2f} {r['algbw_GBps']:>10.3f} "
                      f"{r['busbw_GBps']:>10.3f} {r['wire_bytes_per_rank']:>11} {sp:>8} "
-                     f"{ms(r.get('compute_s')):>10} {ms(r.get('wire_s')):>8} {ms(r.get('limit_s')):>8} {frac:>8}")
+                     f"{ms(r.get('compute_s')):>10} {ms(r.get('wire_s')):>8} {ms(r.get('limit_s')):>8} {frac:>8} "
+                     f"{ms(r.get('cpu_s')):>7} {busy:>9}")
     return "\n".join(lines)
 
 

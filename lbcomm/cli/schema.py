@@ -53,6 +53,14 @@ ALLREDUCE_ROW_FIELDS = {
     "limit_s": ((float, type(None)), "the testbed's limit of one call: max(wire_s, compute_s) (they overlap), "
                                      "compute_s alone over loopback; null when neither is known"),
     "limit_fraction": ((float, type(None)), "limit_s / median_s: the share of the limit the call reaches"),
+    # where the time goes when the host's cores are the bottleneck (docs/cli.md)
+    "cpu_s": ((float, type(None)), "CPU time (user + system, all threads) of one call per rank, mean over the "
+                                   "ranks: the kernels, the transport's copies and system calls, Python"),
+    "compute_cpu_s": ((float, type(None)), "the CPU time of compute_s's work per rank (mean over the ranks); "
+                                           "cpu_s minus this is what the transport and the rest cost"),
+    "host_busy": ((float, type(None)), "share of the host's CPU capacity busy during the timed calls (all cores, "
+                                       "/proc/stat; the busiest host); null where not readable or the calls took "
+                                       "under 10 of its ticks per CPU (0.1 s at 100 Hz)"),
 }
 ALLREDUCE_CONFIG_FIELDS = {
     "world_size": (int, "ranks"),
@@ -71,7 +79,8 @@ ALLREDUCE_CONFIG_FIELDS = {
 }
 # Fields added after version 1 was published: documents written before may lack them.
 OPTIONAL_FIELDS = {"inter_node_bytes", "ranks_per_node", "speedup_vs_hsdp", "inter_node_bytes_per_step",
-                   "spread_p90_p10", "compute_s", "wire_s", "limit_s", "limit_fraction"}
+                   "spread_p90_p10", "compute_s", "wire_s", "limit_s", "limit_fraction", "cpu_s", "compute_cpu_s",
+                   "host_busy"}
 HOST_FIELDS = {
     "torch": (str, "torch version"),
     "lbcomm": (str, "lbcomm version"),
@@ -157,7 +166,8 @@ def allreduce_rows(rows: List[Dict]) -> List[Dict]:
              "speedup_vs_fp32": None if r.get("speedup_vs_fp32") is None else float(r["speedup_vs_fp32"]),
              "inter_node_bytes": None if r.get("inter_node_bytes") is None else int(r["inter_node_bytes"]),
              "spread_p90_p10": float(r["p90_s"]) / float(r["p10_s"]) if r["p10_s"] > 0 else None,
-             "compute_s": None if r.get("compute_s") is None else float(r["compute_s"])}
+             **{k: None if r.get(k) is None else float(r[k]) for k in ("compute_s", "cpu_s", "compute_cpu_s",
+                                                                       "host_busy")}}
             for r in rows]
 
 
