@@ -41,7 +41,7 @@ def test_torch_transport_all_reduce_and_barrier():
 
 def _small_sums(rank, p):
     """A few non-integer values (the small path) and a larger tensor (gloo's ring)."""
-    from lbcomm.comm.torch_dist import SMALL_ALL_REDUCE_BYTES
+    from lbcomm.comm.base import SMALL_ALL_REDUCE_BYTES
 
     tr = get_transport()
     out = {}
@@ -59,7 +59,7 @@ def test_small_all_reduce_is_the_rank_order_sum_on_every_rank():
     every rank holds the same bits, those of the sequential sum; a larger tensor takes
     gloo's ring (equal on every rank, the sum within rounding)."""
     res = run_ranks(_small_sums, 4)
-    from lbcomm.comm.torch_dist import SMALL_ALL_REDUCE_BYTES
+    from lbcomm.comm.base import SMALL_ALL_REDUCE_BYTES
 
     n_large = SMALL_ALL_REDUCE_BYTES // 4
     inputs = [torch.randn(n_large, generator=torch.Generator().manual_seed(100 + r)) for r in range(4)]

@@ -225,3 +225,60 @@ def finish_all_reduce(tensor: Tensor, op: str, world_size: int, futures: List[to
     if len(futures) == 1:
         return futures[0].then(done)
     return torch.futures.collect_all(futures).then(done)
+
+
+# gloo's collectives (a ring) take p - 1 (all-gather) or 2 (p - 1) (allreduce) dependent
+# rounds, each a message latency (a 50 ms hop on a wide-area link) and a wake-up of every
+# rank; one all-to-all takes one round for the same bytes per rank. The gloo transports
+# gather through it, and allreduce through it the tensors whose copies to every other rank
+# cost at most this many bytes per rank.
+SMALL_ALL_REDUCE_BYTES = 128 << 10
+_GATHERED = (torch.float32, torch.float64, torch.int32, torch.int64)
+
+
+def one_round(backend, tensor: Tensor) -> bool:
+    """Whether a collective of `tensor` goes through one all-to-all: on gloo, CPU tensors."""
+    return "gloo" in str(backend).lower() and tensor.device.type == "cpu"
+
+
+def small_for_one_round(tensor: Tensor, world_size: int) -> bool:
+    """Whether an allreduce of `tensor` is small enough to gather (SMALL_ALL_REDUCE_BYTES)."""
+    return (tensor.dtype in _GATHERED
+            and tensor.numel() * tensor.element_size() * (world_size - 1) <= SMALL_ALL_REDUCE_BYTES)
+
+
+def all_gather_one_round(all_to_all, out: Tensor, inp: Tensor, world_size: int, async_op: bool):
+    """All-gather as one all-to-all that sends `inp` to every rank (`all_to_all` is the
+    transport's; it keeps the send buffer alive while the collective runs)."""
+    send = inp.reshape(1, -1).expand(world_size, -1).contiguous()
+    return all_to_all(out, send, async_op=async_op)
+
+
+def all_reduce_one_round(all_to_all, tensor: Tensor, op: str, world_size: int, async_op: bool):
+    """Allreduce of a small tensor: every rank's copy gathered by one all-to-all and reduced
+    here in rank order, one IEEE operation at a time, so every rank gets the same bits on
+    any CPU."""
+    p, flat = world_size, tensor.view(-1)
+    rows = flat.new_empty(p, flat.numel())
+    fut = all_gather_one_round(all_to_all, rows, flat, p, async_op=True)
+
+    def done(_=None) -> Tensor:
+        fut.value()  # raises the collective's error, if any
+        acc = rows[0]
+        for r in range(1, p):
+            if op in ("sum", "mean"):
+                acc.add_(rows[r])
+            elif op == "max":
+                torch.maximum(acc, rows[r], out=acc)
+            else:
+                torch.minimum(acc, rows[r], out=acc)
+        flat.copy_(acc)
+        if op == "mean":
+            tensor.div_(p)
+        return tensor
+
+    if async_op:
+        return fut.then(done)
+    fut.wait()
+    done()
+    return None

@@ -13,15 +13,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..errors import NotInitializedError
-from .base import (GatherVThroughBytes, RowsThroughBytes, StagedRows, buckets, check_all_reduce, check_sendrecv,
-                   completed_future, finish_all_reduce)
+from .base import (GatherVThroughBytes, RowsThroughBytes, StagedRows, all_gather_one_round, all_reduce_one_round,
+                   buckets, check_all_reduce, check_sendrecv, completed_future, finish_all_reduce, one_round,
+                   small_for_one_round)
 
 _OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-
-# all_reduce on gloo goes through one all-to-all (`_all_reduce_small`) when sending the tensor
-# to every other rank costs at most this many bytes per rank
-SMALL_ALL_REDUCE_BYTES = 128 << 10
-_GATHERED = (torch.float32, torch.float64, torch.int32, torch.int64)
 
 # torch 2.13 renamed all_gather_into_tensor; keep working on older releases.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -170,6 +166,8 @@ class TorchTransport(RowsThroughBytes, GatherVThroughBytes):
         return _issue(dist.all_to_all_single, out.reshape(-1), inp.reshape(-1), group=self.group, async_op=async_op)
 
     def all_gather(self, out: Tensor, inp: Tensor, async_op: bool = False):
+        if one_round(self.backend, inp) and self.world_size > 1:
+            return all_gather_one_round(self.all_to_all, out, inp, self.world_size, async_op)
         return _issue(_all_gather_single, out.reshape(-1), inp.reshape(-1), group=self.group, async_op=async_op)
 
     def all_reduce(self, tensor: Tensor, op: str = "sum", async_op: bool = False,
@@ -179,43 +177,11 @@ class TorchTransport(RowsThroughBytes, GatherVThroughBytes):
         if self.world_size == 1:
             return completed_future(tensor, tensor.device) if async_op else None
         flat = tensor.view(-1)
-        if (str(self.backend).lower() == "gloo" and flat.device.type == "cpu" and flat.dtype in _GATHERED
-                and flat.numel() * flat.element_size() * (self.world_size - 1) <= SMALL_ALL_REDUCE_BYTES):
-            return self._all_reduce_small(tensor, op, async_op)
+        if one_round(self.backend, flat) and small_for_one_round(flat, self.world_size):
+            return all_reduce_one_round(self.all_to_all, tensor, op, self.world_size, async_op)
         futures = [_issue(dist.all_reduce, piece, op=_OPS[op], group=self.group, async_op=True)
                    for piece in buckets(flat, bucket_bytes)]
         return finish_all_reduce(tensor, op, self.world_size, futures, async_op)
-
-    def _all_reduce_small(self, tensor: Tensor, op: str, async_op: bool):
-        """A small tensor over gloo: every rank's copy gathered by one all-to-all and reduced
-        here. Gloo's ring takes 2 (p - 1) dependent rounds for any size, each a message
-        latency (a round trip's half on a wide-area link) and a wake-up of every rank: on a
-        host with fewer cores than ranks, an allreduce of a few values cost as much CPU as
-        the 1-bit call's two data collectives together. The reduction runs in rank order,
-        one IEEE operation at a time, so every rank gets the same bits on any CPU."""
-        p, flat = self.world_size, tensor.view(-1)
-        rows = flat.new_empty(p, flat.numel())
-        fut = _issue(dist.all_to_all_single, rows.view(-1), flat.unsqueeze(0).expand(p, -1).contiguous().view(-1),
-                     group=self.group, async_op=True)
-
-        def done(_=None) -> Tensor:
-            fut.value()  # raises the collective's error, if any
-            acc = rows[0]
-            for r in range(1, p):
-                if op in ("sum", "mean"):
-                    acc.add_(rows[r])
-                else:
-                    torch.maximum(acc, rows[r], out=acc) if op == "max" else torch.minimum(acc, rows[r], out=acc)
-            flat.copy_(acc)
-            if op == "mean":
-                tensor.div_(p)
-            return tensor
-
-        if async_op:
-            return fut.then(done)
-        fut.wait()
-        done()
-        return None
 
     def barrier(self) -> None:
         if self.world_size > 1:

@@ -20,7 +20,8 @@ from torch import Tensor
 from torch.distributed.distributed_c10d import (AllgatherOptions, AllreduceOptions, AllToAllOptions, BarrierOptions,
                                                 ReduceOp)
 
-from .base import GatherVThroughBytes, RowsThroughBytes, StagedRows, buckets, check_all_reduce, finish_all_reduce
+from .base import (GatherVThroughBytes, RowsThroughBytes, StagedRows, all_gather_one_round, all_reduce_one_round,
+                   buckets, check_all_reduce, finish_all_reduce, one_round, small_for_one_round)
 from .torch_dist import _keep
 
 __all__ = ["TorchFTTransport"]
@@ -70,6 +71,8 @@ class TorchFTTransport(RowsThroughBytes, GatherVThroughBytes):
         return self._finish(self.pg.alltoall_base(o, i, [], [], AllToAllOptions()), (o, i), async_op)
 
     def all_gather(self, out: Tensor, inp: Tensor, async_op: bool = False):
+        if one_round(self.backend, inp):  # one round instead of gloo's p - 1 (lbcomm.comm.base)
+            return all_gather_one_round(self.all_to_all, out, inp, self.world_size, async_op)
         i = inp.reshape(-1)
         outs = list(out.reshape(self.world_size, -1).unbind(0))
         return self._finish(self.pg.allgather([outs], [i], AllgatherOptions()), (out, i), async_op)
@@ -77,6 +80,8 @@ class TorchFTTransport(RowsThroughBytes, GatherVThroughBytes):
     def all_reduce(self, tensor: Tensor, op: str = "sum", async_op: bool = False,
                    bucket_bytes: Optional[int] = None):
         check_all_reduce(tensor, op, bucket_bytes)
+        if one_round(self.backend, tensor) and small_for_one_round(tensor, self.world_size):
+            return all_reduce_one_round(self.all_to_all, tensor, op, self.world_size, async_op)
         futures = []
         for piece in buckets(tensor.view(-1), bucket_bytes):
             opts = AllreduceOptions()
