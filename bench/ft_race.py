@@ -1,26 +1,30 @@
-"""A fault race on loopback: `lbcomm.ft.FaultTolerantLocalUpdates` with the 1-bit outer
-exchange against the fp32 one (compress=False, torchft's DiLoCo exchange) and against
-torchft's own ``DiLoCo`` (at each H of --diloco-sync-every), each with and without a fault,
-from one run (docs/internet.md).
+"""A fault race, over loopback or on an emulated cluster:
+`lbcomm.ft.FaultTolerantLocalUpdates` with the 1-bit outer exchange against the fp32 one
+(compress=False, torchft's DiLoCo exchange) and against torchft's own ``DiLoCo`` (at each
+H of --diloco-sync-every), each with and without a fault, from one run (docs/internet.md).
 
-Every run starts a torchft Lighthouse in this process (127.0.0.1) and --replicas replica
-groups of one process each. With a fault, the last replica crashes (os._exit) at a third of
-the inner steps and is restarted --restart-after seconds later; it heals from a live peer
-and trains on. Reported per run: the final held-out loss of the committed model (and the mean
-of its last 10 evaluations: at a noise floor the loss moves from one synchronization to the
-next), the time
-to --target (a held-out loss), the bytes each replica sent, and the recovery phases:
-detect (the crash to the survivors' first committed quorum without it), recovery (the crash
-to the restarted replica's first committed synchronization), rejoin (the restart
-to the restarted replica's first committed synchronization), of which quorum (its wait in
-start_quorum, the checkpoint fetch included), heal (loading the peer's state) and first
-step (its first exchange and commit).
+Every run starts a torchft Lighthouse and --replicas replica groups of one process each:
+over loopback, the Lighthouse in this process; with --bandwidth (root), each replica in its
+own namespace of an emulated cluster (`lbcomm.cli.netem`, links of that rate, --delay one
+way between replicas) and the Lighthouse in the first replica's. With a fault, the last
+replica crashes (os._exit) at a third of the inner steps and is restarted --restart-after
+seconds later; it heals from a live peer and trains on. Reported per run: the final
+held-out loss of the committed model (and the mean of its last 10 evaluations: at a noise
+floor the loss moves from one synchronization to the next), the time to --target (a
+held-out loss), the bytes each replica sent, and the recovery phases: detect (the crash to
+the survivors' first committed quorum without it), recovery (the crash to the restarted
+replica's first committed synchronization), rejoin (the restart to the restarted replica's
+first committed synchronization), of which quorum (its wait in start_quorum, the
+checkpoint fetch included), heal (loading the peer's state) and first step (its first
+exchange and commit).
 
     python -m bench.ft_race                  # 3 replicas, 900 inner steps, H=10
     python -m bench.ft_race --replicas 4 --json out.json
     python -m bench.ft_race --replicas 4 --methods 1bit,diloco --diloco-sync-every 10,30
+    sudo python -m bench.ft_race --replicas 4 --bandwidth 10mbit --delay 50ms --hidden 2048
 """
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -31,7 +35,7 @@ from datetime import timedelta
 
 import torch
 
-DIM, HIDDEN = 32, 256
+DIM = 32
 
 
 def _data(seed, n=64):
@@ -39,6 +43,10 @@ def _data(seed, n=64):
     w = torch.randn(DIM, 1, generator=torch.Generator().manual_seed(7))
     x = torch.randn(n, DIM, generator=g)
     return x, torch.tanh(x @ w) + 0.05 * torch.randn(n, 1, generator=g)
+
+
+def _model(a):
+    return torch.nn.Sequential(torch.nn.Linear(DIM, a.hidden), torch.nn.Tanh(), torch.nn.Linear(a.hidden, 1))
 
 
 def _manager(a, load_state_dict=None, state_dict=None):
@@ -49,7 +57,7 @@ def _manager(a, load_state_dict=None, state_dict=None):
     pg = ProcessGroupGloo(timeout=timedelta(seconds=15))
     manager = Manager(pg=pg, load_state_dict=load_state_dict, state_dict=state_dict, min_replica_size=2,
                       use_async_quorum=False, replica_id=f"replica_{a.replica}", lighthouse_addr=a.lighthouse,
-                      rank=0, world_size=1, store_addr="127.0.0.1", store_port=store.port, hostname="127.0.0.1",
+                      rank=0, world_size=1, store_addr=a.host, store_port=store.port, hostname=a.host,
                       timeout=timedelta(seconds=15), quorum_timeout=timedelta(seconds=120))
     return manager, pg, store
 
@@ -77,7 +85,7 @@ def diloco_worker(a) -> None:
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(DIM, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, 1))
+    model = _model(a)
     inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     def load(sd):
@@ -119,7 +127,7 @@ def worker(a) -> None:
     torch.set_num_threads(1)  # several replicas share the cores
     manager, pg, store = _manager(a)
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(DIM, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, 1))
+    model = _model(a)
     inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
     local = FaultTolerantLocalUpdates(model.parameters(), inner, a.sync_every, manager=manager, pg=pg,
                                       compress=bool(a.compress),
@@ -139,23 +147,62 @@ def worker(a) -> None:
     os._exit(0)
 
 
-def run(args, method: str, fault: bool, tmp: str, sync_every: int) -> dict:
-    """One run of `method` ("1bit", "fp32" or "diloco") with H = `sync_every`."""
-    from torchft.coordination import LighthouseServer
+LIGHTHOUSE_PORT = 29510
 
-    lh = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=args.join_timeout_ms,
-                          quorum_tick_ms=20, heartbeat_timeout_ms=args.heartbeat_timeout_ms)
+
+def _lighthouse(args, cluster):
+    """torchft's Lighthouse: (address, stop). In this process over loopback; on an emulated
+    cluster in the first replica's namespace, where every replica reaches it over the
+    emulated links."""
+    opts = dict(min_replicas=2, join_timeout_ms=args.join_timeout_ms, quorum_tick_ms=20,
+                heartbeat_timeout_ms=args.heartbeat_timeout_ms)
+    if cluster is None:
+        from torchft.coordination import LighthouseServer
+
+        lh = LighthouseServer(bind="127.0.0.1:0", **opts)
+        return lh.address(), lh.shutdown
+    code = ("import sys, time\nfrom torchft.coordination import LighthouseServer\n"
+            f"lh = LighthouseServer(bind='{cluster.addr(0)}:{LIGHTHOUSE_PORT}', **{opts!r})\n"
+            "print('ready', flush=True)\nsys.stdin.read()\n")
+    proc = cluster.popen(0, [sys.executable, "-c", code], env={"RUST_LOG": "warn"}, stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    if proc.stdout.readline().strip() != "ready":
+        raise RuntimeError("the Lighthouse did not start in the first replica's namespace")
+    address = f"http://{cluster.addr(0)}:{LIGHTHOUSE_PORT}"  # its own address() names the host
+
+    def stop():
+        proc.kill()
+        proc.wait(timeout=30)
+
+    return address, stop
+
+
+def run(args, method: str, fault: bool, tmp: str, sync_every: int, cluster=None) -> dict:
+    """One run of `method` ("1bit", "fp32" or "diloco") with H = `sync_every`, over
+    loopback or on `cluster` (a started `lbcomm.cli.netem.EmulatedCluster`, one namespace
+    per replica)."""
+    lighthouse, stop_lighthouse = _lighthouse(args, cluster)
     name = f"diloco_h{sync_every}" if method == "diloco" else method
     tag = f"{name}_{'fault' if fault else 'clean'}"
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1", RUST_LOG="warn")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", RUST_LOG="warn")
 
     def start(i, incarnation=0, die_at=0):
         out = os.path.join(tmp, f"{tag}_r{i}_{incarnation}.json")
+        host = "127.0.0.1" if cluster is None else cluster.addr(i)
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--replica", str(i), "--incarnation",
-               str(incarnation), "--lighthouse", lh.address(), "--out", out, "--compress", str(int(method == "1bit")),
+               str(incarnation), "--lighthouse", lighthouse, "--out", out, "--compress", str(int(method == "1bit")),
                "--steps", str(args.steps), "--sync-every", str(sync_every), "--step-sleep", str(args.step_sleep),
-               "--die-at", str(die_at), "--block-size", str(args.block_size)] + (["--diloco"] * (method == "diloco"))
-        return subprocess.Popen(cmd, env=env, stdout=open(out + ".log", "w"), stderr=subprocess.STDOUT), out
+               "--die-at", str(die_at), "--block-size", str(args.block_size), "--hidden", str(args.hidden),
+               "--host", host] + (["--diloco"] * (method == "diloco"))
+        log = open(out + ".log", "w")
+        if cluster is None:
+            return subprocess.Popen(cmd, env=dict(env, GLOO_SOCKET_IFNAME="lo"), stdout=log,
+                                    stderr=subprocess.STDOUT), out
+        # torchft advertises socket.gethostname() for its checkpoint server, the host's name in
+        # every namespace: each replica gets a UTS namespace whose hostname is its address
+        cmd = ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', host] + cmd
+        return cluster.popen(i, cmd, env=dict(env, RANK="0", WORLD_SIZE="1"), stdout=log,
+                             stderr=subprocess.STDOUT), out
 
     victim = args.replicas - 1
     procs, outs = [], []
@@ -185,7 +232,7 @@ def run(args, method: str, fault: bool, tmp: str, sync_every: int) -> dict:
             if p.poll() is None:
                 p.kill()
                 p.wait(timeout=30)
-        lh.shutdown()
+        stop_lighthouse()
     res = [json.load(open(o)) if os.path.exists(o) else None for o in outs]
     ref = res[0]
     if ref is None:
@@ -236,6 +283,12 @@ def main() -> None:
     ap.add_argument("--join-timeout-ms", type=int, default=5000)
     ap.add_argument("--heartbeat-timeout-ms", type=int, default=1000)
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds a run may take")
+    ap.add_argument("--hidden", type=int, default=256, help="width of the model's hidden layer")
+    ap.add_argument("--bandwidth", default=None,
+                    help="run on an emulated cluster (root), one namespace per replica, links of this rate (tc "
+                         "syntax, e.g. 10mbit); default: loopback")
+    ap.add_argument("--delay", default="0", help="one-way delay between replicas on the emulated cluster, e.g. 50ms")
+    ap.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
     ap.add_argument("--json", help="write the rows here")
     a = ap.parse_args()
     if a.worker:
@@ -248,10 +301,15 @@ def main() -> None:
     runs = [(m, h) for m in methods for h in ([int(v) for v in a.diloco_sync_every.split(",")]
                                              if m == "diloco" and a.diloco_sync_every else [a.sync_every])]
     rows = []
-    with tempfile.TemporaryDirectory(prefix="ft_race_") as tmp:
+    with tempfile.TemporaryDirectory(prefix="ft_race_") as tmp, contextlib.ExitStack() as stack:
+        cluster = None
+        if a.bandwidth:
+            from lbcomm.cli.netem import EmulatedCluster
+
+            cluster = stack.enter_context(EmulatedCluster(a.replicas, a.bandwidth, delay=a.delay))
         for method, h in runs:
             for fault in (False, True):
-                rows.append(run(a, method, fault, tmp, h))
+                rows.append(run(a, method, fault, tmp, h, cluster))
                 print(json.dumps(rows[-1]), flush=True)
     cols = ["run", "final_loss", "last10_loss", "time_to_target_s", "wall_s", "syncs", "bytes_per_replica",
             "failed_attempts", "detect_s", "recovery_s", "rejoin_s", "quorum_s", "heal_s", "first_step_s"]
