@@ -327,7 +327,7 @@ class FaultTolerantLocalUpdates:
         if not self._replicated(self.local_group):
             raise ValueError(f"{name}: the ranks of local_group hold different weights; they must be replicas "
                              "(data parallelism inside the replica group) for the node topology")
-        self._spans = slice_spans(self.numel, size)
+        self._spans, self._local_xport = slice_spans(self.numel, size), get_transport(self.local_group)
         lo, hi = self._spans[rank]
         return size, lo, hi
 
@@ -342,7 +342,7 @@ class FaultTolerantLocalUpdates:
         mine[2] = status
         mine[3:3 + self._n] = buf[self._lo:self._lo + self._n]
         every = buf.new_empty(len(spans), 3 + width)
-        get_transport(self.local_group).all_gather(every.view(torch.uint8), mine.view(torch.uint8))
+        self._local_xport.all_gather(every.view(torch.uint8), mine.view(torch.uint8))
         if bool((every[:, :2].contiguous().view(torch.int64) != check).any()):
             raise RuntimeError(f"{type(self).__name__}: the ranks of this replica group hold different models at "
                                f"inner step {self.inner_steps}; every replica group must start from the same "
