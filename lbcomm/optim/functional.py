@@ -12,8 +12,8 @@ from typing import Callable, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-__all__ = ["norms", "moments_", "denominator", "ieee_sqrt", "frozen_denominator", "rescaled_bc2", "adamw_",
-           "frozen_adamw_", "lamb_direction", "trust_ratio", "track_coeff", "onebit_lamb_factor",
+__all__ = ["norms", "moments_", "denominator", "ieee_sqrt", "frozen_denominator", "scaled_root", "rescaled_bc2",
+           "adamw_", "frozen_adamw_", "lamb_direction", "trust_ratio", "track_coeff", "onebit_lamb_factor",
            "implied_grad_variance_", "apply_fp32", "adam_update_bound", "resolve_max_update", "max_abs_update",
            "cap_coefficients", "STAGE"]
 
@@ -57,10 +57,16 @@ def ieee_sqrt(v: Tensor, out: Optional[Tensor] = None) -> Tensor:
     return r.to(v.dtype) if out is None else out.copy_(r)
 
 
-def frozen_denominator(v: Tensor, bc2: float, eps: float, out: Tensor) -> Tensor:
+def frozen_denominator(v: Tensor, bc2: float, eps: float, out: Optional[Tensor] = None) -> Tensor:
     """`denominator` with the correctly rounded root (`ieee_sqrt`): the compression stage's,
     as the fused `kernels.frozen_adamw_` computes it."""
-    return ieee_sqrt(v, out).div_(bc2 ** 0.5).add_(eps)
+    return scaled_root(v, bc2 ** 0.5, eps, out)
+
+
+def scaled_root(v: Tensor, denom_scale: float, eps: float, out: Optional[Tensor] = None) -> Tensor:
+    """d = sqrt(v) / denom_scale + eps, the root correctly rounded (`ieee_sqrt`): the value
+    every fused op computes for it, whatever the vector instructions of either side."""
+    return ieee_sqrt(v, out).div_(denom_scale).add_(eps)
 
 
 def cap_coefficients(bound: float, bc1: float, bc2: float, eps: float) -> Tuple[float, float]:

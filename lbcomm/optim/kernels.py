@@ -24,7 +24,7 @@ from .. import ops
 from . import functional as F
 
 __all__ = ["frozen_adamw_", "has_fused_kernel", "decode_caps_", "lamb_clean_pass_", "lamb_edge_find_",
-           "clean_pass_torch", "edge_find_torch", "clean_denominator", "advance_local_", "EDGE_BLOCK"]
+           "clean_pass_torch", "edge_find_torch", "advance_local_", "EDGE_BLOCK"]
 
 _log = logging.getLogger(__name__)
 
@@ -82,12 +82,6 @@ def decode_caps_(out: Tensor, v: Tensor, a: float, b: float, scale: Optional[Ten
         out.mul_(scale)
 
 
-def clean_denominator(v: Tensor, denom_scale: float, eps: float) -> Tensor:
-    """d = sqrt(v) / denom_scale + eps, the root taken in fp64 and rounded to fp32: the value
-    the fused op computes, whatever the vector instructions of either side."""
-    return F.ieee_sqrt(v).div_(denom_scale).add_(eps)
-
-
 def advance_local_(ml: Tensor, g: Optional[Tensor], weight: float, scratch: Optional[Tensor] = None) -> None:
     """ml <- ml + weight (g - ml) in fp32 (g None: zero), three roundings and no FMA, stored
     in ml's dtype (bf16: rounded once, to nearest even): the update the fused pass makes
@@ -115,7 +109,7 @@ def _advance_torch(ml: Tensor, g: Optional[Tensor], weight: float, scratch: Opti
 def _clean_torch(m: Tensor, v: Tensor, ml: Tensor, masked: Optional[Tensor], bc1: float, denom_scale: float,
                  eps: float, bound: Optional[float], edge_at: float):
     """(u0, y, edge) of the pass, in torch ops."""
-    q = clean_denominator(v, denom_scale, eps).mul_(bc1)
+    q = F.scaled_root(v, denom_scale, eps).mul_(bc1)
     u0 = torch.div(m, q)
     y = torch.div(ml, q)
     if bound is not None:
@@ -167,7 +161,7 @@ def lamb_clean_pass_(acc: Tensor, counts: Tensor, m: Tensor, v: Tensor, ml: Tens
     `grad`, first ml <- ml + weight (grad - ml) (`advance_local_`); then acc (fp64, 4) +=
     (sum off the edge of y u0, sum u0 theta, sum theta^2, edge count) and counts[b] = the
     edge coordinates of block b (EDGE_BLOCK elements) of the range; u0 = clamp(m / (d bc1)),
-    y = clamp(ml / (d bc1)), d = `clean_denominator`(v), the edge |u0| >= edge_at (with a
+    y = clamp(ml / (d bc1)), d = `functional.scaled_root`(v), the edge |u0| >= edge_at (with a
     bound) or `masked`. The fused op on CPU (m, v fp32 contiguous; ml fp32 or bf16),
     `clean_pass_torch` elsewhere."""
     if _CLEAN_OP and m.device.type == "cpu":

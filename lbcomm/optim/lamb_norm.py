@@ -162,7 +162,7 @@ class LambNorms:
                     else:
                         draws = torch.arange(n_edge, device=dev)
                     at = L.offsets[i] + p.positions(counts, starts, draws)
-                    q = K.clean_denominator(self.fs.buffers["exp_avg_sq"][at], p.scale, p.eps).mul_(p.bc1)
+                    q = F.scaled_root(self.fs.buffers["exp_avg_sq"][at], p.scale, p.eps).mul_(p.bc1)
                     sent[r, 1:1 + k] = torch.div(self.fs.buffers["exp_avg_local"][at], q)
                 picked.append((i, k, n_edge))
         self.fs.transport.all_reduce(sent, op="sum")
