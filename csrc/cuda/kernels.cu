@@ -673,14 +673,12 @@ __global__ void __launch_bounds__(kThreads) unpack_octets_kernel(UnpackArgs a, b
       }
 #pragma unroll
       for (int t = 0; t < 8; ++t) v[t] = set_sign(cap_min(c[t], s), (byte >> t) & 1u);
-    } else {
+    } else {  // launched with weights only (without them, unpack_quads_kernel)
 #pragma unroll
       for (int t = 0; t < 8; ++t) v[t] = set_sign(s, (byte >> t) & 1u);
-      if (a.weights) {
 #pragma unroll
-        for (int t = 0; t < 8; ++t)
-          if (f + t < a.numel) v[t] = __fmul_rn(v[t], load_weight(a.weights, a.wtype, f + t));
-      }
+      for (int t = 0; t < 8; ++t)
+        if (f + t < a.numel) v[t] = __fmul_rn(v[t], load_weight(a.weights, a.wtype, f + t));
     }
     if (vec4 && f + 8 <= a.numel) {
       float4* o = reinterpret_cast<float4*>(a.out + f);
