@@ -1,0 +1,70 @@
+"""OneBitAdam's compression-stage step alone: P gloo ranks, one thread each, the parameter
+shapes of `lbcomm-bench train`'s model (13.8M), STEPS steps timed (median wall and CPU per
+step) and rank 0's profiled with cProfile, the top 25 functions by own time written to OUT.
+It uses only what every lbcomm release has, so it compares checkouts: run it as a script
+from outside the checkouts, each on PYTHONPATH in turn.
+
+    PYTHONPATH=/path/to/checkout python onebit_adam_profile.py P STEPS OUT
+"""
+import cProfile
+import io
+import os
+import pstats
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def shapes():
+    """The parameter shapes of lbcomm-bench train's TinyLM (vocab 8192, width 384, 6 blocks)."""
+    d, v, L = 384, 8192, 6
+    s = [(v, d), (33, d)]
+    for _ in range(L):
+        s += [(3 * d, d), (3 * d,), (d, d), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,), (d,), (d,), (d,), (d,)]
+    return s + [(d,), (d,)]
+
+
+def main(rank, p, steps, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=p)
+    import lbcomm
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s) * 0.02) for s in shapes()]
+    opt = lbcomm.OneBitAdam(params, lr=1e-3, freeze_step=2)
+    g = torch.Generator().manual_seed(rank)
+    for t in range(4):
+        for q in params:
+            q.grad = torch.randn(q.shape, generator=g) * 1e-3
+        opt.step()
+    times, cpus = [], []
+    prof = cProfile.Profile()
+    for t in range(steps):
+        for q in params:
+            q.grad = torch.randn(q.shape, generator=g) * 1e-3
+        dist.barrier()
+        t0, c0 = time.perf_counter(), time.process_time()
+        if rank == 0:
+            prof.enable()
+        opt.step()
+        if rank == 0:
+            prof.disable()
+        times.append(time.perf_counter() - t0)
+        cpus.append(time.process_time() - c0)
+    times.sort()
+    cpus.sort()
+    if rank == 0:
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
+        with open(out, "w") as f:
+            f.write(f"{sum(q.numel() for q in params)} params, {p} ranks, median step "
+                    f"{1e3 * times[len(times) // 2]:.1f} ms, cpu {1e3 * cpus[len(cpus) // 2]:.1f} ms\n" + s.getvalue())
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    p, steps, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    mp.spawn(main, args=(p, steps, out), nprocs=p)
