@@ -8,10 +8,14 @@ over loopback, the Lighthouse in this process; with --bandwidth (root), each rep
 own namespace of an emulated cluster (`lbcomm.cli.netem`, links of that rate, --delay one
 way between replicas) and the Lighthouse in the first replica's. With a fault, the last
 replica crashes (os._exit) at a third of the inner steps and is restarted --restart-after
-seconds later; it heals from a live peer and trains on. Reported per run: the final
+seconds later; it heals from a live peer and trains on. The task is a small regression
+with emulated compute, or (--task lm) the byte-level transformer of `lbcomm-bench race`
+with real compute. Reported per run: the final
 held-out loss of the committed model (and the mean of its last 10 evaluations: at a noise
 floor the loss moves from one synchronization to the next), the time to --target (a
-held-out loss), the bytes each replica sent, and the recovery phases: detect (the crash to
+held-out loss; training time, the evaluations after each synchronization left out, as is
+train_s, the whole run's; wall_s counts them), the curve of (training time, loss), the
+bytes each replica sent, and the recovery phases: detect (the crash to
 the survivors' first committed quorum without it), recovery (the crash to the restarted
 replica's first committed synchronization), rejoin (the restart to the restarted replica's
 first committed synchronization), of which quorum (its wait in start_quorum, the
@@ -21,6 +25,7 @@ exchange and commit).
     python -m bench.ft_race                  # 3 replicas, 900 inner steps, H=10
     python -m bench.ft_race --replicas 4 --json out.json
     python -m bench.ft_race --replicas 4 --methods 1bit,diloco --diloco-sync-every 10,30
+    python -m bench.ft_race --replicas 4 --task lm --steps 300 --target 2.9 --timeout 1200
     sudo python -m bench.ft_race --replicas 4 --bandwidth 10mbit --delay 50ms --hidden 2048
 """
 import argparse
@@ -45,8 +50,62 @@ def _data(seed, n=64):
     return x, torch.tanh(x @ w) + 0.05 * torch.randn(n, 1, generator=g)
 
 
-def _model(a):
-    return torch.nn.Sequential(torch.nn.Linear(DIM, a.hidden), torch.nn.Tanh(), torch.nn.Linear(a.hidden, 1))
+class Regression:
+    """The default task: a one-hidden-layer MLP regressing a fixed tanh of 32 inputs, fresh
+    samples every step, evaluated on 1,024 held-out ones; the compute of a step is emulated
+    (--step-sleep)."""
+
+    def __init__(self, a):
+        self.model = torch.nn.Sequential(torch.nn.Linear(DIM, a.hidden), torch.nn.Tanh(),
+                                         torch.nn.Linear(a.hidden, 1))
+        self.xe, self.ye = _data(999, 1024)
+
+    def lr_at(self, t: int) -> float:
+        return 1e-3
+
+    def loss(self, sample: int) -> torch.Tensor:
+        x, y = _data(sample)
+        return torch.nn.functional.mse_loss(self.model(x), y)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        return float(torch.nn.functional.mse_loss(self.model(self.xe), self.ye))
+
+
+class ByteLM:
+    """`lbcomm-bench race`'s task: its byte-level transformer (--d-model, --layers, --heads;
+    32 tokens, one sequence per replica and step, AdamW at 1e-3 after 10 steps of warmup),
+    each replica its share of the race's global batches, evaluated on --val-seqs held-out
+    sequences; the compute is real."""
+
+    def __init__(self, a):
+        from lbcomm.cli.race import Data, _model
+        from lbcomm.cli.racecli import MODEL
+
+        cfg = dict(MODEL, d_model=a.d_model, layers=a.layers, heads=a.heads)
+        self.model = _model(cfg)
+        self.train = Data(cfg, a.replica, a.replicas, a.seed, a.val_seqs)
+        self.val = Data(cfg, 0, 1, a.seed, a.val_seqs).val  # every replica the whole held-out set
+
+    def lr_at(self, t: int) -> float:
+        from lbcomm.cli.race import lr_at
+
+        return lr_at(t, 1e-3, 10)
+
+    def loss(self, sample: int) -> torch.Tensor:
+        return self.model(self.train.batch_at(sample))
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        return sum(float(self.model(self.val[i:i + 64])) * len(self.val[i:i + 64])
+                   for i in range(0, len(self.val), 64)) / len(self.val)
+
+
+def _task(a):
+    torch.manual_seed(0)  # the same initial weights on every replica
+    task = (ByteLM if a.task == "lm" else Regression)(a)
+    task.eval_s = 0.0  # seconds spent evaluating so far
+    return task
 
 
 def _manager(a, load_state_dict=None, state_dict=None):
@@ -62,17 +121,37 @@ def _manager(a, load_state_dict=None, state_dict=None):
     return manager, pg, store
 
 
-def _train_step(a, model, inner, step_seed, t) -> None:
-    x, y = _data(step_seed + t)
-    loss = torch.nn.functional.mse_loss(model(x), y)
+def _train_step(a, task, inner, step_seed, t) -> None:
+    for group in inner.param_groups:
+        group["lr"] = task.lr_at(t)
+    loss = task.loss(step_seed + t)
     inner.zero_grad()
     loss.backward()
     inner.step()
-    time.sleep(a.step_sleep)  # the compute of a real step
+    if a.task == "regression":
+        time.sleep(a.step_sleep)  # the compute of a real step
     if a.die_at and t + 1 == a.die_at:
         with open(a.out + ".died", "w") as f:
             f.write(str(time.time()))
         os._exit(17)
+
+
+def _synced(task, log, **entry) -> None:
+    """Log a committed synchronization: when it committed, the held-out loss, and the
+    seconds of evaluation before it (which the race's clock leaves out: a method that
+    synchronizes more often is evaluated more often)."""
+    t = time.time()
+    log.append(dict(entry, t=t, eval=task.evaluate(), evals_before_s=task.eval_s))
+    task.eval_s += time.time() - t
+
+
+def _step_seed(a) -> int:
+    """Where a replica's samples start: the regression draws its own per replica (and per
+    incarnation, so a restarted one sees new samples); the LM takes the replica's share of
+    the race's global batch of each step (a restarted replica a new one)."""
+    if a.task == "lm":
+        return 1_000_000 * a.incarnation
+    return 10_000 * (a.replica + 1) + 1_000_000 * a.incarnation
 
 
 def diloco_worker(a) -> None:
@@ -84,8 +163,8 @@ def diloco_worker(a) -> None:
     from lbcomm.common import ring_allreduce_bytes
 
     torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = _model(a)
+    task = _task(a)
+    model = task.model
     inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     def load(sd):
@@ -93,9 +172,9 @@ def diloco_worker(a) -> None:
         inner.load_state_dict(sd["inner"])
 
     manager, pg, store = _manager(a, load, lambda: {"model": model.state_dict(), "inner": inner.state_dict()})
-    outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
-    xe, ye = _data(999, 1024)
-    step_seed = 10_000 * (a.replica + 1) + 1_000_000 * a.incarnation
+    outer = torch.optim.SGD(model.parameters(), lr=a.outer_lr, momentum=a.outer_momentum,
+                            nesterov=a.outer_momentum > 0)
+    step_seed = _step_seed(a)
     numel = sum(p.numel() for p in model.parameters())
     log, sent, t = [], 0, 0
     with DiLoCo(manager, [model], inner, outer, sync_every=a.sync_every, backup_device=torch.device("cpu"),
@@ -104,16 +183,13 @@ def diloco_worker(a) -> None:
         # takes its round again, as the others do), at most twice the inner steps
         while manager.current_step() < a.steps // a.sync_every and t < 2 * a.steps:
             before = manager.current_step()
-            _train_step(a, model, inner, step_seed, t)
+            _train_step(a, task, inner, step_seed, t)
             t += 1
             if t % a.sync_every == 0:
                 sent += int(ring_allreduce_bytes(4 * numel, manager.num_participants()))
             if manager.current_step() > before:  # a committed synchronization
-                with torch.no_grad():
-                    ev = float(torch.nn.functional.mse_loss(model(xe), ye))
-                log.append({"t": time.time(), "step": manager.current_step(), "eval": ev,
-                            "members": manager.num_participants(), "quorum_s": None, "exchange_s": 0.0,
-                            "commit_s": 0.0})
+                _synced(task, log, step=manager.current_step(), members=manager.num_participants(), quorum_s=None,
+                        exchange_s=0.0, commit_s=0.0)
     with open(a.out, "w") as f:
         json.dump({"log": log, "stats": {"syncs": len(log), "bytes_sent": sent, "failed": None}, "inner_steps": t}, f)
     manager.shutdown(wait=False)
@@ -126,21 +202,18 @@ def worker(a) -> None:
 
     torch.set_num_threads(1)  # several replicas share the cores
     manager, pg, store = _manager(a)
-    torch.manual_seed(0)
-    model = _model(a)
+    task = _task(a)
+    model = task.model
     inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
     local = FaultTolerantLocalUpdates(model.parameters(), inner, a.sync_every, manager=manager, pg=pg,
-                                      compress=bool(a.compress),
+                                      compress=bool(a.compress), outer_lr=a.outer_lr, outer_momentum=a.outer_momentum,
                                       comm=CommConfig(exact_numel=300, block_size=a.block_size))
-    xe, ye = _data(999, 1024)
-    step_seed = 10_000 * (a.replica + 1) + 1_000_000 * a.incarnation
+    step_seed = _step_seed(a)
     log = []
     while local.inner_steps < a.steps:
-        _train_step(a, model, inner, step_seed, local.inner_steps)
+        _train_step(a, task, inner, step_seed, local.inner_steps)
         if local.step():
-            with torch.no_grad():
-                ev = float(torch.nn.functional.mse_loss(model(xe), ye))
-            log.append({"t": time.time(), "step": manager.current_step(), "eval": ev, **local.last_sync})
+            _synced(task, log, step=manager.current_step(), **local.last_sync)
     with open(a.out, "w") as f:
         json.dump({"log": log, "stats": local.stats(), "inner_steps": local.inner_steps}, f)
     manager.shutdown(wait=False)
@@ -193,7 +266,10 @@ def run(args, method: str, fault: bool, tmp: str, sync_every: int, cluster=None)
                str(incarnation), "--lighthouse", lighthouse, "--out", out, "--compress", str(int(method == "1bit")),
                "--steps", str(args.steps), "--sync-every", str(sync_every), "--step-sleep", str(args.step_sleep),
                "--die-at", str(die_at), "--block-size", str(args.block_size), "--hidden", str(args.hidden),
-               "--host", host] + (["--diloco"] * (method == "diloco"))
+               "--task", args.task, "--d-model", str(args.d_model), "--layers", str(args.layers),
+               "--heads", str(args.heads), "--val-seqs", str(args.val_seqs), "--seed", str(args.seed),
+               "--replicas", str(args.replicas), "--outer-lr", str(args.outer_lr),
+               "--outer-momentum", str(args.outer_momentum), "--host", host] + (["--diloco"] * (method == "diloco"))
         log = open(out + ".log", "w")
         if cluster is None:
             return subprocess.Popen(cmd, env=dict(env, GLOO_SOCKET_IFNAME="lo"), stdout=log,
@@ -240,11 +316,14 @@ def run(args, method: str, fault: bool, tmp: str, sync_every: int, cluster=None)
         raise RuntimeError(f"{tag}: replica 0 wrote no result; its log ends with:\n{tail}")
     log = ref["log"]
     final = log[-1]["eval"]
-    hit = next((e["t"] - t0 for e in log if e["eval"] <= args.target), None)
+    clock = [e["t"] - t0 - e.get("evals_before_s", 0.0) for e in log]  # training time, evaluations left out
+    hit = next((c for c, e in zip(clock, log) if e["eval"] <= args.target), None)
     tail = [e["eval"] for e in log[-10:]]  # the final loss at a noise floor moves from sync to sync
-    row = {"run": tag, "method": name, "fault": fault, "final_loss": final, "last10_loss": sum(tail) / len(tail), "time_to_target_s": hit, "wall_s": log[-1]["t"] - t0,
+    row = {"run": tag, "method": name, "fault": fault, "final_loss": final, "last10_loss": sum(tail) / len(tail),
+           "time_to_target_s": hit, "wall_s": log[-1]["t"] - t0,
            "syncs": ref["stats"]["syncs"], "bytes_per_replica": ref["stats"]["bytes_sent"],
-           "failed_attempts": ref["stats"]["failed"]}
+           "failed_attempts": ref["stats"]["failed"],
+           "train_s": clock[-1], "curve": [[round(c, 3), e["eval"]] for c, e in zip(clock, log)]}
     if fault:
         died = float(open(outs[victim] + ".died").read())
         after = [e for e in log if e["t"] > died and e["members"] < args.replicas]
@@ -278,12 +357,21 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=900, help="inner steps per replica")
     ap.add_argument("--sync-every", type=int, default=10, help="H")
     ap.add_argument("--step-sleep", type=float, default=0.05, help="seconds of emulated compute per inner step")
+    ap.add_argument("--outer-lr", type=float, default=0.7, help="every method's outer SGD lr (default: 0.7, DiLoCo's)")
+    ap.add_argument("--outer-momentum", type=float, default=0.9,
+                    help="its Nesterov momentum; 0: plain averaging (default: 0.9, DiLoCo's)")
     ap.add_argument("--restart-after", type=float, default=10.0, help="seconds from the crash to the restart")
     ap.add_argument("--target", type=float, default=0.15, help="held-out loss of the time-to-target column")
     ap.add_argument("--join-timeout-ms", type=int, default=5000)
     ap.add_argument("--heartbeat-timeout-ms", type=int, default=1000)
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds a run may take")
-    ap.add_argument("--hidden", type=int, default=256, help="width of the model's hidden layer")
+    ap.add_argument("--task", choices=("regression", "lm"), default="regression",
+                    help="regression: an MLP, emulated compute (default); lm: lbcomm-bench race's byte-level "
+                         "transformer, real compute")
+    ap.add_argument("--hidden", type=int, default=256, help="regression: width of the model's hidden layer")
+    for flag, default, what in (("--d-model", 512, "width"), ("--layers", 4, "blocks"), ("--heads", 8, "heads"),
+                                ("--val-seqs", 256, "held-out sequences evaluated"), ("--seed", 0, "sample order")):
+        ap.add_argument(flag, type=int, default=default, help=f"lm: {what} (default: the race's, {default})")
     ap.add_argument("--bandwidth", default=None,
                     help="run on an emulated cluster (root), one namespace per replica, links of this rate (tc "
                          "syntax, e.g. 10mbit); default: loopback")
@@ -311,7 +399,7 @@ def main() -> None:
             for fault in (False, True):
                 rows.append(run(a, method, fault, tmp, h, cluster))
                 print(json.dumps(rows[-1]), flush=True)
-    cols = ["run", "final_loss", "last10_loss", "time_to_target_s", "wall_s", "syncs", "bytes_per_replica",
+    cols = ["run", "final_loss", "last10_loss", "time_to_target_s", "train_s", "wall_s", "syncs", "bytes_per_replica",
             "failed_attempts", "detect_s", "recovery_s", "rejoin_s", "quorum_s", "heal_s", "first_step_s"]
 
     def fmt(v):
