@@ -25,7 +25,7 @@ exchange and commit).
     python -m bench.ft_race                  # 3 replicas, 900 inner steps, H=10
     python -m bench.ft_race --replicas 4 --json out.json
     python -m bench.ft_race --replicas 4 --methods 1bit,diloco --diloco-sync-every 10,30
-    python -m bench.ft_race --replicas 4 --task lm --steps 300 --target 2.9 --timeout 1200
+    python -m bench.ft_race --replicas 4 --task lm --steps 300 --sync-every 16 --target 2.8875 --timeout 1200
     sudo python -m bench.ft_race --replicas 4 --bandwidth 10mbit --delay 50ms --hidden 2048
 """
 import argparse
