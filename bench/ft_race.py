@@ -85,7 +85,7 @@ class ByteLM:
         cfg = dict(MODEL, d_model=a.d_model, layers=a.layers, heads=a.heads)
         self.model = _model(cfg)
         self.train = Data(cfg, a.replica, a.replicas, a.seed, a.val_seqs)
-        self.val = Data(cfg, 0, 1, a.seed, a.val_seqs).val  # every replica the whole held-out set
+        self.val = Data(cfg, 0, 1, a.seed, a.val_seqs)  # every replica the whole held-out set
 
     def lr_at(self, t: int) -> float:
         from lbcomm.cli.race import lr_at
@@ -95,10 +95,11 @@ class ByteLM:
     def loss(self, sample: int) -> torch.Tensor:
         return self.model(self.train.batch_at(sample))
 
-    @torch.no_grad()
     def evaluate(self) -> float:
-        return sum(float(self.model(self.val[i:i + 64])) * len(self.val[i:i + 64])
-                   for i in range(0, len(self.val), 64)) / len(self.val)
+        from lbcomm.cli.race import evaluate
+        from lbcomm.comm.loop import LoopTransport
+
+        return evaluate(self.model, self.val, LoopTransport(1))  # one rank holds the whole set
 
 
 def _task(a):

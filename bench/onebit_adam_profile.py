@@ -19,12 +19,11 @@ import torch.multiprocessing as mp
 
 
 def shapes():
-    """The parameter shapes of lbcomm-bench train's TinyLM (vocab 8192, width 384, 6 blocks)."""
-    d, v, L = 384, 8192, 6
-    s = [(v, d), (33, d)]
-    for _ in range(L):
-        s += [(3 * d, d), (3 * d,), (d, d), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,), (d,), (d,), (d,), (d,)]
-    return s + [(d,), (d,)]
+    """The parameter shapes of lbcomm-bench train's model (its "small" preset, 13.8M)."""
+    from lbcomm.cli.train import MODEL_PRESETS, TinyLM
+
+    c = MODEL_PRESETS["small"]
+    return [p.shape for p in TinyLM(c["vocab"], c["d_model"], c["layers"], c["heads"], c["seq_len"] + 1).parameters()]
 
 
 def main(rank, p, steps, out):
