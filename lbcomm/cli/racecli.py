@@ -114,6 +114,13 @@ def add_parser(sub, make) -> None:
     p.add_argument("--val-seqs", type=_positive, default=256, help="held-out sequences (default: 256)")
     p.add_argument("--seed", type=_int_at_least(0), default=0, help="sample order (default: 0)")
     p.add_argument("--threads", type=_positive, default=1, help="torch threads per rank (default: 1)")
+    p.add_argument("--fault", action="store_true",
+                   help="race onebit_local and diloco as torchft replica groups (one process per rank), each with and "
+                        "without a fault: the last replica crashes at a third of --steps inner steps (every replica "
+                        "trains --steps) and restarts --restart-after later; needs torchft and --target-loss; JSON "
+                        "schema lbcomm-bench/race-fault (docs/internet.md)")
+    p.add_argument("--restart-after", type=_seconds, default=10.0,
+                   help="with --fault: seconds from the crash to the restart (default: 10)")
     p.add_argument("--json", metavar="FILE", help="write the results as JSON (fields listed below)")
     p.add_argument("--plot", metavar="FILE.png",
                    help="validation loss against clocked time, one panel per bandwidth (needs matplotlib)")
@@ -139,7 +146,9 @@ def check(args, info) -> None:
         if why:
             families.remove(f)
             args.skipped.append(dict(method=f, why=why))
-    if args.target_loss is None:
+    if args.fault:
+        _check_fault(args, families, asked)
+    elif args.target_loss is None:
         if "ddp" not in families:
             raise UsageError("the target is ddp's validation loss after --steps: include ddp in --methods, or give "
                              "--target-loss")
@@ -161,6 +170,28 @@ def check(args, info) -> None:
 
         check_cluster(args.world_size, args.bandwidth, args.latency, args.burst, delay=args.delay)
         require(delay=bool(parse_delay(args.delay)))
+
+
+def _check_fault(args, families: List[str], asked: bool) -> None:
+    """--fault: the local-update methods only (DDP's ranks cannot lose one), on enough
+    replicas that a quorum survives the crash, against a given target."""
+    from .racemethods import unavailable as why_not
+
+    if why_not("diloco"):
+        raise UsageError("--fault runs on torchft's Manager and Lighthouse: " + why_not("diloco"))
+    other = [f for f in families if f not in LOCAL_FAMILIES]
+    if asked and other:
+        raise UsageError(f"--fault races the local-update methods (onebit_local, diloco), not {', '.join(other)}")
+    families[:] = [f for f in families if f in LOCAL_FAMILIES]
+    if args.target_loss is None:
+        raise UsageError("--fault needs --target-loss (e.g. ddp's on loopback: lbcomm-bench race --bandwidth none "
+                         "--methods ddp --steps 100)")
+    if args.world_size < 3:
+        raise UsageError("--fault needs --world-size >= 3: two replicas must go on while one is down")
+    if args.local_overlap:
+        raise UsageError("--fault: the fault-tolerant exchange runs no overlap; leave --local-overlap at 0")
+    if args.plot:
+        raise UsageError("--fault writes no plot; each row of the JSON keeps its curve")
 
 
 def _params(args, bandwidth: Optional[str]) -> Dict:
@@ -219,6 +250,10 @@ def cmd_race(args, info) -> int:
     from . import launch
     from .report import emit
 
+    if args.fault:
+        from .faultrace import cmd_fault_race
+
+        return cmd_fault_race(args, _params(args, None)["model"])
     runs, result = [], None
     for bw in args.bandwidth:
         params = _params(args, bw)

@@ -1,0 +1,80 @@
+"""`lbcomm-bench race --fault`: the local-update methods as torchft replica groups, one of
+which crashes and restarts; real processes, torchft's real Lighthouse and Managers, gloo
+over loopback."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lbcomm.cli.args import build_parser
+from lbcomm.common import ring_allreduce_bytes
+from lbcomm.cli.argtypes import UsageError
+from lbcomm.cli.faultrace import ROW_FIELDS, check_fault_doc
+from lbcomm.cli.racecli import check
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--d-model", "32", "--layers", "1", "--heads", "2", "--seq-len", "16", "--val-seqs", "16", "--warmup", "2",
+        "--no-progress"]
+
+
+def _args(*argv):
+    return build_parser().parse_args(["race", "--fault", "--bandwidth", "none", *argv])
+
+
+def test_fault_refuses_what_it_cannot_race():
+    pytest.importorskip("torchft")
+    with pytest.raises(UsageError, match="--target-loss"):
+        check(_args("--methods", "onebit_local"), None)
+    with pytest.raises(UsageError, match="not ddp"):
+        check(_args("--methods", "ddp,onebit_local", "--target-loss", "3"), None)
+    with pytest.raises(UsageError, match="--world-size >= 3"):
+        check(_args("--world-size", "2", "--target-loss", "3"), None)
+    with pytest.raises(UsageError, match="overlap"):
+        check(_args("--local-h", "8", "--local-overlap", "2", "--target-loss", "3"), None)
+    with pytest.raises(UsageError, match="no plot"):
+        check(_args("--target-loss", "3", "--plot", "x.png"), None)
+    args = _args("--target-loss", "3", "--local-h", "8", "--diloco-h", "16")
+    check(args, None)  # by default the two local-update methods, nothing else
+    assert [r["label"] for r in args.runs] == ["diloco_h16", "onebit_local_h8"]
+
+
+def test_fault_without_torchft_says_how_to_install():
+    code = ("import sys; sys.modules['torchft'] = None\n"
+            "import importlib.util; importlib.util.find_spec = lambda name, *a: None\n"
+            "from lbcomm.cli.args import build_parser\nfrom lbcomm.cli.racecli import check\n"
+            "args = build_parser().parse_args(['race', '--fault', '--bandwidth', 'none', '--target-loss', '3'])\n"
+            "try:\n    check(args, None)\nexcept Exception as e:\n    print(type(e).__name__, e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout
+    assert out.startswith("UsageError") and "pip install torchft" in out
+
+
+def test_fault_race_loopback(tmp_path):
+    pytest.importorskip("torchft")
+    path = tmp_path / "fault.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                            "MASTER_PORT")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, "-m", "lbcomm.cli", "race", "--fault", "--bandwidth", "none",
+                           "--world-size", "3", "--methods", "onebit_local", "--local-h", "5", "--steps", "60",
+                           "--target-loss", "10", "--restart-after", "0.5", "--json", str(path), *TINY],
+                          capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(path.read_text())
+    check_fault_doc(doc)
+    assert doc["config"]["replicas"] == 3 and doc["config"]["crash_at_step"] == 20
+    (run,) = doc["runs"]
+    clean, fault = run["rows"]
+    assert (clean["run"], fault["run"]) == ("onebit_local_h5_clean", "onebit_local_h5_fault")
+    assert clean["syncs"] == 60 // 5 and clean["failed_attempts"] == 0
+    # the target is above the initial loss: reached at the first synchronization
+    assert clean["time_to_target_s"] == pytest.approx(clean["curve"][0][0], abs=1e-3)
+    # the survivors saw the crash and went on without it
+    assert fault["detect_s"] is not None and fault["syncs"] >= 60 // 5
+    # 1-bit: under a tenth of the bytes of an fp32 ring allreduce of the model per synchronization
+    fp32 = clean["syncs"] * ring_allreduce_bytes(4 * doc["params"], 3)
+    assert 0 < clean["bytes_per_replica"] < fp32 / 10
+    assert set(ROW_FIELDS) <= set(clean)
+    assert "fault/clean" in proc.stdout and "restarts 0.5 s later" in proc.stdout
