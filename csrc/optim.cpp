@@ -21,7 +21,9 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <optional>
 
 #include "ops.h"
@@ -128,17 +130,63 @@ void decode_caps_cpu(at::Tensor& out, const at::Tensor& v, double a, double b,
   }
 }
 
+// decode_caps_table_: the caps of flat elements [lo, lo + out.numel()) of a layout of
+// parameters (starts: int64 [P + 1], each parameter's first flat element and the end;
+// table: fp32 [P, 3], per parameter (a, b, s)): out = (sqrt(v) a + b) s, the same operations
+// as decode_caps_ (s == 1: no multiply; b == +inf: uncapped, +inf), so one call covers a
+// range that spans many parameters instead of one call per parameter.
+void decode_caps_table_cpu(at::Tensor& out, const at::Tensor& v, int64_t lo, const at::Tensor& starts,
+                           const at::Tensor& table) {
+  const char* op = "lbcomm::decode_caps_table_";
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&out, &v, &table}) {
+    TORCH_CHECK_TYPE(t->scalar_type() == at::kFloat, op, ": out, v and table must be Float, got ", t->scalar_type());
+    TORCH_CHECK_VALUE(t->is_contiguous() && t->device().is_cpu(), op, ": out, v and table must be contiguous CPU tensors");
+  }
+  TORCH_CHECK_TYPE(starts.scalar_type() == at::kLong, op, ": starts must be Long, got ", starts.scalar_type());
+  TORCH_CHECK_VALUE(starts.is_contiguous() && starts.device().is_cpu() && starts.dim() == 1 && starts.numel() >= 2, op,
+                    ": starts must be a contiguous 1-D CPU tensor of at least 2 offsets");
+  const int64_t params = starts.numel() - 1, n = out.numel(), hi = lo + n;
+  TORCH_CHECK_VALUE(table.dim() == 2 && table.size(0) == params && table.size(1) == 3, op,
+                    ": table must be [", params, ", 3] (a, b, s per parameter), got ", table.sizes());
+  const int64_t* st = starts.data_ptr<int64_t>();
+  TORCH_CHECK_VALUE(lo >= st[0] && hi <= st[params] && hi <= v.numel(), op, ": the range [", lo, ", ", hi,
+                    ") must lie in the layout [", st[0], ", ", st[params], ") and in v (", v.numel(), " elements)");
+  float* o = out.data_ptr<float>();
+  const float* pv = v.data_ptr<float>();
+  const float* tb = table.data_ptr<float>();
+  // the parameter holding lo: the last start <= lo
+  int64_t p = std::upper_bound(st, st + params + 1, lo) - st - 1;
+  for (int64_t x = lo; x < hi; ++p) {
+    const int64_t end = std::min(hi, st[p + 1]);
+    TORCH_CHECK_VALUE(st[p + 1] >= st[p], op, ": starts must not decrease");
+    const float a = tb[3 * p], b = tb[3 * p + 1], s = tb[3 * p + 2];
+    float* dst = o + (x - lo);
+    const float* src = pv + x;
+    const int64_t len = end - x;
+    if (std::isinf(b) && b > 0) {
+      std::fill(dst, dst + len, std::numeric_limits<float>::infinity());
+    } else if (s == 1.0f) {
+      at::parallel_for(0, len, 1 << 15, [&](int64_t i0, int64_t i1) { decode_caps_range(dst, src, i0, i1, a, b); });
+    } else {
+      at::parallel_for(0, len, 1 << 15, [&](int64_t i0, int64_t i1) { decode_caps_range(dst, src, i0, i1, a, b, s); });
+    }
+    x = end;
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(lbcomm, m) {
   m.def("frozen_adamw_(Tensor(a!) param, Tensor exp_avg, Tensor exp_avg_sq, float denom_scale, float eps, "
         "float keep, float neg_step, float? bound=None) -> ()");
   m.def("decode_caps_(Tensor(a!) out, Tensor v, float a, float b, Tensor? scale) -> ()");
+  m.def("decode_caps_table_(Tensor(a!) out, Tensor v, int lo, Tensor starts, Tensor table) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(lbcomm, CPU, m) {
   m.impl("frozen_adamw_", kernel<FrozenAdamwFn>(&frozen_adamw_cpu));
   m.impl("decode_caps_", &decode_caps_cpu);
+  m.impl("decode_caps_table_", &decode_caps_table_cpu);
 }
 
 }  // namespace lbcomm

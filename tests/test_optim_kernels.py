@@ -169,3 +169,37 @@ def test_decode_caps_op_is_the_caps_from_scratch(n, with_scale):
     torch.library.opcheck(torch.ops.lbcomm.decode_caps_.default, (out, v, a, b, s))
     with pytest.raises(ValueError, match="as many elements"):
         K.decode_caps_(out[:1].clone(), v if n > 1 else torch.zeros(2), a, b, s)
+
+
+@pytest.mark.skipif(not K._CAPS_TABLE_OP, reason="lbcomm._C without decode_caps_table_")
+@pytest.mark.parametrize("with_scale", [False, True])
+def test_decode_caps_table_is_one_call_per_parameter(with_scale):
+    """One call over any range of a layout gives the bits of one `decode_caps_` per
+    parameter in it (+inf where a parameter is uncapped), parameters of every size,
+    an empty one included, ranges that start and end inside them."""
+    numels = [5, 0, 40000, 1, 3000, 7]
+    starts = torch.tensor([0, 5, 5, 40005, 40006, 43006, 43013])
+    v = _inputs(43013, seed=5)[2]
+    coeffs = [(0.37, 3e-9), (0.5, 1e-8), None, (1.25, 0.0), (0.01, 2e-7), None]
+    scale = torch.tensor([1.7, 0.3, 2.0, 1.0, 0.9, 4.0]) if with_scale else None
+    inf = float("inf")
+    table = torch.tensor([(0.0, inf, 1.0) if c is None else (*c, 1.0) for c in coeffs], dtype=torch.float32)
+    if with_scale:
+        table[:, 2] = scale
+    want = torch.empty(43013)
+    for i, c in enumerate(coeffs):
+        part = want[int(starts[i]):int(starts[i + 1])]
+        if c is None:
+            part.fill_(inf)
+        elif numels[i]:
+            K.decode_caps_(part, v[int(starts[i]):int(starts[i + 1])], c[0], c[1],
+                           None if scale is None else scale[i])
+    for lo, hi in [(0, 43013), (3, 40010), (5, 40005), (40005, 40006), (43006, 43013), (100, 100)]:
+        out = torch.full((hi - lo,), -1.0)
+        K.decode_caps_table_(out, v, lo, starts, table)
+        assert torch.equal(out, want[lo:hi]), (lo, hi)
+    torch.library.opcheck(torch.ops.lbcomm.decode_caps_table_.default, (torch.empty(10), v, 2, starts, table))
+    with pytest.raises(ValueError, match="must lie in the layout"):
+        K.decode_caps_table_(torch.empty(10), v, 43010, starts, table)
+    with pytest.raises(ValueError, match=r"\[6, 3\]"):
+        K.decode_caps_table_(torch.empty(10), v, 0, starts, table[:, :2].contiguous())

@@ -75,6 +75,15 @@ def decode_caps(fs, L: FlatLayout, segs, factors, bounds: List[Optional[float]],
             if bounds[i] is not None:
                 coeffs[i] = F.cap_coefficients(bounds[i], bc1, F.rescaled_bc2(bc2, factors, i), group["eps"])
 
+    if K.caps_table_op(v):  # one op call per range, whatever the number of parameters in it
+        inf = float("inf")
+        table = torch.tensor([(0.0, inf, 1.0) if c is None else (c[0], c[1], 1.0) for c in coeffs],
+                             dtype=torch.float32)
+        if scale is not None:
+            table[:, 2] = scale.float()
+        starts = torch.tensor(L.offsets + [L.offsets[-1] + L.numels[-1]], dtype=torch.int64)
+        return lambda lo, hi, buf: K.decode_caps_table_(buf[:hi - lo], v, lo, starts, table)
+
     def cap(lo: int, hi: int, buf: Tensor) -> None:
         for i, a, b in L.overlapping(lo, hi):
             o = L.offsets[i]

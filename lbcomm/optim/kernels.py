@@ -23,7 +23,7 @@ from torch import Tensor
 from .. import ops
 from . import functional as F
 
-__all__ = ["frozen_adamw_", "has_fused_kernel", "decode_caps_", "lamb_clean_pass_", "lamb_edge_find_",
+__all__ = ["frozen_adamw_", "has_fused_kernel", "decode_caps_", "decode_caps_table_", "caps_table_op", "lamb_clean_pass_", "lamb_edge_find_",
            "clean_pass_torch", "edge_find_torch", "advance_local_", "EDGE_BLOCK"]
 
 _log = logging.getLogger(__name__)
@@ -46,6 +46,7 @@ def _op_is_current() -> bool:
 _OP = _op_is_current()
 _CLEAN_OP = ops.HAS_EXTENSION and hasattr(torch.ops.lbcomm, "lamb_advance_local_")
 _CAPS_OP = ops.HAS_EXTENSION and hasattr(torch.ops.lbcomm, "decode_caps_")
+_CAPS_TABLE_OP = ops.HAS_EXTENSION and hasattr(torch.ops.lbcomm, "decode_caps_table_")
 # the clean pass's blocks (kBlock in csrc/lamb.cpp): one edge count each
 EDGE_BLOCK = 512
 
@@ -80,6 +81,20 @@ def decode_caps_(out: Tensor, v: Tensor, a: float, b: float, scale: Optional[Ten
     F.ieee_sqrt(v, out).mul_(a).add_(b)
     if scale is not None:
         out.mul_(scale)
+
+
+def caps_table_op(v: Tensor) -> bool:
+    """Whether `decode_caps_table_` runs for the variance `v` (CPU, fp32, contiguous)."""
+    return _CAPS_TABLE_OP and v.device.type == "cpu" and v.dtype == torch.float32 and v.is_contiguous()
+
+
+def decode_caps_table_(out: Tensor, v: Tensor, lo: int, starts: Tensor, table: Tensor) -> None:
+    """`decode_caps_` over flat elements [lo, lo + out.numel()) of a parameter layout in one
+    call (starts: int64, each parameter's first element and the end; table: fp32 [P, 3],
+    (a, b, s) per parameter, b = +inf for an uncapped one, s = 1 without a scale): the same
+    bits as one `decode_caps_` per parameter, without a call per parameter. CPU only
+    (`caps_table_op`)."""
+    torch.ops.lbcomm.decode_caps_table_(out, v, lo, starts, table)
 
 
 def advance_local_(ml: Tensor, g: Optional[Tensor], weight: float, scratch: Optional[Tensor] = None) -> None:
@@ -200,6 +215,12 @@ if _CLEAN_OP:
 if _CAPS_OP:
     @torch.library.register_fake("lbcomm::decode_caps_")
     def _(out, v, a, b, scale):
+        return None
+
+
+if _CAPS_TABLE_OP:
+    @torch.library.register_fake("lbcomm::decode_caps_table_")
+    def _(out, v, lo, starts, table):
         return None
 
 
