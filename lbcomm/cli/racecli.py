@@ -175,10 +175,9 @@ def check(args, info) -> None:
 def _check_fault(args, families: List[str], asked: bool) -> None:
     """--fault: the local-update methods only (DDP's ranks cannot lose one), on enough
     replicas that a quorum survives the crash, against a given target."""
-    from .racemethods import unavailable as why_not
-
-    if why_not("diloco"):
-        raise UsageError("--fault runs on torchft's Manager and Lighthouse: " + why_not("diloco"))
+    why = unavailable("diloco")
+    if why:
+        raise UsageError("--fault runs on torchft's Manager and Lighthouse: " + why)
     other = [f for f in families if f not in LOCAL_FAMILIES]
     if asked and other:
         raise UsageError(f"--fault races the local-update methods (onebit_local, diloco), not {', '.join(other)}")
