@@ -69,12 +69,13 @@ class LMTask:
     compute is real."""
 
     def __init__(self, spec: Dict):
-        from .race import Data, _model
+        from .race import Data, _model, load_corpus
 
         cfg = spec["model"]
         self.spec, self.model = spec, _model(cfg)
-        self.train = Data(cfg, spec["replica"], spec["replicas"], spec["seed"], spec["val_seqs"])
-        self.val = Data(cfg, 0, 1, spec["seed"], spec["val_seqs"])  # every replica the whole held-out set
+        corpus = load_corpus(cfg["train_bytes"], cfg["val_bytes"])
+        self.train = Data(cfg, spec["replica"], spec["replicas"], spec["seed"], spec["val_seqs"], corpus)
+        self.val = Data(cfg, 0, 1, spec["seed"], spec["val_seqs"], corpus)  # every replica the whole held-out set
 
     def lr_at(self, t: int) -> float:
         from .race import lr_at

@@ -63,8 +63,9 @@ class Data:
     """Global batches by step number: step k's batch is drawn from a generator seeded with
     k, so every method sees the same sequences; rank r takes its share."""
 
-    def __init__(self, cfg: Dict, rank: int, world: int, seed: int, val_seqs: int):
-        self.train, val = load_corpus(cfg["train_bytes"], cfg["val_bytes"])
+    def __init__(self, cfg: Dict, rank: int, world: int, seed: int, val_seqs: int, corpus=None):
+        # corpus: load_corpus's result, when the caller holds it already
+        self.train, val = corpus if corpus is not None else load_corpus(cfg["train_bytes"], cfg["val_bytes"])
         self.length, self.batch, self.rank, self.world, self.seed = cfg["seq_len"] + 1, cfg["batch"], rank, world, seed
         g = torch.Generator().manual_seed(10**6 + seed)
         starts = torch.randint(0, val.numel() - self.length, (val_seqs,), generator=g)
