@@ -140,7 +140,8 @@ void decode_caps_table_cpu(at::Tensor& out, const at::Tensor& v, int64_t lo, con
   const char* op = "lbcomm::decode_caps_table_";
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&out, &v, &table}) {
     TORCH_CHECK_TYPE(t->scalar_type() == at::kFloat, op, ": out, v and table must be Float, got ", t->scalar_type());
-    TORCH_CHECK_VALUE(t->is_contiguous() && t->device().is_cpu(), op, ": out, v and table must be contiguous CPU tensors");
+    TORCH_CHECK_VALUE(t->is_contiguous() && t->device().is_cpu(), op,
+                      ": out, v and table must be contiguous CPU tensors");
   }
   TORCH_CHECK_TYPE(starts.scalar_type() == at::kLong, op, ": starts must be Long, got ", starts.scalar_type());
   TORCH_CHECK_VALUE(starts.is_contiguous() && starts.device().is_cpu() && starts.dim() == 1 && starts.numel() >= 2, op,

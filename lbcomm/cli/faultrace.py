@@ -32,8 +32,11 @@ __all__ = ["METHODS", "ENGINE_DEFAULTS", "LMTask", "run", "replica", "summary", 
            "FAULT_ROW_FIELDS", "cmd_fault_race", "check_fault_doc"]
 
 METHODS = ("1bit", "fp32", "diloco")
-# the Lighthouse's and Managers' timing: quick detection on one host; a replica's share of the block
-ENGINE_DEFAULTS = dict(join_timeout_ms=5000, heartbeat_timeout_ms=1000, block_size=2048, restart_after=10.0)
+# the Lighthouse's timing (quick detection on one host), the restart delay, and the 1-bit
+# exchange's block size and exact tensors (the biases and norms up to 300 elements: every
+# fault race measured so far ran with these)
+ENGINE_DEFAULTS = dict(join_timeout_ms=5000, heartbeat_timeout_ms=1000, block_size=2048, exact_numel=300,
+                       restart_after=10.0)
 LIGHTHOUSE_PORT = 29510
 
 ROW_FIELDS = {
@@ -105,7 +108,8 @@ def _manager(spec: Dict, load_state_dict=None, state_dict=None):
     pg = ProcessGroupGloo(timeout=timedelta(seconds=15))
     host = spec["host"]
     manager = Manager(pg=pg, load_state_dict=load_state_dict, state_dict=state_dict, min_replica_size=2,
-                      use_async_quorum=False, replica_id=f"replica_{spec['replica']}", lighthouse_addr=spec["lighthouse"],
+                      use_async_quorum=False, replica_id=f"replica_{spec['replica']}",
+                      lighthouse_addr=spec["lighthouse"],
                       rank=0, world_size=1, store_addr=host, store_port=store.port, hostname=host,
                       timeout=timedelta(seconds=15), quorum_timeout=timedelta(seconds=120))
     return manager, pg, store
@@ -193,7 +197,7 @@ def replica(spec: Dict, task) -> None:
     local = FaultTolerantLocalUpdates(task.model.parameters(), r.inner, spec["sync_every"], manager=manager, pg=pg,
                                       compress=spec["method"] == "1bit", outer_lr=spec["outer_lr"],
                                       outer_momentum=spec["outer_momentum"],
-                                      comm=CommConfig(exact_numel=300, block_size=spec["block_size"]))
+                                      comm=CommConfig(exact_numel=spec["exact_numel"], block_size=spec["block_size"]))
     while local.inner_steps < spec["steps"]:
         r.train_step(local.inner_steps)
         if local.step():
@@ -379,11 +383,13 @@ def cmd_fault_race(args, model: Dict) -> int:
             for r in args.runs:
                 method = "1bit" if r["family"] == "onebit_local" else "diloco"
                 for fault in (False, True):
-                    print(f"# {bw or 'loopback'}: {r['label']}, {'fault' if fault else 'no fault'} ...", file=sys.stderr)
+                    what = "fault" if fault else "no fault"
+                    print(f"# {bw or 'loopback'}: {r['label']}, {what} ...", file=sys.stderr)
                     rows.append(run(opts, method, r["sync_every"], fault, tmp, args.target_loss, cluster=cluster,
                                     name=r["label"]))
         runs.append(dict(bandwidth=bw, target_loss=args.target_loss, rows=rows))
-        print(f"\n# {bw or 'loopback'}: {args.world_size} replica groups of one process, {args.steps} inner steps each; "
+        print(f"\n# {bw or 'loopback'}: {args.world_size} replica groups of one process, {args.steps} inner steps "
+              "each; "
               f"target {args.target_loss}; the last replica crashes at step {args.steps // 3} and restarts "
               f"{args.restart_after:g} s later; clock: training time, evaluations left out")
         ref = next((r["label"] for r in args.runs if r["family"] == "onebit_local"), args.runs[0]["label"])
@@ -391,7 +397,8 @@ def cmd_fault_race(args, model: Dict) -> int:
     if args.json:
         config = {k: opts[k] for k in ("replicas", "steps", "outer_lr", "outer_momentum", "restart_after", "seed",
                                        "model", "val_seqs", "lr", "warmup", "schedule")}
-        config.update(block_size=ENGINE_DEFAULTS["block_size"], latency=args.latency, burst=args.burst,
+        config.update(block_size=ENGINE_DEFAULTS["block_size"], exact_numel=ENGINE_DEFAULTS["exact_numel"],
+                      latency=args.latency, burst=args.burst,
                       delay=args.delay, crash_at_step=args.steps // 3)
         from .race import _model
 

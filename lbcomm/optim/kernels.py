@@ -23,8 +23,8 @@ from torch import Tensor
 from .. import ops
 from . import functional as F
 
-__all__ = ["frozen_adamw_", "has_fused_kernel", "decode_caps_", "decode_caps_table_", "caps_table_op", "lamb_clean_pass_", "lamb_edge_find_",
-           "clean_pass_torch", "edge_find_torch", "advance_local_", "EDGE_BLOCK"]
+__all__ = ["frozen_adamw_", "has_fused_kernel", "decode_caps_", "decode_caps_table_", "caps_table_op",
+           "lamb_clean_pass_", "lamb_edge_find_", "clean_pass_torch", "edge_find_torch", "advance_local_", "EDGE_BLOCK"]
 
 _log = logging.getLogger(__name__)
 
