@@ -62,8 +62,9 @@ def decode_caps(fs, L: FlatLayout, segs, factors, bounds: List[Optional[float]],
     to at most c and its error feedback keeps the rest (`lbcomm.compressed.reduce_`).
     Returned as a callable cap(lo, hi, buf) that computes the caps of flat elements
     [lo, hi) from the variance when the reducer asks for them (range by range, into
-    its bounded staging, one fused pass each: `kernels.decode_caps_`), so no model-sized
-    buffer holds them; each element goes through the same operations as in
+    its bounded staging: on the CPU one `kernels.decode_caps_table_` call per range,
+    elsewhere one `kernels.decode_caps_` per parameter in it), so no model-sized buffer
+    holds them; each element goes through the same operations as in
     `lbcomm.testing.compressors.decode_caps`."""
     v = fs.buffers["exp_avg_sq"]
     # per parameter: (a, b) with c = a sqrt(v) + b (U bc1 (sqrt(v) / sqrt(bc2') + eps)), None: uncapped
