@@ -78,3 +78,15 @@ def test_fault_race_loopback(tmp_path):
     assert 0 < clean["bytes_per_replica"] < fp32 / 10
     assert set(ROW_FIELDS) <= set(clean)
     assert "fault/clean" in proc.stdout and "restarts 0.5 s later" in proc.stdout
+
+
+def test_fault_doc_check_names_what_is_wrong():
+    doc = json.loads((ROOT / "bench/results/race_fault_1gbit_2026-11-30/fault_1gbit_s0.json").read_text())
+    check_fault_doc(doc)
+    with pytest.raises(ValueError, match="document: keys"):
+        check_fault_doc(dict(doc, extra=1))
+    with pytest.raises(ValueError, match=r"runs\[0\]: keys"):
+        check_fault_doc(dict(doc, runs=[dict(doc["runs"][0], ddp_time_s=1.0)]))
+    row = {k: v for k, v in doc["runs"][0]["rows"][1].items() if k != "recovery_s"}
+    with pytest.raises(ValueError, match=r"runs\[0\]\.rows\[0\]"):
+        check_fault_doc(dict(doc, runs=[dict(doc["runs"][0], rows=[row])]))

@@ -33,8 +33,9 @@ __all__ = ["METHODS", "ENGINE_DEFAULTS", "LMTask", "run", "replica", "summary", 
 
 METHODS = ("1bit", "fp32", "diloco")
 # the Lighthouse's timing (quick detection on one host), the restart delay, and the 1-bit
-# exchange's block size and exact tensors (the biases and norms up to 300 elements: every
-# fault race measured so far ran with these)
+# exchange's block size and exact tensors. exact_numel=300 is below the LM's width (512), so
+# its biases and norms are compressed too, unlike the library default (4096) that the clean
+# race runs; the JSON config records it
 ENGINE_DEFAULTS = dict(join_timeout_ms=5000, heartbeat_timeout_ms=1000, block_size=2048, exact_numel=300,
                        restart_after=10.0)
 LIGHTHOUSE_PORT = 29510
@@ -409,12 +410,18 @@ def cmd_fault_race(args, model: Dict) -> int:
 
 def check_fault_doc(doc: Dict) -> None:
     """Raise ValueError naming the first field of `doc` that breaks the race-fault schema."""
-    from .schema import SCHEMA_VERSION, _check_fields
+    from .schema import HOST_FIELDS, SCHEMA_VERSION, _check_fields
 
     if not isinstance(doc, dict) or doc.get("schema") != "lbcomm-bench/race-fault" \
             or doc.get("version") != SCHEMA_VERSION:
         raise ValueError(f"document: not an 'lbcomm-bench/race-fault' version {SCHEMA_VERSION} document")
+    top = {"schema", "version", "created", "argv", "config", "host", "params", "runs"}
+    if set(doc) != top:
+        raise ValueError(f"document: keys {sorted(doc)}, expected {sorted(top)}")
+    _check_fields(doc["host"], HOST_FIELDS, "host")
     for i, r in enumerate(doc["runs"]):
+        if set(r) != {"bandwidth", "target_loss", "rows"}:
+            raise ValueError(f"runs[{i}]: keys {sorted(r)}, expected ['bandwidth', 'rows', 'target_loss']")
         for j, row in enumerate(r["rows"]):
             _check_fields(row, dict(ROW_FIELDS, **(FAULT_ROW_FIELDS if row.get("fault") else {})),
                           f"runs[{i}].rows[{j}]")
