@@ -1,10 +1,10 @@
-"""OneBitAdam's compression-stage step alone: P gloo ranks, one thread each, the parameter
-shapes of `lbcomm-bench train`'s model (13.8M), STEPS steps timed (median wall and CPU per
-step) and rank 0's profiled with cProfile, the top 25 functions by own time written to OUT.
-It uses only what every lbcomm release has, so it compares checkouts: run it as a script
-from outside the checkouts, each on PYTHONPATH in turn.
+"""A 1-bit optimizer's compression-stage step alone (OneBitAdam, or KIND: OneBitLamb): P gloo
+ranks, one thread each, the parameter shapes of `lbcomm-bench train`'s model (13.8M), STEPS
+steps timed (median wall and CPU per step) and rank 0's profiled with cProfile, the top 25
+functions by own time written to OUT. It uses only what every lbcomm release has, so it
+compares checkouts: run it as a script from outside the checkouts, each on PYTHONPATH in turn.
 
-    PYTHONPATH=/path/to/checkout python onebit_adam_profile.py P STEPS OUT
+    PYTHONPATH=/path/to/checkout python onebit_adam_profile.py P STEPS OUT [KIND]
 """
 import cProfile
 import io
@@ -26,14 +26,14 @@ def shapes():
     return [p.shape for p in TinyLM(c["vocab"], c["d_model"], c["layers"], c["heads"], c["seq_len"] + 1).parameters()]
 
 
-def main(rank, p, steps, out):
+def main(rank, p, steps, out, kind):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=p)
     import lbcomm
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s) * 0.02) for s in shapes()]
-    opt = lbcomm.OneBitAdam(params, lr=1e-3, freeze_step=2)
+    opt = getattr(lbcomm, kind)(params, lr=1e-3, freeze_step=2)
     g = torch.Generator().manual_seed(rank)
     for t in range(4):
         for q in params:
@@ -59,11 +59,14 @@ def main(rank, p, steps, out):
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
         with open(out, "w") as f:
-            f.write(f"{sum(q.numel() for q in params)} params, {p} ranks, median step "
+            f.write(f"{kind}: {sum(q.numel() for q in params)} params, {p} ranks, median step "
                     f"{1e3 * times[len(times) // 2]:.1f} ms, cpu {1e3 * cpus[len(cpus) // 2]:.1f} ms\n" + s.getvalue())
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     p, steps, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    mp.spawn(main, args=(p, steps, out), nprocs=p)
+    kind = sys.argv[4] if len(sys.argv) > 4 else "OneBitAdam"
+    if kind not in ("OneBitAdam", "OneBitLamb"):
+        sys.exit(f"KIND: OneBitAdam or OneBitLamb, not {kind!r}")
+    mp.spawn(main, args=(p, steps, out, kind), nprocs=p)

@@ -15,9 +15,9 @@
 //
 // lamb_advance_local_ makes the first step alone.
 //
-// counts[b] = the edge coordinates in block b (kBlock elements) of the range: the sampled
+// counts[b] = the edge coordinates in block b (kEdgeBlock elements) of the range: the sampled
 // edge coordinates are then found by lamb_edge_find_, which passes again over the blocks
-// holding them only, instead of every edge position being written (most coordinates can
+// holding them only (small blocks: a few hundred draws look at few elements), instead of every edge position being written (most coordinates can
 // sit at the bound). The sums run in a fixed order on one thread (8 lanes of every 8th
 // element, then the lanes in order): the same bits on every rank and thread count.
 // sqrt is IEEE's (correctly rounded, the same on every ISA; torch's vectorized sqrt is not,
@@ -38,7 +38,9 @@
 namespace lbcomm {
 namespace {
 
-constexpr int64_t kBlock = 512;
+constexpr int64_t kBlock = 512;      // the pass's elements per block (its arrays on the stack)
+constexpr int64_t kEdgeBlock = 128;  // the edge counts' block (kBlock is a multiple of it)
+static_assert(kBlock % kEdgeBlock == 0, "a pass block holds whole count blocks");
 constexpr int kLanes = 8;  // the fp64 sums: lane l adds the elements j = l (mod 8), then the lanes in order
 
 // ml's element: fp32, or bf16 as its bits (uint16_t), widened exactly and stored rounded to
@@ -122,14 +124,24 @@ void mark_masked(const bool* __restrict mk, int64_t n, float* __restrict y, uint
   }
 }
 
+// cnt[b] = the edge flags set in the b-th kEdgeBlock elements of edge[0, n); returns their sum.
+int64_t edge_counts(const uint8_t* __restrict edge, int64_t n, int64_t* __restrict cnt) {
+  int64_t total = 0;
+  for (int64_t lo = 0; lo < n; lo += kEdgeBlock) {
+    const int64_t hi = std::min(n, lo + kEdgeBlock);
+    int64_t c = 0;
+    for (int64_t j = lo; j < hi; ++j) c += edge[j];
+    cnt[lo / kEdgeBlock] = c;
+    total += c;
+  }
+  return total;
+}
+
 // sums[0][l] += y u0, sums[1][l] += u0 theta, sums[2][l] += theta^2 (theta given) over the
-// elements j = l (mod 8); returns the edge count. n is a multiple of 8 except in a range's
-// last block.
-__attribute__((target_clones("avx512f", "avx2", "default"))) int64_t clean_sums(
-    const float* __restrict u0, const float* __restrict y, const uint8_t* __restrict edge,
-    const float* __restrict th, int64_t n, double (*__restrict sums)[kLanes]) {
-  int64_t count = 0;
-  for (int64_t j = 0; j < n; ++j) count += edge[j];
+// elements j = l (mod 8). n is a multiple of 8 except in a range's last block.
+__attribute__((target_clones("avx512f", "avx2", "default"))) void clean_sums(
+    const float* __restrict u0, const float* __restrict y, const float* __restrict th, int64_t n,
+    double (*__restrict sums)[kLanes]) {
   double p[kLanes], ut[kLanes], tt[kLanes];
   for (int l = 0; l < kLanes; ++l) {
     p[l] = sums[0][l];
@@ -160,7 +172,6 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) int64_t clean_sums(
     sums[1][l] = ut[l];
     sums[2][l] = tt[l];
   }
-  return count;
 }
 
 double lanes_total(const double* lanes) {
@@ -202,7 +213,7 @@ void run_block(const Consts& c, const float* m, const float* v, L* ml, const flo
   }
 }
 
-int64_t blocks(int64_t n) { return (n + kBlock - 1) / kBlock; }
+int64_t edge_blocks(int64_t n) { return (n + kEdgeBlock - 1) / kEdgeBlock; }
 
 void lamb_clean_pass_cpu(at::Tensor& acc, at::Tensor& counts, const at::Tensor& m, const at::Tensor& v,
                          at::Tensor& ml, const std::optional<at::Tensor>& grad, double weight,
@@ -211,7 +222,7 @@ void lamb_clean_pass_cpu(at::Tensor& acc, at::Tensor& counts, const at::Tensor& 
   const char* op = "lbcomm::lamb_clean_pass_";
   const int64_t n = m.numel();
   check(acc, "acc", 4, at::kDouble, op);
-  check(counts, "counts", blocks(n), at::kLong, op);
+  check(counts, "counts", edge_blocks(n), at::kLong, op);
   check(m, "exp_avg", n, at::kFloat, op);
   check(v, "exp_avg_sq", n, at::kFloat, op);
   TORCH_CHECK_TYPE(ml.scalar_type() == at::kFloat || ml.scalar_type() == at::kBFloat16, op,
@@ -246,9 +257,8 @@ void lamb_clean_pass_cpu(at::Tensor& acc, at::Tensor& counts, const at::Tensor& 
       run_block(c, pm + lo, pv + lo, pl + lo, g, w, k, u0, y, edge);
     }
     if (mk != nullptr) mark_masked(mk + lo, k, y, edge);
-    const int64_t count = clean_sums(u0, y, edge, th == nullptr ? nullptr : th + lo, k, sums);
-    cnt[lo / kBlock] = count;
-    seen += count;
+    clean_sums(u0, y, th == nullptr ? nullptr : th + lo, k, sums);
+    seen += edge_counts(edge, k, cnt + lo / kEdgeBlock);
   }
   a[0] += lanes_total(sums[0]);
   a[1] += lanes_total(sums[1]);
@@ -279,7 +289,7 @@ void lamb_edge_find_cpu(at::Tensor& out, const at::Tensor& draws, const at::Tens
                         const at::Tensor& v, const std::optional<at::Tensor>& masked, double bc1, double denom_scale,
                         double eps, std::optional<double> bound, double edge_at) {
   const char* op = "lbcomm::lamb_edge_find_";
-  const int64_t n = m.numel(), k = draws.numel(), nb = blocks(n);
+  const int64_t n = m.numel(), k = draws.numel(), nb = edge_blocks(n);
   check(draws, "draws", -1, at::kLong, op);
   check(out, "out", k, at::kLong, op);
   check(counts, "counts", nb, at::kLong, op);
@@ -296,14 +306,14 @@ void lamb_edge_find_cpu(at::Tensor& out, const at::Tensor& draws, const at::Tens
   std::vector<int64_t> order(k);
   std::iota(order.begin(), order.end(), int64_t{0});
   std::sort(order.begin(), order.end(), [d](int64_t x, int64_t y) { return d[x] < d[y]; });
-  uint8_t edge[kBlock];
+  uint8_t edge[kEdgeBlock];
   int64_t blk = 0, before = 0, ready = -1;  // before: the edge coordinates ahead of block blk
   int64_t j = -1, rank = -1;                // in block ready: rank + 1 edge flags in [0, j]
   for (const int64_t i : order) {
     TORCH_CHECK_VALUE(d[i] >= 0, op, ": draws must be >= 0, got ", d[i]);
     while (blk < nb && before + cnt[blk] <= d[i]) before += cnt[blk++];
     TORCH_CHECK_VALUE(blk < nb, op, ": draw ", d[i], " is past the range's edge coordinates (", before, ")");
-    const int64_t lo = blk * kBlock, len = std::min(kBlock, n - lo);
+    const int64_t lo = blk * kEdgeBlock, len = std::min(kEdgeBlock, n - lo);
     if (ready != blk) {
       if (c.bounded) {
         edge_block<true>(pm + lo, pv + lo, len, c.s, c.e, c.c1, c.b, c.at_b, edge);

@@ -157,7 +157,7 @@ def test_the_op_equals_the_torch_pass(ml_dtype):
     g = torch.randn(40000, generator=torch.Generator().manual_seed(6)) * 1e-2
     out = []
     for run in PASSES:
-        acc, counts, own = torch.zeros(4, dtype=torch.float64), torch.empty(79, dtype=torch.int64), ml.clone()
+        acc, counts, own = torch.zeros(4, dtype=torch.float64), torch.empty(-(-40000 // K.EDGE_BLOCK), dtype=torch.int64), ml.clone()
         run(acc, counts, m, v, own, g, 0.1, theta, masked, 0.3, 0.05, 1e-8, 1.0, AT_BOUND)
         out.append((acc, counts, own))
     assert torch.equal(out[0][1], out[1][1]) and torch.equal(out[0][2], out[1][2]) and out[0][0][3] == out[1][0][3]

@@ -47,8 +47,8 @@ _OP = _op_is_current()
 _CLEAN_OP = ops.HAS_EXTENSION and hasattr(torch.ops.lbcomm, "lamb_advance_local_")
 _CAPS_OP = ops.HAS_EXTENSION and hasattr(torch.ops.lbcomm, "decode_caps_")
 _CAPS_TABLE_OP = ops.HAS_EXTENSION and hasattr(torch.ops.lbcomm, "decode_caps_table_")
-# the clean pass's blocks (kBlock in csrc/lamb.cpp): one edge count each
-EDGE_BLOCK = 512
+# the edge counts' blocks of the clean pass (kEdgeBlock in csrc/lamb.cpp)
+EDGE_BLOCK = 128
 
 
 def has_fused_kernel(device: torch.device) -> bool:
