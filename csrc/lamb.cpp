@@ -64,7 +64,7 @@ inline uint16_t narrow(float x, uint16_t*) {
 
 // One block's u0, y (0 on the edge: only its products off the edge are summed) and edge
 // flags, without branches (vectorized; B: with the bound; T: ml advanced by g first).
-// Cloned per ISA: the divisions dominate.
+// Cloned per ISA (wider vectors on hosts that have them).
 template <bool B, bool T, typename L>
 __attribute__((target_clones("avx512f", "avx2", "default"))) void clean_block(
     const float* __restrict m, const float* __restrict v, L* __restrict ml, const float* __restrict g, float w,
