@@ -17,9 +17,10 @@
 //
 // counts[b] = the edge coordinates in block b (kEdgeBlock elements) of the range: the sampled
 // edge coordinates are then found by lamb_edge_find_, which passes again over the blocks
-// holding them only (small blocks: a few hundred draws look at few elements), instead of every edge position being written (most coordinates can
-// sit at the bound). The sums run in a fixed order on one thread (8 lanes of every 8th
-// element, then the lanes in order): the same bits on every rank and thread count.
+// holding them only (small blocks, so that a few hundred draws look at few elements),
+// instead of every edge position being written (most coordinates can sit at the bound).
+// The sums run in a fixed order on one thread (8 lanes of every 8th element, then the lanes
+// in order): the same bits on every rank and thread count.
 // sqrt is IEEE's (correctly rounded, the same on every ISA; torch's vectorized sqrt is not,
 // see csrc/optim.cpp), so u0 may differ from the direction's (m / bc1) / d by an ulp or two:
 // the edge's threshold (edge_at, below the bound by far more) allows for that. Built with
