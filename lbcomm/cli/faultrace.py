@@ -410,15 +410,9 @@ def cmd_fault_race(args, model: Dict) -> int:
 
 def check_fault_doc(doc: Dict) -> None:
     """Raise ValueError naming the first field of `doc` that breaks the race-fault schema."""
-    from .schema import HOST_FIELDS, SCHEMA_VERSION, _check_fields
+    from .schema import _check_fields, check_head
 
-    if not isinstance(doc, dict) or doc.get("schema") != "lbcomm-bench/race-fault" \
-            or doc.get("version") != SCHEMA_VERSION:
-        raise ValueError(f"document: not an 'lbcomm-bench/race-fault' version {SCHEMA_VERSION} document")
-    top = {"schema", "version", "created", "argv", "config", "host", "params", "runs"}
-    if set(doc) != top:
-        raise ValueError(f"document: keys {sorted(doc)}, expected {sorted(top)}")
-    _check_fields(doc["host"], HOST_FIELDS, "host")
+    check_head(doc, "race-fault", {"config", "params", "runs"})
     for i, r in enumerate(doc["runs"]):
         if set(r) != {"bandwidth", "target_loss", "rows"}:
             raise ValueError(f"runs[{i}]: keys {sorted(r)}, expected ['bandwidth', 'rows', 'target_loss']")

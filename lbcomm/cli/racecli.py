@@ -10,7 +10,7 @@ from typing import Dict, List, Optional
 from .argtypes import (UsageError, _choices, _comma, _float_over, _int_at_least, _momentum, _positive, _rate_or_none,
                        _seconds, check_cluster)
 from .racemethods import FAMILIES, LOCAL_FAMILIES, unavailable
-from .schema import HOST_FIELDS, SCHEMA_VERSION, _check_fields, describe_fields, document
+from .schema import _check_fields, check_head, describe_fields, document
 
 __all__ = ["add_parser", "check", "cmd_race", "race_table", "check_race_doc", "RACE_ROW_FIELDS", "MODEL"]
 
@@ -298,12 +298,7 @@ def cmd_race(args, info) -> int:
 
 def check_race_doc(doc: Dict) -> None:
     """Raise ValueError naming the first field of `doc` that breaks the race JSON schema."""
-    if not isinstance(doc, dict) or doc.get("schema") != "lbcomm-bench/race" or doc.get("version") != SCHEMA_VERSION:
-        raise ValueError(f"document: not an 'lbcomm-bench/race' version {SCHEMA_VERSION} document")
-    top = {"schema", "version", "created", "argv", "config", "host", "params", "skipped", "runs"}
-    if set(doc) != top:
-        raise ValueError(f"document: keys {sorted(doc)}, expected {sorted(top)}")
-    _check_fields(doc["host"], HOST_FIELDS, "host")
+    check_head(doc, "race", {"config", "params", "skipped", "runs"})
     for i, run in enumerate(doc["runs"]):
         keys = {"bandwidth", "target_loss", "ddp_time_s", "compute_step_s", "rows"}
         if set(run) != keys:

@@ -16,13 +16,13 @@ import json
 import os
 import platform
 import sys
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Set
 
 from .allreduce import METHODS as ALLREDUCE_METHODS
 
 __all__ = ["SCHEMA_VERSION", "ALLREDUCE_ROW_FIELDS", "ALLREDUCE_CONFIG_FIELDS", "HOST_FIELDS", "TRAIN_ROW_FIELDS",
            "ADVISE_ROW_FIELDS", "document", "allreduce_config", "allreduce_rows", "add_limits", "call_limit",
-           "check_allreduce_doc", "check_train_doc", "host", "write_json", "describe_fields"]
+           "check_allreduce_doc", "check_head", "check_train_doc", "host", "write_json", "describe_fields"]
 
 SCHEMA_VERSION = 1
 
@@ -255,14 +255,21 @@ def check_allreduce_doc(doc: Dict) -> None:
                              f"({limit!r} / {row['median_s']!r})")
 
 
-def check_train_doc(doc: Dict) -> None:
-    """Raise ValueError naming the first field of `doc` that breaks the train JSON schema."""
-    if not isinstance(doc, dict) or doc.get("schema") != "lbcomm-bench/train" or doc.get("version") != SCHEMA_VERSION:
-        raise ValueError(f"document: not an 'lbcomm-bench/train' version {SCHEMA_VERSION} document")
-    top = {"schema", "version", "created", "argv", "config", "host", "params", "runs"}
+def check_head(doc: Dict, kind: str, keys: Set[str]) -> None:
+    """Raise ValueError unless `doc` is an 'lbcomm-bench/<kind>' document of this version
+    whose keys are `document`'s head (schema, version, created, argv, host) and `keys`, with
+    a valid host."""
+    if not isinstance(doc, dict) or doc.get("schema") != f"lbcomm-bench/{kind}" or doc.get("version") != SCHEMA_VERSION:
+        raise ValueError(f"document: not an 'lbcomm-bench/{kind}' version {SCHEMA_VERSION} document")
+    top = {"schema", "version", "created", "argv", "host"} | set(keys)
     if set(doc) != top:
         raise ValueError(f"document: keys {sorted(doc)}, expected {sorted(top)}")
     _check_fields(doc["host"], HOST_FIELDS, "host")
+
+
+def check_train_doc(doc: Dict) -> None:
+    """Raise ValueError naming the first field of `doc` that breaks the train JSON schema."""
+    check_head(doc, "train", {"config", "params", "runs"})
     for i, run in enumerate(doc["runs"]):
         if set(run) != {"bandwidth", "allreduce_s", "rows"}:
             raise ValueError(f"runs[{i}]: keys {sorted(run)}, expected ['allreduce_s', 'bandwidth', 'rows']")
