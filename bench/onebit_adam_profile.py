@@ -1,8 +1,9 @@
-"""A 1-bit optimizer's compression-stage step alone (OneBitAdam, or KIND: OneBitLamb): P gloo
+"""A 1-bit optimizer's compression-stage step alone (OneBitAdam, or KIND: OneBitLamb, or
+OneBitAdam/nocap: without max_update's bound, so without the capped decode): P gloo
 ranks, one thread each, the parameter shapes of `lbcomm-bench train`'s model (13.8M), STEPS
 steps timed (median wall and CPU per step) and rank 0's profiled with cProfile, the top 25
-functions by own time written to OUT. It uses only what every lbcomm release has, so it
-compares checkouts: run it as a script from outside the checkouts, each on PYTHONPATH in turn.
+functions by own time written to OUT. OneBitAdam uses only what every lbcomm release has, so
+it compares checkouts: run it as a script from outside the checkouts, each on PYTHONPATH in turn.
 
     PYTHONPATH=/path/to/checkout python onebit_adam_profile.py P STEPS OUT [KIND]
 """
@@ -33,7 +34,10 @@ def main(rank, p, steps, out, kind):
     import lbcomm
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s) * 0.02) for s in shapes()]
-    opt = getattr(lbcomm, kind)(params, lr=1e-3, freeze_step=2)
+    if kind == "OneBitAdam/nocap":  # needs a release with OneBitOptions
+        opt = lbcomm.OneBitAdam(params, lr=1e-3, freeze_step=2, options=lbcomm.OneBitOptions(max_update=None))
+    else:
+        opt = getattr(lbcomm, kind)(params, lr=1e-3, freeze_step=2)
     g = torch.Generator().manual_seed(rank)
     for t in range(4):
         for q in params:
@@ -67,6 +71,6 @@ def main(rank, p, steps, out, kind):
 if __name__ == "__main__":
     p, steps, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     kind = sys.argv[4] if len(sys.argv) > 4 else "OneBitAdam"
-    if kind not in ("OneBitAdam", "OneBitLamb"):
-        sys.exit(f"KIND: OneBitAdam or OneBitLamb, not {kind!r}")
+    if kind not in ("OneBitAdam", "OneBitLamb", "OneBitAdam/nocap"):
+        sys.exit(f"KIND: OneBitAdam, OneBitLamb or OneBitAdam/nocap, not {kind!r}")
     mp.spawn(main, args=(p, steps, out, kind), nprocs=p)
