@@ -29,6 +29,20 @@ constexpr float kCapErrorRatio = 3.0f;   // capped decode: |error_i| <= kCapErro
 //   error_i = v_i - copysign(d_i, v_i), then clamped to [-b_i, b_i], b_i = kCapErrorRatio * cap_i
 //   (one fp32 product; written as e > b ? b : (e < -b ? -b : e), so a NaN stays NaN).
 // The sign bits are those of v, as without a cap: the wire format does not change.
+//
+// The caps come from a buffer (cap) or, on the CPU, from the optimizer's variance (ctab,
+// when cap is nullptr and ctab.v is not): element i of a call then has the cap
+// (sqrt(v[lo + i]) a_p + b_p) s_p, p the parameter with starts[p] <= lo + i < starts[p + 1],
+// each operation rounded, the root correctly rounded (s_p == 1: no multiply; b_p == +inf:
+// +inf, uncapped). The kernels compute a unit's caps into a per-thread buffer as they go, so
+// no caps buffer is written and read back (cpu::table_caps, also lbcomm::decode_caps_table_).
+struct CapTable {
+  const float* v = nullptr;         // the variance, flat (nullptr: no table)
+  int64_t lo = 0;                   // the flat index of the call's element 0
+  const int64_t* starts = nullptr;  // [params + 1], non-decreasing
+  const float* table = nullptr;     // [params, 3]: a, b, s per parameter
+  int64_t params = 0;
+};
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // Scale-groups per chunk: the number of scale slots a chunk carries.
@@ -52,6 +66,7 @@ struct WorkerArgs {
   const void* weights;  // nullptr, or numel weights w > 0 indexed like x (divide x by them)
   InType wtype;         // F32 or BF16 (read as their exact fp32 values)
   const float* cap;     // nullptr, or numel caps indexed like x (capped decode, see above)
+  CapTable ctab;        // the caps from the variance (CPU, cap == nullptr), indexed like x
 };
 
 // Phase 2. z = (sum_j sgn_j * a_j) * (1 / p) + s, accumulated in fp32 over j = 0..p-1 in
@@ -70,6 +85,7 @@ struct ServerArgs {
   float* scales_out;      // [num_blocks(m, block)]
   double* partials;       // block == 0 only: ceil_div(m, kPartialBlock) doubles of scratch
   const float* cap;       // nullptr, or numel caps of this chunk indexed like error (capped decode)
+  CapTable ctab;          // the caps from the variance (CPU, cap == nullptr), indexed like error
 };
 
 // Phase 3 decode: out[k * m + i] = sgn(bit) * scales[k, block of i], for flat index < numel;
@@ -85,6 +101,7 @@ struct UnpackArgs {
   const void* weights;    // nullptr, or numel weights indexed like out (multiply by them)
   InType wtype;           // F32 or BF16 (read as their exact fp32 values)
   const float* cap;       // nullptr, or numel caps indexed like out (capped decode; no weights)
+  CapTable ctab;          // the caps from the variance (CPU, cap == nullptr), indexed like out
 };
 
 // CPU kernels (csrc/cpu/kernels.cpp). Work is split into independent units so the caller
@@ -100,6 +117,8 @@ void finish_single_scale(double* partials, int64_t count, int64_t real, float* s
 int64_t unpack_units(const UnpackArgs& a);
 void unpack_range(const UnpackArgs& a, int64_t begin, int64_t end);
 bool has_avx2();
+// The caps of a call's elements [i0, i0 + n) from a CapTable (see above), into out[0, n).
+void table_caps(const CapTable& t, int64_t i0, int64_t n, float* out);
 }  // namespace cpu
 
 #ifdef LBCOMM_WITH_CUDA

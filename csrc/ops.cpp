@@ -88,21 +88,34 @@ at::Tensor check_weights(const std::optional<at::Tensor>& weights, const at::Ten
 
 // Optional per-coordinate caps of the capped decode: float32, numel elements, on the
 // device of the data, with a block size and without weights; returns them contiguous or
-// an undefined tensor.
+// an undefined tensor. With `from.table`, `cap` is the variance the caps are computed from
+// (CPU only): `ctab` is filled and the variance returned (it is read, not copied).
 at::Tensor check_cap(const std::optional<at::Tensor>& cap, const at::Tensor& like, int64_t numel, int64_t block,
-                     bool weighted, const char* op) {
+                     bool weighted, const char* op, const CapsFrom& from, CapTable& ctab) {
+  TORCH_CHECK_VALUE(from.table.has_value() == from.starts.has_value(), op,
+                    ": cap_table and cap_starts go together (the caps computed from the variance in cap)");
+  TORCH_CHECK_VALUE(cap.has_value() || !from.table.has_value(), op, ": cap_table needs the variance as cap");
   if (!cap.has_value()) return at::Tensor();
   const at::Tensor& c = *cap;
   TORCH_CHECK_TYPE(c.scalar_type() == at::kFloat, op, ": expected cap float32, got ", c.scalar_type());
   check_same_device(like, c, op, "cap");
-  TORCH_CHECK_VALUE(c.numel() == numel, op, ": cap must have one element per coordinate (", numel, "), got ",
-                    c.numel());
   TORCH_CHECK_VALUE(block > 0, op, ": the capped decode needs a block size (block_size=None gives one scale)");
   TORCH_CHECK_VALUE(!weighted, op, ": cap and weights cannot be combined");
+  if (from.table.has_value()) {
+    TORCH_CHECK_VALUE(c.device().is_cpu(), op, ": caps computed from the variance (cap_table) run on the CPU only; "
+                      "pass the caps themselves as cap on ", c.device());
+    ctab = check_cap_table(c, *from.starts, *from.table, from.lo, numel, op);
+    return c;
+  }
+  TORCH_CHECK_VALUE(c.numel() == numel, op, ": cap must have one element per coordinate (", numel, "), got ",
+                    c.numel());
   return c.contiguous();
 }
 
-const float* cap_ptr(const at::Tensor& c) { return c.defined() ? c.data_ptr<float>() : nullptr; }
+// The caps' pointer, or nullptr when there are none or they are computed (ctab).
+const float* cap_ptr(const at::Tensor& c, const CapTable& ctab) {
+  return c.defined() && ctab.v == nullptr ? c.data_ptr<float>() : nullptr;
+}
 
 InType weights_type(const at::Tensor& w) {
   return w.defined() && w.scalar_type() == at::kBFloat16 ? InType::BF16 : InType::F32;
@@ -112,7 +125,7 @@ InType weights_type(const at::Tensor& w) {
 
 WorkerLaunch prepare_worker(const at::Tensor& x, const at::Tensor& error, std::optional<int64_t> block_size,
                             const std::optional<at::Tensor>& error_out, const std::optional<at::Tensor>& weights,
-                            const std::optional<at::Tensor>& cap) {
+                            const std::optional<at::Tensor>& cap, const CapsFrom& caps) {
   constexpr const char* op = "lbcomm::worker_compress";
   WorkerLaunch L;
   const InType t = in_type(x, op);
@@ -129,7 +142,8 @@ WorkerLaunch prepare_worker(const at::Tensor& x, const at::Tensor& error, std::o
                     " (", p, " chunks of ", m, ")");
   L.input = x.contiguous();
   L.weights = check_weights(weights, error, x.numel(), op);
-  L.cap = check_cap(cap, error, x.numel(), block, L.weights.defined(), op);
+  CapTable ctab;
+  L.cap = check_cap(cap, error, x.numel(), block, L.weights.defined(), op, caps, ctab);
   const auto u8 = error.options().dtype(at::kByte);
   const int64_t nb = num_blocks(m, block);
   L.packed = error.dim() == 2 ? at::empty({p, m / 8}, u8) : at::empty({m / 8}, u8);
@@ -148,13 +162,15 @@ WorkerLaunch prepare_worker(const at::Tensor& x, const at::Tensor& error, std::o
                       block == 0 ? L.partials.data_ptr<double>() : nullptr,
                       L.weights.defined() ? L.weights.data_ptr() : nullptr,
                       weights_type(L.weights),
-                      cap_ptr(L.cap)};
+                      cap_ptr(L.cap, ctab),
+                      ctab};
   return L;
 }
 
 ServerLaunch prepare_server(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& error,
                             std::optional<int64_t> block_size, std::optional<int64_t> numel,
-                            const std::optional<at::Tensor>& error_out, const std::optional<at::Tensor>& cap) {
+                            const std::optional<at::Tensor>& error_out, const std::optional<at::Tensor>& cap,
+                            const CapsFrom& caps) {
   constexpr const char* op = "lbcomm::server_compress";
   ServerLaunch L;
   TORCH_CHECK_TYPE(packed.scalar_type() == at::kByte, op, ": expected packed uint8, got ", packed.scalar_type());
@@ -174,7 +190,8 @@ ServerLaunch prepare_server(const at::Tensor& packed, const at::Tensor& scales, 
   check_rows(scales, p, nb, op, "scales");
   const int64_t real = numel.value_or(m);
   TORCH_CHECK_VALUE(real >= 0 && real <= m, op, ": numel must be in [0, ", m, "], got ", real);
-  L.cap = check_cap(cap, error, real, block, false, op);
+  CapTable ctab;
+  L.cap = check_cap(cap, error, real, block, false, op, caps, ctab);
   const auto u8 = error.options().dtype(at::kByte);
   L.packed = at::empty({m / 8}, u8);
   L.scales = at::empty({nb}, error.options());
@@ -192,7 +209,8 @@ ServerLaunch prepare_server(const at::Tensor& packed, const at::Tensor& scales, 
                       L.packed.data_ptr<uint8_t>(),
                       L.scales.data_ptr<float>(),
                       block == 0 ? L.partials.data_ptr<double>() : nullptr,
-                      cap_ptr(L.cap)};
+                      cap_ptr(L.cap, ctab),
+                      ctab};
   return L;
 }
 
@@ -200,7 +218,7 @@ namespace {
 UnpackLaunch prepare_unpack_impl(const at::Tensor& packed, const at::Tensor& scales, int64_t numel,
                                  std::optional<int64_t> block_size, const at::Tensor* out, const char* op,
                                  const std::optional<at::Tensor>& weights = std::nullopt,
-                                 const std::optional<at::Tensor>& cap = std::nullopt) {
+                                 const std::optional<at::Tensor>& cap = std::nullopt, const CapsFrom& caps = {}) {
   UnpackLaunch L;
   TORCH_CHECK_TYPE(packed.scalar_type() == at::kByte, op, ": expected packed uint8, got ", packed.scalar_type());
   check_f32(scales, op, "scales");
@@ -225,7 +243,8 @@ UnpackLaunch prepare_unpack_impl(const at::Tensor& packed, const at::Tensor& sca
     L.out = at::empty({numel}, scales.options());
   }
   L.weights = check_weights(weights, packed, numel, op);
-  L.cap = check_cap(cap, packed, numel, block, L.weights.defined(), op);
+  CapTable ctab;
+  L.cap = check_cap(cap, packed, numel, block, L.weights.defined(), op, caps, ctab);
   L.args = UnpackArgs{P.data_ptr<uint8_t>(),
                       p > 1 ? P.stride(0) : m / 8,
                       S.data_ptr<float>(),
@@ -237,7 +256,8 @@ UnpackLaunch prepare_unpack_impl(const at::Tensor& packed, const at::Tensor& sca
                       L.out.data_ptr<float>(),
                       L.weights.defined() ? L.weights.data_ptr() : nullptr,
                       weights_type(L.weights),
-                      cap_ptr(L.cap)};
+                      cap_ptr(L.cap, ctab),
+                      ctab};
   return L;
 }
 }  // namespace
@@ -249,8 +269,10 @@ UnpackLaunch prepare_unpack(const at::Tensor& packed, const at::Tensor& scales, 
 
 UnpackLaunch prepare_unpack_into(const at::Tensor& packed, const at::Tensor& scales,
                                  std::optional<int64_t> block_size, const at::Tensor& out,
-                                 const std::optional<at::Tensor>& weights, const std::optional<at::Tensor>& cap) {
-  return prepare_unpack_impl(packed, scales, out.numel(), block_size, &out, "lbcomm::unpack_into", weights, cap);
+                                 const std::optional<at::Tensor>& weights, const std::optional<at::Tensor>& cap,
+                                 const CapsFrom& caps) {
+  return prepare_unpack_impl(packed, scales, out.numel(), block_size, &out, "lbcomm::unpack_into", weights, cap,
+                             caps);
 }
 
 namespace {
@@ -266,8 +288,10 @@ std::tuple<at::Tensor, at::Tensor> worker_compress_cpu(const at::Tensor& x, cons
                                                        std::optional<int64_t> block_size,
                                                        const std::optional<at::Tensor>& error_out,
                                                        const std::optional<at::Tensor>& weights,
-                                                       const std::optional<at::Tensor>& cap) {
-  WorkerLaunch L = prepare_worker(x, error, block_size, error_out, weights, cap);
+                                                       const std::optional<at::Tensor>& cap,
+                                                       const std::optional<at::Tensor>& cap_table,
+                                                       const std::optional<at::Tensor>& cap_starts, int64_t cap_lo) {
+  WorkerLaunch L = prepare_worker(x, error, block_size, error_out, weights, cap, {cap_table, cap_starts, cap_lo});
   const WorkerArgs& a = L.args;
   const int64_t units = cpu::worker_units(a), unit = a.block > 0 ? a.block : kPartialBlock;
   for (int pass = 0; pass < cpu::worker_num_passes(a); ++pass) {
@@ -281,8 +305,11 @@ std::tuple<at::Tensor, at::Tensor> server_compress_cpu(const at::Tensor& packed,
                                                        const at::Tensor& error, std::optional<int64_t> block_size,
                                                        std::optional<int64_t> numel,
                                                        const std::optional<at::Tensor>& error_out,
-                                                       const std::optional<at::Tensor>& cap) {
-  ServerLaunch L = prepare_server(packed, scales, error, block_size, numel, error_out, cap);
+                                                       const std::optional<at::Tensor>& cap,
+                                                       const std::optional<at::Tensor>& cap_table,
+                                                       const std::optional<at::Tensor>& cap_starts, int64_t cap_lo) {
+  ServerLaunch L = prepare_server(packed, scales, error, block_size, numel, error_out, cap,
+                                  {cap_table, cap_starts, cap_lo});
   const ServerArgs& a = L.args;
   const int64_t units = cpu::server_units(a), unit = a.block > 0 ? a.block : kPartialBlock;
   for (int pass = 0; pass < cpu::server_num_passes(a); ++pass) {
@@ -306,13 +333,14 @@ at::Tensor unpack_cpu(const at::Tensor& packed, const at::Tensor& scales, int64_
 
 void unpack_into_cpu(const at::Tensor& packed, const at::Tensor& scales, std::optional<int64_t> block_size,
                      const at::Tensor& out, const std::optional<at::Tensor>& weights,
-                     const std::optional<at::Tensor>& cap) {
-  run_unpack_cpu(prepare_unpack_into(packed, scales, block_size, out, weights, cap));
+                     const std::optional<at::Tensor>& cap, const std::optional<at::Tensor>& cap_table,
+                     const std::optional<at::Tensor>& cap_starts, int64_t cap_lo) {
+  run_unpack_cpu(prepare_unpack_into(packed, scales, block_size, out, weights, cap, {cap_table, cap_starts, cap_lo}));
 }
 
 bool has_avx2_op() { return cpu::has_avx2(); }
 // Bumped whenever an op's schema or semantics change, so Python can detect a stale build.
-int64_t abi_version_op() { return 4; }
+int64_t abi_version_op() { return 5; }
 bool built_with_cuda_op() {
 #ifdef LBCOMM_WITH_CUDA
   return true;
@@ -326,13 +354,15 @@ bool built_with_cuda_op() {
 TORCH_LIBRARY(lbcomm, m) {
   m.def(
       "worker_compress(Tensor x, Tensor(a!) error, int? block_size, Tensor(b!)? error_out=None, "
-      "Tensor? weights=None, Tensor? cap=None) -> (Tensor, Tensor)");
+      "Tensor? weights=None, Tensor? cap=None, Tensor? cap_table=None, Tensor? cap_starts=None, int cap_lo=0) "
+      "-> (Tensor, Tensor)");
   m.def(
       "server_compress(Tensor packed, Tensor scales, Tensor(a!) error, int? block_size, int? numel=None, "
-      "Tensor(b!)? error_out=None, Tensor? cap=None) -> (Tensor, Tensor)");
+      "Tensor(b!)? error_out=None, Tensor? cap=None, Tensor? cap_table=None, Tensor? cap_starts=None, "
+      "int cap_lo=0) -> (Tensor, Tensor)");
   m.def("unpack(Tensor packed, Tensor scales, int numel, int? block_size) -> Tensor");
   m.def("unpack_into(Tensor packed, Tensor scales, int? block_size, Tensor(a!) out, Tensor? weights=None, "
-        "Tensor? cap=None) -> ()");
+        "Tensor? cap=None, Tensor? cap_table=None, Tensor? cap_starts=None, int cap_lo=0) -> ()");
   m.def("cpu_has_avx2() -> bool", &has_avx2_op);
   m.def("abi_version() -> int", &abi_version_op);
   m.def("built_with_cuda() -> bool", &built_with_cuda_op);

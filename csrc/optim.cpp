@@ -104,6 +104,54 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void decode_caps_ra
   for (int64_t i = lo; i < hi; ++i) out[i] = std::sqrt(v[i]) * a + b;
 }
 
+}  // namespace
+
+namespace cpu {
+void table_caps(const CapTable& t, int64_t i0, int64_t n, float* out) {
+  const int64_t lo = t.lo + i0, hi = lo + n;
+  // the parameter holding lo: the last start <= lo
+  int64_t p = std::upper_bound(t.starts, t.starts + t.params + 1, lo) - t.starts - 1;
+  for (int64_t x = lo; x < hi; ++p) {
+    const int64_t end = std::min(hi, t.starts[p + 1]);
+    const float a = t.table[3 * p], b = t.table[3 * p + 1], s = t.table[3 * p + 2];
+    float* dst = out + (x - lo);
+    if (std::isinf(b) && b > 0) {
+      std::fill(dst, dst + (end - x), std::numeric_limits<float>::infinity());
+    } else if (s == 1.0f) {
+      decode_caps_range(dst, t.v + x, 0, end - x, a, b);
+    } else {
+      decode_caps_range(dst, t.v + x, 0, end - x, a, b, s);
+    }
+    x = end;
+  }
+}
+}  // namespace cpu
+
+CapTable check_cap_table(const at::Tensor& v, const at::Tensor& starts, const at::Tensor& table, int64_t lo,
+                         int64_t n, const char* op) {
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&v, &table}) {
+    TORCH_CHECK_TYPE(t->scalar_type() == at::kFloat, op, ": the variance and the cap table must be Float, got ",
+                     t->scalar_type());
+    TORCH_CHECK_VALUE(t->is_contiguous() && t->device().is_cpu(), op,
+                      ": the variance and the cap table must be contiguous CPU tensors");
+  }
+  TORCH_CHECK_TYPE(starts.scalar_type() == at::kLong, op, ": starts must be Long, got ", starts.scalar_type());
+  TORCH_CHECK_VALUE(starts.is_contiguous() && starts.device().is_cpu() && starts.dim() == 1 && starts.numel() >= 2, op,
+                    ": starts must be a contiguous 1-D CPU tensor of at least 2 offsets");
+  const int64_t params = starts.numel() - 1, hi = lo + n;
+  TORCH_CHECK_VALUE(table.dim() == 2 && table.size(0) == params && table.size(1) == 3, op,
+                    ": table must be [", params, ", 3] (a, b, s per parameter), got ", table.sizes());
+  const int64_t* st = starts.data_ptr<int64_t>();
+  for (int64_t p = 0; p < params; ++p) {
+    TORCH_CHECK_VALUE(st[p + 1] >= st[p], op, ": starts must not decrease");
+  }
+  TORCH_CHECK_VALUE(lo >= st[0] && hi <= st[params] && hi <= v.numel(), op, ": the range [", lo, ", ", hi,
+                    ") must lie in the layout [", st[0], ", ", st[params], ") and in v (", v.numel(), " elements)");
+  return CapTable{v.data_ptr<float>(), lo, st, table.data_ptr<float>(), params};
+}
+
+namespace {
+
 void decode_caps_cpu(at::Tensor& out, const at::Tensor& v, double a, double b,
                      const std::optional<at::Tensor>& scale) {
   const char* op = "lbcomm::decode_caps_";
@@ -134,45 +182,16 @@ void decode_caps_cpu(at::Tensor& out, const at::Tensor& v, double a, double b,
 // parameters (starts: int64 [P + 1], each parameter's first flat element and the end;
 // table: fp32 [P, 3], per parameter (a, b, s)): out = (sqrt(v) a + b) s, the same operations
 // as decode_caps_ (s == 1: no multiply; b == +inf: uncapped, +inf), so one call covers a
-// range that spans many parameters instead of one call per parameter.
+// range that spans many parameters instead of one call per parameter. The compressing ops
+// compute the same caps unit by unit (kernels.h, CapTable) with cpu::table_caps.
 void decode_caps_table_cpu(at::Tensor& out, const at::Tensor& v, int64_t lo, const at::Tensor& starts,
                            const at::Tensor& table) {
   const char* op = "lbcomm::decode_caps_table_";
-  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&out, &v, &table}) {
-    TORCH_CHECK_TYPE(t->scalar_type() == at::kFloat, op, ": out, v and table must be Float, got ", t->scalar_type());
-    TORCH_CHECK_VALUE(t->is_contiguous() && t->device().is_cpu(), op,
-                      ": out, v and table must be contiguous CPU tensors");
-  }
-  TORCH_CHECK_TYPE(starts.scalar_type() == at::kLong, op, ": starts must be Long, got ", starts.scalar_type());
-  TORCH_CHECK_VALUE(starts.is_contiguous() && starts.device().is_cpu() && starts.dim() == 1 && starts.numel() >= 2, op,
-                    ": starts must be a contiguous 1-D CPU tensor of at least 2 offsets");
-  const int64_t params = starts.numel() - 1, n = out.numel(), hi = lo + n;
-  TORCH_CHECK_VALUE(table.dim() == 2 && table.size(0) == params && table.size(1) == 3, op,
-                    ": table must be [", params, ", 3] (a, b, s per parameter), got ", table.sizes());
-  const int64_t* st = starts.data_ptr<int64_t>();
-  TORCH_CHECK_VALUE(lo >= st[0] && hi <= st[params] && hi <= v.numel(), op, ": the range [", lo, ", ", hi,
-                    ") must lie in the layout [", st[0], ", ", st[params], ") and in v (", v.numel(), " elements)");
+  TORCH_CHECK_TYPE(out.scalar_type() == at::kFloat, op, ": out must be Float, got ", out.scalar_type());
+  TORCH_CHECK_VALUE(out.is_contiguous() && out.device().is_cpu(), op, ": out must be a contiguous CPU tensor");
+  const CapTable t = check_cap_table(v, starts, table, lo, out.numel(), op);
   float* o = out.data_ptr<float>();
-  const float* pv = v.data_ptr<float>();
-  const float* tb = table.data_ptr<float>();
-  // the parameter holding lo: the last start <= lo
-  int64_t p = std::upper_bound(st, st + params + 1, lo) - st - 1;
-  for (int64_t x = lo; x < hi; ++p) {
-    const int64_t end = std::min(hi, st[p + 1]);
-    TORCH_CHECK_VALUE(st[p + 1] >= st[p], op, ": starts must not decrease");
-    const float a = tb[3 * p], b = tb[3 * p + 1], s = tb[3 * p + 2];
-    float* dst = o + (x - lo);
-    const float* src = pv + x;
-    const int64_t len = end - x;
-    if (std::isinf(b) && b > 0) {
-      std::fill(dst, dst + len, std::numeric_limits<float>::infinity());
-    } else if (s == 1.0f) {
-      at::parallel_for(0, len, 1 << 15, [&](int64_t i0, int64_t i1) { decode_caps_range(dst, src, i0, i1, a, b); });
-    } else {
-      at::parallel_for(0, len, 1 << 15, [&](int64_t i0, int64_t i1) { decode_caps_range(dst, src, i0, i1, a, b, s); });
-    }
-    x = end;
-  }
+  at::parallel_for(0, out.numel(), 1 << 15, [&](int64_t i0, int64_t i1) { cpu::table_caps(t, i0, i1 - i0, o + i0); });
 }
 
 }  // namespace

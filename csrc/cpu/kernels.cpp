@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <algorithm>
 #include <cstring>
+#include <vector>
 
 #include "kernels.h"
 
@@ -79,17 +80,17 @@ double worker_y_scalar(const WorkerArgs& a, int64_t start, int64_t i0, int64_t r
 inline float capped(float cap, float sc) { return cap < sc ? cap : sc; }
 
 // z = (sum_j +-a_j) * inv_p + s over [i0, real) of a chunk-local unit at `start`; with
-// kCapped every rank's value decoded under the cap (a.cap, indexed like error).
+// kCapped every rank's value decoded under the cap (cap[i]: the unit's caps).
 template <bool kCapped>
 double server_z_scalar_t(const ServerArgs& a, int64_t start, int64_t i0, int64_t real, int64_t scale_col,
-                         float inv_p) {
+                         float inv_p, const float* cap) {
   double s = 0.0;
   for (int64_t i = i0; i < real; ++i) {
     const int64_t idx = start + i;
     float acc = 0.0f;
     for (int64_t j = 0; j < a.p; ++j) {
       const float sc = a.scales[j * a.scales_stride + scale_col];
-      const float d = kCapped ? capped(a.cap[idx], sc) : sc;
+      const float d = kCapped ? capped(cap[i], sc) : sc;
       const bool neg = (a.packed[j * a.packed_stride + (idx >> 3)] >> (idx & 7)) & 1;
       acc += neg ? -std::fabs(d) : d;  // the sign bit set, as the AVX2 body does
     }
@@ -102,11 +103,11 @@ double server_z_scalar_t(const ServerArgs& a, int64_t start, int64_t i0, int64_t
 }
 double server_z_scalar(const ServerArgs& a, int64_t start, int64_t i0, int64_t real, int64_t scale_col,
                        float inv_p) {
-  return server_z_scalar_t<false>(a, start, i0, real, scale_col, inv_p);
+  return server_z_scalar_t<false>(a, start, i0, real, scale_col, inv_p, nullptr);
 }
 double server_z_capped_scalar(const ServerArgs& a, int64_t start, int64_t i0, int64_t real, int64_t scale_col,
-                              float inv_p) {
-  return server_z_scalar_t<true>(a, start, i0, real, scale_col, inv_p);
+                              float inv_p, const float* cap) {
+  return server_z_scalar_t<true>(a, start, i0, real, scale_col, inv_p, cap);
 }
 
 // Pack signbit(v) for [i0, len) of a unit whose first element is bit 0 of out[0]
@@ -330,7 +331,7 @@ LBCOMM_AVX2 double masked_sq_avx2(const float* v, const float* cap, int64_t real
 // As server_z_avx2, 32 elements per iteration; each rank's value is min(cap, scale) with
 // the sign bit OR-ed on, which is the scalar `neg ? -|d| : d` for every d (also d < 0).
 LBCOMM_AVX2 double server_z_capped_avx2(const ServerArgs& a, int64_t start, int64_t real, int64_t scale_col,
-                                        float inv_p) {
+                                        float inv_p, const float* cap) {
   const __m256 vinv = _mm256_set1_ps(inv_p);
   __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
   const int64_t p = a.p, pstride = a.packed_stride, sstride = a.scales_stride;
@@ -339,8 +340,8 @@ LBCOMM_AVX2 double server_z_capped_avx2(const ServerArgs& a, int64_t start, int6
   for (; i + 32 <= real; i += 32) {
     const int64_t idx = start + i;
     const uint8_t* bits = a.packed + (idx >> 3);
-    const __m256 k0 = _mm256_loadu_ps(a.cap + idx), k1 = _mm256_loadu_ps(a.cap + idx + 8);
-    const __m256 k2 = _mm256_loadu_ps(a.cap + idx + 16), k3 = _mm256_loadu_ps(a.cap + idx + 24);
+    const __m256 k0 = _mm256_loadu_ps(cap + i), k1 = _mm256_loadu_ps(cap + i + 8);
+    const __m256 k2 = _mm256_loadu_ps(cap + i + 16), k3 = _mm256_loadu_ps(cap + i + 24);
     __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
     for (int64_t j = 0; j < p; ++j) {
       uint32_t w;
@@ -356,7 +357,7 @@ LBCOMM_AVX2 double server_z_capped_avx2(const ServerArgs& a, int64_t start, int6
     server_finish8(a, idx + 16, c2, vinv, lo, hi);
     server_finish8(a, idx + 24, c3, vinv, lo, hi);
   }
-  return hsum(lo, hi) + server_z_capped_scalar(a, start, i, real, scale_col, inv_p);
+  return hsum(lo, hi) + server_z_capped_scalar(a, start, i, real, scale_col, inv_p, cap);
 }
 
 LBCOMM_AVX2 void sign_pack_capped_avx2(const float* v, float* err, uint8_t* out, const float* cap, int64_t real,
@@ -418,11 +419,12 @@ double server_z(const ServerArgs& a, int64_t start, int64_t real, int64_t scale_
   return server_z_scalar(a, start, 0, real, scale_col, inv_p);
 }
 
-double server_z_capped(const ServerArgs& a, int64_t start, int64_t real, int64_t scale_col, float inv_p) {
+double server_z_capped(const ServerArgs& a, int64_t start, int64_t real, int64_t scale_col, float inv_p,
+                       const float* cap) {
 #ifdef LBCOMM_X86
-  if (kAvx2) return server_z_capped_avx2(a, start, real, scale_col, inv_p);
+  if (kAvx2) return server_z_capped_avx2(a, start, real, scale_col, inv_p, cap);
 #endif
-  return server_z_capped_scalar(a, start, 0, real, scale_col, inv_p);
+  return server_z_capped_scalar(a, start, 0, real, scale_col, inv_p, cap);
 }
 
 // The capped decode's block scale: the RMS over the coordinates with cap_i >= s1 (the
@@ -458,6 +460,17 @@ constexpr int64_t kStageMax = 16384;
 float* stage_buffer() {
   alignas(64) thread_local float buf[kStageMax];
   return buf;
+}
+
+// The caps of a call's elements [start, start + real): a view of the caps buffer, or (a
+// CapTable) computed into a per-thread buffer that the next unit reuses; nullptr: none.
+const float* unit_caps(const float* cap, const CapTable& t, int64_t start, int64_t real) {
+  if (cap) return cap + start;
+  if (!t.v) return nullptr;
+  thread_local std::vector<float> buf;
+  if (static_cast<int64_t>(buf.size()) < real + 1) buf.resize(real + 1);  // never empty: nullptr means "no caps"
+  table_caps(t, start, real, buf.data());
+  return buf.data();
 }
 
 // A unit: [start, start + len) in flat (worker) or chunk-local (server) indices.
@@ -522,8 +535,9 @@ void worker_pass(const WorkerArgs& a, int pass, int64_t begin, int64_t end) {
     const Unit un = worker_unit(a, u);
     float* err = a.error_out + un.start;
     float* vals = stage ? stage_buffer() : err;
-    run_unit(un, u, pass, clamp_real(a.numel, un.start, un.len), a.block, vals, err, a.packed, a.scales, a.partials,
-             a.cap ? a.cap + un.start : nullptr, [&](int64_t real) { return worker_y(a, un.start, real, vals); });
+    const int64_t real = clamp_real(a.numel, un.start, un.len);
+    run_unit(un, u, pass, real, a.block, vals, err, a.packed, a.scales, a.partials,
+             unit_caps(a.cap, a.ctab, un.start, real), [&](int64_t r) { return worker_y(a, un.start, r, vals); });
   }
 #ifdef LBCOMM_X86
   // Streamed (non-temporal) stores are weakly ordered: fence once per range, not per unit.
@@ -546,11 +560,12 @@ void server_pass(const ServerArgs& a, int pass, int64_t begin, int64_t end) {
   for (int64_t u = begin; u < end; ++u) {
     const Unit un = server_unit(a, u);
     float* err = a.error_out + un.start;
-    run_unit(un, u, pass, clamp_real(a.numel, un.start, un.len), a.block, err, err, a.packed_out, a.scales_out,
-             a.partials, a.cap ? a.cap + un.start : nullptr, [&](int64_t real) {
-               return a.cap ? server_z_capped(a, un.start, real, un.scale_index, inv_p)
-                            : server_z(a, un.start, real, un.scale_index, inv_p);
-             });
+    const int64_t real = clamp_real(a.numel, un.start, un.len);
+    const float* cap = unit_caps(a.cap, a.ctab, un.start, real);
+    run_unit(un, u, pass, real, a.block, err, err, a.packed_out, a.scales_out, a.partials, cap, [&](int64_t r) {
+      return cap ? server_z_capped(a, un.start, r, un.scale_index, inv_p, cap)
+                 : server_z(a, un.start, r, un.scale_index, inv_p);
+    });
   }
 }
 
@@ -571,16 +586,17 @@ void unpack_range(const UnpackArgs& a, int64_t begin, int64_t end) {
       const int64_t b = a.block > 0 ? s0 / a.block : 0;
       const int64_t s1 = a.block > 0 ? std::min(i1, (b + 1) * a.block) : i1;
       const float sc = a.scales[k * a.scales_stride + b];
-      if (a.cap) {
-        const float* cap = a.cap + k * a.m;
+      if (a.cap || a.ctab.v) {
+        // the segment's caps from index 0 (s0 is a multiple of 32: whole bytes of bits)
+        const float* cap = unit_caps(a.cap, a.ctab, k * a.m + s0, s1 - s0);
 #ifdef LBCOMM_X86
         if (kAvx2) {
-          unpack_capped_avx2(bits, out, cap, s0, s1, sc);
+          unpack_capped_avx2(bits + (s0 >> 3), out + s0, cap, 0, s1 - s0, sc);
           s0 = s1;
           continue;
         }
 #endif
-        unpack_capped_scalar(bits, out, cap, s0, s1, sc);
+        unpack_capped_scalar(bits + (s0 >> 3), out + s0, cap, 0, s1 - s0, sc);
         s0 = s1;
         continue;
       }

@@ -32,9 +32,11 @@ std::tuple<at::Tensor, at::Tensor> worker_compress_cuda(const at::Tensor& x, con
                                                         std::optional<int64_t> block_size,
                                                         const std::optional<at::Tensor>& error_out,
                                                         const std::optional<at::Tensor>& weights,
-                                                        const std::optional<at::Tensor>& cap) {
+                                                        const std::optional<at::Tensor>& cap,
+                                                        const std::optional<at::Tensor>& cap_table,
+                                                        const std::optional<at::Tensor>& cap_starts, int64_t cap_lo) {
   const auto guard = guard_for(error);
-  WorkerLaunch launch = prepare_worker(x, error, block_size, error_out, weights, cap);
+  WorkerLaunch launch = prepare_worker(x, error, block_size, error_out, weights, cap, {cap_table, cap_starts, cap_lo});
   check_launch(cuda::worker_compress(launch.args, current_stream()), "worker_compress");
   return std::make_tuple(launch.packed, launch.scales);
 }
@@ -43,9 +45,12 @@ std::tuple<at::Tensor, at::Tensor> server_compress_cuda(const at::Tensor& packed
                                                         const at::Tensor& error, std::optional<int64_t> block_size,
                                                         std::optional<int64_t> numel,
                                                         const std::optional<at::Tensor>& error_out,
-                                                        const std::optional<at::Tensor>& cap) {
+                                                        const std::optional<at::Tensor>& cap,
+                                                        const std::optional<at::Tensor>& cap_table,
+                                                        const std::optional<at::Tensor>& cap_starts, int64_t cap_lo) {
   const auto guard = guard_for(error);
-  ServerLaunch launch = prepare_server(packed, scales, error, block_size, numel, error_out, cap);
+  ServerLaunch launch = prepare_server(packed, scales, error, block_size, numel, error_out, cap,
+                                       {cap_table, cap_starts, cap_lo});
   check_launch(cuda::server_compress(launch.args, current_stream()), "server_compress");
   return std::make_tuple(launch.packed, launch.scales);
 }
@@ -60,9 +65,11 @@ at::Tensor unpack_cuda(const at::Tensor& packed, const at::Tensor& scales, int64
 
 void unpack_into_cuda(const at::Tensor& packed, const at::Tensor& scales, std::optional<int64_t> block_size,
                       const at::Tensor& out, const std::optional<at::Tensor>& weights,
-                      const std::optional<at::Tensor>& cap) {
+                      const std::optional<at::Tensor>& cap, const std::optional<at::Tensor>& cap_table,
+                      const std::optional<at::Tensor>& cap_starts, int64_t cap_lo) {
   const auto guard = guard_for(packed);
-  UnpackLaunch launch = prepare_unpack_into(packed, scales, block_size, out, weights, cap);
+  UnpackLaunch launch = prepare_unpack_into(packed, scales, block_size, out, weights, cap,
+                                              {cap_table, cap_starts, cap_lo});
   check_launch(cuda::unpack(launch.args, current_stream()), "unpack_into");
 }
 

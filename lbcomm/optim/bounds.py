@@ -5,13 +5,14 @@ group's betas, or "warmup"'s recorded U_p), and its move into the compressed all
 its `OneBitStage`."""
 from __future__ import annotations
 
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Union
 
 import torch
 from torch import Tensor
 
 from . import functional as F
 from . import kernels as K
+from ..reduce.inputs import TableCaps
 from .flat import FlatLayout
 
 __all__ = ["record_update_bounds", "update_bounds", "decode_caps"]
@@ -53,19 +54,19 @@ def update_bounds(fs, L: FlatLayout, max_update) -> List[Optional[float]]:
 
 
 def decode_caps(fs, L: FlatLayout, segs, factors, bounds: List[Optional[float]],
-                scale: Optional[Tensor] = None) -> Callable[[int, int, Tensor], None]:
+                scale: Optional[Tensor] = None) -> Union[TableCaps, Callable[[int, int, Tensor], None]]:
     """max_update's bound moved into the compressed allreduce (capped_decode): per
     coordinate, the momentum whose Adam step is exactly the bound,
     c = U bc1 (sqrt(v^) + eps) with this step's bias corrections (`segs`, steps advanced)
     and rescale factors, times the parameter's `scale` when the reduced momentum is
     scaled (OneBitLamb), +inf where no bound applies; the reducer decodes every value
     to at most c and its error feedback keeps the rest (`lbcomm.compressed.reduce_`).
-    Returned as a callable cap(lo, hi, buf) that computes the caps of flat elements
-    [lo, hi) from the variance when the reducer asks for them (range by range, into
-    its bounded staging: on the CPU one `kernels.decode_caps_table_` call per range,
-    elsewhere one `kernels.decode_caps_` per parameter in it), so no model-sized buffer
-    holds them; each element goes through the same operations as in
-    `lbcomm.testing.compressors.decode_caps`."""
+    On the CPU returned as `TableCaps` (per parameter (a, b, s)), which the compressing
+    kernels compute from the variance inside their passes; elsewhere as a callable
+    cap(lo, hi, buf) that computes the caps of flat elements [lo, hi) when the reducer
+    asks for them (range by range into its bounded staging, one `kernels.decode_caps_`
+    per parameter in the range). Either way no model-sized buffer holds them, and each
+    element goes through the same operations as in `lbcomm.testing.compressors.decode_caps`."""
     v = fs.buffers["exp_avg_sq"]
     # per parameter: (a, b) with c = a sqrt(v) + b (U bc1 (sqrt(v) / sqrt(bc2') + eps)), None: uncapped
     coeffs: List[Optional[tuple]] = [None] * len(L.params)
@@ -82,8 +83,11 @@ def decode_caps(fs, L: FlatLayout, segs, factors, bounds: List[Optional[float]],
                              dtype=torch.float32)
         if scale is not None:
             table[:, 2] = scale.float()
-        starts = torch.tensor(L.offsets + [L.offsets[-1] + L.numels[-1]], dtype=torch.int64)
-        return lambda lo, hi, buf: K.decode_caps_table_(buf[:hi - lo], v, lo, starts, table)
+        end = L.offsets[-1] + L.numels[-1]
+        starts = torch.tensor(L.offsets + [end], dtype=torch.int64)
+        # the CPU kernels compute these caps inside their passes; `fill` where they cannot
+        return TableCaps(v, starts, table, lambda lo, hi, buf: K.decode_caps_table_(buf[:hi - lo], v, lo, starts, table),
+                         end)
 
     def cap(lo: int, hi: int, buf: Tensor) -> None:
         for i, a, b in L.overlapping(lo, hi):

@@ -88,8 +88,11 @@ def reduce_(state: CompressionState, source: Source, sink: Sink, *, checked: boo
             [lo, hi) into the fp32 `buf`, as a callable source writes its values: the call
             asks for each range when it needs it (each possibly more than once), through a
             bounded staging buffer, so the caps never exist whole; the result is bitwise
-            that of the same caps passed as a tensor. 1-bit Adam passes the momentum whose
-            step is max_update's bound, computed from its frozen variance (default: None).
+            that of the same caps passed as a tensor. A `lbcomm.reduce.inputs.TableCaps`
+            (caps that follow a per-parameter formula of a variance) the CPU kernels
+            compute themselves, block by block, with no staging. 1-bit Adam passes the
+            momentum whose step is max_update's bound, computed from its frozen variance
+            (default: None).
 
     Returns:
         True when the result was written, False when the call was skipped for non-finite

@@ -1,6 +1,6 @@
 """What a reduction takes besides its state: the source, sink and cap types of
 `lbcomm.reduce.compressed.reduce_` and `HierarchicalState.reduce_`, computed caps
-(`ComputedCaps`), and the argument checks both calls make (`check_tensor`,
+(`ComputedCaps`, and `TableCaps`, which the CPU kernels compute themselves), and the argument checks both calls make (`check_tensor`,
 `check_weights`, `check_cap`)."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from torch import Tensor
 
 from ..common import FLOAT_DTYPES
 
-__all__ = ["Source", "Sink", "Cap", "ComputedCaps", "check_tensor", "check_weights", "check_cap"]
+__all__ = ["Source", "Sink", "Cap", "ComputedCaps", "TableCaps", "check_tensor", "check_weights", "check_cap"]
 
 Source = Union[Tensor, Callable[[int, int, Tensor], Any]]
 Sink = Union[Tensor, Callable[[int, int, Tensor], Any]]
@@ -42,6 +42,37 @@ class ComputedCaps:
         if step != 1:
             raise ValueError("ComputedCaps: only contiguous slices")
         return ComputedCaps(self.fill_fn, max(hi - lo, 0), self.offset + lo)
+
+
+class TableCaps(ComputedCaps):
+    """Computed caps that follow a per-parameter table: the cap of flat element i is
+    (sqrt(v_i) a_p + b_p) s_p for the parameter p holding i (`starts`: int64 [P + 1], each
+    parameter's first element and the end; `table`: float32 [P, 3], (a, b, s) per
+    parameter; b = +inf: uncapped). On the CPU the compressing ops compute them unit by unit
+    from `v` inside their pass (``kernel_args``), so no caps are written and read back;
+    elsewhere the call fills them range by range like any `ComputedCaps` (`fill`, which
+    must compute the same values)."""
+
+    __slots__ = ("v", "starts", "table")
+
+    def __init__(self, v: Tensor, starts: Tensor, table: Tensor, fill: Callable[[int, int, Tensor], Any],
+                 numel: int, offset: int = 0):
+        super().__init__(fill, numel, offset)
+        self.v, self.starts, self.table = v, starts, table
+
+    def __getitem__(self, s: slice) -> "TableCaps":
+        lo, hi, step = s.indices(self.numel)
+        if step != 1:
+            raise ValueError("TableCaps: only contiguous slices")
+        return TableCaps(self.v, self.starts, self.table, self.fill_fn, max(hi - lo, 0), self.offset + lo)
+
+    def in_kernel(self) -> bool:
+        """Whether the compressing ops compute these caps themselves (the variance on the CPU)."""
+        return self.v.device.type == "cpu"
+
+    def kernel_args(self) -> dict:
+        """The ops' arguments that compute these caps: the variance as ``cap``, the table."""
+        return {"cap": self.v, "cap_table": self.table, "cap_starts": self.starts, "cap_lo": self.offset}
 
 
 Cap = Union[Tensor, ComputedCaps, Callable[[int, int, Tensor], Any]]
