@@ -2,28 +2,17 @@
 the unpack of N fp32 elements (blocks of 2048, 4 chunks) without caps, with the caps as a
 tensor, and with the caps computed from a variance inside the kernels (`TableCaps`, what
 the 1-bit optimizers pass on the CPU), each as a ratio to the uncapped call, beside a copy
-of N elements and the caps' own pass (`lbcomm::decode_caps_table_`). Medians of 5.
+of N elements and the caps' own pass (`lbcomm::decode_caps_table_`). Medians of at least 5.
 
-    python bench/capped_kernels.py [N]
+    python -m bench.capped_kernels [N]
 """
 import sys
-import time
-
 import torch
 
+from bench.kernels import median_time
 from lbcomm import ops
 from lbcomm.optim import kernels as K
 from lbcomm.reduce.inputs import TableCaps
-
-
-def median_ms(f, k=5):
-    f()
-    times = []
-    for _ in range(k):
-        t0 = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[k // 2] * 1e3
 
 
 def main(n: int, params: int = 286, p: int = 4, block: int = 2048) -> None:
@@ -43,13 +32,13 @@ def main(n: int, params: int = 286, p: int = 4, block: int = 2048) -> None:
     base = None
     print(f"{n} fp32 elements, {params} parameters, {p} chunks, blocks of {block}, one thread")
     for name, cap in [("no caps", None), ("caps tensor", caps), ("TableCaps", table_caps)]:
-        w = median_ms(lambda: ops.worker_compress(x, err, block, cap=cap))
-        u = median_ms(lambda: ops.unpack_into(packed, scales, block, out, cap=cap))
+        w = 1e3 * median_time(lambda: ops.worker_compress(x, err, block, cap=cap), 5)
+        u = 1e3 * median_time(lambda: ops.unpack_into(packed, scales, block, out, cap=cap), 5)
         base = base or (w, u)
         print(f"{name:12s} worker_compress {w:6.1f} ms ({w / base[0]:.2f}x)   unpack_into {u:6.1f} ms "
               f"({u / base[1]:.2f}x)")
-    print(f"decode_caps_table_ {median_ms(lambda: K.decode_caps_table_(caps, v, 0, starts, table)):.1f} ms, "
-          f"copy {median_ms(lambda: out.copy_(x)):.1f} ms")
+    print(f"decode_caps_table_ {1e3 * median_time(lambda: K.decode_caps_table_(caps, v, 0, starts, table), 5):.1f} ms, "
+          f"copy {1e3 * median_time(lambda: out.copy_(x), 5):.1f} ms")
 
 
 if __name__ == "__main__":

@@ -203,3 +203,41 @@ def test_decode_caps_table_is_one_call_per_parameter(with_scale):
         K.decode_caps_table_(torch.empty(10), v, 43010, starts, table)
     with pytest.raises(ValueError, match=r"\[6, 3\]"):
         K.decode_caps_table_(torch.empty(10), v, 0, starts, table[:, :2].contiguous())
+
+
+@pytest.mark.skipif(not K._DIRECTION_OP, reason="lbcomm._C without lamb_direction_")
+@pytest.mark.parametrize("n", [1, 7, 1000, 100003])
+@pytest.mark.parametrize("bound", [None, 1.0, 0.0])
+@pytest.mark.parametrize("fresh", [False, True])
+def test_lamb_direction_is_the_torch_sequence(n, bound, fresh):
+    """OneBitLamb's direction after its roots: the op gives the bits of the torch sequence
+    it replaces (`direction_torch`) and of OneBitLamb's earlier code written out here
+    (`F.denominator` twice, the ratio's amax, the quotient, the clamp): u, and f's ratio,
+    NaN where a ratio is NaN; a NaN momentum stays NaN through the clamp."""
+    _, m, v = _inputs(n, seed=n)
+    vf = v * torch.rand(n, generator=torch.Generator().manual_seed(1)) * 3
+    if n > 10:
+        m[5], m[6], m[7] = float("nan"), 1e30, -1e30  # NaN kept, huge values clamped (or not)
+    bc1, bc2, eps = 0.271, 0.0953, 1e-8
+    want_u, stage = torch.empty(n), torch.empty(n)
+    d = F.denominator(v, bc2, eps, out=stage)
+    want_ratio = None
+    if fresh:
+        r = F.denominator(vf, bc2, eps, out=want_u)
+        want_ratio = torch.amax(torch.div(d, r, out=r)).reshape(1)
+    torch.div(m, bc1, out=want_u).div_(d)
+    if bound is not None:
+        want_u.clamp_(-bound, bound)
+    for fn in (K.lamb_direction_, K.direction_torch):
+        u = torch.sqrt(vf) if fresh else torch.full((n,), -1.0)
+        ratio = fn(u, m, torch.sqrt(v), bc2 ** 0.5, eps, bc1, bound, fresh)
+        assert torch.equal(u.nan_to_num(7.0), want_u.nan_to_num(7.0)) and bool(u.isnan().eq(want_u.isnan()).all())
+        assert (ratio is None) == (not fresh)
+        if fresh:
+            assert torch.equal(ratio, want_ratio)
+    torch.library.opcheck(torch.ops.lbcomm.lamb_direction_.default,
+                          (torch.sqrt(vf), m, torch.sqrt(v), bc2 ** 0.5, eps, bc1, bound, fresh))
+    if fresh and n > 10:  # a NaN ratio wins the max, as torch.amax
+        vf[9] = float("nan")
+        ratio = K.lamb_direction_(torch.sqrt(vf), m, torch.sqrt(v), bc2 ** 0.5, eps, bc1, bound, True)
+        assert bool(ratio.isnan().all())

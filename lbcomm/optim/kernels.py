@@ -24,6 +24,7 @@ from .. import ops
 from . import functional as F
 
 __all__ = ["frozen_adamw_", "has_fused_kernel", "decode_caps_", "decode_caps_table_", "caps_table_op",
+           "lamb_direction_", "direction_torch",
            "lamb_clean_pass_", "lamb_edge_find_", "clean_pass_torch", "edge_find_torch", "advance_local_", "EDGE_BLOCK"]
 
 _log = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ _OP = _op_is_current()
 _CLEAN_OP = ops.HAS_EXTENSION and hasattr(torch.ops.lbcomm, "lamb_advance_local_")
 _CAPS_OP = ops.HAS_EXTENSION and hasattr(torch.ops.lbcomm, "decode_caps_")
 _CAPS_TABLE_OP = ops.HAS_EXTENSION and hasattr(torch.ops.lbcomm, "decode_caps_table_")
+_DIRECTION_OP = ops.HAS_EXTENSION and hasattr(torch.ops.lbcomm, "lamb_direction_")
 # the edge counts' blocks of the clean pass (kEdgeBlock in csrc/lamb.cpp)
 EDGE_BLOCK = 128
 
@@ -95,6 +97,35 @@ def decode_caps_table_(out: Tensor, v: Tensor, lo: int, starts: Tensor, table: T
     bits as one `decode_caps_` per parameter, without a call per parameter. CPU only
     (`caps_table_op`)."""
     torch.ops.lbcomm.decode_caps_table_(out, v, lo, starts, table)
+
+
+def lamb_direction_(u: Tensor, m: Tensor, root_v: Tensor, scale: float, eps: float, bc1: float,
+                    bound: Optional[float], fresh: bool) -> Optional[Tensor]:
+    """OneBitLamb's direction over one range, after its roots: with d = root_v / scale + eps,
+    u <- clamp((m / bc1) / d, -bound, bound) (no clamp for bound None); with `fresh`, u holds
+    the fresh variance's root on entry, and max(d / (u / scale + eps)) over the range is
+    returned (`torch.amax`: a 1-element tensor, NaN if any ratio is). `root_v` is
+    overwritten. One pass of the op on CPU (fp32, contiguous), then the max; elsewhere
+    `direction_torch`, bitwise the same."""
+    if _DIRECTION_OP and all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
+                             for t in (u, m, root_v)):
+        torch.ops.lbcomm.lamb_direction_(u, m, root_v, scale, eps, bc1, bound, fresh)
+        return torch.amax(root_v).reshape(1) if fresh else None
+    return direction_torch(u, m, root_v, scale, eps, bc1, bound, fresh)
+
+
+def direction_torch(u: Tensor, m: Tensor, root_v: Tensor, scale: float, eps: float, bc1: float,
+                    bound: Optional[float], fresh: bool) -> Optional[Tensor]:
+    """`lamb_direction_` in torch ops (its fallback, and the sequence it replaces)."""
+    d = root_v.div_(scale).add_(eps)
+    part = None
+    if fresh:
+        r = u.div_(scale).add_(eps)
+        part = torch.amax(torch.div(d, r, out=r)).reshape(1)
+    torch.div(m, bc1, out=u).div_(d)
+    if bound is not None:
+        u.clamp_(-bound, bound)
+    return part
 
 
 def advance_local_(ml: Tensor, g: Optional[Tensor], weight: float, scratch: Optional[Tensor] = None) -> None:
@@ -215,6 +246,12 @@ if _CLEAN_OP:
 if _CAPS_OP:
     @torch.library.register_fake("lbcomm::decode_caps_")
     def _(out, v, a, b, scale):
+        return None
+
+
+if _DIRECTION_OP:
+    @torch.library.register_fake("lbcomm::lamb_direction_")
+    def _(u, exp_avg, root_v, scale, eps, bc1, bound, fresh):
         return None
 
 

@@ -59,19 +59,18 @@ class LambNorms:
         o, n = L.offsets[i], L.numels[i]
         u_buf, stage = self.update_buffers(L, n)
         u, step = u_buf[:n], stage.numel()
-        # d = sqrt(v^) + eps, d~ likewise of the fresh variance; f = max(d / d~);
-        # u0 = m^ / d, clamped to [-U, U] per coordinate (max_update)
+        # d = sqrt(v^) + eps, d~ likewise of the fresh variance, torch's roots (AdamW's
+        # denominator); f = max(d / d~); u0 = m^ / d, clamped to [-U, U] per coordinate
+        # (max_update): the rest in one pass after the roots (`kernels.lamb_direction_`)
         ratio_max = None
         for lo in range(0, n, step):
             hi = min(n, lo + step)
-            d = F.denominator(v[o + lo:o + hi], bc2, eps, out=stage[:hi - lo])
+            root = torch.sqrt(v[o + lo:o + hi], out=stage[:hi - lo])
             if stats:
-                r = F.denominator(vf[o + lo:o + hi], bc2, eps, out=u[lo:hi])
-                part = torch.amax(torch.div(d, r, out=r)).reshape(1)
+                torch.sqrt(vf[o + lo:o + hi], out=u[lo:hi])
+            part = K.lamb_direction_(u[lo:hi], m[o + lo:o + hi], root, bc2 ** 0.5, eps, bc1, bound, stats)
+            if stats:
                 ratio_max = part if ratio_max is None else torch.maximum(ratio_max, part)
-            torch.div(m[o + lo:o + hi], bc1, out=u[lo:hi]).div_(d)
-            if bound is not None:
-                u[lo:hi].clamp_(-bound, bound)
         u0n = un = None
         u = u.view(L.shapes[i])
         if wd != 0:
