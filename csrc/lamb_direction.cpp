@@ -15,7 +15,6 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
-#include <cmath>
 #include <initializer_list>
 #include <optional>
 

@@ -1,7 +1,7 @@
 """What a reduction takes besides its state: the source, sink and cap types of
 `lbcomm.reduce.compressed.reduce_` and `HierarchicalState.reduce_`, computed caps
-(`ComputedCaps`, and `TableCaps`, which the CPU kernels compute themselves), and the argument checks both calls make (`check_tensor`,
-`check_weights`, `check_cap`)."""
+(`ComputedCaps`, and `TableCaps`, which the CPU kernels compute themselves), and the
+argument checks both calls make (`check_tensor`, `check_weights`, `check_cap`)."""
 from __future__ import annotations
 
 from typing import Any, Callable, Optional, Union
@@ -40,8 +40,12 @@ class ComputedCaps:
     def __getitem__(self, s: slice) -> "ComputedCaps":
         lo, hi, step = s.indices(self.numel)
         if step != 1:
-            raise ValueError("ComputedCaps: only contiguous slices")
-        return ComputedCaps(self.fill_fn, max(hi - lo, 0), self.offset + lo)
+            raise ValueError(f"{type(self).__name__}: only contiguous slices")
+        return self._part(max(hi - lo, 0), self.offset + lo)
+
+    def _part(self, numel: int, offset: int) -> "ComputedCaps":
+        """The caps of `numel` elements from `offset`, of the same kind."""
+        return ComputedCaps(self.fill_fn, numel, offset)
 
 
 class TableCaps(ComputedCaps):
@@ -60,11 +64,8 @@ class TableCaps(ComputedCaps):
         super().__init__(fill, numel, offset)
         self.v, self.starts, self.table = v, starts, table
 
-    def __getitem__(self, s: slice) -> "TableCaps":
-        lo, hi, step = s.indices(self.numel)
-        if step != 1:
-            raise ValueError("TableCaps: only contiguous slices")
-        return TableCaps(self.v, self.starts, self.table, self.fill_fn, max(hi - lo, 0), self.offset + lo)
+    def _part(self, numel: int, offset: int) -> "TableCaps":
+        return TableCaps(self.v, self.starts, self.table, self.fill_fn, numel, offset)
 
     def in_kernel(self) -> bool:
         """Whether the compressing ops compute these caps themselves (the variance on the CPU)."""
