@@ -124,6 +124,8 @@ def main() -> None:
             if full_after >= a.stop_after:
                 break
         time.sleep(a.step_sleep)
+    if local_group is not None:  # rank 0 hosts the group's Manager server: the others' last answer comes through it
+        dist.monitored_barrier(local_group, timeout=timedelta(seconds=60))
     torch.save({"records": records, "anchor": local.anchor.detach().clone(), "uid": local.uid,
                 "stats": local.stats(), "loss": float(loss)}, a.out)
     manager.shutdown(wait=False)
