@@ -1,7 +1,9 @@
 """OneBitLamb's direction over one staging range (F.STAGE fp32 elements, one thread): the
-torch sequence (`kernels.direction_torch`) against the fused op (`kernels.lamb_direction_`),
-both after torch's two roots, and the roots alone, as ratios in the same process. Medians
-of at least 15, three rounds.
+fused op with its IEEE roots (`kernels.lamb_direction_`) against the torch sequence with
+torch's fp32 roots that it replaces (two roots, the two denominators, the ratio and its max,
+the quotient, the clamp), and against `kernels.direction_torch` (its fallback, whose fp64
+roots give the op's bits), as ratios in the same process. Medians of at least 15, three
+rounds.
 
     python -m bench.lamb_direction
 """
@@ -12,22 +14,27 @@ from lbcomm.optim import functional as F
 from lbcomm.optim import kernels as K
 
 
+def torch_sequence(u, m, v, vf, stage, scale, eps, bc1, bound):
+    """The direction in torch ops with torch's fp32 roots (OneBitLamb's code before the op)."""
+    d = torch.sqrt(v, out=stage).div_(scale).add_(eps)
+    r = torch.sqrt(vf, out=u).div_(scale).add_(eps)
+    part = torch.amax(torch.div(d, r, out=r)).reshape(1)
+    torch.div(m, bc1, out=u).div_(d).clamp_(-bound, bound)
+    return part
+
+
 def main() -> None:
     torch.set_num_threads(1)
     n, g = F.STAGE, torch.Generator().manual_seed(0)
     m, v, vf = torch.randn(n, generator=g) * 1e-2, torch.rand(n, generator=g) * 1e-3, torch.rand(n, generator=g) * 1e-3
     u, stage = torch.empty(n), torch.empty(n)
-
-    def roots():
-        torch.sqrt(vf, out=u)
-        return torch.sqrt(v, out=stage)
-
+    args = (u, m, v, vf, stage, 0.3, 1e-8, 0.27, 1.0)
     for _ in range(3):
-        seq = 1e3 * median_time(lambda: K.direction_torch(u, m, roots(), 0.3, 1e-8, 0.27, 1.0, True), 15)
-        op = 1e3 * median_time(lambda: K.lamb_direction_(u, m, roots(), 0.3, 1e-8, 0.27, 1.0, True), 15)
-        r = 1e3 * median_time(roots, 15)
-        print(f"{n} elements: torch sequence {seq:.2f} ms, op {op:.2f} ms ({op / seq:.2f}x); the roots alone "
-              f"{r:.2f} ms, so after them {seq - r:.2f} against {op - r:.2f} ms ({(op - r) / (seq - r):.2f}x)")
+        seq = 1e3 * median_time(lambda: torch_sequence(*args), 15)
+        op = 1e3 * median_time(lambda: K.lamb_direction_(*args), 15)
+        fallback = 1e3 * median_time(lambda: K.direction_torch(*args), 15)
+        print(f"{n} elements: torch sequence {seq:.2f} ms, op {op:.2f} ms ({op / seq:.2f}x); "
+              f"direction_torch (fp64 roots) {fallback:.2f} ms ({op / fallback:.2f}x)")
 
 
 if __name__ == "__main__":

@@ -210,34 +210,36 @@ def test_decode_caps_table_is_one_call_per_parameter(with_scale):
 @pytest.mark.parametrize("bound", [None, 1.0, 0.0])
 @pytest.mark.parametrize("fresh", [False, True])
 def test_lamb_direction_is_the_torch_sequence(n, bound, fresh):
-    """OneBitLamb's direction after its roots: the op gives the bits of the torch sequence
-    it replaces (`direction_torch`) and of OneBitLamb's earlier code written out here
-    (`F.denominator` twice, the ratio's amax, the quotient, the clamp): u, and f's ratio,
-    NaN where a ratio is NaN; a NaN momentum stays NaN through the clamp."""
+    """OneBitLamb's direction, roots included: the op gives the bits of its torch sequence
+    (`direction_torch`) and of the direction written out here with IEEE's roots (the fp64
+    root rounded once), each operation rounded as torch rounds it: u, and f's ratio, NaN
+    where a ratio is NaN; a NaN momentum stays NaN through the clamp."""
     _, m, v = _inputs(n, seed=n)
     vf = v * torch.rand(n, generator=torch.Generator().manual_seed(1)) * 3
     if n > 10:
         m[5], m[6], m[7] = float("nan"), 1e30, -1e30  # NaN kept, huge values clamped (or not)
     bc1, bc2, eps = 0.271, 0.0953, 1e-8
-    want_u, stage = torch.empty(n), torch.empty(n)
-    d = F.denominator(v, bc2, eps, out=stage)
-    want_ratio = None
-    if fresh:
-        r = F.denominator(vf, bc2, eps, out=want_u)
-        want_ratio = torch.amax(torch.div(d, r, out=r)).reshape(1)
-    torch.div(m, bc1, out=want_u).div_(d)
+
+    def denominator(x):
+        return torch.sqrt(x.double()).float() / torch.tensor(bc2 ** 0.5, dtype=torch.float32) + eps
+
+    d = denominator(v)
+    want_ratio = torch.amax(d / denominator(vf)).reshape(1) if fresh else None
+    want_u = (m / bc1) / d
     if bound is not None:
-        want_u.clamp_(-bound, bound)
+        want_u = want_u.clamp(-bound, bound)
     for fn in (K.lamb_direction_, K.direction_torch):
-        u = torch.sqrt(vf) if fresh else torch.full((n,), -1.0)
-        ratio = fn(u, m, torch.sqrt(v), bc2 ** 0.5, eps, bc1, bound, fresh)
+        u, stage = torch.full((n,), -1.0), torch.full((n,), -2.0)
+        ratio = fn(u, m, v, vf if fresh else None, stage, bc2 ** 0.5, eps, bc1, bound)
         assert torch.equal(u.nan_to_num(7.0), want_u.nan_to_num(7.0)) and bool(u.isnan().eq(want_u.isnan()).all())
         assert (ratio is None) == (not fresh)
         if fresh:
             assert torch.equal(ratio, want_ratio)
     torch.library.opcheck(torch.ops.lbcomm.lamb_direction_.default,
-                          (torch.sqrt(vf), m, torch.sqrt(v), bc2 ** 0.5, eps, bc1, bound, fresh))
+                          (torch.empty(n), m, v, vf if fresh else None, torch.empty(n), bc2 ** 0.5, eps, bc1, bound))
     if fresh and n > 10:  # a NaN ratio wins the max, as torch.amax
         vf[9] = float("nan")
-        ratio = K.lamb_direction_(torch.sqrt(vf), m, torch.sqrt(v), bc2 ** 0.5, eps, bc1, bound, True)
+        ratio = K.lamb_direction_(torch.empty(n), m, v, vf, torch.empty(n), bc2 ** 0.5, eps, bc1, bound)
         assert bool(ratio.isnan().all())
+    with pytest.raises(ValueError, match="contiguous CPU tensors of"):
+        torch.ops.lbcomm.lamb_direction_(torch.empty(n), m, v, vf, torch.empty(n + 1), 1.0, eps, bc1, bound)

@@ -99,28 +99,28 @@ def decode_caps_table_(out: Tensor, v: Tensor, lo: int, starts: Tensor, table: T
     torch.ops.lbcomm.decode_caps_table_(out, v, lo, starts, table)
 
 
-def lamb_direction_(u: Tensor, m: Tensor, root_v: Tensor, scale: float, eps: float, bc1: float,
-                    bound: Optional[float], fresh: bool) -> Optional[Tensor]:
-    """OneBitLamb's direction over one range, after its roots: with d = root_v / scale + eps,
-    u <- clamp((m / bc1) / d, -bound, bound) (no clamp for bound None); with `fresh`, u holds
-    the fresh variance's root on entry, and max(d / (u / scale + eps)) over the range is
-    returned (`torch.amax`: a 1-element tensor, NaN if any ratio is). `root_v` is
-    overwritten. One pass of the op on CPU (fp32, contiguous), then the max; elsewhere
-    `direction_torch`, bitwise the same."""
-    if _DIRECTION_OP and all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
-                             for t in (u, m, root_v)):
-        torch.ops.lbcomm.lamb_direction_(u, m, root_v, scale, eps, bc1, bound, fresh)
-        return torch.amax(root_v).reshape(1) if fresh else None
-    return direction_torch(u, m, root_v, scale, eps, bc1, bound, fresh)
+def lamb_direction_(u: Tensor, m: Tensor, v: Tensor, vf: Optional[Tensor], stage: Tensor, scale: float, eps: float,
+                    bc1: float, bound: Optional[float]) -> Optional[Tensor]:
+    """OneBitLamb's direction over one range, roots included: with d = sqrt(v) / scale + eps
+    (IEEE's root, `F.scaled_root`), u <- clamp((m / bc1) / d, -bound, bound) (no
+    clamp for bound None); with the fresh variance `vf`, max(d / (sqrt(vf) / scale + eps))
+    over the range is returned (`torch.amax`: a 1-element tensor, NaN if any ratio is).
+    `stage` (fp32, the range's size) is scratch. One pass of the op on CPU (fp32,
+    contiguous), then the max; elsewhere `direction_torch`, bitwise the same."""
+    ts = (u, m, v, stage) if vf is None else (u, m, v, stage, vf)
+    if _DIRECTION_OP and all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in ts):
+        torch.ops.lbcomm.lamb_direction_(u, m, v, vf, stage, scale, eps, bc1, bound)
+        return None if vf is None else torch.amax(stage).reshape(1)
+    return direction_torch(u, m, v, vf, stage, scale, eps, bc1, bound)
 
 
-def direction_torch(u: Tensor, m: Tensor, root_v: Tensor, scale: float, eps: float, bc1: float,
-                    bound: Optional[float], fresh: bool) -> Optional[Tensor]:
+def direction_torch(u: Tensor, m: Tensor, v: Tensor, vf: Optional[Tensor], stage: Tensor, scale: float, eps: float,
+                    bc1: float, bound: Optional[float]) -> Optional[Tensor]:
     """`lamb_direction_` in torch ops (its fallback, and the sequence it replaces)."""
-    d = root_v.div_(scale).add_(eps)
+    d = F.scaled_root(v, scale, eps, out=stage)
     part = None
-    if fresh:
-        r = u.div_(scale).add_(eps)
+    if vf is not None:
+        r = F.scaled_root(vf, scale, eps, out=u)
         part = torch.amax(torch.div(d, r, out=r)).reshape(1)
     torch.div(m, bc1, out=u).div_(d)
     if bound is not None:
@@ -251,7 +251,7 @@ if _CAPS_OP:
 
 if _DIRECTION_OP:
     @torch.library.register_fake("lbcomm::lamb_direction_")
-    def _(u, exp_avg, root_v, scale, eps, bc1, bound, fresh):
+    def _(u, exp_avg, exp_avg_sq, exp_avg_sq_fresh, ratio, scale, eps, bc1, bound):
         return None
 
 

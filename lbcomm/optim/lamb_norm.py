@@ -59,16 +59,14 @@ class LambNorms:
         o, n = L.offsets[i], L.numels[i]
         u_buf, stage = self.update_buffers(L, n)
         u, step = u_buf[:n], stage.numel()
-        # d = sqrt(v^) + eps, d~ likewise of the fresh variance, torch's roots (AdamW's
-        # denominator); f = max(d / d~); u0 = m^ / d, clamped to [-U, U] per coordinate
-        # (max_update): the rest in one pass after the roots (`kernels.lamb_direction_`)
+        # d = sqrt(v^) + eps, d~ likewise of the fresh variance, IEEE's roots (as the
+        # compression stage's other fused ops); f = max(d / d~); u0 = m^ / d, clamped to
+        # [-U, U] per coordinate (max_update): one pass (`kernels.lamb_direction_`)
         ratio_max = None
         for lo in range(0, n, step):
             hi = min(n, lo + step)
-            root = torch.sqrt(v[o + lo:o + hi], out=stage[:hi - lo])
-            if stats:
-                torch.sqrt(vf[o + lo:o + hi], out=u[lo:hi])
-            part = K.lamb_direction_(u[lo:hi], m[o + lo:o + hi], root, bc2 ** 0.5, eps, bc1, bound, stats)
+            part = K.lamb_direction_(u[lo:hi], m[o + lo:o + hi], v[o + lo:o + hi], vf[o + lo:o + hi] if stats else None,
+                                     stage[:hi - lo], bc2 ** 0.5, eps, bc1, bound)
             if stats:
                 ratio_max = part if ratio_max is None else torch.maximum(ratio_max, part)
         u0n = un = None
@@ -127,8 +125,8 @@ class LambNorms:
         their squares scaled up to all of them. One fp32 allreduce of (samples + 1) per
         parameter; one fused pass over each parameter (`kernels.lamb_clean_pass_`), STAGE
         elements at a time (nothing model-sized is allocated), and the sampled coordinates
-        found again in their blocks only (`kernels.lamb_edge_find_`). Its d takes the
-        correctly rounded sqrt and u0 = m / (d bc1): within an ulp or two of the direction's."""
+        found again in their blocks only (`kernels.lamb_edge_find_`). Its d is the
+        direction's (IEEE's root) and u0 = m / (d bc1): within an ulp of the direction's."""
         slots = self.estimate_slots(L)
         rows = [] if slots is None else [i for i in range(len(L.params)) if slots[i] > 0]
         self.track_local_momentum(L, segs, skip=set(rows))

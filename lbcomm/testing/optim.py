@@ -256,8 +256,8 @@ def _lamb(params0, grads, *, lr, betas, eps, weight_decay, max_coeff, min_coeff,
             g_tilde = (new_m[i] - b1 * m[i]) / (1 - b1)
             m[i] = new_m[i]
             v_fresh[i].mul_(b2).addcmul_(g_tilde, g_tilde, value=1 - b2)
-            d = _denom(v[i], bc2, eps)
-            d_fresh = _denom(v_fresh[i], bc2, eps)
+            d = _denom(v[i], bc2, eps, True)  # the compression stage's root: IEEE's
+            d_fresh = _denom(v_fresh[i], bc2, eps, True)
             f = torch.amax(d / d_fresh)
             u0 = (m[i] / bc1) / d
             if frozen["bounds"][i] is not None:
