@@ -1,9 +1,11 @@
-"""OneBitLamb's direction over one staging range (F.STAGE fp32 elements, one thread): the
-fused op with its IEEE roots (`kernels.lamb_direction_`) against the torch sequence with
-torch's fp32 roots that it replaces (two roots, the two denominators, the ratio and its max,
-the quotient, the clamp), and against `kernels.direction_torch` (its fallback, whose fp64
-roots give the op's bits), as ratios in the same process. Medians of at least 15, three
-rounds.
+"""OneBitLamb's per-range ops of the compression stage over one staging range (F.STAGE fp32
+elements, one thread), as ratios in the same process: its direction, the fused op with its
+IEEE roots (`kernels.lamb_direction_`), against the torch sequence with torch's fp32 roots
+that it replaces (two roots, the two denominators, the ratio and its max, the quotient, the
+clamp) and against `kernels.direction_torch` (its fallback, whose fp64 roots give the op's
+bits); and its fresh variance from the reduced momentum (`kernels.implied_variance_`)
+against the six torch ops it replaces (`functional.implied_grad_variance_`). Medians of at
+least 15, three rounds.
 
     python -m bench.lamb_direction
 """
@@ -33,8 +35,12 @@ def main() -> None:
         seq = 1e3 * median_time(lambda: torch_sequence(*args), 15)
         op = 1e3 * median_time(lambda: K.lamb_direction_(*args), 15)
         fallback = 1e3 * median_time(lambda: K.direction_torch(*args), 15)
-        print(f"{n} elements: torch sequence {seq:.2f} ms, op {op:.2f} ms ({op / seq:.2f}x); "
+        print(f"{n} elements: direction: torch sequence {seq:.2f} ms, op {op:.2f} ms ({op / seq:.2f}x); "
               f"direction_torch (fp64 roots) {fallback:.2f} ms ({op / fallback:.2f}x)")
+        mn, mo = torch.randn(n, generator=g) * 1e-2, m.clone()
+        seq = 1e3 * median_time(lambda: F.implied_grad_variance_(vf, mn, mo, 0.9, 0.999), 15)
+        op = 1e3 * median_time(lambda: K.implied_variance_(vf, mn, mo, 0.9, 0.999), 15)
+        print(f"{n} elements: fresh variance: torch ops {seq:.2f} ms, op {op:.2f} ms ({op / seq:.2f}x)")
 
 
 if __name__ == "__main__":

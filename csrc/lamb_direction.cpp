@@ -12,6 +12,14 @@
 // Ten torch passes over the range (two roots, the two denominators, the ratio, the
 // quotient, the clamp) become one that reads v, v_fresh and m and writes u and q. Built
 // with -ffp-contract=off (no FMA) and -fno-math-errno (sqrt vectorizes to the IEEE root).
+//
+// lbcomm::implied_variance_, the fresh variance from the reduced momentum (before the
+// direction, in the momentum's sink), one pass instead of six torch ones:
+//
+//   g = (m_new - m * b1) / (1 - b1);  v_fresh = fma((1 - b2) * g, g, v_fresh * b2);  m = m_new
+//
+// the fma as torch's CPU addcmul_ rounds v + (w * t1) * t2 (its vectorized kernels fuse the
+// last multiply-add).
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
@@ -69,13 +77,60 @@ void lamb_direction_cpu(at::Tensor& u, const at::Tensor& m, const at::Tensor& v,
   }
 }
 
+// The fused multiply-add needs the FMA instructions to vectorize: a body built for AVX2 + FMA,
+// taken where the CPU has both (target_clones would pick "arch=haswell" by architecture, not
+// by these two features), and the portable one (std::fma through libm: the same bits).
+__attribute__((always_inline)) inline void implied_loop(float* __restrict vf, const float* __restrict mn,
+                                                        float* __restrict m, int64_t n, float b1, float c1, float b2,
+                                                        float c2) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = (mn[i] - m[i] * b1) / c1;
+    vf[i] = std::fma(c2 * g, g, vf[i] * b2);
+    m[i] = mn[i];
+  }
+}
+
+#if defined(__x86_64__)
+__attribute__((target("avx2,fma"))) void implied_range_fma(float* vf, const float* mn, float* m, int64_t n, float b1,
+                                                             float c1, float b2, float c2) {
+  implied_loop(vf, mn, m, n, b1, c1, b2, c2);
+}
+#endif
+
+void implied_range(float* vf, const float* mn, float* m, int64_t n, float b1, float c1, float b2, float c2) {
+#if defined(__x86_64__)
+  static const bool fma = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (fma) return implied_range_fma(vf, mn, m, n, b1, c1, b2, c2);
+#endif
+  implied_loop(vf, mn, m, n, b1, c1, b2, c2);
+}
+
+void implied_variance_cpu(at::Tensor& vf, const at::Tensor& mn, at::Tensor& m, double b1, double b2) {
+  const char* op = "lbcomm::implied_variance_";
+  const int64_t n = vf.numel();
+  const at::Tensor* ts[] = {&vf, &mn, &m};
+  for (const at::Tensor* t : ts) {
+    TORCH_CHECK_TYPE(t->scalar_type() == at::kFloat, op, ": v_fresh, m_new and m must be Float, got ",
+                     t->scalar_type());
+    TORCH_CHECK_VALUE(t->is_contiguous() && t->device().is_cpu() && t->numel() == n, op,
+                      ": v_fresh, m_new and m must be contiguous CPU tensors of ", n, " elements");
+  }
+  // each Python float rounded to fp32, as torch's ops take them
+  implied_range(vf.data_ptr<float>(), mn.data_ptr<float>(), m.data_ptr<float>(), n, static_cast<float>(b1),
+                static_cast<float>(1 - b1), static_cast<float>(b2), static_cast<float>(1 - b2));
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(lbcomm, m) {
   m.def("lamb_direction_(Tensor(a!) u, Tensor exp_avg, Tensor exp_avg_sq, Tensor? exp_avg_sq_fresh, "
         "Tensor(b!) ratio, float scale, float eps, float bc1, float? bound) -> ()");
+  m.def("implied_variance_(Tensor(a!) v_fresh, Tensor m_new, Tensor(b!) m, float b1, float b2) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(lbcomm, CPU, m) { m.impl("lamb_direction_", &lamb_direction_cpu); }
+TORCH_LIBRARY_IMPL(lbcomm, CPU, m) {
+  m.impl("lamb_direction_", &lamb_direction_cpu);
+  m.impl("implied_variance_", &implied_variance_cpu);
+}
 
 }  // namespace lbcomm

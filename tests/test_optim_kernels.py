@@ -243,3 +243,31 @@ def test_lamb_direction_is_the_torch_sequence(n, bound, fresh):
         assert bool(ratio.isnan().all())
     with pytest.raises(ValueError, match="contiguous CPU tensors of"):
         torch.ops.lbcomm.lamb_direction_(torch.empty(n), m, v, vf, torch.empty(n + 1), 1.0, eps, bc1, bound)
+
+
+@pytest.mark.skipif(not K._IMPLIED_OP, reason="lbcomm._C without implied_variance_")
+@pytest.mark.parametrize("n", [1, 7, 1000, 100003])
+def test_implied_variance_is_the_torch_sequence(n):
+    """OneBitLamb's fresh variance from the reduced momentum: the op gives the bits of
+    `F.implied_grad_variance_` (six torch ops, addcmul_'s multiply-add fused as torch's CPU
+    kernels do on this host) and of the formula written out with one fp32 fma, and commits
+    m <- m_new; NaN and infinities go through as in torch."""
+    g = torch.Generator().manual_seed(n)
+    vf, m, mn = torch.rand(n, generator=g) * 1e-3, torch.randn(n, generator=g) * 1e-2, torch.randn(n, generator=g)
+    if n > 10:
+        mn[3], m[4], vf[5] = float("nan"), float("inf"), -0.0
+    b1, b2 = 0.9, 0.999
+    want_v, want_m = vf.clone(), m.clone()
+    F.implied_grad_variance_(want_v, mn, want_m, b1, b2)
+    gt = (mn - m * torch.tensor(b1)) / torch.tensor(1 - b1)
+    w = torch.tensor(1 - b2, dtype=torch.float32)
+    fused = (w * gt).double() * gt.double() + (vf * torch.tensor(b2)).double()  # the product exact in fp64
+    assert torch.equal(want_v.nan_to_num(7.0), fused.float().nan_to_num(7.0)), \
+        "torch's addcmul_ does not fuse its multiply-add on this host"
+    got_v, got_m = vf.clone(), m.clone()
+    K.implied_variance_(got_v, mn, got_m, b1, b2)
+    assert torch.equal(got_v.nan_to_num(7.0), want_v.nan_to_num(7.0))
+    assert torch.equal(got_v.isnan(), want_v.isnan()) and torch.equal(got_m.nan_to_num(7.0), mn.nan_to_num(7.0))
+    torch.library.opcheck(torch.ops.lbcomm.implied_variance_.default, (vf.clone(), mn, m.clone(), b1, b2))
+    with pytest.raises(ValueError, match="contiguous CPU tensors of"):
+        torch.ops.lbcomm.implied_variance_(vf.clone(), mn[:-1] if n > 1 else torch.empty(2), m.clone(), b1, b2)

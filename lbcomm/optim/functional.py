@@ -170,7 +170,8 @@ def track_coeff(frozen_coeff: Tensor, c: Tensor, beta: float) -> Tensor:
 def implied_grad_variance_(v_fresh: Tensor, m_new: Tensor, m: Tensor, b1: float, b2: float) -> None:
     """1-bit LAMB: g~ = (m_new - b1 m) / (1 - b1), the gradient the reduced momentum
     implies, v_fresh <- b2 v_fresh + (1 - b2) g~^2, then m <- m_new. g~ is formed in m
-    itself (the same roundings as with a temporary), so nothing is allocated."""
+    itself (the same roundings as with a temporary), so nothing is allocated. The torch
+    sequence of `kernels.implied_variance_` (one pass of an op on the CPU)."""
     m.mul_(b1)
     gt = torch.sub(m_new, m, out=m).div_(1 - b1)
     v_fresh.mul_(b2).addcmul_(gt, gt, value=1 - b2)

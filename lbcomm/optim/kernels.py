@@ -24,7 +24,7 @@ from .. import ops
 from . import functional as F
 
 __all__ = ["frozen_adamw_", "has_fused_kernel", "decode_caps_", "decode_caps_table_", "caps_table_op",
-           "lamb_direction_", "direction_torch",
+           "lamb_direction_", "direction_torch", "implied_variance_",
            "lamb_clean_pass_", "lamb_edge_find_", "clean_pass_torch", "edge_find_torch", "advance_local_", "EDGE_BLOCK"]
 
 _log = logging.getLogger(__name__)
@@ -49,6 +49,7 @@ _CLEAN_OP = ops.HAS_EXTENSION and hasattr(torch.ops.lbcomm, "lamb_advance_local_
 _CAPS_OP = ops.HAS_EXTENSION and hasattr(torch.ops.lbcomm, "decode_caps_")
 _CAPS_TABLE_OP = ops.HAS_EXTENSION and hasattr(torch.ops.lbcomm, "decode_caps_table_")
 _DIRECTION_OP = ops.HAS_EXTENSION and hasattr(torch.ops.lbcomm, "lamb_direction_")
+_IMPLIED_OP = ops.HAS_EXTENSION and hasattr(torch.ops.lbcomm, "implied_variance_")
 # the edge counts' blocks of the clean pass (kEdgeBlock in csrc/lamb.cpp)
 EDGE_BLOCK = 128
 
@@ -126,6 +127,18 @@ def direction_torch(u: Tensor, m: Tensor, v: Tensor, vf: Optional[Tensor], stage
     if bound is not None:
         u.clamp_(-bound, bound)
     return part
+
+
+def implied_variance_(v_fresh: Tensor, m_new: Tensor, m: Tensor, b1: float, b2: float) -> None:
+    """`F.implied_grad_variance_` (OneBitLamb's fresh variance from the reduced momentum,
+    then m <- m_new) in one pass of the op on CPU (fp32, contiguous); elsewhere the torch
+    ops. Bitwise the same where torch's addcmul_ fuses its multiply-add, as its vectorized
+    CPU kernels do."""
+    if _IMPLIED_OP and all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
+                           for t in (v_fresh, m_new, m)):
+        torch.ops.lbcomm.implied_variance_(v_fresh, m_new, m, b1, b2)
+        return
+    F.implied_grad_variance_(v_fresh, m_new, m, b1, b2)
 
 
 def advance_local_(ml: Tensor, g: Optional[Tensor], weight: float, scratch: Optional[Tensor] = None) -> None:
@@ -252,6 +265,12 @@ if _CAPS_OP:
 if _DIRECTION_OP:
     @torch.library.register_fake("lbcomm::lamb_direction_")
     def _(u, exp_avg, exp_avg_sq, exp_avg_sq_fresh, ratio, scale, eps, bc1, bound):
+        return None
+
+
+if _IMPLIED_OP:
+    @torch.library.register_fake("lbcomm::implied_variance_")
+    def _(v_fresh, m_new, m, b1, b2):
         return None
 
 

@@ -15,6 +15,7 @@ from torch import Tensor
 from ..config import CommConfig, OneBitOptions, resolve, resolve_options
 from ..common import ring_allreduce_bytes
 from . import functional as F
+from . import kernels as K
 from .adam import check_freeze_step
 from .base import BaseOptimizer
 from .flat import FlatLayout, Segment
@@ -218,7 +219,7 @@ class OneBitLamb(BaseOptimizer):
             self._onebit.mask_range(values, lo, hi)
             for i, a, b in parts:
                 b1, b2 = self.param_groups[L.group_of[i]]["betas"]
-                F.implied_grad_variance_(vf[a:b], values[a - lo:b - lo], m[a:b], b1, b2)  # commits m too
+                K.implied_variance_(vf[a:b], values[a - lo:b - lo], m[a:b], b1, b2)  # commits m too
 
         return sink
 
