@@ -1,7 +1,8 @@
 """Typed wrappers of the optimizers' fused ops, torch.ops.lbcomm.frozen_adamw_ and
-decode_caps_ (csrc/optim.cpp) and lamb_clean_pass_ / lamb_edge_find_ / lamb_advance_local_
-(csrc/lamb.cpp), with the pure-torch sequences they replace as the fallback
-(`functional.frozen_adamw_`, `clean_pass_torch`, `edge_find_torch`).
+decode_caps_ (csrc/optim.cpp), lamb_clean_pass_ / lamb_edge_find_ / lamb_advance_local_
+(csrc/lamb.cpp) and lamb_direction_ / implied_variance_ (csrc/lamb_direction.cpp), with the
+pure-torch sequences they replace as the fallback (`functional.frozen_adamw_`,
+`clean_pass_torch`, `edge_find_torch`, `direction_torch`, `functional.implied_grad_variance_`).
 
 OneBitAdam keeps no denominator after the freeze: every step computes
 sqrt(v) / sqrt(1 - b2^T) + eps again, in the op's one pass that reads p, m and v and
