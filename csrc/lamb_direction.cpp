@@ -26,6 +26,8 @@
 #include <cmath>
 #include <optional>
 
+#include "kernels.h"
+
 namespace lbcomm {
 namespace {
 
@@ -99,8 +101,8 @@ __attribute__((target("avx2,fma"))) void implied_range_fma(float* vf, const floa
 
 void implied_range(float* vf, const float* mn, float* m, int64_t n, float b1, float c1, float b2, float c2) {
 #if defined(__x86_64__)
-  static const bool fma = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  if (fma) return implied_range_fma(vf, mn, m, n, b1, c1, b2, c2);
+  // the compressing kernels' check (AVX2, FMA and F16C; off with LBCOMM_DISABLE_AVX2=1)
+  if (cpu::has_avx2()) return implied_range_fma(vf, mn, m, n, b1, c1, b2, c2);
 #endif
   implied_loop(vf, mn, m, n, b1, c1, b2, c2);
 }

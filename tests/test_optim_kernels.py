@@ -4,6 +4,9 @@ written here, bitwise. The root is the correctly rounded one (the fp64 root roun
 fp32); the inputs include values whose torch fp32 sqrt differs from it (torch's CPU sqrt is
 not correctly rounded on every host)."""
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -271,3 +274,15 @@ def test_implied_variance_is_the_torch_sequence(n):
     torch.library.opcheck(torch.ops.lbcomm.implied_variance_.default, (vf.clone(), mn, m.clone(), b1, b2))
     with pytest.raises(ValueError, match="contiguous CPU tensors of"):
         torch.ops.lbcomm.implied_variance_(vf.clone(), mn[:-1] if n > 1 else torch.empty(2), m.clone(), b1, b2)
+
+
+@pytest.mark.skipif(not K._IMPLIED_OP, reason="lbcomm._C without implied_variance_")
+def test_implied_variance_portable_body():
+    """The same with the AVX2 bodies off (LBCOMM_DISABLE_AVX2=1): the portable body's
+    std::fma gives the same bits."""
+    env = dict(os.environ, LBCOMM_DISABLE_AVX2="1")
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          f"{__file__}::test_implied_variance_is_the_torch_sequence"],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "4 passed" in res.stdout, res.stdout[-3000:]
