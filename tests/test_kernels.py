@@ -284,6 +284,21 @@ def test_unpack_matches_reference(p, m, numel, block):
     assert torch.equal(ops.unpack(packed, scales, numel, block), R.unpack(packed, scales, numel, block))
 
 
+@pytest.mark.parametrize("offset", [0, 1])
+@pytest.mark.parametrize("capped", [False, True])
+def test_large_unpack_matches_reference(capped, offset):
+    """Outputs of a million elements and more are written with streamed stores (aligned
+    ones; offset 1 is not aligned): still the reference's values, every element written."""
+    p, m, numel, block = 4, (1 << 18) + 2048, (1 << 20) + 5, 2048
+    packed = torch.randint(0, 256, (p, m // 8), dtype=torch.uint8)
+    scales = torch.rand(p, R.num_blocks(m, block))
+    cap = _caps(numel, scale=0.5) if capped else None
+    buf = torch.full((numel + offset,), float("nan"))
+    out = buf[offset:]
+    ops.unpack_into(packed, scales, block, out, cap=cap)
+    assert torch.equal(out, R.unpack(packed, scales, numel, block, cap=cap))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_unpack_into_matches_unpack(dtype):
     packed = torch.randint(0, 256, (3, 128), dtype=torch.uint8)

@@ -280,12 +280,14 @@ LBCOMM_AVX2 double server_z_avx2(const ServerArgs& a, int64_t start, int64_t rea
   return hsum(lo, hi) + server_z_scalar(a, start, i, real, scale_col, inv_p);
 }
 
+inline bool aligned32(const float* p) { return (reinterpret_cast<uintptr_t>(p) & 31) == 0; }
+
 LBCOMM_AVX2 void sign_pack_avx2(const float* v, float* err, uint8_t* out, int64_t real, int64_t len, float scale) {
   const __m256 vs = _mm256_set1_ps(scale);
   const __m256 signmask = _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(0x80000000u)));
   // Errors going to another buffer than v are streamed: a normal store would first read
   // each line of that buffer (write-allocate), 4 more bytes of traffic per element.
-  const bool stream = err != v && (reinterpret_cast<uintptr_t>(err) & 31) == 0;
+  const bool stream = err != v && aligned32(err);
   int64_t i = 0;
   for (; i + 8 <= real; i += 8) {
     const __m256 y = _mm256_loadu_ps(v + i);
@@ -302,13 +304,15 @@ LBCOMM_AVX2 void sign_pack_avx2(const float* v, float* err, uint8_t* out, int64_
 }
 
 LBCOMM_AVX2 void unpack_avx2(const uint8_t* bits, float* out, int64_t i0, int64_t i1, float sc, const void* w,
-                             InType wt, int64_t woff) {
+                             InType wt, int64_t woff, bool stream) {
   const __m256 vs = _mm256_set1_ps(sc);
   int64_t i = i0;  // i0 % 8 == 0: segments start on block or unit boundaries
   if (w) {
     for (; i + 8 <= i1; i += 8)
       _mm256_storeu_ps(out + i,
                        _mm256_mul_ps(_mm256_or_ps(vs, sign_bits(bits[i >> 3])), load8(w, wt, woff + i)));
+  } else if (stream && aligned32(out + i)) {
+    for (; i + 8 <= i1; i += 8) _mm256_stream_ps(out + i, _mm256_or_ps(vs, sign_bits(bits[i >> 3])));
   } else {
     for (; i + 8 <= i1; i += 8) _mm256_storeu_ps(out + i, _mm256_or_ps(vs, sign_bits(bits[i >> 3])));
   }
@@ -381,9 +385,14 @@ LBCOMM_AVX2 void sign_pack_capped_avx2(const float* v, float* err, uint8_t* out,
 
 // min(cap, scale) with the sign bit OR-ed on: the scalar `neg ? -|d| : d` (see above).
 LBCOMM_AVX2 void unpack_capped_avx2(const uint8_t* bits, float* out, const float* cap, int64_t i0, int64_t i1,
-                                    float sc) {
+                                    float sc, bool stream) {
   const __m256 vs = _mm256_set1_ps(sc);
   int64_t i = i0;
+  if (stream && aligned32(out + i)) {
+    for (; i + 8 <= i1; i += 8) {
+      _mm256_stream_ps(out + i, _mm256_or_ps(_mm256_min_ps(_mm256_loadu_ps(cap + i), vs), sign_bits(bits[i >> 3])));
+    }
+  }
   for (; i + 8 <= i1; i += 8) {
     _mm256_storeu_ps(out + i, _mm256_or_ps(_mm256_min_ps(_mm256_loadu_ps(cap + i), vs), sign_bits(bits[i >> 3])));
   }
@@ -570,10 +579,15 @@ void server_pass(const ServerArgs& a, int pass, int64_t begin, int64_t end) {
 }
 
 // Units of kPartialBlock elements per chunk row, chunk-major.
+constexpr int64_t kStreamMin = int64_t{1} << 20;  // elements (4 MiB of output)
 int64_t unpack_units(const UnpackArgs& a) { return a.p * ceil_div(a.m, kPartialBlock); }
 
 void unpack_range(const UnpackArgs& a, int64_t begin, int64_t end) {
   const int64_t per_row = ceil_div(a.m, kPartialBlock);
+  // Outputs larger than a core's caches are streamed (written without first reading each
+  // line); smaller ones are written normally, so a reader right after finds them in cache.
+  const bool stream = a.numel >= kStreamMin;
+  (void)stream;  // x86 only
   for (int64_t u = begin; u < end; ++u) {
     const int64_t k = u / per_row, i0 = (u % per_row) * kPartialBlock;
     int64_t i1 = i0 + kPartialBlock < a.m ? i0 + kPartialBlock : a.m;
@@ -591,7 +605,7 @@ void unpack_range(const UnpackArgs& a, int64_t begin, int64_t end) {
         const float* cap = unit_caps(a.cap, a.ctab, k * a.m + s0, s1 - s0);
 #ifdef LBCOMM_X86
         if (kAvx2) {
-          unpack_capped_avx2(bits + (s0 >> 3), out + s0, cap, 0, s1 - s0, sc);
+          unpack_capped_avx2(bits + (s0 >> 3), out + s0, cap, 0, s1 - s0, sc, stream);
           s0 = s1;
           continue;
         }
@@ -602,7 +616,7 @@ void unpack_range(const UnpackArgs& a, int64_t begin, int64_t end) {
       }
 #ifdef LBCOMM_X86
       if (kAvx2) {
-        unpack_avx2(bits, out, s0, s1, sc, a.weights, a.wtype, k * a.m);
+        unpack_avx2(bits, out, s0, s1, sc, a.weights, a.wtype, k * a.m, stream);
         s0 = s1;
         continue;
       }
@@ -611,6 +625,9 @@ void unpack_range(const UnpackArgs& a, int64_t begin, int64_t end) {
       s0 = s1;
     }
   }
+#ifdef LBCOMM_X86
+  if (stream) _mm_sfence();  // streamed stores are weakly ordered
+#endif
 }
 
 }  // namespace cpu
