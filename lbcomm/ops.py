@@ -70,10 +70,17 @@ def _has_cuda_kernels() -> bool:
     return HAS_EXTENSION and bool(torch.ops.lbcomm.built_with_cuda())
 
 
+def kernel_computes_caps(cap, device: torch.device) -> bool:
+    """Whether the ops' kernels compute these caps themselves: `TableCaps` with the variance
+    on the CPU, where the CPU kernels run. Other computed caps are filled into a tensor
+    first (by the op, or range by range by a reduction that stages them)."""
+    return isinstance(cap, TableCaps) and cap.in_kernel() and _use_kernel(device)
+
+
 def _caps(cap, kernel: bool, numel: int, device: torch.device) -> dict:
-    """The ops' cap arguments: a tensor as it is; `TableCaps` the CPU kernels compute
-    themselves; other computed caps (and table caps elsewhere) filled into a new tensor."""
-    if isinstance(cap, TableCaps) and kernel and cap.in_kernel():
+    """The ops' cap arguments: a tensor as it is; caps the kernels compute themselves
+    (`kernel_computes_caps`); other computed caps filled into a new tensor."""
+    if kernel and kernel_computes_caps(cap, device):
         return cap.kernel_args()
     if isinstance(cap, ComputedCaps):
         if cap.numel != numel:

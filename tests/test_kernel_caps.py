@@ -96,3 +96,19 @@ def test_table_caps_are_refused_clearly():
     packed, scales = ops.worker_compress(x, e, 64)
     torch.library.opcheck(torch.ops.lbcomm.unpack_into.default, (packed, scales, 64, torch.empty(100)),
                           {"cap": tc.v, "cap_table": tc.table, "cap_starts": tc.starts, "cap_lo": 60})
+
+
+def test_one_rule_says_which_caps_the_kernels_compute(monkeypatch):
+    """`ops.kernel_computes_caps`, which the ops and the reduction both follow: table caps
+    over a CPU variance, while the CPU kernels run; never other caps."""
+    tc, caps = _table_caps([100, 28])
+    cpu = torch.device("cpu")
+    assert ops.kernel_computes_caps(tc, cpu) and ops.kernel_computes_caps(tc[5:50], cpu)
+    assert not ops.kernel_computes_caps(ComputedCaps(tc.fill_fn, tc.numel), cpu)
+    assert not ops.kernel_computes_caps(caps, cpu) and not ops.kernel_computes_caps(None, cpu)
+    meta = TableCaps(tc.v.to("meta"), tc.starts, tc.table, tc.fill_fn, tc.numel)
+    assert not ops.kernel_computes_caps(meta, torch.device("meta"))
+    monkeypatch.setattr(ops, "HAS_EXTENSION", False)
+    monkeypatch.setattr(ops, "_warned", set())  # the fallback's one-time warning, fresh
+    with pytest.warns(RuntimeWarning, match="reference"):
+        assert not ops.kernel_computes_caps(tc, cpu)

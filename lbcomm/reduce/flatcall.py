@@ -42,7 +42,7 @@ from torch import Tensor
 from .. import ops
 from ..common import NonFiniteError
 from .buffers import WireBuffers
-from .inputs import Cap, ComputedCaps, Sink, Source, TableCaps, check_cap, check_tensor, check_weights
+from .inputs import Cap, ComputedCaps, Sink, Source, check_cap, check_tensor, check_weights
 from .wire import agreement_vector, block_ranges, check_headers, encode_header, num_blocks, read_agreement
 
 # The argument types and checks live in lbcomm.reduce.inputs; re-exported here for the 0.2 imports.
@@ -74,8 +74,8 @@ class FlatCall:
         state.ensure_idle()
         self.source, self.sink, self.weights, self.cap = source, sink, weights, cap
         # computed caps: every phase runs range by range (whole blocks, the staging size),
-        # except caps the kernels compute themselves (TableCaps on the CPU): sliced like a tensor
-        self.computed = isinstance(cap, ComputedCaps) and not (isinstance(cap, TableCaps) and cap.in_kernel())
+        # except caps the kernels compute themselves: sliced like a tensor
+        self.computed = isinstance(cap, ComputedCaps) and not ops.kernel_computes_caps(cap, state.device)
         self.flat_source: Optional[Tensor] = None  # the tensor source as one flat view (made on first use)
         self.buffers = state.buffers  # the state's wire rows and staging (lbcomm.reduce.buffers)
         self.wire: List[WireBuffers] = []  # the wire rows, once the call reaches phase 0
