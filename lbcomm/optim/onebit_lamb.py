@@ -241,7 +241,10 @@ class OneBitLamb(BaseOptimizer):
                 mode = _mode(group)
                 for i in seg.idx:
                     u, ratio_max, u0n, un = self._norms.direction(L, seg, i, bounds[i], stats=mode != "live")
-                    live = None if mode == "frozen" else torch.cat([F.norms([L.tensor(i)]), F.norms([u])])
+                    if mode != "frozen":  # un, where the direction gave it, is already ||u||
+                        live = torch.cat([F.norms([L.tensor(i)]), F.norms([u]) if un is None else un])
+                    else:
+                        live = None
                     if i in estimated:
                         live = torch.cat([live[:1], self._estimated_norm(clean[i], live[1:], group)])
                     self._lamb_step(L, seg, i, u, ratio_max, u0n, un, live)
