@@ -31,7 +31,7 @@ this callback).
   same step. The Trainer's ``max_grad_norm`` clips each rank's gradient by its own norm,
   as DiLoCo's inner steps do (its logged ``grad_norm`` is that rank's own norm).
 * Every checkpoint: each rank writes its shard into ``checkpoint-N/``
-  (``shard-<rank>-of-<world>.pt``, `lbcomm.save_sharded`): the full optimizer state of
+  (``shard-00000-of-00002.pt`` for rank 0 of 2, `lbcomm.save_sharded`): the full optimizer state of
   that rank (including its compression error feedback, which differs between ranks and
   which the Trainer's rank-0 ``optimizer.pt`` cannot hold) and the hook state. With local
   updates: the local updates' state, the inner optimizer's state and the model's weights

@@ -1,4 +1,4 @@
-# accelerate launch --num_processes 2 train.py OUT [--resume]   (or torchrun --nproc_per_node 2)
+# torchrun --nproc_per_node 2 train.py OUT [--resume]
 import sys
 
 import torch
@@ -32,6 +32,7 @@ for epoch in range(start_epoch, 3):  # 6 batches per rank and epoch
     if epoch + 1 == 2 and start_epoch == 0:
         accelerator.save_state(f"{out}/epoch-2")
 inner = accelerator.unwrap_model(model)
+sent = opt.optimizer.bytes_per_step()  # None with one process: nothing to compress
 print(f"rank {accelerator.process_index}: loss {loss.item():.6f}, compression stage sends "
-      f"{opt.optimizer.bytes_per_step()['total']} bytes per step")
+      f"{sent['total'] if sent else 0} bytes per step")
 lbcomm.save_sharded(f"{out}/final-{start_epoch}", opt, inner)

@@ -33,8 +33,8 @@ for step in range(start, 9):
     if step + 1 == 6 and start == 0:
         dcp.save({"model": model.module.state_dict(), "optim": RankLocal(opt), "step": 6},
                  checkpoint_id=f"{out}/step-6")
-print(f"rank {rank}: loss {loss.item():.6f}, compression stage sends {opt.bytes_per_step()['total']} bytes per "
-      "step")
+sent = opt.bytes_per_step()  # None with one process: nothing to compress
+print(f"rank {rank}: loss {loss.item():.6f}, compression stage sends {sent['total'] if sent else 0} bytes per step")
 lbcomm.save_sharded(f"{out}/final-{start}", opt, model.module)
 del model  # DDP's reducer goes before its process group (torch 2.13 + gloo may abort at exit otherwise)
 dist.destroy_process_group()

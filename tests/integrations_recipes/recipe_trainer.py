@@ -8,10 +8,11 @@ import lbcomm
 from lbcomm.integrations.transformers import LbcommCallback
 
 torch.manual_seed(0)
-model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=16, n_embd=64, n_layer=2, n_head=2))
+model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=16, n_embd=64, n_layer=2, n_head=2, bos_token_id=0,
+                                          eos_token_id=0))
 tokens = torch.randint(0, 128, (64, 16), generator=torch.Generator().manual_seed(1))
 data = [{"input_ids": t, "labels": t} for t in tokens]
-opt = lbcomm.OneBitAdam(model.parameters(), lr=3e-3, freeze_step=4)
+opt = lbcomm.OneBitAdam(model.parameters(), lr=3e-3, freeze_step=2)
 args = TrainingArguments(output_dir=sys.argv[1], max_steps=9, per_device_train_batch_size=2,
                          gradient_accumulation_steps=2, save_steps=3, save_total_limit=2,
                          report_to="none", use_cpu=True, ddp_backend="gloo", ddp_find_unused_parameters=False)
@@ -19,5 +20,6 @@ args = TrainingArguments(output_dir=sys.argv[1], max_steps=9, per_device_train_b
 # default) by one norm for all ranks in place of the Trainer, which would clip each rank by its own norm
 trainer = Trainer(model=model, args=args, train_dataset=data, optimizers=(opt, None), callbacks=[LbcommCallback()])
 trainer.train(resume_from_checkpoint=f"{sys.argv[1]}/checkpoint-6" if "--resume" in sys.argv else None)
-print(f"rank {trainer.args.process_index}: compression stage sends {opt.bytes_per_step()['total']} bytes per step, "
+sent = opt.bytes_per_step()  # None with one process: nothing to compress
+print(f"rank {trainer.args.process_index}: compression stage sends {sent['total'] if sent else 0} bytes per step, "
       f"{sum(p.numel() for p in model.parameters()) * 4} bytes of fp32 gradients")
