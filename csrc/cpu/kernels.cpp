@@ -578,8 +578,9 @@ void server_pass(const ServerArgs& a, int pass, int64_t begin, int64_t end) {
   }
 }
 
+constexpr int64_t kStreamMin = int64_t{1} << 20;  // elements (4 MiB of output): streamed stores from here
+
 // Units of kPartialBlock elements per chunk row, chunk-major.
-constexpr int64_t kStreamMin = int64_t{1} << 20;  // elements (4 MiB of output)
 int64_t unpack_units(const UnpackArgs& a) { return a.p * ceil_div(a.m, kPartialBlock); }
 
 void unpack_range(const UnpackArgs& a, int64_t begin, int64_t end) {
