@@ -8,8 +8,8 @@ import lbcomm
 from lbcomm.integrations.transformers import LbcommCallback
 
 torch.manual_seed(0)
-model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=16, n_embd=64, n_layer=2, n_head=2, bos_token_id=0,
-                                          eos_token_id=0))
+config = GPT2Config(vocab_size=128, n_positions=16, n_embd=64, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0)
+model = GPT2LMHeadModel(config)
 tokens = torch.randint(0, 128, (64, 16), generator=torch.Generator().manual_seed(1))
 data = [{"input_ids": t, "labels": t} for t in tokens]
 opt = lbcomm.OneBitAdam(model.parameters(), lr=3e-3, freeze_step=2)
