@@ -1,9 +1,6 @@
 """Caps the kernels compute from the optimizer's variance (`TableCaps`: the capped decode
 of the 1-bit optimizers on the CPU) against the same caps passed as a tensor and the
 plain-torch reference."""
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -12,7 +9,7 @@ import torch
 from lbcomm import ops
 from lbcomm.reduce.inputs import ComputedCaps, TableCaps
 from lbcomm.testing import kernels as R
-from test_kernels import _worker_inputs
+from test_kernels import _worker_inputs, run_without_avx2
 
 pytestmark = pytest.mark.skipif(not ops.HAS_EXTENSION, reason=f"extension not built: {ops.extension_problem()}")
 
@@ -68,12 +65,7 @@ def test_table_caps_are_the_caps_they_stand_for(n0, p, off, block):
 
 def test_table_caps_portable_path():
     """The same with the AVX2 bodies off (LBCOMM_DISABLE_AVX2=1): the portable bodies."""
-    env = dict(os.environ, LBCOMM_DISABLE_AVX2="1")
-    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          f"{__file__}::test_table_caps_are_the_caps_they_stand_for"],
-                         env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert "12 passed" in res.stdout, res.stdout[-3000:]
+    run_without_avx2(f"{__file__}::test_table_caps_are_the_caps_they_stand_for", 12)
 
 
 def test_table_caps_are_refused_clearly():

@@ -26,6 +26,16 @@ def _special_values(n, dtype=torch.float32):
     return x.to(dtype)
 
 
+def run_without_avx2(nodeid: str, passed: int) -> None:
+    """Run the test `nodeid` (path::name) in a fresh process with the AVX2 bodies off
+    (LBCOMM_DISABLE_AVX2=1: the portable bodies) and require all `passed` cases to pass."""
+    env = dict(os.environ, LBCOMM_DISABLE_AVX2="1")
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", nodeid],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert f"{passed} passed" in res.stdout, res.stdout[-3000:]
+
+
 def _worker_inputs(n0, p, dtype=torch.float32, err_scale=0.1):
     m = R.chunk_size(n0, p)
     x = torch.randn(n0).to(dtype)

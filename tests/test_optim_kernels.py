@@ -4,9 +4,6 @@ written here, bitwise. The root is the correctly rounded one (the fp64 root roun
 fp32); the inputs include values whose torch fp32 sqrt differs from it (torch's CPU sqrt is
 not correctly rounded on every host)."""
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,6 +11,7 @@ import torch
 from lbcomm import ops
 from lbcomm.optim import functional as F
 from lbcomm.optim import kernels as K
+from test_kernels import run_without_avx2
 
 needs_op = pytest.mark.skipif(not (ops.HAS_EXTENSION and hasattr(torch.ops.lbcomm, "frozen_adamw_")),
                               reason="lbcomm._C without frozen_adamw_ (rebuild: python setup.py build_ext --inplace)")
@@ -280,9 +278,4 @@ def test_implied_variance_is_the_torch_sequence(n):
 def test_implied_variance_portable_body():
     """The same with the AVX2 bodies off (LBCOMM_DISABLE_AVX2=1): the portable body's
     std::fma gives the same bits."""
-    env = dict(os.environ, LBCOMM_DISABLE_AVX2="1")
-    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          f"{__file__}::test_implied_variance_is_the_torch_sequence"],
-                         env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert "4 passed" in res.stdout, res.stdout[-3000:]
+    run_without_avx2(f"{__file__}::test_implied_variance_is_the_torch_sequence", 4)
