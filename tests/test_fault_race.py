@@ -59,12 +59,14 @@ def test_fault_race_loopback(tmp_path):
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     proc = subprocess.run([sys.executable, "-m", "lbcomm.cli", "race", "--fault", "--bandwidth", "none",
                            "--world-size", "3", "--methods", "onebit_local", "--local-h", "5", "--steps", "60",
-                           "--target-loss", "10", "--restart-after", "0.5", "--json", str(path), *TINY],
+                           "--target-loss", "10", "--restart-after", "0.5", "--local-block-size", "512",
+                           "--json", str(path), *TINY],
                           capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(path.read_text())
     check_fault_doc(doc)
     assert doc["config"]["replicas"] == 3 and doc["config"]["crash_at_step"] == 20
+    assert doc["config"]["block_size"] == 512
     (run,) = doc["runs"]
     clean, fault = run["rows"]
     assert (clean["run"], fault["run"]) == ("onebit_local_h5_clean", "onebit_local_h5_fault")

@@ -37,7 +37,8 @@ def loopback(tmp_path_factory):
     methods = "ddp,onebit_adam" + (",diloco" if HAS_TORCHFT else "") + ",onebit_local"
     # outer momentum 0: DiLoCo's outer step is then plain SGD (torch refuses Nesterov without momentum)
     proc = race("--bandwidth", "none", "--methods", methods, "--diloco-h", "3", "--outer-momentum", "0",
-                "--local-h", "3", "--local-overlap", "1", "--schedule", "cosine", "--json", str(path), *TINY)
+                "--local-h", "3", "--local-overlap", "1", "--local-block-size", "256",
+                "--schedule", "cosine", "--json", str(path), *TINY)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc, json.loads(path.read_text())
 
@@ -46,6 +47,7 @@ def test_race_loopback_schema_and_table(loopback):
     proc, doc = loopback
     check_race_doc(doc)
     assert doc["config"]["outer_momentum"] == 0.0 and doc["config"]["local_overlap"] == 1
+    assert doc["config"]["local_block_size"] == 256
     assert doc["config"]["schedule"] == "cosine" and doc["config"]["delay"] == "0"
     (run,) = doc["runs"]
     assert run["bandwidth"] is None

@@ -372,7 +372,8 @@ def cmd_fault_race(args, model: Dict) -> int:
 
     opts = dict(replicas=args.world_size, steps=args.steps, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
                 restart_after=args.restart_after, timeout=args.timeout, seed=args.seed, model=model,
-                val_seqs=args.val_seqs, lr=args.lr, warmup=args.warmup, schedule=args.schedule)
+                val_seqs=args.val_seqs, lr=args.lr, warmup=args.warmup, schedule=args.schedule,
+                block_size=args.local_block_size)
     runs = []
     for bw in args.bandwidth:
         rows = []
@@ -398,7 +399,7 @@ def cmd_fault_race(args, model: Dict) -> int:
     if args.json:
         config = {k: opts[k] for k in ("replicas", "steps", "outer_lr", "outer_momentum", "restart_after", "seed",
                                        "model", "val_seqs", "lr", "warmup", "schedule")}
-        config.update(block_size=ENGINE_DEFAULTS["block_size"], exact_numel=ENGINE_DEFAULTS["exact_numel"],
+        config.update(block_size=opts["block_size"], exact_numel=ENGINE_DEFAULTS["exact_numel"],
                       latency=args.latency, burst=args.burst,
                       delay=args.delay, crash_at_step=args.steps // 3)
         from .race import _model

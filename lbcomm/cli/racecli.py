@@ -81,6 +81,10 @@ def add_parser(sub, make) -> None:
     p.add_argument("--local-overlap", type=_int_at_least(0), default=0,
                    help="onebit_local: inner steps each sync runs behind the training (OneBitLocalUpdates' overlap, "
                         "< every --local-h) (default: 0)")
+    p.add_argument("--local-block-size", type=_positive, default=2048,
+                   help="onebit_local: elements per scale block of the 1-bit outer exchange (CommConfig's "
+                        "block_size); 256 or less for a run trained near its floor (docs/internet.md) "
+                        "(default: 2048)")
     p.add_argument("--outer-lr", type=_float_over(0, "learning rate"), default=0.7,
                    help="diloco and onebit_local: the outer Nesterov SGD's learning rate (default: 0.7, DiLoCo's)")
     p.add_argument("--outer-momentum", type=_momentum, default=0.9,
@@ -198,7 +202,8 @@ def _params(args, bandwidth: Optional[str]) -> Dict:
                  batch=args.batch)
     return dict(model=model, runs=args.runs, steps=args.steps, eval_every=args.eval_every, lr=args.lr,
                 outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, local_overlap=args.local_overlap,
-                warmup=args.warmup, schedule=args.schedule, freeze_step=args.freeze_step or max(2, args.steps // 10),
+                local_block_size=args.local_block_size, warmup=args.warmup, schedule=args.schedule,
+                freeze_step=args.freeze_step or max(2, args.steps // 10),
                 time_cap_s=args.time_cap, cap_factor=args.cap, max_steps=args.max_steps_factor * args.steps,
                 target_loss=args.target_loss, val_seqs=args.val_seqs, seed=args.seed, threads=args.threads,
                 backend="gloo", progress=not args.no_progress, netem=bool(bandwidth), floor_steps=6)
@@ -269,8 +274,8 @@ def cmd_race(args, info) -> int:
     m = params["model"]
     config = dict(world_size=args.world_size, backend="gloo", threads_per_rank=args.threads, model=m,
                   steps=args.steps, eval_every=args.eval_every, lr=args.lr, outer_lr=args.outer_lr,
-                  outer_momentum=args.outer_momentum, local_overlap=args.local_overlap, warmup=args.warmup,
-                  schedule=args.schedule,
+                  outer_momentum=args.outer_momentum, local_overlap=args.local_overlap,
+                  local_block_size=args.local_block_size, warmup=args.warmup, schedule=args.schedule,
                   freeze_step=params["freeze_step"],
                   cap=args.cap,
                   time_cap_s=None if math.isinf(args.time_cap) else args.time_cap, target_loss=args.target_loss,

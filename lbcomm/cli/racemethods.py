@@ -67,7 +67,7 @@ class Method:
 
     def __init__(self, family: str, model: torch.nn.Module, *, lr: float, warmup: int, freeze_step: int,
                  sync_every: Optional[int], transport, device: torch.device, outer_lr: float,
-                 outer_momentum: float, overlap: int = 0):
+                 outer_momentum: float, overlap: int = 0, block_size: int = 2048):
         self.family, self.module, self.sync_every = family, model, sync_every
         self._outer: Optional[Callable[[], object]] = None
         self._just_synced = False
@@ -91,7 +91,8 @@ class Method:
 
             self.model, self.opt = model, torch.optim.AdamW(model.parameters(), lr=lr, **fused)
             self._local = lbcomm.OneBitLocalUpdates(model.parameters(), self.opt, sync_every, outer_lr=outer_lr,
-                                                    outer_momentum=outer_momentum, overlap=overlap)
+                                                    outer_momentum=outer_momentum, overlap=overlap,
+                                                    comm=lbcomm.CommConfig(block_size=block_size))
             self._outer = self._local.step
         elif family == "diloco":
             self.model, self.opt = model, torch.optim.AdamW(model.parameters(), lr=lr, **fused)
