@@ -2,26 +2,24 @@
 error-feedback outer exchange) over torchft, for training across the internet with
 replica groups that leave and join without a restart (docs/internet.md).
 
-Every replica group trains H (`sync_every`) inner steps on its own; at each
-synchronization it asks torchft's Manager for a quorum (``start_quorum``: the Lighthouse
-decides which replica groups take part, the Manager reconfigures its process group and a
-replica group that is behind heals from a live peer), averages the outer pseudo-gradient
-over the quorum through lbcomm's compressed allreduce on that group (`TorchFTTransport`:
-the one path to the network), and steps the outer Nesterov optimizer only when the Manager
-agrees to commit (``should_commit``). A failed exchange (a peer died during it) is reported
-to the Manager; the synchronization is then retried at once with a new quorum from the
-same local progress (``max_attempts``), and only when every attempt fails is the round
-discarded (the parameters return to the round's start).
+Every replica group trains rounds of H (`sync_every`) inner steps on its own. At a round's
+first step it asks torchft's Manager for the round's quorum (``start_quorum``: the
+Lighthouse decides which replica groups take part, the Manager reconfigures its process
+group, and a replica group that is behind heals from a live peer); at its end it averages
+the outer pseudo-gradient over the quorum through lbcomm's compressed allreduce on that
+group (`TorchFTTransport`: the one path to the network), and steps the outer Nesterov
+optimizer only when the Manager agrees to commit (``should_commit``). A failed exchange (a
+peer died during the round) is reported to the Manager and retried at once with a new
+quorum from the same local progress (``max_attempts``); only when every attempt fails is
+the round discarded (the parameters return to its start).
 
 torchft is optional: this module imports it when an object is built.
 
-The error feedback across membership changes (derived in docs/internet.md): every
-member sees a change alike from one small all-gather at the start of each exchange, and
-folds what it owed into a reducer for the new quorum, e' = (p'/p) e + p' s on the span it
-served, s' = 0, which carries exactly the survivors' share of what was owed; a joining or
-healed member starts at zero; an attempt that is not committed restores this member's
-errors from a snapshot taken before its call. The invariant then holds over every run of
-calls with a fixed membership (tests/test_ft.py checks it on the survivors).
+The error feedback across membership changes (docs/internet.md): a change is seen alike
+from one all-gather per exchange; each member folds what it owed into a reducer for the new
+quorum, e' = (p'/p) e + p' s (s on the span it served), s' = 0: the survivors' share is
+carried exactly, a joining or healed member starts at zero, and an uncommitted attempt
+restores its snapshot. tests/test_ft.py checks the invariant on the survivors.
 
 ``compress=False`` averages the pseudo-gradient with a plain fp32 allreduce over the same
 group: torchft's DiLoCo exchange, for comparison. Parameters of at most
@@ -35,8 +33,7 @@ the slices and takes their worst status, so a slice skipped anywhere skips the r
 every group. Each rank holds the error feedback of its slice only.
 
 Not done here: streaming fragments and overlap. The Manager must be created with
-``use_async_quorum=False``: every member of the group then takes part in every exchange (a
-healing member heals before it, inside ``start_quorum``).
+``use_async_quorum=False``: every member then takes part in every exchange.
 """
 from __future__ import annotations
 
@@ -85,33 +82,28 @@ class FaultTolerantLocalUpdates:
     replica groups may leave and join between synchronizations (see the module docs).
 
     Call `step` right after ``inner.step()`` at every inner step; every `sync_every` steps
-    it synchronizes with the current quorum and returns True when the outer step was
-    committed.
+    it synchronizes with the round's quorum and returns True when the outer step committed.
 
     Args:
         params (iterable of Tensor): the parameters, the same set as `inner`'s.
         inner (torch.optim.Optimizer): the optimizer of the inner steps.
         sync_every (int): H, inner steps per round.
-        manager: a ``torchft.Manager`` created with ``use_async_quorum=False`` (its
-            ``load_state_dict``/``state_dict`` may be None: this object registers its own
-            state under the key "lbcomm_local_updates", the weights included).
+        manager: a ``torchft.Manager`` with ``use_async_quorum=False`` (its state-dict functions
+            may be None: this object registers its state, weights included, as "lbcomm_local_updates").
         pg: the torchft process group given to the Manager (``Manager(pg=pg, ...)``).
         outer_lr (float): the outer SGD's learning rate (default: 0.7).
         outer_momentum (float): its momentum (default: 0.9).
         nesterov (bool, optional): default: Nesterov when ``outer_momentum > 0``.
         compress (bool): True: the 1-bit error-feedback allreduce; False: plain fp32
             (torchft's DiLoCo exchange) (default: True).
-        comm (lbcomm.CommConfig, optional): ``block_size`` and ``exact_numel``; the group
-            is the Manager's `pg` and a non-finite round is skipped on every member, so
-            ``process_group``, a ``Topology`` and ``nonfinite="raise"`` are refused
-            (default: CommConfig()).
+        comm (lbcomm.CommConfig, optional): ``block_size`` and ``exact_numel``; ``process_group``,
+            a ``Topology`` and ``nonfinite="raise"`` are refused: the group is the Manager's
+            `pg`, and a non-finite round is skipped on every member (default: CommConfig()).
         max_attempts (int): quorums tried per synchronization before the round is
             discarded (default: 3).
-        trace (bool): keep the last exchange's input, output and error buffers in
-            `last_trace` (for tests of the error-feedback invariant) (default: False).
-        local_group (torch.distributed.ProcessGroup, optional): this replica group's ranks
-            when it has several replicas (the node topology); required then, and checked
-            (default: None).
+        trace (bool): keep the last exchange's input, output and errors in `last_trace` (tests).
+        local_group (torch.distributed.ProcessGroup, optional): this replica group's ranks when
+            it has several replicas (the node topology); required then, and checked.
     """
 
     def __init__(self, params: Iterable[Tensor], inner: torch.optim.Optimizer, sync_every: int, *, manager, pg,
@@ -163,33 +155,48 @@ class FaultTolerantLocalUpdates:
         self._calls = 0
         self._dirty = False  # the last exchange failed: the next one rebuilds the reducer
         self._healed = False
+        self._round: Optional[Dict[str, Any]] = None  # the current round's quorum and timings
         self.inner_steps = self.syncs = self.skipped = self.failed = self.heals = self.bytes_sent = 0
         self.last_sync: Dict[str, Any] = {}
         self.last_trace: Optional[Dict[str, Any]] = None
         manager.register_state_dict_fn(_KEY, self._load_peer_state, self._peer_state)
 
-    # ------------------------------------------------------------------ the step
     @torch.no_grad()
     def step(self) -> bool:
-        """Count one inner step; synchronize every `sync_every` steps. True when an outer
-        step was committed at this step."""
+        """Count one inner step; the quorum of a round at its first step (`_begin_round`), a
+        synchronization every `sync_every` steps. True when an outer step was committed."""
         self.inner_steps += 1
+        if self._round is None:
+            self._begin_round()
         if self.inner_steps % self.sync_every:
             return False
         return self.sync()
+
+    def _begin_round(self) -> None:
+        """The round's quorum at its first step, where the members ask together (at the sync, one
+        late by over the join timeout was left out and lost its round); one behind heals here."""
+        self._round = {"attempts": 0, "quorum_s": 0.0, "exchange_s": 0.0, "commit_s": 0.0, "healed": False,
+                       "members": 0, "rebuilt": False}
+        self._healed = False
+        t0 = time.perf_counter()
+        self.manager.start_quorum()
+        self._round["quorum_s"] = time.perf_counter() - t0
+        self._round["healed"] = self._healed
 
     @torch.no_grad()
     def sync(self) -> bool:
         """One synchronization: quorum (and healing), exchange, commit, outer step; retried
         with a new quorum when the exchange fails. True when committed."""
-        info: Dict[str, Any] = {"attempts": 0, "quorum_s": 0.0, "exchange_s": 0.0, "commit_s": 0.0,
-                                "healed": False, "members": 0, "rebuilt": False}
+        if self._round is None:  # sync() called outside step()
+            self._begin_round()
+        info, self._round = self._round, None
         self.last_sync = info
         for attempt in range(self.max_attempts):
             info["attempts"] = attempt + 1
             t0 = time.perf_counter()
-            self._healed = False
-            self.manager.start_quorum()  # heals this replica group here when it is behind
+            if attempt:  # a new quorum for the retry (a member that is behind heals here)
+                self._healed = False
+                self.manager.start_quorum()
             t1 = time.perf_counter()
             info["quorum_s"] += t1 - t0
             info["healed"] = info["healed"] or self._healed
@@ -243,10 +250,9 @@ class FaultTolerantLocalUpdates:
         return beta, self.outer.state.get(self.anchor, {}).get("momentum_buffer")
 
     def _exchange(self, info: Dict[str, Any]) -> bool:
-        """The mean of Δ (or u) over the quorum into the buffer (with a local group: this
-        rank's slice, then the group's all-gather). False: non-finite on some member or a
-        failed exchange; a failure of the network is reported to the Manager (its
-        should_commit then refuses)."""
+        """The mean of Δ (or u) over the quorum into the buffer (a local group: this rank's slice,
+        then the group's all-gather). False: non-finite on some member, or a failed exchange
+        (reported to the Manager, whose should_commit then refuses)."""
         buf = self._delta_()
         x = buf[self._lo:self._lo + self._n]
         # the anchors of a group's ranks must agree: a sample of them (a few microseconds)
@@ -332,9 +338,8 @@ class FaultTolerantLocalUpdates:
         return size, lo, hi
 
     def _gather(self, buf: Tensor, status: int, check: int) -> int:
-        """The G averaged slices (with statuses and the anchors' checksums) into the buffer;
-        the worst status. Raises if the G ranks' anchors differ (torchft healed them from
-        peers that were not replicas)."""
+        """The G averaged slices (statuses, anchors' checksums) into the buffer; the worst
+        status. Raises if the ranks' anchors differ (healed from peers that were not replicas)."""
         spans = self._spans
         width = spans[0][1] - spans[0][0]
         mine = buf.new_zeros(3 + width)  # checksum (int64 in two floats), status, slice
@@ -352,9 +357,8 @@ class FaultTolerantLocalUpdates:
         return int(every[:, 2].min())
 
     def _agree_members(self, xport) -> bool:
-        """One all-gather of (id, membership of the error feedback, calls, failed): on a
-        membership change every member rebuilds its reducer for the quorum and folds what
-        it owed into it (module docs). True when rebuilt."""
+        """One all-gather of (id, membership of the error feedback, calls, failed); on a change
+        each member rebuilds its reducer and folds what it owed into it. True when rebuilt."""
         p = xport.world_size
         red = self._reducer
         calls = red.calls if red is not None else self._calls
@@ -402,7 +406,6 @@ class FaultTolerantLocalUpdates:
         for p, v in zip(self.params, self.anchor.split([p.numel() for p in self.params])):
             p.detach().copy_(v.view_as(p))
 
-    # ------------------------------------------------------------------ healing
     def _peer_state(self) -> Dict[str, Any]:
         """What a healing replica group receives from this one (copies: the Manager
         serves them while this one goes on)."""
@@ -428,14 +431,12 @@ class FaultTolerantLocalUpdates:
         self._reducer, self._members, self._owed, self._dirty = None, None, None, True
         self._healed = True
         self.heals += 1
-        self.last_sync["heal_apply_s"] = time.perf_counter() - t0
+        (self._round if self._round is not None else self.last_sync)["heal_apply_s"] = time.perf_counter() - t0
         _log.info("%s: healed from a live peer at inner step %s", type(self).__name__, self.inner_steps)
 
-    # ------------------------------------------------------------------ figures
     def error_feedback(self) -> Optional[Dict[str, Any]]:
-        """This member's error feedback now: worker error (the first numel elements),
-        server error, the span it serves and the membership; None before the first
-        compressed exchange."""
+        """This member's error feedback: worker error (its first numel elements), server error,
+        the span it serves and the membership; None before the first compressed exchange."""
         red = self._reducer
         if red is None:
             return None
