@@ -44,6 +44,8 @@ def main() -> None:
     ap.add_argument("--store-port", type=int, default=0)
     ap.add_argument("--distinct-init", action="store_true", help="groups of several ranks start apart (a misuse)")
     ap.add_argument("--nan-at", type=int, default=0, help="this group's last weight is NaN after inner step N")
+    ap.add_argument("--late-at", type=int, default=0, help="sleep --late-s before the step() of inner step N")
+    ap.add_argument("--late-s", type=float, default=0.0)
     a = ap.parse_args()
 
     import torch.distributed as dist
@@ -106,6 +108,8 @@ def main() -> None:
                 params[-1].view(-1)[-1] = float("nan")  # in the last slice only
         if a.die_at and not a.in_sync and local.inner_steps + 1 == a.die_at:
             os._exit(17)  # a crash: no goodbye to anyone
+        if a.late_at and local.inner_steps + 1 == a.late_at:
+            time.sleep(a.late_s)  # a host that slows this replica down just before a synchronization
         if local.step():
             info = local.last_sync
             anchor = local.anchor.detach().clone()
