@@ -185,8 +185,8 @@ class FaultTolerantLocalUpdates:
 
     @torch.no_grad()
     def sync(self) -> bool:
-        """One synchronization: quorum (and healing), exchange, commit, outer step; retried
-        with a new quorum when the exchange fails. True when committed."""
+        """One synchronization in the round's quorum: exchange, commit, outer step; retried in
+        a new quorum (where a member that is behind heals) when it fails. True when committed."""
         if self._round is None:  # sync() called outside step()
             self._begin_round()
         info, self._round = self._round, None
