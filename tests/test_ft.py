@@ -250,8 +250,8 @@ def test_a_replica_late_at_a_synchronization_is_waited_for_not_left_out(tmp_path
         outs = [str(tmp_path / f"r{i}.pt") for i in range(3)]
         # slow steps, so that all three have joined well before the late one (the first
         # quorums may form without a replica that is still starting)
-        common = ["--sync-every", "5", "--max-steps", "75", "--stop-after", "1000", "--step-sleep", "0.1"]
-        procs = [_start(i, lh.address(), outs[i], *common, *(["--late-at", "60", "--late-s", "3"] if i == 1 else []))
+        common = ["--sync-every", "5", "--max-steps", "115", "--stop-after", "1000", "--step-sleep", "0.1"]
+        procs = [_start(i, lh.address(), outs[i], *common, *(["--late-at", "100", "--late-s", "3"] if i == 1 else []))
                  for i in range(3)]
         _wait(procs, deadline, "training")
         assert [p.returncode for p in procs] == [0, 0, 0], _logs(tmp_path)
@@ -259,8 +259,8 @@ def test_a_replica_late_at_a_synchronization_is_waited_for_not_left_out(tmp_path
         _stop(procs, lh)
     runs = [torch.load(f, weights_only=False) for f in outs]
     for run in runs:  # all three before the late step, and at it and after it
-        late = [r for r in run["records"] if r["inner_steps"] >= 55]
-        assert [r["inner_steps"] for r in late] == [55, 60, 65, 70, 75], run["records"]
+        late = [r for r in run["records"] if r["inner_steps"] >= 95]
+        assert [r["inner_steps"] for r in late] == [95, 100, 105, 110, 115], run["records"]
         assert all(r["members"] == 3 and not r["healed"] for r in late), late
     assert len({run["anchor"].numpy().tobytes() for run in runs}) == 1
 
