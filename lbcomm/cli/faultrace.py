@@ -28,6 +28,8 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from ..config import DEFAULT_BLOCK_SIZE
+
 __all__ = ["METHODS", "ENGINE_DEFAULTS", "LMTask", "run", "replica", "summary", "table", "ROW_FIELDS",
            "FAULT_ROW_FIELDS", "cmd_fault_race", "check_fault_doc"]
 
@@ -36,7 +38,7 @@ METHODS = ("1bit", "fp32", "diloco")
 # exchange's block size and exact tensors. exact_numel=300 is below the LM's width (512), so
 # its biases and norms are compressed too, unlike the library default (4096) that the clean
 # race runs; the JSON config records it
-ENGINE_DEFAULTS = dict(join_timeout_ms=5000, heartbeat_timeout_ms=1000, block_size=2048, exact_numel=300,
+ENGINE_DEFAULTS = dict(join_timeout_ms=5000, heartbeat_timeout_ms=1000, block_size=DEFAULT_BLOCK_SIZE, exact_numel=300,
                        restart_after=10.0)
 LIGHTHOUSE_PORT = 29510
 

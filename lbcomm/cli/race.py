@@ -121,7 +121,7 @@ def race_one(run: Dict, params: Dict, data: Data, transport, device, ddp_time: O
     model = _model(cfg).to(device)
     method = Method(run["family"], model, lr=params["lr"], outer_lr=params["outer_lr"],
                     outer_momentum=params["outer_momentum"], overlap=params.get("local_overlap", 0),
-                    block_size=params.get("local_block_size", 2048), warmup=params["warmup"],
+                    block_size=params["local_block_size"], warmup=params["warmup"],
                     freeze_step=params["freeze_step"], sync_every=run.get("sync_every"), transport=transport,
                     device=device)
     every, budget = params["eval_every"], params["steps"]

@@ -9,6 +9,7 @@ from typing import Dict, List, Optional
 
 from .argtypes import (UsageError, _choices, _comma, _float_over, _int_at_least, _momentum, _positive, _rate_or_none,
                        _seconds, check_cluster)
+from ..config import DEFAULT_BLOCK_SIZE
 from .racemethods import FAMILIES, LOCAL_FAMILIES, unavailable
 from .schema import _check_fields, check_head, describe_fields, document
 
@@ -81,10 +82,10 @@ def add_parser(sub, make) -> None:
     p.add_argument("--local-overlap", type=_int_at_least(0), default=0,
                    help="onebit_local: inner steps each sync runs behind the training (OneBitLocalUpdates' overlap, "
                         "< every --local-h) (default: 0)")
-    p.add_argument("--local-block-size", type=_positive, default=2048,
+    p.add_argument("--local-block-size", type=_positive, default=DEFAULT_BLOCK_SIZE,
                    help="onebit_local: elements per scale block of the 1-bit outer exchange (CommConfig's "
                         "block_size); 256 or less for a run trained near its floor (docs/internet.md) "
-                        "(default: 2048)")
+                        f"(default: {DEFAULT_BLOCK_SIZE})")
     p.add_argument("--outer-lr", type=_float_over(0, "learning rate"), default=0.7,
                    help="diloco and onebit_local: the outer Nesterov SGD's learning rate (default: 0.7, DiLoCo's)")
     p.add_argument("--outer-momentum", type=_momentum, default=0.9,

@@ -38,6 +38,8 @@ from typing import Callable, Optional
 
 import torch
 
+from ..config import DEFAULT_BLOCK_SIZE
+
 __all__ = ["FAMILIES", "LOCAL_FAMILIES", "Method", "unavailable"]
 
 FAMILIES = ("ddp", "bf16", "powersgd", "onebit_hook", "onebit_adam", "zeroone_adam", "diloco", "onebit_local")
@@ -67,7 +69,7 @@ class Method:
 
     def __init__(self, family: str, model: torch.nn.Module, *, lr: float, warmup: int, freeze_step: int,
                  sync_every: Optional[int], transport, device: torch.device, outer_lr: float,
-                 outer_momentum: float, overlap: int = 0, block_size: int = 2048):
+                 outer_momentum: float, overlap: int = 0, block_size: int = DEFAULT_BLOCK_SIZE):
         self.family, self.module, self.sync_every = family, model, sync_every
         self._outer: Optional[Callable[[], object]] = None
         self._just_synced = False
