@@ -82,6 +82,37 @@ def test_fault_race_loopback(tmp_path):
     assert "fault/clean" in proc.stdout and "restarts 0.5 s later" in proc.stdout
 
 
+def _entry(t, loss, members=3):
+    return dict(step=1, members=members, t=t, eval=loss, evals_before_s=0.0, quorum_s=2.0, heal_apply_s=0.5,
+                exchange_s=0.25, commit_s=0.25)
+
+
+def test_a_restarted_replica_stopped_before_it_finished_still_reports_its_rejoin(tmp_path):
+    # the replica left out of the last round is stopped waiting for a quorum; the log it
+    # wrote after each synchronization still gives the recovery
+    from lbcomm.cli.faultrace import FAULT_ROW_FIELDS, _row
+
+    outs = [str(tmp_path / f"r{i}_0.json") for i in range(3)] + [str(tmp_path / "r2_1.json")]
+    stats = dict(syncs=2, bytes_sent=100, failed=0)
+    for o in outs[:2]:
+        Path(o).write_text(json.dumps(dict(log=[_entry(11.0, 3.0), _entry(30.0, 2.5, members=2)], stats=stats, inner_steps=10)))
+    Path(outs[2] + ".died").write_text("12.0")
+    Path(outs[3] + ".partial").write_text(json.dumps(dict(log=[_entry(29.0, 2.6)], stats=None, inner_steps=None)))
+    row = _row("1bit_fault", "1bit", True, 2.8, t0=10.0, t_restart=22.0, outs=outs, victim=2, n=3)
+    assert set(FAULT_ROW_FIELDS) <= set(row)
+    assert row["recovery_s"] == pytest.approx(17.0) and row["rejoin_s"] == pytest.approx(7.0)
+    assert row["detect_s"] == pytest.approx(18.0) and row["first_step_s"] == pytest.approx(0.5)
+    assert row["time_to_target_s"] == pytest.approx(20.0)
+    # without the partial log the row says the replica did not rejoin
+    os.remove(outs[3] + ".partial")
+    assert _row("1bit_fault", "1bit", True, 2.8, 10.0, 22.0, outs, 2, 3)["recovery_s"] is None
+    # replica 0 must have finished: its partial log alone is refused
+    os.remove(outs[0])
+    Path(outs[0] + ".partial").write_text(json.dumps(dict(log=[_entry(11.0, 3.0)], stats=None, inner_steps=None)))
+    with pytest.raises(RuntimeError, match="replica 0 did not finish"):
+        _row("1bit_fault", "1bit", True, 2.8, 10.0, 22.0, outs, 2, 3)
+
+
 def test_fault_doc_check_names_what_is_wrong():
     doc = json.loads((ROOT / "bench/results/race_fault_1gbit_2026-11-30/fault_1gbit_s0.json").read_text())
     check_fault_doc(doc)

@@ -143,6 +143,11 @@ class _Replica:
         is evaluated more often)."""
         t = time.time()
         self.log.append(dict(entry, t=t, eval=self.task.evaluate(), evals_before_s=self.eval_s))
+        # the log so far, for a replica stopped before it finishes: a group left out of the
+        # last round waits for a quorum that never comes, but its rejoin still counts
+        with open(self.spec["out"] + ".tmp", "w") as f:
+            json.dump({"log": self.log, "stats": None, "inner_steps": None}, f)
+        os.replace(self.spec["out"] + ".tmp", self.spec["out"] + ".partial")
         self.eval_s += time.time() - t
 
     def finish(self, manager, stats: Dict, inner_steps: int) -> None:
@@ -289,7 +294,7 @@ def run(opts: Dict, method: str, sync_every: int, fault: bool, tmp: str, target:
         if fault:
             try:
                 procs[-1].wait(timeout=30)
-            except subprocess.TimeoutExpired:  # came after the others finished: reported as not rejoined
+            except subprocess.TimeoutExpired:  # left out of the last round: its partial log counts
                 pass
     finally:
         for p in procs:
@@ -300,13 +305,23 @@ def run(opts: Dict, method: str, sync_every: int, fault: bool, tmp: str, target:
     return _row(tag, name, fault, target, t0, t_restart, outs, victim, n)
 
 
+def _result(out: str) -> Optional[Dict]:
+    """A replica's result, else its log as of its last synchronization (stats None), else None."""
+    for path in (out, out + ".partial"):
+        if os.path.exists(path):
+            with open(path) as f:
+                return json.load(f)
+    return None
+
+
 def _row(tag: str, name: str, fault: bool, target: float, t0: float, t_restart: Optional[float],
          outs: List[str], victim: int, n: int) -> Dict:
-    res = [json.load(open(o)) if os.path.exists(o) else None for o in outs]
+    res = [_result(o) for o in outs]
     ref = res[0]
-    if ref is None or not ref["log"]:
+    if ref is None or ref["stats"] is None or not ref["log"]:
         tail = open(outs[0] + ".log").read()[-3000:] if os.path.exists(outs[0] + ".log") else ""
-        raise RuntimeError(f"{tag}: replica 0 committed no synchronization; its log ends with:\n{tail}")
+        raise RuntimeError(f"{tag}: replica 0 did not finish or committed no synchronization; its log ends "
+                           f"with:\n{tail}")
     log = ref["log"]
     clock = [e["t"] - t0 - e.get("evals_before_s", 0.0) for e in log]  # training time, evaluations left out
     hit = next((c for c, e in zip(clock, log) if e["eval"] <= target), None)
