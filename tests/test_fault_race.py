@@ -78,7 +78,7 @@ def test_fault_race_loopback(tmp_path):
     # 1-bit: under a tenth of the bytes of an fp32 ring allreduce of the model per synchronization
     fp32 = clean["syncs"] * ring_allreduce_bytes(4 * doc["params"], 3)
     assert 0 < clean["bytes_per_replica"] < fp32 / 10
-    assert set(ROW_FIELDS) <= set(clean)
+    assert set(ROW_FIELDS) <= set(clean) and clean["members"] == [3] * clean["syncs"]
     assert "fault/clean" in proc.stdout and "restarts 0.5 s later" in proc.stdout
 
 
@@ -95,14 +95,15 @@ def test_a_restarted_replica_stopped_before_it_finished_still_reports_its_rejoin
     outs = [str(tmp_path / f"r{i}_0.json") for i in range(3)] + [str(tmp_path / "r2_1.json")]
     stats = dict(syncs=2, bytes_sent=100, failed=0)
     for o in outs[:2]:
-        Path(o).write_text(json.dumps(dict(log=[_entry(11.0, 3.0), _entry(30.0, 2.5, members=2)], stats=stats, inner_steps=10)))
+        log = [_entry(11.0, 3.0), _entry(30.0, 2.5, members=2)]
+        Path(o).write_text(json.dumps(dict(log=log, stats=stats, inner_steps=10)))
     Path(outs[2] + ".died").write_text("12.0")
     Path(outs[3] + ".partial").write_text(json.dumps(dict(log=[_entry(29.0, 2.6)], stats=None, inner_steps=None)))
     row = _row("1bit_fault", "1bit", True, 2.8, t0=10.0, t_restart=22.0, outs=outs, victim=2, n=3)
     assert set(FAULT_ROW_FIELDS) <= set(row)
     assert row["recovery_s"] == pytest.approx(17.0) and row["rejoin_s"] == pytest.approx(7.0)
     assert row["detect_s"] == pytest.approx(18.0) and row["first_step_s"] == pytest.approx(0.5)
-    assert row["time_to_target_s"] == pytest.approx(20.0)
+    assert row["time_to_target_s"] == pytest.approx(20.0) and row["members"] == [3, 2]
     # without the partial log the row says the replica did not rejoin
     os.remove(outs[3] + ".partial")
     assert _row("1bit_fault", "1bit", True, 2.8, 10.0, 22.0, outs, 2, 3)["recovery_s"] is None

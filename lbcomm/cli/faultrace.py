@@ -35,9 +35,8 @@ __all__ = ["METHODS", "ENGINE_DEFAULTS", "LMTask", "run", "replica", "summary", 
 
 METHODS = ("1bit", "fp32", "diloco")
 # the Lighthouse's timing (quick detection on one host), the restart delay, and the 1-bit
-# exchange's block size and exact tensors. exact_numel=300 is below the LM's width (512), so
-# its biases and norms are compressed too, unlike the library default (4096) that the clean
-# race runs; the JSON config records it
+# exchange's block size and exact tensors. exact_numel=300 is below the LM's width (512): its
+# biases and norms are compressed too, unlike the clean race's default (4096); the config says so
 ENGINE_DEFAULTS = dict(join_timeout_ms=5000, heartbeat_timeout_ms=1000, block_size=DEFAULT_BLOCK_SIZE, exact_numel=300,
                        restart_after=10.0)
 LIGHTHOUSE_PORT = 29510
@@ -55,6 +54,7 @@ ROW_FIELDS = {
     "bytes_per_replica": (int, "bytes replica 0 sent in its outer exchanges"),
     "failed_attempts": ((int, type(None)), "exchanges replica 0 took again after a failed commit (1bit, fp32)"),
     "curve": (list, "[training seconds, held-out loss] after each committed synchronization"),
+    "members": (list, "replica groups in each of replica 0's committed synchronizations (absent before 2026-12)"),
 }
 _SECONDS = (float, type(None))
 FAULT_ROW_FIELDS = {  # with the fault; null where it did not happen
@@ -330,7 +330,7 @@ def _row(tag: str, name: str, fault: bool, target: float, t0: float, t_restart: 
            "last10_loss": sum(tail) / len(tail), "time_to_target_s": hit, "train_s": clock[-1],
            "wall_s": log[-1]["t"] - t0, "syncs": ref["stats"]["syncs"],
            "bytes_per_replica": int(ref["stats"]["bytes_sent"]), "failed_attempts": ref["stats"]["failed"],
-           "curve": [[round(c, 3), e["eval"]] for c, e in zip(clock, log)]}
+           "curve": [[round(c, 3), e["eval"]] for c, e in zip(clock, log)], "members": [e["members"] for e in log]}
     if fault:
         died = float(open(outs[victim] + ".died").read())
         after = [e for e in log if e["t"] > died and e["members"] < n]

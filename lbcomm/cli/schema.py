@@ -80,7 +80,7 @@ ALLREDUCE_CONFIG_FIELDS = {
 # Fields added after version 1 was published: documents written before may lack them.
 OPTIONAL_FIELDS = {"inter_node_bytes", "ranks_per_node", "speedup_vs_hsdp", "inter_node_bytes_per_step",
                    "spread_p90_p10", "compute_s", "wire_s", "limit_s", "limit_fraction", "cpu_s", "compute_cpu_s",
-                   "host_busy"}
+                   "host_busy", "members"}
 HOST_FIELDS = {
     "torch": (str, "torch version"),
     "lbcomm": (str, "lbcomm version"),
