@@ -2,18 +2,17 @@
 error-feedback outer exchange) over torchft, for training across the internet with
 replica groups that leave and join without a restart (docs/internet.md).
 
-Every replica group trains rounds of H (`sync_every`) inner steps on its own. At a round's
-first step it asks torchft's Manager for the round's quorum (``start_quorum``: the
-Lighthouse decides which replica groups take part, the Manager reconfigures its process
-group, and a replica group that is behind heals from a live peer); at its end it averages
+Every replica group trains rounds of H (`sync_every`) inner steps on its own. Right after
+a synchronization (the first round: at its first step) it asks torchft's Manager for the
+next round's quorum (``start_quorum``: the Lighthouse decides which replica groups take
+part, the Manager reconfigures its process group, one that is behind heals from a live
+peer), so the members ask together, before the caller evaluates; at the round's end it averages
 the outer pseudo-gradient over the quorum through lbcomm's compressed allreduce on that
 group (`TorchFTTransport`: the one path to the network), and steps the outer Nesterov
 optimizer only when the Manager agrees to commit (``should_commit``). A failed exchange (a
 peer died during the round) is reported to the Manager and retried at once with a new
 quorum from the same local progress (``max_attempts``); only when every attempt fails is
 the round discarded (the parameters return to its start).
-
-torchft is optional: this module imports it when an object is built.
 
 The error feedback across membership changes (docs/internet.md): a change is seen alike
 from one all-gather per exchange; each member folds what it owed into a reducer for the new
@@ -32,8 +31,8 @@ of the other groups (torchft's Manager joins exactly those), then the group all-
 the slices and takes their worst status, so a slice skipped anywhere skips the round in
 every group. Each rank holds the error feedback of its slice only.
 
-Not done here: streaming fragments and overlap. The Manager must be created with
-``use_async_quorum=False``: every member then takes part in every exchange.
+Not done here: streaming fragments and overlap. torchft is optional (imported when an object
+is built); the Manager must have ``use_async_quorum=False``: every member takes part in every exchange.
 """
 from __future__ import annotations
 
@@ -168,13 +167,15 @@ class FaultTolerantLocalUpdates:
         self.inner_steps += 1
         if self._round is None:
             self._begin_round()
+            if self._healed:  # this step's work is replaced by the peer's state and counters
+                return False
         if self.inner_steps % self.sync_every:
             return False
         return self.sync()
 
     def _begin_round(self) -> None:
-        """The round's quorum at its first step, where the members ask together (at the sync, one
-        late by over the join timeout was left out and lost its round); one behind heals here."""
+        """The round's quorum, asked as the members leave the last synchronization together
+        (asked later, one late by over the join timeout is left out); one behind heals here."""
         self._round = {"attempts": 0, "quorum_s": 0.0, "exchange_s": 0.0, "commit_s": 0.0, "healed": False,
                        "members": 0, "rebuilt": False}
         self._healed = False
@@ -216,6 +217,7 @@ class FaultTolerantLocalUpdates:
                                  "%s; the round is discarded on every one", type(self).__name__, self.inner_steps)
                 self._write()
                 self.syncs += 1
+                self._begin_round()
                 return ok
             self.failed += 1
             self._restore()
@@ -225,6 +227,7 @@ class FaultTolerantLocalUpdates:
         _log.warning("%s: no synchronization committed in %s attempts at inner step %s; the round is discarded "
                      "(weights back to its start)", type(self).__name__, self.max_attempts, self.inner_steps)
         self._write()
+        self._begin_round()
         return False
 
     def _restore(self) -> None:
@@ -371,11 +374,7 @@ class FaultTolerantLocalUpdates:
         same = all(r[1] == _members_hash(members) and r[2] == rows[0][2] and not r[3] for r in rows)
         if same and red is not None:
             return False
-        owed = None
-        if red is not None:
-            owed = (red.world_size, red.rank, red.worker_error, red.server_error)
-        elif self._owed is not None:
-            owed = self._owed
+        owed = (red.world_size, red.rank, red.worker_error, red.server_error) if red is not None else self._owed
         new = CompressionState(self._n, transport=xport, device=self.anchor.device, block_size=self.block_size,
                                nonfinite="skip")
         if owed is not None and not self._healed:

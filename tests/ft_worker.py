@@ -46,6 +46,8 @@ def main() -> None:
     ap.add_argument("--nan-at", type=int, default=0, help="this group's last weight is NaN after inner step N")
     ap.add_argument("--late-at", type=int, default=0, help="sleep --late-s before the step() of inner step N")
     ap.add_argument("--late-s", type=float, default=0.0)
+    ap.add_argument("--eval-at", type=int, default=0, help="sleep --late-s after the synchronization of inner "
+                    "step N (an evaluation that this replica's host runs slowly)")
     a = ap.parse_args()
 
     import torch.distributed as dist
@@ -127,6 +129,8 @@ def main() -> None:
                 full_after += 1
             if full_after >= a.stop_after:
                 break
+            if local.inner_steps == a.eval_at:
+                time.sleep(a.late_s)
         time.sleep(a.step_sleep)
     if local_group is not None:  # rank 0 hosts the group's Manager server: the others' last answer comes through it
         dist.monitored_barrier(local_group, timeout=timedelta(seconds=60))

@@ -236,10 +236,12 @@ def test_replica_dies_survivors_go_on_and_a_restart_heals(tmp_path, when):
     assert a["loss"] < a["records"][0]["loss"]
 
 
-def test_a_replica_late_at_a_synchronization_is_waited_for_not_left_out(tmp_path):
-    """A round's quorum is formed at its start, so a member that reaches the synchronization
-    later than the Lighthouse's join timeout still takes part (it was left out and healed
-    when the quorum was asked for at the synchronization)."""
+@pytest.mark.parametrize("where", ["before_sync", "after_sync"])
+def test_a_replica_late_at_a_synchronization_is_waited_for_not_left_out(tmp_path, where):
+    """A round's quorum is asked for as the members leave the last synchronization together,
+    so a member that reaches the next one, or its next step (a slow evaluation), later than
+    the Lighthouse's join timeout still takes part (it was left out and healed when the
+    quorum was asked for at the synchronization, or at the round's first step)."""
     from torchft.coordination import LighthouseServer
 
     lh = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=1000, quorum_tick_ms=20,
@@ -251,8 +253,8 @@ def test_a_replica_late_at_a_synchronization_is_waited_for_not_left_out(tmp_path
         # slow steps, so that all three have joined well before the late one (the first
         # quorums may form without a replica that is still starting)
         common = ["--sync-every", "5", "--max-steps", "115", "--stop-after", "1000", "--step-sleep", "0.1"]
-        procs = [_start(i, lh.address(), outs[i], *common, *(["--late-at", "100", "--late-s", "3"] if i == 1 else []))
-                 for i in range(3)]
+        late = ["--late-at" if where == "before_sync" else "--eval-at", "100", "--late-s", "3"]
+        procs = [_start(i, lh.address(), outs[i], *common, *(late if i == 1 else [])) for i in range(3)]
         _wait(procs, deadline, "training")
         assert [p.returncode for p in procs] == [0, 0, 0], _logs(tmp_path)
     finally:
