@@ -103,7 +103,8 @@ def main() -> None:
                     help="its Nesterov momentum; 0: plain averaging (default: 0.9, DiLoCo's)")
     ap.add_argument("--restart-after", type=float, default=10.0, help="seconds from the crash to the restart")
     ap.add_argument("--target", type=float, default=0.15, help="held-out loss of the time-to-target column")
-    ap.add_argument("--join-timeout-ms", type=int, default=5000)
+    ap.add_argument("--join-timeout-ms", type=int, default=faultrace.ENGINE_DEFAULTS["join_timeout_ms"],
+                    help="the Lighthouse's join timeout (default: the CLI's, above a round)")
     ap.add_argument("--heartbeat-timeout-ms", type=int, default=1000)
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds a run may take")
     ap.add_argument("--task", choices=("regression", "lm"), default="regression",

@@ -409,8 +409,7 @@ class FaultTolerantLocalUpdates:
         """What a healing replica group receives from this one (copies: the Manager
         serves them while this one goes on)."""
         return {"anchor": self.anchor.detach().clone(), "outer": copy.deepcopy(self.outer.state_dict()),
-                "inner": copy.deepcopy(self.inner.state_dict()),
-                "params": [p.detach().clone() for p in self.params],
+                "inner": copy.deepcopy(self.inner.state_dict()), "params": [p.detach().clone() for p in self.params],
                 "counters": {"inner_steps": self.inner_steps, "syncs": self.syncs, "skipped": self.skipped,
                              "calls": self._reducer.calls if self._reducer is not None else self._calls}}
 
@@ -424,14 +423,16 @@ class FaultTolerantLocalUpdates:
                 p.detach().copy_(v)
         self.outer.load_state_dict(sd["outer"])
         self.inner.load_state_dict(sd["inner"])
-        c = sd["counters"]
+        c, was = sd["counters"], self.syncs  # was nonzero: left out of a round, not (re)started
         self.inner_steps, self.syncs, self.skipped = c["inner_steps"], c["syncs"], c["skipped"]
         self._calls = c["calls"]
         self._reducer, self._members, self._owed, self._dirty = None, None, None, True
         self._healed = True
         self.heals += 1
         (self._round if self._round is not None else self.last_sync)["heal_apply_s"] = time.perf_counter() - t0
-        _log.info("%s: healed from a live peer at inner step %s", type(self).__name__, self.inner_steps)
+        _log.log(logging.WARNING if was else logging.INFO, "%s: healed from a live peer at inner step %s%s",
+                 type(self).__name__, self.inner_steps, " after being left out of a round (its work is lost; if it "
+                 "repeats, set the Lighthouse's join_timeout_ms above a round and what runs after one)" * bool(was))
 
     def error_feedback(self) -> Optional[Dict[str, Any]]:
         """This member's error feedback: worker error (its first numel elements), server error,

@@ -123,6 +123,7 @@ def main() -> None:
                 rec["trace"] = {k: tr[k] for k in ("x", "out", "e0", "e1", "s0", "s1", "span", "members", "rebuilt")}
                 local.last_trace = None
             records.append(rec)
+            print(f"committed inner step {local.inner_steps} with {info['members']} members", flush=True)
             if info["members"] < a.full and local.inner_steps >= a.count_from:
                 seen_small = True
             elif seen_small:

@@ -267,6 +267,50 @@ def test_a_replica_late_at_a_synchronization_is_waited_for_not_left_out(tmp_path
     assert len({run["anchor"].numpy().tobytes() for run in runs}) == 1
 
 
+@pytest.mark.parametrize("join_timeout_ms", [1000, 60000])
+def test_a_restart_that_asks_early_leaves_a_survivor_out_only_under_a_short_join_timeout(tmp_path, join_timeout_ms):
+    """A restarted group asks for a quorum at its first step, while the survivors are still
+    in their round (here in a 10 s evaluation after a synchronization). The Lighthouse's join
+    timeout counts from that request: shorter than the wait, the quorum forms with the first
+    survivor to ask and leaves the other out, which heals, loses its round and says so in a
+    warning; longer, every survivor takes part in every round."""
+    from torchft.coordination import LighthouseServer
+
+    lh = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=join_timeout_ms, quorum_tick_ms=20,
+                          heartbeat_timeout_ms=1000)
+    procs = []
+    deadline = time.monotonic() + DEADLINE_S
+    try:
+        addr = lh.address()
+        common = ["--sync-every", "5", "--max-steps", "60", "--stop-after", "1000", "--step-sleep", "0.05"]
+        outs = [str(tmp_path / f"r{i}.pt") for i in range(3)]
+        procs = [_start(i, addr, outs[i], *common, "--eval-at", "30", "--late-s", "10") for i in range(2)]
+        procs.append(_start(2, addr, outs[2], *common, "--die-at", "18"))
+        assert procs[2].wait(timeout=max(1.0, deadline - time.monotonic())) == 17, _logs(tmp_path)
+        while "committed inner step 30 " not in open(outs[0] + ".log").read():  # the survivors' evaluation starts
+            assert time.monotonic() < deadline and procs[0].poll() is None, _logs(tmp_path)
+            time.sleep(0.05)
+        reborn = str(tmp_path / "r2b.pt")
+        procs.append(_start(2, addr, reborn, *common, incarnation=1))
+        _wait([procs[0], procs[1], procs[3]], deadline, "training")
+        assert [p.returncode for p in (procs[0], procs[1], procs[3])] == [0, 0, 0], _logs(tmp_path)
+    finally:
+        _stop(procs, lh)
+    a, b, c = (torch.load(f, weights_only=False) for f in (outs[0], outs[1], reborn))
+    assert c["records"][0]["healed"] and len({r["anchor"].numpy().tobytes() for r in (a, b, c)}) == 1
+    after = [r for run in (a, b) for r in run["records"] if r["inner_steps"] > 35]
+    survivor_logs = open(outs[0] + ".log").read() + open(outs[1] + ".log").read()
+    if join_timeout_ms < 10000:
+        assert any(r["healed"] for r in after), after
+        assert "after being left out of a round" in survivor_logs, survivor_logs
+    else:
+        for run in (a, b):
+            late = [r for r in run["records"] if r["inner_steps"] > 35]
+            assert [r["inner_steps"] for r in late] == list(range(40, 61, 5)), run["records"]
+            assert not any(r["healed"] for r in late) and late[-1]["members"] == 3, late
+        assert "left out" not in survivor_logs, survivor_logs
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

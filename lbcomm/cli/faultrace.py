@@ -34,11 +34,11 @@ __all__ = ["METHODS", "ENGINE_DEFAULTS", "LMTask", "run", "replica", "summary", 
            "FAULT_ROW_FIELDS", "cmd_fault_race", "check_fault_doc"]
 
 METHODS = ("1bit", "fp32", "diloco")
-# the Lighthouse's timing (quick detection on one host), the restart delay, and the 1-bit
-# exchange's block size and exact tensors. exact_numel=300 is below the LM's width (512): its
-# biases and norms are compressed too, unlike the clean race's default (4096); the config says so
-ENGINE_DEFAULTS = dict(join_timeout_ms=5000, heartbeat_timeout_ms=1000, block_size=DEFAULT_BLOCK_SIZE, exact_numel=300,
-                       restart_after=10.0)
+# the Lighthouse's timing (quick detection; a join timeout above a round: a group waiting for the
+# others' next quorum starts its clock), the restart delay, the 1-bit block size and exact tensors:
+# 300 is below the LM's width (512), so biases and norms are compressed too (the config says so)
+ENGINE_DEFAULTS = dict(join_timeout_ms=60000, heartbeat_timeout_ms=1000, block_size=DEFAULT_BLOCK_SIZE,
+                       exact_numel=300, restart_after=10.0)
 LIGHTHOUSE_PORT = 29510
 
 ROW_FIELDS = {
