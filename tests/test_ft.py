@@ -175,6 +175,16 @@ def _check_invariant(runs):
     return checked
 
 
+def _restart_and_finish(procs, lighthouse, tmp_path, common, deadline):
+    """Restart replica 2 (procs[2] crashed), wait for the survivors and it to finish
+    cleanly; the restarted one's output file."""
+    reborn = str(tmp_path / "r2b.pt")
+    procs.append(_start(2, lighthouse, reborn, *common, incarnation=1))
+    _wait([procs[0], procs[1], procs[3]], deadline, "training")
+    assert [p.returncode for p in (procs[0], procs[1], procs[3])] == [0, 0, 0], _logs(tmp_path)
+    return reborn
+
+
 @pytest.mark.parametrize("when", ["between_syncs", "mid_sync"])
 def test_replica_dies_survivors_go_on_and_a_restart_heals(tmp_path, when):
     from torchft.coordination import LighthouseServer
@@ -198,10 +208,7 @@ def test_replica_dies_survivors_go_on_and_a_restart_heals(tmp_path, when):
         assert rc == 17, _logs(tmp_path)
         time.sleep(2.0)  # the survivors notice and go on without it
         assert procs[0].poll() is None and procs[1].poll() is None, _logs(tmp_path)
-        reborn = str(tmp_path / "r2b.pt")
-        procs.append(_start(2, addr, reborn, *common, incarnation=1))
-        _wait([procs[0], procs[1], procs[3]], deadline, "training")
-        assert [p.returncode for p in (procs[0], procs[1], procs[3])] == [0, 0, 0], _logs(tmp_path)
+        reborn = _restart_and_finish(procs, addr, tmp_path, common, deadline)
     finally:
         _stop(procs, lh)
 
@@ -290,10 +297,7 @@ def test_a_restart_that_asks_early_leaves_a_survivor_out_only_under_a_short_join
         while "committed inner step 30 " not in open(outs[0] + ".log").read():  # the survivors' evaluation starts
             assert time.monotonic() < deadline and procs[0].poll() is None, _logs(tmp_path)
             time.sleep(0.05)
-        reborn = str(tmp_path / "r2b.pt")
-        procs.append(_start(2, addr, reborn, *common, incarnation=1))
-        _wait([procs[0], procs[1], procs[3]], deadline, "training")
-        assert [p.returncode for p in (procs[0], procs[1], procs[3])] == [0, 0, 0], _logs(tmp_path)
+        reborn = _restart_and_finish(procs, addr, tmp_path, common, deadline)
     finally:
         _stop(procs, lh)
     a, b, c = (torch.load(f, weights_only=False) for f in (outs[0], outs[1], reborn))
