@@ -94,18 +94,20 @@ def main() -> None:
     ap.add_argument("--diloco-sync-every", default="",
                     help="H values of torchft's DiLoCo, comma separated (default: --sync-every)")
     ap.add_argument("--replicas", type=int, default=3, help="replica groups (3 or 4)")
-    ap.add_argument("--block-size", type=int, default=2048, help="elements per scale block of the 1-bit exchange")
+    ap.add_argument("--block-size", type=int, default=faultrace.ENGINE_DEFAULTS["block_size"],
+                    help="elements per scale block of the 1-bit exchange")
     ap.add_argument("--steps", type=int, default=900, help="inner steps per replica")
     ap.add_argument("--sync-every", type=int, default=10, help="H")
     ap.add_argument("--step-sleep", type=float, default=0.05, help="seconds of emulated compute per inner step")
     ap.add_argument("--outer-lr", type=float, default=0.7, help="every method's outer SGD lr (default: 0.7, DiLoCo's)")
     ap.add_argument("--outer-momentum", type=float, default=0.9,
                     help="its Nesterov momentum; 0: plain averaging (default: 0.9, DiLoCo's)")
-    ap.add_argument("--restart-after", type=float, default=10.0, help="seconds from the crash to the restart")
+    ap.add_argument("--restart-after", type=float, default=faultrace.ENGINE_DEFAULTS["restart_after"],
+                    help="seconds from the crash to the restart")
     ap.add_argument("--target", type=float, default=0.15, help="held-out loss of the time-to-target column")
     ap.add_argument("--join-timeout-ms", type=int, default=faultrace.ENGINE_DEFAULTS["join_timeout_ms"],
                     help="the Lighthouse's join timeout (default: the CLI's, above a round)")
-    ap.add_argument("--heartbeat-timeout-ms", type=int, default=1000)
+    ap.add_argument("--heartbeat-timeout-ms", type=int, default=faultrace.ENGINE_DEFAULTS["heartbeat_timeout_ms"])
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds a run may take")
     ap.add_argument("--task", choices=("regression", "lm"), default="regression",
                     help="regression: an MLP, emulated compute (default); lm: lbcomm-bench race's byte-level "
