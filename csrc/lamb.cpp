@@ -3,15 +3,18 @@
 // which runs where the op cannot). Per coordinate, in fp32 with torch's roundings:
 //
 //   with a gradient g: ml <- ml + w (g - ml)  (three roundings, no FMA), stored in ml's dtype
-//   d = sqrt(v) / denom_scale + eps;  q = d bc1;  u0 = m / q;  y = ml / q
+//   r = 1 / ((sqrt(v) * (1 / denom_scale) + eps) bc1);  u0 = m r;  y = ml r
 //   with a bound B: u0 = clamp(u0, -B, B), y = clamp(y, -B, B), edge = |u0| >= edge_at
 //   edge |= masked (the momentum mask)
 //
 // and over the range, in fp64 (the products of two fp32 values are exact in fp64):
 //
 //   acc[0] += sum over the non-edge coordinates of y u0
-//   acc[1] += sum of u0 theta;  acc[2] += sum of theta^2        (when theta is given)
-//   acc[3] += the number of edge coordinates
+//   acc[1] += the number of edge coordinates
+//
+// One division and one root per coordinate: the pass is bound by them (u0 and y by one
+// reciprocal instead of a division each). The weight decay's terms of the norm are not
+// here: the caller takes them from the direction's norms, which it computes anyway.
 //
 // lamb_advance_local_ makes the first step alone.
 //
@@ -22,8 +25,9 @@
 // The sums run in a fixed order on one thread (8 lanes of every 8th element, then the lanes
 // in order): the same bits on every rank and thread count.
 // sqrt is IEEE's (correctly rounded, the same on every ISA; torch's vectorized sqrt is not,
-// see csrc/optim.cpp), so u0 may differ from the direction's (m / bc1) / d by an ulp or two:
-// the edge's threshold (edge_at, below the bound by far more) allows for that. Built with
+// see csrc/optim.cpp), so the edge is the same on every rank; u0 may differ from the
+// direction's (m / bc1) / d by a few ulps: the edge's threshold (edge_at, below the bound by
+// far more) allows for that. Built with
 // -ffp-contract=off (no FMA).
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
@@ -72,15 +76,15 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void clean_block(
     int64_t n, float s, float e, float c1, float b, float at_b, float* __restrict u0, float* __restrict y,
     uint8_t* __restrict edge) {
   for (int64_t j = 0; j < n; ++j) {
-    const float q = (std::sqrt(v[j]) / s + e) * c1;
+    const float r = 1.0f / ((std::sqrt(v[j]) * s + e) * c1);
     float a = widen(ml[j]);
     if (T) {
       const L stored = narrow((g[j] - a) * w + a, ml);
       ml[j] = stored;
       a = widen(stored);
     }
-    float u = m[j] / q;
-    float x = a / q;
+    float u = m[j] * r;
+    float x = a * r;
     if (B) {  // torch.clamp_: a NaN stays NaN
       u = u > b ? b : (u < -b ? -b : u);
       x = x > b ? b : (x < -b ? -b : x);
@@ -99,8 +103,7 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void edge_block(
     const float* __restrict m, const float* __restrict v, int64_t n, float s, float e, float c1, float b,
     float at_b, uint8_t* __restrict edge) {
   for (int64_t j = 0; j < n; ++j) {
-    const float q = (std::sqrt(v[j]) / s + e) * c1;
-    float u = m[j] / q;
+    float u = m[j] * (1.0f / ((std::sqrt(v[j]) * s + e) * c1));
     if (B) u = u > b ? b : (u < -b ? -b : u);
     edge[j] = static_cast<uint8_t>(B && std::fabs(u) >= at_b);
   }
@@ -130,7 +133,7 @@ int64_t edge_counts(const uint8_t* __restrict edge, int64_t n, int64_t* __restri
   int64_t total = 0;
   for (int64_t lo = 0; lo < n; lo += kEdgeBlock) {
     const int64_t hi = std::min(n, lo + kEdgeBlock);
-    int64_t c = 0;
+    uint32_t c = 0;  // a byte sum that vectorizes (a 64-bit one widens every byte first)
     for (int64_t j = lo; j < hi; ++j) c += edge[j];
     cnt[lo / kEdgeBlock] = c;
     total += c;
@@ -138,41 +141,18 @@ int64_t edge_counts(const uint8_t* __restrict edge, int64_t n, int64_t* __restri
   return total;
 }
 
-// sums[0][l] += y u0, sums[1][l] += u0 theta, sums[2][l] += theta^2 (theta given) over the
-// elements j = l (mod 8). n is a multiple of 8 except in a range's last block.
+// sums[l] += y u0 over the elements j = l (mod 8). n is a multiple of 8 except in a range's
+// last block.
 __attribute__((target_clones("avx512f", "avx2", "default"))) void clean_sums(
-    const float* __restrict u0, const float* __restrict y, const float* __restrict th, int64_t n,
-    double (*__restrict sums)[kLanes]) {
-  double p[kLanes], ut[kLanes], tt[kLanes];
-  for (int l = 0; l < kLanes; ++l) {
-    p[l] = sums[0][l];
-    ut[l] = sums[1][l];
-    tt[l] = sums[2][l];
-  }
+    const float* __restrict u0, const float* __restrict y, int64_t n, double* __restrict sums) {
+  double p[kLanes];
+  for (int l = 0; l < kLanes; ++l) p[l] = sums[l];
   const int64_t whole = n - n % kLanes;
   for (int64_t j = 0; j < whole; j += kLanes) {
     for (int l = 0; l < kLanes; ++l) p[l] += static_cast<double>(y[j + l]) * static_cast<double>(u0[j + l]);
   }
   for (int64_t j = whole; j < n; ++j) p[j % kLanes] += static_cast<double>(y[j]) * static_cast<double>(u0[j]);
-  if (th != nullptr) {
-    for (int64_t j = 0; j < whole; j += kLanes) {
-      for (int l = 0; l < kLanes; ++l) {
-        const double t = th[j + l];
-        ut[l] += static_cast<double>(u0[j + l]) * t;
-        tt[l] += t * t;
-      }
-    }
-    for (int64_t j = whole; j < n; ++j) {
-      const double t = th[j];
-      ut[j % kLanes] += static_cast<double>(u0[j]) * t;
-      tt[j % kLanes] += t * t;
-    }
-  }
-  for (int l = 0; l < kLanes; ++l) {
-    sums[0][l] = p[l];
-    sums[1][l] = ut[l];
-    sums[2][l] = tt[l];
-  }
+  for (int l = 0; l < kLanes; ++l) sums[l] = p[l];
 }
 
 double lanes_total(const double* lanes) {
@@ -188,12 +168,12 @@ void check(const at::Tensor& t, const char* name, int64_t n, at::ScalarType type
 }
 
 // The constants of a pass, as torch turns each Python float into the tensors' dtype
-// before an elementwise op.
+// before an elementwise op (s: 1 / denom_scale, taken in fp64 first).
 struct Consts {
   float s, e, c1, b, at_b;
   bool bounded;
   Consts(double bc1, double denom_scale, double eps, std::optional<double> bound, double edge_at)
-      : s(static_cast<float>(denom_scale)), e(static_cast<float>(eps)), c1(static_cast<float>(bc1)),
+      : s(static_cast<float>(1.0 / denom_scale)), e(static_cast<float>(eps)), c1(static_cast<float>(bc1)),
         b(static_cast<float>(bound.value_or(0.0))), at_b(static_cast<float>(edge_at)), bounded(bound.has_value()) {}
 };
 
@@ -218,11 +198,11 @@ int64_t edge_blocks(int64_t n) { return (n + kEdgeBlock - 1) / kEdgeBlock; }
 
 void lamb_clean_pass_cpu(at::Tensor& acc, at::Tensor& counts, const at::Tensor& m, const at::Tensor& v,
                          at::Tensor& ml, const std::optional<at::Tensor>& grad, double weight,
-                         const std::optional<at::Tensor>& theta, const std::optional<at::Tensor>& masked, double bc1,
+                         const std::optional<at::Tensor>& masked, double bc1,
                          double denom_scale, double eps, std::optional<double> bound, double edge_at) {
   const char* op = "lbcomm::lamb_clean_pass_";
   const int64_t n = m.numel();
-  check(acc, "acc", 4, at::kDouble, op);
+  check(acc, "acc", 2, at::kDouble, op);
   check(counts, "counts", edge_blocks(n), at::kLong, op);
   check(m, "exp_avg", n, at::kFloat, op);
   check(v, "exp_avg_sq", n, at::kFloat, op);
@@ -230,7 +210,6 @@ void lamb_clean_pass_cpu(at::Tensor& acc, at::Tensor& counts, const at::Tensor& 
                    ": exp_avg_local must be Float or BFloat16, got ", ml.scalar_type());
   check(ml, "exp_avg_local", n, ml.scalar_type(), op);
   if (grad.has_value()) check(*grad, "grad", n, at::kFloat, op);
-  if (theta.has_value()) check(*theta, "theta", n, at::kFloat, op);
   if (masked.has_value()) check(*masked, "masked", n, at::kBool, op);
   double* a = acc.data_ptr<double>();
   int64_t* cnt = counts.data_ptr<int64_t>();
@@ -242,10 +221,9 @@ void lamb_clean_pass_cpu(at::Tensor& acc, at::Tensor& counts, const at::Tensor& 
   uint16_t* pb = half ? reinterpret_cast<uint16_t*>(ml.data_ptr<at::BFloat16>()) : nullptr;
   const float* pg = grad.has_value() ? grad->data_ptr<float>() : nullptr;
   const float w = static_cast<float>(weight);
-  const float* th = theta.has_value() ? theta->data_ptr<float>() : nullptr;
   const bool* mk = masked.has_value() ? masked->data_ptr<bool>() : nullptr;
   const Consts c(bc1, denom_scale, eps, bound, edge_at);
-  double sums[3][kLanes] = {};
+  double sums[kLanes] = {};
   int64_t seen = 0;
   float u0[kBlock], y[kBlock];
   uint8_t edge[kBlock];
@@ -258,13 +236,11 @@ void lamb_clean_pass_cpu(at::Tensor& acc, at::Tensor& counts, const at::Tensor& 
       run_block(c, pm + lo, pv + lo, pl + lo, g, w, k, u0, y, edge);
     }
     if (mk != nullptr) mark_masked(mk + lo, k, y, edge);
-    clean_sums(u0, y, th == nullptr ? nullptr : th + lo, k, sums);
+    clean_sums(u0, y, k, sums);
     seen += edge_counts(edge, k, cnt + lo / kEdgeBlock);
   }
-  a[0] += lanes_total(sums[0]);
-  a[1] += lanes_total(sums[1]);
-  a[2] += lanes_total(sums[2]);
-  a[3] += static_cast<double>(seen);
+  a[0] += lanes_total(sums);
+  a[1] += static_cast<double>(seen);
 }
 
 void lamb_advance_local_cpu(at::Tensor& ml, const std::optional<at::Tensor>& grad, double weight) {
@@ -340,7 +316,7 @@ void lamb_edge_find_cpu(at::Tensor& out, const at::Tensor& draws, const at::Tens
 
 TORCH_LIBRARY_FRAGMENT(lbcomm, m) {
   m.def("lamb_clean_pass_(Tensor(a!) acc, Tensor(b!) counts, Tensor exp_avg, Tensor exp_avg_sq, "
-        "Tensor(c!) exp_avg_local, Tensor? grad, float weight, Tensor? theta, Tensor? masked, float bc1, "
+        "Tensor(c!) exp_avg_local, Tensor? grad, float weight, Tensor? masked, float bc1, "
         "float denom_scale, float eps, float? bound, float edge_at) -> ()");
   m.def("lamb_advance_local_(Tensor(a!) exp_avg_local, Tensor? grad, float weight) -> ()");
   m.def("lamb_edge_find_(Tensor(a!) out, Tensor draws, Tensor counts, Tensor exp_avg, Tensor exp_avg_sq, "

@@ -19,11 +19,11 @@ from optim_four_ranks import _record
 AT_BOUND = 1 - 1e-5
 
 
-def _expected(m, v, ml, theta, masked, bc1, bc2, eps, bound):
-    """What the pass promises, from scratch: (the four sums, the edge's indices)."""
-    root = torch.from_numpy(np.sqrt(v.numpy()))  # numpy's fp32 sqrt: IEEE's
-    q = (root / bc2 ** 0.5 + eps) * bc1
-    u0, y = m / q, ml / q
+def _expected(m, v, ml, masked, bc1, bc2, eps, bound):
+    """What the pass promises, from scratch: (its two sums, the edge's indices)."""
+    root = np.sqrt(v.numpy())  # numpy's fp32 sqrt and division: IEEE's
+    r = torch.from_numpy(np.float32(1) / ((root * np.float32(1 / bc2 ** 0.5) + np.float32(eps)) * np.float32(bc1)))
+    u0, y = m * r, ml * r
     edge = torch.zeros_like(m, dtype=torch.bool)
     if bound is not None:
         u0, y = u0.clamp(-bound, bound), y.clamp(-bound, bound)
@@ -31,10 +31,7 @@ def _expected(m, v, ml, theta, masked, bc1, bc2, eps, bound):
     if masked is not None:
         edge = edge | masked
     keep = ~edge
-    sums = [float((y[keep].double() * u0[keep].double()).sum()), 0.0, 0.0, float(edge.sum())]
-    if theta is not None:
-        th = theta.double()
-        sums[1], sums[2] = float(torch.dot(u0.double(), th)), float(torch.dot(th, th))
+    sums = [float((y[keep].double() * u0[keep].double()).sum()), float(edge.sum())]
     return sums, edge.nonzero().view(-1)
 
 
@@ -72,35 +69,31 @@ def _blocks(edge, n):
 @pytest.mark.parametrize("run", PASSES, ids=lambda f: getattr(f, "__name__", str(f)))
 @pytest.mark.parametrize("bound", [None, 1.0, 0.05])
 @pytest.mark.parametrize("with_mask", [False, True])
-@pytest.mark.parametrize("with_theta", [False, True])
 @pytest.mark.parametrize("ml_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_grad", [False, True])
-def test_clean_pass_computes_its_sums_and_the_edge(run, bound, with_mask, with_theta, ml_dtype, with_grad):
+def test_clean_pass_computes_its_sums_and_the_edge(run, bound, with_mask, ml_dtype, with_grad):
     """exp_avg_local in either dtype (OneBitLamb keeps bf16), advanced by a gradient first or
     not: widened exactly, as from scratch; the per-block edge counts of each range."""
     n, bc1, bc2, eps, w = 5003, 0.4, 0.02, 1e-8, 0.1
-    m, v, ml, theta, masked = _data(n, 3)
+    m, v, ml, _, masked = _data(n, 3)
     ml = ml.to(ml_dtype)
     g = ml.float() + 1e-2 * torch.randn(n, generator=torch.Generator().manual_seed(9))
     want_ml = _advanced(ml, g, w) if with_grad else ml.clone()
-    sums, edge = _expected(m, v, want_ml.float(), theta if with_theta else None, masked if with_mask else None, bc1,
-                           bc2, eps, bound)
+    sums, edge = _expected(m, v, want_ml.float(), masked if with_mask else None, bc1, bc2, eps, bound)
     # two calls (the ranges of one parameter), acc summed across them
-    acc = torch.zeros(4, dtype=torch.float64)
+    acc = torch.zeros(2, dtype=torch.float64)
     cut, counts = 2048, []
     for lo, hi in ((0, cut), (cut, n)):
         c = torch.full((-(-(hi - lo) // K.EDGE_BLOCK),), -1, dtype=torch.int64)
         run(acc, c, m[lo:hi], v[lo:hi], ml[lo:hi], g[lo:hi] if with_grad else None, w,
-            theta[lo:hi] if with_theta else None, masked[lo:hi] if with_mask else None, bc1, bc2 ** 0.5, eps, bound,
-            0.0 if bound is None else bound * AT_BOUND)
+            masked[lo:hi] if with_mask else None, bc1, bc2 ** 0.5, eps, bound, 0.0 if bound is None else bound * AT_BOUND)
         counts.append(c)
     assert torch.equal(ml, want_ml)
-    assert acc[3].item() == sums[3] == edge.numel()
+    assert acc[1].item() == sums[1] == edge.numel()
     on = torch.zeros(n, dtype=torch.bool)
     on[edge] = True
     assert torch.equal(counts[0], _blocks(on[:cut], cut)) and torch.equal(counts[1], _blocks(on[cut:], n - cut))
-    for got, want in zip(acc[:3].tolist(), sums[:3]):
-        assert got == pytest.approx(want, rel=1e-12, abs=1e-300)
+    assert acc[0].item() == pytest.approx(sums[0], rel=1e-12, abs=1e-300)
     if bound == 0.05:
         assert edge.numel() > 100  # many coordinates at the bound: the edge is exercised
 
@@ -133,10 +126,10 @@ def test_edge_find_gives_the_drawn_edge_coordinates(find, with_mask):
     n, bc1, bc2, eps, bound = 5003, 0.4, 0.02, 1e-8, 0.05
     m, v, ml, _, masked = _data(n, 4)
     masked = masked if with_mask else None
-    edge = _expected(m, v, ml, None, masked, bc1, bc2, eps, bound)[1]
-    acc, counts = torch.zeros(4, dtype=torch.float64), torch.empty(-(-n // K.EDGE_BLOCK), dtype=torch.int64)
+    edge = _expected(m, v, ml, masked, bc1, bc2, eps, bound)[1]
+    acc, counts = torch.zeros(2, dtype=torch.float64), torch.empty(-(-n // K.EDGE_BLOCK), dtype=torch.int64)
     args = (bc1, bc2 ** 0.5, eps, bound, bound * AT_BOUND)
-    K.lamb_clean_pass_(acc, counts, m, v, ml, None, 0.0, None, masked, *args)
+    K.lamb_clean_pass_(acc, counts, m, v, ml, None, 0.0, masked, *args)
     draws = torch.randint(edge.numel(), (300,), generator=torch.Generator().manual_seed(1))
     draws = torch.cat([draws, torch.tensor([0, edge.numel() - 1, 0]), draws[:5]])
     out = torch.full_like(draws, -1)
@@ -152,15 +145,15 @@ def test_edge_find_gives_the_drawn_edge_coordinates(find, with_mask):
 @pytest.mark.skipif(not K._CLEAN_OP, reason="lbcomm._C has no lamb_clean_pass_")
 @pytest.mark.parametrize("ml_dtype", [torch.float32, torch.bfloat16])
 def test_the_op_equals_the_torch_pass(ml_dtype):
-    m, v, ml, theta, masked = _data(40000, 5)
+    m, v, ml, _, masked = _data(40000, 5)
     ml = ml.to(ml_dtype)
     g = torch.randn(40000, generator=torch.Generator().manual_seed(6)) * 1e-2
     out = []
     for run in PASSES:
-        acc, counts, own = torch.zeros(4, dtype=torch.float64), torch.empty(-(-40000 // K.EDGE_BLOCK), dtype=torch.int64), ml.clone()
-        run(acc, counts, m, v, own, g, 0.1, theta, masked, 0.3, 0.05, 1e-8, 1.0, AT_BOUND)
+        acc, counts, own = torch.zeros(2, dtype=torch.float64), torch.empty(-(-40000 // K.EDGE_BLOCK), dtype=torch.int64), ml.clone()
+        run(acc, counts, m, v, own, g, 0.1, masked, 0.3, 0.05, 1e-8, 1.0, AT_BOUND)
         out.append((acc, counts, own))
-    assert torch.equal(out[0][1], out[1][1]) and torch.equal(out[0][2], out[1][2]) and out[0][0][3] == out[1][0][3]
+    assert torch.equal(out[0][1], out[1][1]) and torch.equal(out[0][2], out[1][2]) and out[0][0][1] == out[1][0][1]
     torch.testing.assert_close(out[0][0], out[1][0], rtol=1e-12, atol=0.0)
 
 

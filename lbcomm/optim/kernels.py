@@ -168,10 +168,11 @@ def _advance_torch(ml: Tensor, g: Optional[Tensor], weight: float, scratch: Opti
 
 def _clean_torch(m: Tensor, v: Tensor, ml: Tensor, masked: Optional[Tensor], bc1: float, denom_scale: float,
                  eps: float, bound: Optional[float], edge_at: float):
-    """(u0, y, edge) of the pass, in torch ops."""
-    q = F.scaled_root(v, denom_scale, eps).mul_(bc1)
-    u0 = torch.div(m, q)
-    y = torch.div(ml, q)
+    """(u0, y, edge) of the pass, in torch ops: r = 1 / ((sqrt(v) (1 / denom_scale) + eps)
+    bc1) (IEEE's root and reciprocal), u0 = m r, y = ml r."""
+    r = F.ieee_sqrt(v).mul_(1 / denom_scale).add_(eps).mul_(bc1).reciprocal_()
+    u0 = torch.mul(m, r)
+    y = torch.mul(ml, r)
     if bound is not None:
         u0.clamp_(-bound, bound)
         y.clamp_(-bound, bound)
@@ -184,22 +185,17 @@ def _clean_torch(m: Tensor, v: Tensor, ml: Tensor, masked: Optional[Tensor], bc1
 
 
 def clean_pass_torch(acc: Tensor, counts: Tensor, m: Tensor, v: Tensor, ml: Tensor, grad: Optional[Tensor],
-                     weight: float, theta: Optional[Tensor], masked: Optional[Tensor], bc1: float, denom_scale: float,
-                     eps: float, bound: Optional[float], edge_at: float) -> None:
+                     weight: float, masked: Optional[Tensor], bc1: float, denom_scale: float, eps: float,
+                     bound: Optional[float], edge_at: float) -> None:
     """`lamb_clean_pass_` in torch ops (any device): the same per-coordinate roundings, the
     fp64 sums in torch's order (see csrc/lamb.cpp for what it computes)."""
     if grad is not None:
         _advance_torch(ml, grad, weight)
     u0, y, edge = _clean_torch(m, v, ml, masked, bc1, denom_scale, eps, bound, edge_at)
-    u64 = u0.double()
-    acc[0] += torch.where(edge, 0.0, y.double() * u64).sum()
-    if theta is not None:
-        th = theta.double()
-        acc[1] += torch.dot(u64, th)
-        acc[2] += torch.dot(th, th)
+    acc[0] += torch.where(edge, 0.0, y.double() * u0.double()).sum()
     pad = -m.numel() % EDGE_BLOCK
     counts.copy_(torch.nn.functional.pad(edge.long(), (0, pad)).view(-1, EDGE_BLOCK).sum(1))
-    acc[3] += edge.sum()
+    acc[1] += edge.sum()
 
 
 def edge_find_torch(out: Tensor, draws: Tensor, counts: Tensor, m: Tensor, v: Tensor, masked: Optional[Tensor],
@@ -215,20 +211,21 @@ def _f32(t: Optional[Tensor]) -> Optional[Tensor]:
 
 
 def lamb_clean_pass_(acc: Tensor, counts: Tensor, m: Tensor, v: Tensor, ml: Tensor, grad: Optional[Tensor],
-                     weight: float, theta: Optional[Tensor], masked: Optional[Tensor], bc1: float, denom_scale: float,
-                     eps: float, bound: Optional[float], edge_at: float) -> None:
+                     weight: float, masked: Optional[Tensor], bc1: float, denom_scale: float, eps: float,
+                     bound: Optional[float], edge_at: float) -> None:
     """OneBitLamb's clean-norm pass over one range (`LambNorms.track_and_estimate`): with
-    `grad`, first ml <- ml + weight (grad - ml) (`advance_local_`); then acc (fp64, 4) +=
-    (sum off the edge of y u0, sum u0 theta, sum theta^2, edge count) and counts[b] = the
-    edge coordinates of block b (EDGE_BLOCK elements) of the range; u0 = clamp(m / (d bc1)),
-    y = clamp(ml / (d bc1)), d = `functional.scaled_root`(v), the edge |u0| >= edge_at (with a
-    bound) or `masked`. The fused op on CPU (m, v fp32 contiguous; ml fp32 or bf16),
-    `clean_pass_torch` elsewhere."""
+    `grad`, first ml <- ml + weight (grad - ml) (`advance_local_`); then acc (fp64, 2) +=
+    (sum off the edge of y u0, edge count) and counts[b] = the edge coordinates of block b
+    (EDGE_BLOCK elements) of the range; u0 = clamp(m r), y = clamp(ml r), r = 1 / (d bc1)
+    with d = sqrt(v) (1 / denom_scale) + eps (IEEE's root and reciprocal: u0 is within a few
+    ulps of the direction's), the edge |u0| >= edge_at (with a bound) or `masked`. The
+    fused op on CPU (m, v fp32 contiguous; ml fp32 or bf16), `clean_pass_torch` elsewhere,
+    with the same roundings."""
     if _CLEAN_OP and m.device.type == "cpu":
-        torch.ops.lbcomm.lamb_clean_pass_(acc, counts, m, v, ml, _f32(grad), weight, _f32(theta), masked, bc1,
-                                          denom_scale, eps, bound, edge_at)
+        torch.ops.lbcomm.lamb_clean_pass_(acc, counts, m, v, ml, _f32(grad), weight, masked, bc1, denom_scale, eps,
+                                          bound, edge_at)
     else:
-        clean_pass_torch(acc, counts, m, v, ml, grad, weight, theta, masked, bc1, denom_scale, eps, bound, edge_at)
+        clean_pass_torch(acc, counts, m, v, ml, grad, weight, masked, bc1, denom_scale, eps, bound, edge_at)
 
 
 def lamb_edge_find_(out: Tensor, draws: Tensor, counts: Tensor, m: Tensor, v: Tensor, masked: Optional[Tensor],
@@ -244,8 +241,7 @@ def lamb_edge_find_(out: Tensor, draws: Tensor, counts: Tensor, m: Tensor, v: Te
 
 if _CLEAN_OP:
     @torch.library.register_fake("lbcomm::lamb_clean_pass_")
-    def _(acc, counts, exp_avg, exp_avg_sq, exp_avg_local, grad, weight, theta, masked, bc1, denom_scale, eps, bound,
-          edge_at):
+    def _(acc, counts, exp_avg, exp_avg_sq, exp_avg_local, grad, weight, masked, bc1, denom_scale, eps, bound, edge_at):
         return None
 
     @torch.library.register_fake("lbcomm::lamb_advance_local_")

@@ -48,10 +48,11 @@ class LambNorms:
         """The flat state's layout changed (a `FlatState` layout listener): a new scratch."""
         self.scratch_u = None
 
-    def direction(self, L: FlatLayout, seg: Segment, i: int, bound: Optional[float], stats: bool = True):
+    def direction(self, L: FlatLayout, seg: Segment, i: int, bound: Optional[float], stats: bool = True,
+                  norms: bool = False):
         """Parameter i's update direction u = clamp(m^ / d, -U, U) [+ wd p] in the update
-        buffer, with (if `stats`) max(d / d~) and, under weight decay, ||u0|| and ||u||
-        (1-element tensors) of this rank's elements."""
+        buffer, with (if `stats`) max(d / d~) and, under weight decay and if `stats` or
+        `norms`, ||u0|| and ||u|| (1-element tensors) of this rank's elements."""
         m, v, vf = self.fs.buffers["exp_avg"], self.fs.buffers["exp_avg_sq"], self.fs.buffers["exp_avg_sq_fresh"]
         group = self.fs.param_groups[seg.group]
         bc1, bc2 = self.fs.bias_corrections(group, seg)
@@ -72,9 +73,9 @@ class LambNorms:
         u0n = un = None
         u = u.view(L.shapes[i])
         if wd != 0:
-            u0n = F.norms([u]) if stats else None
+            u0n = F.norms([u]) if stats or norms else None
             u.add_(L.tensor(i), alpha=wd)
-            un = F.norms([u]) if stats else None
+            un = F.norms([u]) if stats or norms else None
         return u, ratio_max, u0n, un
 
 
@@ -113,10 +114,12 @@ class LambNorms:
     def track_and_estimate(self, L: FlatLayout, segs, bounds: List[Optional[float]]):
         """exp_avg_local advanced by this step's gradients (`track_local_momentum`; for the
         parameters estimated, inside their pass), then per parameter (fp64, this rank's
-        shard), an estimate of ||u*||^2 where u* is the direction an uncompressed allreduce
-        would give: u* = clamp(m* / d, -U, U) + wd theta with m* the mean over the ranks of
-        exp_avg_local; and the set of the parameters estimated (`estimate_slots`). (None,
-        empty) when no parameter needs it.
+        shard), an estimate of ||u0*||^2 where u0* = clamp(m* / d, -U, U) is the direction
+        before weight decay an uncompressed allreduce would give, m* the mean over the ranks
+        of exp_avg_local; and the set of the parameters estimated (`estimate_slots`). (None,
+        empty) when no parameter needs it. The weight decay's terms of ||u*||^2, 2 wd <u0,
+        theta> + wd^2 ||theta||^2 with the decoded u0, are ||u||^2 - ||u0||^2 of the decoded
+        direction: the caller adds them from the direction's norms (`wd_terms`).
 
         The ranks' mean of clamp(m_r / d) is projected on the decoded direction u0 where u0
         is neither clamped nor masked (one scalar per parameter, summed in fp64); where it
@@ -125,8 +128,8 @@ class LambNorms:
         their squares scaled up to all of them. One fp32 allreduce of (samples + 1) per
         parameter; one fused pass over each parameter (`kernels.lamb_clean_pass_`), STAGE
         elements at a time (nothing model-sized is allocated), and the sampled coordinates
-        found again in their blocks only (`kernels.lamb_edge_find_`). Its d is the
-        direction's (IEEE's root) and u0 = m / (d bc1): within an ulp of the direction's."""
+        found again in their blocks only (`kernels.lamb_edge_find_`). Its u0 = m / (d bc1)
+        by a reciprocal, d with IEEE's root: within a few ulps of the direction's."""
         slots = self.estimate_slots(L)
         rows = [] if slots is None else [i for i in range(len(L.params)) if slots[i] > 0]
         self.track_local_momentum(L, segs, skip=set(rows))
@@ -144,11 +147,9 @@ class LambNorms:
             for i in seg.idx:
                 if i not in row_of:  # averaged exactly, or no estimate in this group
                     continue
-                r, wd = row_of[i], group["weight_decay"]
+                r = row_of[i]
                 p = _Pass(self, L, i, bounds[i], group, bc1, bc2)
                 acc, counts, starts = p.run()
-                if wd != 0:
-                    out[i] = 2 * wd * acc[1] + wd * wd * acc[2]
                 sent[r, 0] = acc[0]
                 n_edge = starts[-1]
                 k = min(int(slots[i]), n_edge)
@@ -169,8 +170,16 @@ class LambNorms:
             z = sent[r, 1:1 + k]
             if bound is not None:
                 z = z.clamp(-bound, bound)
-            out[i] += sent[r, 0].double() + (z.double().square().sum() * (n_edge / k) if k else 0.0)
+            out[i] = sent[r, 0].double() + (z.double().square().sum() * (n_edge / k) if k else 0.0)
         return out, set(row_of)
+
+    @staticmethod
+    def wd_terms(u0n: Tensor, un: Tensor) -> Tensor:
+        """||u||^2 - ||u0||^2 (fp64) from the decoded direction's norms before (u0n) and after
+        (un) its weight decay: 2 wd <u0, theta> + wd^2 ||theta||^2, the weight decay's part
+        of the estimated ||u*||^2 (to fp32 rounding of the norms, far below the estimate's
+        own error)."""
+        return un.double().square() - u0n.double().square()
 
     def update_buffers(self, L: FlatLayout, n: int) -> Tuple[Tensor, Tensor]:
         """(u, d): where a parameter of n elements holds its whole direction (its norms need
@@ -210,15 +219,14 @@ class _Pass:
 
     def run(self):
         """exp_avg_local advanced by the gradient and (acc, counts, starts): acc (fp64) = (sum
-        off the edge of clamp(m_local / (d bc1)) u0, <u0, theta>, ||theta||^2, edge count);
-        counts[c]: range c's per-block edge counts; starts[c]: the edge coordinates before
-        range c (starts[-1]: all)."""
+        off the edge of clamp(m_local / (d bc1)) u0, edge count); counts[c]: range c's
+        per-block edge counts; starts[c]: the edge coordinates before range c (starts[-1]:
+        all)."""
         L, o, n = self.L, self.o, self.n
         g = L.grad(self.i)
         g = None if g is None else g.reshape(-1)
         w = 1 - self.group["betas"][0]
-        theta = L.tensor(self.i).reshape(-1) if self.group["weight_decay"] != 0 else None
-        acc = torch.zeros(4, dtype=torch.float64, device=self.m.device)
+        acc = torch.zeros(2, dtype=torch.float64, device=self.m.device)
         counts, starts = [], [0]
         for lo in range(0, n, F.STAGE):
             hi = min(n, lo + F.STAGE)
@@ -227,10 +235,10 @@ class _Pass:
             if g is None:  # no gradient: the momentum decays
                 K.advance_local_(ml, None, w)
             K.lamb_clean_pass_(acc, c, self.m[o + lo:o + hi], self.v[o + lo:o + hi], ml,
-                               None if g is None else g[lo:hi], w, None if theta is None else theta[lo:hi],
-                               self._masked(lo, hi), self.bc1, self.scale, self.eps, self.bound, self.edge_at)
+                               None if g is None else g[lo:hi], w, self._masked(lo, hi), self.bc1, self.scale,
+                               self.eps, self.bound, self.edge_at)
             counts.append(c)
-            starts.append(int(acc[3]))
+            starts.append(int(acc[1]))
         return acc, counts, starts
 
     def positions(self, counts: List[Tensor], starts: List[int], draws: Tensor) -> Tensor:
