@@ -86,7 +86,8 @@ def test_clean_pass_computes_its_sums_and_the_edge(run, bound, with_mask, ml_dty
     for lo, hi in ((0, cut), (cut, n)):
         c = torch.full((-(-(hi - lo) // K.EDGE_BLOCK),), -1, dtype=torch.int64)
         run(acc, c, m[lo:hi], v[lo:hi], ml[lo:hi], g[lo:hi] if with_grad else None, w,
-            masked[lo:hi] if with_mask else None, bc1, bc2 ** 0.5, eps, bound, 0.0 if bound is None else bound * AT_BOUND)
+            masked[lo:hi] if with_mask else None, bc1, bc2 ** 0.5, eps, bound,
+            0.0 if bound is None else bound * AT_BOUND)
         counts.append(c)
     assert torch.equal(ml, want_ml)
     assert acc[1].item() == sums[1] == edge.numel()

@@ -240,8 +240,7 @@ class OneBitLamb(BaseOptimizer):
                 group = self.param_groups[seg.group]
                 mode = _mode(group)
                 for i in seg.idx:
-                    u, ratio_max, u0n, un = self._norms.direction(L, seg, i, bounds[i], stats=mode != "live",
-                                                                  norms=i in estimated)
+                    u, ratio_max, u0n, un = self._norms.direction(L, seg, i, bounds[i], mode != "live", i in estimated)
                     if mode != "frozen":  # un, where the direction gave it, is already ||u||
                         live = torch.cat([F.norms([L.tensor(i)]), F.norms([u]) if un is None else un])
                     else:
@@ -258,8 +257,7 @@ class OneBitLamb(BaseOptimizer):
         for seg in segs:
             mode = _mode(self.param_groups[seg.group])
             for i in seg.idx:
-                u, ratio_max, u0n, un = self._norms.direction(L, seg, i, bounds[i], stats=mode != "live",
-                                                              norms=i in estimated)
+                u, ratio_max, u0n, un = self._norms.direction(L, seg, i, bounds[i], mode != "live", i in estimated)
                 if ratio_max is not None:
                     stats[i, 0] = ratio_max.reshape(())
                 if u0n is not None:
@@ -268,10 +266,9 @@ class OneBitLamb(BaseOptimizer):
                     stats[i, 3:] = torch.cat([F.norms([L.tensor(i)]), F.norms([u])]).square()
         modes = {_mode(self.param_groups[seg.group]) for seg in segs}
         ratio = self.flat_state.per_tensor(L, stats[:, :1], op="max")[:, 0] if modes - {"live"} else None
-        squares = self.flat_state.per_tensor(L, stats[:, 1:])
-        norms = squares.sqrt()
-        if clean is not None:  # the shards' parts of the squared clean norm, summed; the weight decay's terms
-            clean = self.flat_state.per_tensor(L, clean[:, None])[:, 0] + (squares[:, 1].double() - squares[:, 0].double())
+        norms = self.flat_state.per_tensor(L, stats[:, 1:]).sqrt_()
+        if clean is not None:  # the shards' parts of the squared clean norm, summed, and the weight decay's terms
+            clean = self.flat_state.per_tensor(L, clean[:, None])[:, 0] + self._norms.wd_terms(norms[:, 0], norms[:, 1])
         for seg in segs:
             group = self.param_groups[seg.group]
             mode, wd = _mode(group), group["weight_decay"] != 0
