@@ -3,9 +3,11 @@ elements, one thread), as ratios in the same process: its direction, the fused o
 IEEE roots (`kernels.lamb_direction_`), against the torch sequence with torch's fp32 roots
 that it replaces (two roots, the two denominators, the ratio and its max, the quotient, the
 clamp) and against `kernels.direction_torch` (its fallback, whose fp64 roots give the op's
-bits); and its fresh variance from the reduced momentum (`kernels.implied_variance_`)
-against the six torch ops it replaces (`functional.implied_grad_variance_`). Medians of at
-least 15, three rounds.
+bits); its fresh variance from the reduced momentum (`kernels.implied_variance_`)
+against the six torch ops it replaces (`functional.implied_grad_variance_`); and the
+clean-norm estimate's pass (`kernels.lamb_clean_pass_`, bf16 exp_avg_local advanced by a
+gradient, the bound 1.0) against its torch fallback (`kernels.clean_pass_torch`). Medians
+of at least 15, three rounds.
 
     python -m bench.lamb_direction
 """
@@ -41,6 +43,12 @@ def main() -> None:
         seq = 1e3 * median_time(lambda: F.implied_grad_variance_(vf, mn, mo, 0.9, 0.999), 15)
         op = 1e3 * median_time(lambda: K.implied_variance_(vf, mn, mo, 0.9, 0.999), 15)
         print(f"{n} elements: fresh variance: torch ops {seq:.2f} ms, op {op:.2f} ms ({op / seq:.2f}x)")
+        ml, grad = m.bfloat16(), torch.randn(n, generator=g) * 1e-2
+        acc, counts = torch.zeros(2, dtype=torch.float64), torch.empty(-(-n // K.EDGE_BLOCK), dtype=torch.int64)
+        clean = (acc, counts, m, v, ml, grad, 0.1, None, 0.27, 0.3, 1e-8, 1.0, 1 - 1e-5)
+        seq = 1e3 * median_time(lambda: K.clean_pass_torch(*clean), 15)
+        op = 1e3 * median_time(lambda: K.lamb_clean_pass_(*clean), 15)
+        print(f"{n} elements: clean-norm pass: torch fallback {seq:.2f} ms, op {op:.2f} ms ({op / seq:.2f}x)")
 
 
 if __name__ == "__main__":

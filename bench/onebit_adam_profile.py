@@ -1,4 +1,6 @@
-"""A 1-bit optimizer's compression-stage step alone (OneBitAdam, or KIND: OneBitLamb, or
+"""A 1-bit optimizer's compression-stage step alone (OneBitAdam, or KIND: OneBitLamb, with
+"/wd" LAMB's usual weight decay 0.01 and with "/decoded" norm_samples=0, the live ratio
+on the decoded norm without the estimate (OneBitLamb/wd/decoded: both), or
 OneBitAdam/nocap: without max_update's bound, so without the capped decode): P gloo
 ranks, one thread each, the parameter shapes of `lbcomm-bench train`'s model (13.8M), STEPS
 steps timed (median wall and CPU per step) and rank 0's profiled with cProfile, the top 25
@@ -36,6 +38,9 @@ def main(rank, p, steps, out, kind):
     params = [torch.nn.Parameter(torch.randn(s) * 0.02) for s in shapes()]
     if kind == "OneBitAdam/nocap":  # needs a release with OneBitOptions
         opt = lbcomm.OneBitAdam(params, lr=1e-3, freeze_step=2, options=lbcomm.OneBitOptions(max_update=None))
+    elif kind.startswith("OneBitLamb/"):
+        group = {"params": params, **({"norm_samples": 0} if kind.endswith("/decoded") else {})}
+        opt = lbcomm.OneBitLamb([group], lr=1e-3, freeze_step=2, weight_decay=0.01 if "/wd" in kind else 0.0)
     else:
         opt = getattr(lbcomm, kind)(params, lr=1e-3, freeze_step=2)
     g = torch.Generator().manual_seed(rank)
@@ -71,6 +76,8 @@ def main(rank, p, steps, out, kind):
 if __name__ == "__main__":
     p, steps, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     kind = sys.argv[4] if len(sys.argv) > 4 else "OneBitAdam"
-    if kind not in ("OneBitAdam", "OneBitLamb", "OneBitAdam/nocap"):
-        sys.exit(f"KIND: OneBitAdam, OneBitLamb or OneBitAdam/nocap, not {kind!r}")
+    kinds = ("OneBitAdam", "OneBitLamb", "OneBitLamb/decoded", "OneBitLamb/wd", "OneBitLamb/wd/decoded",
+             "OneBitAdam/nocap")
+    if kind not in kinds:
+        sys.exit(f"KIND: one of {', '.join(kinds)}, not {kind!r}")
     mp.spawn(main, args=(p, steps, out, kind), nprocs=p)
