@@ -189,3 +189,43 @@ def test_two_ranks_match_the_simulation(two_ranks, k):
     assert gap() <= 1e-7
     assert gap(norm_samples=0) > 1e-5
     assert gap(norm_samples=2 if k == 4 else 4) > 1e-6
+
+
+@pytest.mark.parametrize("off", [{"norm_samples": 0}, {"trust_ratio": "frozen"}])
+def test_exp_avg_local_is_kept_only_while_the_estimate_is_on(off):
+    """Nothing reads exp_avg_local while a group's estimate is off, so it stays as the freeze
+    left it; switched on again, the group restarts it from the momentum and advances it by
+    the step's gradient, as at the freeze (one rank: the update runs, no estimate)."""
+    import lbcomm
+    from lbcomm.optim.lamb_norm import TRACKED
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 8))
+    opt = lbcomm.OneBitLamb([{"params": net.parameters(), **off}], lr=1e-3, freeze_step=2)
+    gen = torch.Generator().manual_seed(1)
+
+    def step():
+        for q in net.parameters():
+            q.grad = torch.randn(q.shape, generator=gen)
+        opt.step()
+
+    for _ in range(3):
+        step()
+    assert opt.frozen
+    frozen = [opt.state[q]["exp_avg_local"].clone() for q in net.parameters()]
+    for _ in range(3):
+        step()
+    assert all(torch.equal(opt.state[q]["exp_avg_local"], f) for q, f in zip(net.parameters(), frozen))
+    assert opt.param_groups[0][TRACKED] is False
+    opt.param_groups[0].update(norm_samples=256, trust_ratio="max")
+    step()
+    for q in net.parameters():
+        want = opt.state[q]["exp_avg"].to(torch.bfloat16)  # the momentum after the step, as the restart copies it
+        K.advance_local_(want.view(-1), q.grad.reshape(-1), 0.1)
+        assert torch.equal(opt.state[q]["exp_avg_local"], want)
+    assert opt.param_groups[0][TRACKED] is True
+    before = [opt.state[q]["exp_avg_local"].clone() for q in net.parameters()]
+    step()  # on: advanced from where it was, no restart
+    for q, b in zip(net.parameters(), before):
+        K.advance_local_(b.view(-1), q.grad.reshape(-1), 0.1)
+        assert torch.equal(opt.state[q]["exp_avg_local"], b)

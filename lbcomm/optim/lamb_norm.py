@@ -14,7 +14,11 @@ from . import functional as F
 from . import kernels as K
 from .flat import FlatLayout, Segment
 
-__all__ = ["LambNorms", "AT_BOUND", "trust_mode", "samples"]
+__all__ = ["LambNorms", "AT_BOUND", "TRACKED", "trust_mode", "samples"]
+
+# the param-group entry (saved with the groups) that says whether the group's exp_avg_local
+# was updated at its last compressed step; absent: it was (every group was, before)
+TRACKED = "exp_avg_local_tracked"
 
 # |u0| >= U * AT_BOUND counts as clamped: the capped decode leaves coordinates at U within
 # a few roundings, on either side
@@ -83,10 +87,24 @@ class LambNorms:
         """exp_avg_local <- exp_avg_local + (1 - b1) (g - exp_avg_local), this rank's own
         gradients, for the parameters of `segs` not in `skip` (`K.advance_local_`: in fp32,
         rounded once to the buffer's bf16; where torch ops do it, in the staging buffer, idle
-        after the reduction)."""
-        ml = self.fs.buffers["exp_avg_local"]
+        after the reduction), in the groups whose live ratio estimates the norm (`samples`):
+        nothing else reads it. A group whose estimate was off at its last compressed step
+        (its `TRACKED` entry) and is on again first restarts it from the momentum, as at the
+        freeze, for all of its parameters."""
+        ml, m = self.fs.buffers["exp_avg_local"], self.fs.buffers["exp_avg"]
         stage = self.stage.stage_buffer(L)
+        on, restart = {}, set()
+        for g in {seg.group for seg in segs}:
+            group = self.fs.param_groups[g]
+            on[g] = samples(group) > 0
+            if on[g] and not group.get(TRACKED, True):
+                restart.add(g)
+            group[TRACKED] = on[g]
+        for i in (i for i in range(len(L.params)) if L.group_of[i] in restart):
+            ml[L.offsets[i]:L.offsets[i] + L.numels[i]].copy_(m[L.offsets[i]:L.offsets[i] + L.numels[i]])
         for seg in segs:
+            if not on[seg.group]:
+                continue
             w = 1 - self.fs.param_groups[seg.group]["betas"][0]
             for i in seg.idx:
                 if i in skip:

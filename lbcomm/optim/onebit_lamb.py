@@ -220,7 +220,6 @@ class OneBitLamb(BaseOptimizer):
             for i, a, b in parts:
                 b1, b2 = self.param_groups[L.group_of[i]]["betas"]
                 K.implied_variance_(vf[a:b], values[a - lo:b - lo], m[a:b], b1, b2)  # commits m too
-
         return sink
 
     def _compressed_update(self, L: FlatLayout) -> bool:
@@ -436,8 +435,9 @@ OneBitLamb.__doc__ = r"""Implements 1-bit LAMB: LAMB in the warmup, then a froze
     * ``factor_threshold``: :math:`\tau` above, the largest relative change of f from one
       step to the next (default: 0.1);
     * ``norm_samples``: the coordinates sampled per parameter for the live ratio's norm
-      (default: 256); 0 divides by the decoded direction's norm :math:`\|u\|` (the rule
-      before the estimate; a checkpoint saved without the option continues with it);
+      (default: 256; 0 in a checkpoint saved without it); 0 divides by the decoded norm
+      :math:`\|u\|`, the rule before the estimate, and leaves ``exp_avg_local`` as it is
+      (it restarts from the momentum when the estimate is turned on again);
     * ``norm_step_bound``: :math:`\sigma` above (default: 0.1); None: no bound.
 
     Example::
