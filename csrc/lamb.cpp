@@ -67,6 +67,10 @@ inline uint16_t narrow(float x, uint16_t*) {
   return static_cast<uint16_t>(nan ? 0x7fc0u : rounded);
 }
 
+// 1 / (d bc1) with d = sqrt(v) (1 / denom_scale) + eps (s: 1 / denom_scale): the one
+// definition the pass and the search share, so that both find the same edge.
+inline float inv_q(float v, float s, float e, float c1) { return 1.0f / ((std::sqrt(v) * s + e) * c1); }
+
 // One block's u0, y (0 on the edge: only its products off the edge are summed) and edge
 // flags, without branches (vectorized; B: with the bound; T: ml advanced by g first).
 // Cloned per ISA (wider vectors on hosts that have them).
@@ -76,7 +80,7 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void clean_block(
     int64_t n, float s, float e, float c1, float b, float at_b, float* __restrict u0, float* __restrict y,
     uint8_t* __restrict edge) {
   for (int64_t j = 0; j < n; ++j) {
-    const float r = 1.0f / ((std::sqrt(v[j]) * s + e) * c1);
+    const float r = inv_q(v[j], s, e, c1);
     float a = widen(ml[j]);
     if (T) {
       const L stored = narrow((g[j] - a) * w + a, ml);
@@ -103,7 +107,7 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void edge_block(
     const float* __restrict m, const float* __restrict v, int64_t n, float s, float e, float c1, float b,
     float at_b, uint8_t* __restrict edge) {
   for (int64_t j = 0; j < n; ++j) {
-    float u = m[j] * (1.0f / ((std::sqrt(v[j]) * s + e) * c1));
+    float u = m[j] * inv_q(v[j], s, e, c1);
     if (B) u = u > b ? b : (u < -b ? -b : u);
     edge[j] = static_cast<uint8_t>(B && std::fabs(u) >= at_b);
   }

@@ -41,10 +41,9 @@ def _data(n, seed):
     v = torch.rand(n, generator=g) * 1e-4
     v[:7] = 0.0
     ml = m + 3e-3 * torch.randn(n, generator=g)
-    theta = torch.randn(n, generator=g)
     masked = torch.zeros(n, dtype=torch.bool)
     masked[3:40:3] = True
-    return m, v, ml, theta, masked
+    return m, v, ml, masked
 
 
 PASSES = [K.clean_pass_torch] + ([torch.ops.lbcomm.lamb_clean_pass_] if K._CLEAN_OP else [])
@@ -75,7 +74,7 @@ def test_clean_pass_computes_its_sums_and_the_edge(run, bound, with_mask, ml_dty
     """exp_avg_local in either dtype (OneBitLamb keeps bf16), advanced by a gradient first or
     not: widened exactly, as from scratch; the per-block edge counts of each range."""
     n, bc1, bc2, eps, w = 5003, 0.4, 0.02, 1e-8, 0.1
-    m, v, ml, _, masked = _data(n, 3)
+    m, v, ml, masked = _data(n, 3)
     ml = ml.to(ml_dtype)
     g = ml.float() + 1e-2 * torch.randn(n, generator=torch.Generator().manual_seed(9))
     want_ml = _advanced(ml, g, w) if with_grad else ml.clone()
@@ -125,7 +124,7 @@ def test_edge_find_gives_the_drawn_edge_coordinates(find, with_mask):
     """Draws in any order, repeated ones and both ends included, against the edge's indices
     from scratch; a draw past the edge, or below 0, is refused by the op."""
     n, bc1, bc2, eps, bound = 5003, 0.4, 0.02, 1e-8, 0.05
-    m, v, ml, _, masked = _data(n, 4)
+    m, v, ml, masked = _data(n, 4)
     masked = masked if with_mask else None
     edge = _expected(m, v, ml, masked, bc1, bc2, eps, bound)[1]
     acc, counts = torch.zeros(2, dtype=torch.float64), torch.empty(-(-n // K.EDGE_BLOCK), dtype=torch.int64)
@@ -146,7 +145,7 @@ def test_edge_find_gives_the_drawn_edge_coordinates(find, with_mask):
 @pytest.mark.skipif(not K._CLEAN_OP, reason="lbcomm._C has no lamb_clean_pass_")
 @pytest.mark.parametrize("ml_dtype", [torch.float32, torch.bfloat16])
 def test_the_op_equals_the_torch_pass(ml_dtype):
-    m, v, ml, _, masked = _data(40000, 5)
+    m, v, ml, masked = _data(40000, 5)
     ml = ml.to(ml_dtype)
     g = torch.randn(40000, generator=torch.Generator().manual_seed(6)) * 1e-2
     out = []

@@ -101,7 +101,7 @@ class LambNorms:
                 restart.add(g)
             group[TRACKED] = on[g]
         for i in (i for i in range(len(L.params)) if L.group_of[i] in restart):
-            ml[L.offsets[i]:L.offsets[i] + L.numels[i]].copy_(m[L.offsets[i]:L.offsets[i] + L.numels[i]])
+            L.view(ml, i).copy_(L.view(m, i))
         for seg in segs:
             if not on[seg.group]:
                 continue
