@@ -18,6 +18,11 @@
 //
 // lamb_advance_local_ makes the first step alone.
 //
+// With every > 1 the pass covers the runs of kBlock elements 0, every, 2 every, ... of the
+// range only (for a parameter too large to pass over whole at every step,
+// lbcomm/optim/lamb_norm.py): ml is advanced there only, the rest counts 0 edge coordinates
+// and adds nothing.
+//
 // counts[b] = the edge coordinates in block b (kEdgeBlock elements) of the range: the sampled
 // edge coordinates are then found by lamb_edge_find_, which passes again over the blocks
 // holding them only (small blocks, so that a few hundred draws look at few elements),
@@ -43,7 +48,7 @@
 namespace lbcomm {
 namespace {
 
-constexpr int64_t kBlock = 512;      // the pass's elements per block (its arrays on the stack)
+constexpr int64_t kBlock = 512;      // the pass's elements per block (its arrays on the stack; SAMPLE_RUN)
 constexpr int64_t kEdgeBlock = 128;  // the edge counts' block (kBlock is a multiple of it)
 static_assert(kBlock % kEdgeBlock == 0, "a pass block holds whole count blocks");
 constexpr int kLanes = 8;  // the fp64 sums: lane l adds the elements j = l (mod 8), then the lanes in order
@@ -203,9 +208,11 @@ int64_t edge_blocks(int64_t n) { return (n + kEdgeBlock - 1) / kEdgeBlock; }
 void lamb_clean_pass_cpu(at::Tensor& acc, at::Tensor& counts, const at::Tensor& m, const at::Tensor& v,
                          at::Tensor& ml, const std::optional<at::Tensor>& grad, double weight,
                          const std::optional<at::Tensor>& masked, double bc1,
-                         double denom_scale, double eps, std::optional<double> bound, double edge_at) {
+                         double denom_scale, double eps, std::optional<double> bound, double edge_at,
+                         int64_t every) {
   const char* op = "lbcomm::lamb_clean_pass_";
   const int64_t n = m.numel();
+  TORCH_CHECK_VALUE(every >= 1, op, ": every must be >= 1, got ", every);
   check(acc, "acc", 2, at::kDouble, op);
   check(counts, "counts", edge_blocks(n), at::kLong, op);
   check(m, "exp_avg", n, at::kFloat, op);
@@ -231,7 +238,11 @@ void lamb_clean_pass_cpu(at::Tensor& acc, at::Tensor& counts, const at::Tensor& 
   int64_t seen = 0;
   float u0[kBlock], y[kBlock];
   uint8_t edge[kBlock];
-  for (int64_t lo = 0; lo < n; lo += kBlock) {
+  // every > 1: the runs 0, every, 2 every, ... of kBlock elements only (the rest untouched,
+  // counted 0); whole blocks, so that the skipped memory is not fetched ahead
+  const int64_t step = kBlock * every;
+  if (every > 1) std::fill(cnt, cnt + edge_blocks(n), int64_t{0});
+  for (int64_t lo = 0; lo < n; lo += step) {
     const int64_t k = std::min(kBlock, n - lo);
     const float* g = pg == nullptr ? nullptr : pg + lo;
     if (half) {
@@ -321,7 +332,7 @@ void lamb_edge_find_cpu(at::Tensor& out, const at::Tensor& draws, const at::Tens
 TORCH_LIBRARY_FRAGMENT(lbcomm, m) {
   m.def("lamb_clean_pass_(Tensor(a!) acc, Tensor(b!) counts, Tensor exp_avg, Tensor exp_avg_sq, "
         "Tensor(c!) exp_avg_local, Tensor? grad, float weight, Tensor? masked, float bc1, "
-        "float denom_scale, float eps, float? bound, float edge_at) -> ()");
+        "float denom_scale, float eps, float? bound, float edge_at, int every=1) -> ()");
   m.def("lamb_advance_local_(Tensor(a!) exp_avg_local, Tensor? grad, float weight) -> ()");
   m.def("lamb_edge_find_(Tensor(a!) out, Tensor draws, Tensor counts, Tensor exp_avg, Tensor exp_avg_sq, "
         "Tensor? masked, float bc1, float denom_scale, float eps, float? bound, float edge_at) -> ()");

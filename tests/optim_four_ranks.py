@@ -45,9 +45,10 @@ def _warmup_vs_full_precision(rank, p):
     return {"adam": adam_diff, "lamb": lamb_diff, "losses": losses}
 
 
-def _record(rank, p, name, steps, freeze, kw):
-    """Train with quantized local grads; record them and the params after each step."""
-    model = _mlp(seed=1)
+def _record(rank, p, name, steps, freeze, kw, d_h=24):
+    """Train with quantized local grads; record them and the params after each step (d_h:
+    the MLP's hidden units)."""
+    model = _mlp(seed=1, d_h=d_h)
     params0 = [q.detach().clone() for q in model.parameters()]
     opt = make_opt(OPTS[name], model.parameters(), freeze_step=freeze, **kw)
     grads, params = [], []

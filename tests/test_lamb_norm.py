@@ -70,23 +70,30 @@ def _blocks(edge, n):
 @pytest.mark.parametrize("with_mask", [False, True])
 @pytest.mark.parametrize("ml_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_grad", [False, True])
-def test_clean_pass_computes_its_sums_and_the_edge(run, bound, with_mask, ml_dtype, with_grad):
+@pytest.mark.parametrize("every", [1, 3])
+def test_clean_pass_computes_its_sums_and_the_edge(run, bound, with_mask, ml_dtype, with_grad, every):
     """exp_avg_local in either dtype (OneBitLamb keeps bf16), advanced by a gradient first or
-    not: widened exactly, as from scratch; the per-block edge counts of each range."""
+    not: widened exactly, as from scratch; the per-block edge counts of each range. every
+    = 3: the runs of 512 elements 0, 3, 6, ... of each range alone (ml advanced there only,
+    the rest counted 0)."""
     n, bc1, bc2, eps, w = 5003, 0.4, 0.02, 1e-8, 0.1
     m, v, ml, masked = _data(n, 3)
     ml = ml.to(ml_dtype)
     g = ml.float() + 1e-2 * torch.randn(n, generator=torch.Generator().manual_seed(9))
-    want_ml = _advanced(ml, g, w) if with_grad else ml.clone()
-    sums, edge = _expected(m, v, want_ml.float(), masked if with_mask else None, bc1, bc2, eps, bound)
+    cut = 2048
+    cov = torch.cat([(torch.arange(k) // 512) % every == 0 for k in (cut, n - cut)])  # runs of 512
+    want_ml = torch.where(cov, _advanced(ml, g, w).float(), ml.float()).to(ml_dtype) if with_grad else ml.clone()
+    sums, edge = _expected(m[cov], v[cov], want_ml.float()[cov], masked[cov] if with_mask else None, bc1, bc2, eps,
+                           bound)
+    edge = cov.nonzero().view(-1)[edge]
     # two calls (the ranges of one parameter), acc summed across them
     acc = torch.zeros(2, dtype=torch.float64)
-    cut, counts = 2048, []
+    counts = []
     for lo, hi in ((0, cut), (cut, n)):
         c = torch.full((-(-(hi - lo) // K.EDGE_BLOCK),), -1, dtype=torch.int64)
         run(acc, c, m[lo:hi], v[lo:hi], ml[lo:hi], g[lo:hi] if with_grad else None, w,
             masked[lo:hi] if with_mask else None, bc1, bc2 ** 0.5, eps, bound,
-            0.0 if bound is None else bound * AT_BOUND)
+            0.0 if bound is None else bound * AT_BOUND, every)
         counts.append(c)
     assert torch.equal(ml, want_ml)
     assert acc[1].item() == sums[1] == edge.numel()
@@ -120,16 +127,20 @@ def test_advance_local_is_the_update_from_scratch(advance, ml_dtype, with_grad):
 
 @pytest.mark.parametrize("find", FINDS, ids=lambda f: getattr(f, "__name__", str(f)))
 @pytest.mark.parametrize("with_mask", [False, True])
-def test_edge_find_gives_the_drawn_edge_coordinates(find, with_mask):
+@pytest.mark.parametrize("every", [1, 4])
+def test_edge_find_gives_the_drawn_edge_coordinates(find, with_mask, every):
     """Draws in any order, repeated ones and both ends included, against the edge's indices
-    from scratch; a draw past the edge, or below 0, is refused by the op."""
+    from scratch (every = 4: of the runs the pass covered); a draw past the edge, or below
+    0, is refused by the op."""
     n, bc1, bc2, eps, bound = 5003, 0.4, 0.02, 1e-8, 0.05
     m, v, ml, masked = _data(n, 4)
     masked = masked if with_mask else None
-    edge = _expected(m, v, ml, masked, bc1, bc2, eps, bound)[1]
+    cov = K.sampled_runs(n, every)
+    edge = _expected(m[cov], v[cov], ml[cov], None if masked is None else masked[cov], bc1, bc2, eps, bound)[1]
+    edge = cov.nonzero().view(-1)[edge]
     acc, counts = torch.zeros(2, dtype=torch.float64), torch.empty(-(-n // K.EDGE_BLOCK), dtype=torch.int64)
     args = (bc1, bc2 ** 0.5, eps, bound, bound * AT_BOUND)
-    K.lamb_clean_pass_(acc, counts, m, v, ml, None, 0.0, masked, *args)
+    K.lamb_clean_pass_(acc, counts, m, v, ml, None, 0.0, masked, *args, every)
     draws = torch.randint(edge.numel(), (300,), generator=torch.Generator().manual_seed(1))
     draws = torch.cat([draws, torch.tensor([0, edge.numel() - 1, 0]), draws[:5]])
     out = torch.full_like(draws, -1)
@@ -144,17 +155,38 @@ def test_edge_find_gives_the_drawn_edge_coordinates(find, with_mask):
 
 @pytest.mark.skipif(not K._CLEAN_OP, reason="lbcomm._C has no lamb_clean_pass_")
 @pytest.mark.parametrize("ml_dtype", [torch.float32, torch.bfloat16])
-def test_the_op_equals_the_torch_pass(ml_dtype):
+@pytest.mark.parametrize("every", [1, 7])
+def test_the_op_equals_the_torch_pass(ml_dtype, every):
     m, v, ml, masked = _data(40000, 5)
     ml = ml.to(ml_dtype)
     g = torch.randn(40000, generator=torch.Generator().manual_seed(6)) * 1e-2
     out = []
     for run in PASSES:
         acc, counts, own = torch.zeros(2, dtype=torch.float64), torch.empty(-(-40000 // K.EDGE_BLOCK), dtype=torch.int64), ml.clone()
-        run(acc, counts, m, v, own, g, 0.1, masked, 0.3, 0.05, 1e-8, 1.0, AT_BOUND)
+        run(acc, counts, m, v, own, g, 0.1, masked, 0.3, 0.05, 1e-8, 1.0, AT_BOUND, every)
         out.append((acc, counts, own))
     assert torch.equal(out[0][1], out[1][1]) and torch.equal(out[0][2], out[1][2]) and out[0][0][1] == out[1][0][1]
     torch.testing.assert_close(out[0][0], out[1][0], rtol=1e-12, atol=0.0)
+
+
+@pytest.mark.skipif(not K._CLEAN_OP, reason="lbcomm._C has no lamb_clean_pass_")
+def test_the_op_refuses_every_below_one():
+    m, v, ml, masked = _data(300, 1)
+    acc, counts = torch.zeros(2, dtype=torch.float64), torch.empty(3, dtype=torch.int64)
+    with pytest.raises(ValueError, match="every must be >= 1"):
+        torch.ops.lbcomm.lamb_clean_pass_(acc, counts, m, v, ml, None, 0.1, None, 0.3, 0.05, 1e-8, 1.0, AT_BOUND, 0)
+
+
+@pytest.mark.parametrize("n", [1, 511, 131072, 131073, 589824, 3145728, 10 ** 8 + 7])
+def test_pass_every_keeps_the_covered_runs_within_the_budget(n):
+    """The least k whose covered runs (0, k, 2k, ... of 512 elements) number at most the
+    budget's runs; a parameter within the budget, or on a sharded state, is covered whole."""
+    from lbcomm.optim.lamb_norm import PASS_BUDGET, pass_every
+
+    runs, k = -(-n // 512), pass_every(n, False)
+    assert -(-runs // k) <= PASS_BUDGET // 512 and (k == 1 or -(-runs // (k - 1)) > PASS_BUDGET // 512)
+    assert (k == 1) == (n <= PASS_BUDGET)
+    assert pass_every(n, True) == 1
 
 
 RUN = dict(exact_numel=0, lr=1e-2, weight_decay=0.01, block_size=64, max_update=0.05)
@@ -163,9 +195,19 @@ RUN = dict(exact_numel=0, lr=1e-2, weight_decay=0.01, block_size=64, max_update=
 def _small_stage_runs(rank, p):
     """Two recorded runs with passes and a staging buffer of 64 elements: every matrix spans
     several ranges (the sampled edge coordinates found across them) and its direction
-    does not fit the staging buffer (``scratch_u``)."""
+    does not fit the staging buffer (``scratch_u``); and one of a wider model with a pass
+    budget of 1024 elements, so that its 64 x 64 matrix is sampled, two of its eight runs
+    of 512 covered ("sampled")."""
+    from lbcomm.optim import lamb_norm
+
     F.STAGE = onebit.STAGE = 64
-    return {k: _record(rank, p, "lamb", 12, 4, dict(RUN, norm_samples=k)) for k in (4, 10 ** 6)}
+    runs = {k: _record(rank, p, "lamb", 12, 4, dict(RUN, norm_samples=k)) for k in (4, 10 ** 6)}
+    lamb_norm.PASS_BUDGET = SAMPLED_BUDGET
+    runs["sampled"] = _record(rank, p, "lamb", 12, 4, dict(RUN, norm_samples=4), d_h=64)
+    return runs
+
+
+SAMPLED_BUDGET = 1024
 
 
 @pytest.fixture(scope="module")
@@ -188,6 +230,22 @@ def test_two_ranks_match_the_simulation(two_ranks, k):
     assert gap() <= 1e-7
     assert gap(norm_samples=0) > 1e-5
     assert gap(norm_samples=2 if k == 4 else 4) > 1e-6
+
+
+def test_a_sampled_pass_matches_the_simulation(two_ranks):
+    """Parameters above the pass budget: the pass covers every k-th block, the same ones as
+    the simulation's, and its sums stand for the whole parameter; the simulation that covers
+    everything misses the run by far more."""
+    recs = [r["sampled"] for r in two_ranks]
+    grads = [[recs[r]["grads"][t] for r in range(2)] for t in range(12)]
+
+    def gap(budget):
+        hist = SIM.simulate_onebit_lamb(recs[0]["params0"], grads, freeze_step=4, **{**RUN, "norm_samples": 4},
+                                        pass_budget=budget)
+        return max((a - b).abs().max().item() for a, b in zip(hist[-1], recs[0]["params"][-1]))
+
+    assert gap(SAMPLED_BUDGET) <= 1e-7
+    assert gap(10 ** 6) > 1e-6
 
 
 @pytest.mark.parametrize("off", [{"norm_samples": 0}, {"trust_ratio": "frozen"}])

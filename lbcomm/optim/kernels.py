@@ -26,7 +26,8 @@ from . import functional as F
 
 __all__ = ["frozen_adamw_", "has_fused_kernel", "decode_caps_", "decode_caps_table_", "caps_table_op",
            "lamb_direction_", "direction_torch", "implied_variance_",
-           "lamb_clean_pass_", "lamb_edge_find_", "clean_pass_torch", "edge_find_torch", "advance_local_", "EDGE_BLOCK"]
+           "lamb_clean_pass_", "lamb_edge_find_", "clean_pass_torch", "edge_find_torch", "advance_local_", "EDGE_BLOCK",
+           "sampled_runs", "SAMPLE_RUN"]
 
 _log = logging.getLogger(__name__)
 
@@ -53,6 +54,8 @@ _DIRECTION_OP = ops.HAS_EXTENSION and hasattr(torch.ops.lbcomm, "lamb_direction_
 _IMPLIED_OP = ops.HAS_EXTENSION and hasattr(torch.ops.lbcomm, "implied_variance_")
 # the edge counts' blocks of the clean pass (kEdgeBlock in csrc/lamb.cpp)
 EDGE_BLOCK = 128
+# a sampled pass covers whole runs of SAMPLE_RUN elements (csrc/lamb.cpp's kBlock)
+SAMPLE_RUN = 512
 
 
 def has_fused_kernel(device: torch.device) -> bool:
@@ -184,15 +187,33 @@ def _clean_torch(m: Tensor, v: Tensor, ml: Tensor, masked: Optional[Tensor], bc1
     return u0, y, edge
 
 
+def sampled_runs(n: int, every: int, device=None) -> Tensor:
+    """Per coordinate of a range of n: whether its run (SAMPLE_RUN elements) is one of the
+    runs 0, every, 2 every, ... that a pass with `every` covers."""
+    return (torch.arange(n, device=device) // SAMPLE_RUN) % every == 0
+
+
 def clean_pass_torch(acc: Tensor, counts: Tensor, m: Tensor, v: Tensor, ml: Tensor, grad: Optional[Tensor],
                      weight: float, masked: Optional[Tensor], bc1: float, denom_scale: float, eps: float,
-                     bound: Optional[float], edge_at: float) -> None:
+                     bound: Optional[float], edge_at: float, every: int = 1) -> None:
     """`lamb_clean_pass_` in torch ops (any device): the same per-coordinate roundings, the
     fp64 sums in torch's order (see csrc/lamb.cpp for what it computes)."""
-    if grad is not None:
-        _advance_torch(ml, grad, weight)
-    u0, y, edge = _clean_torch(m, v, ml, masked, bc1, denom_scale, eps, bound, edge_at)
-    acc[0] += torch.where(edge, 0.0, y.double() * u0.double()).sum()
+    if every > 1:  # the covered runs gathered, passed over as one range, ml put back
+        take = sampled_runs(m.numel(), every, m.device)
+        mine = ml[take]
+        if grad is not None:
+            _advance_torch(mine, grad.reshape(-1)[take], weight)
+            ml[take] = mine
+        u0, y, covered_edge = _clean_torch(m[take], v[take], mine, None if masked is None else masked[take], bc1,
+                                           denom_scale, eps, bound, edge_at)
+        edge = torch.zeros(m.numel(), dtype=torch.bool, device=m.device)
+        edge[take] = covered_edge
+    else:
+        if grad is not None:
+            _advance_torch(ml, grad, weight)
+        u0, y, covered_edge = _clean_torch(m, v, ml, masked, bc1, denom_scale, eps, bound, edge_at)
+        edge = covered_edge
+    acc[0] += torch.where(covered_edge, 0.0, y.double() * u0.double()).sum()
     pad = -m.numel() % EDGE_BLOCK
     counts.copy_(torch.nn.functional.pad(edge.long(), (0, pad)).view(-1, EDGE_BLOCK).sum(1))
     acc[1] += edge.sum()
@@ -200,8 +221,10 @@ def clean_pass_torch(acc: Tensor, counts: Tensor, m: Tensor, v: Tensor, ml: Tens
 
 def edge_find_torch(out: Tensor, draws: Tensor, counts: Tensor, m: Tensor, v: Tensor, masked: Optional[Tensor],
                     bc1: float, denom_scale: float, eps: float, bound: Optional[float], edge_at: float) -> None:
-    """`lamb_edge_find_` in torch ops (any device)."""
+    """`lamb_edge_find_` in torch ops (any device): the edge of the blocks the pass counted
+    in (a block counted 0 holds none of the pass's edge coordinates)."""
     edge = _clean_torch(m, v, m, masked, bc1, denom_scale, eps, bound, edge_at)[2]
+    edge &= (counts > 0).repeat_interleave(EDGE_BLOCK)[:m.numel()]
     out.copy_(edge.nonzero().view(-1)[draws])
 
 
@@ -212,20 +235,22 @@ def _f32(t: Optional[Tensor]) -> Optional[Tensor]:
 
 def lamb_clean_pass_(acc: Tensor, counts: Tensor, m: Tensor, v: Tensor, ml: Tensor, grad: Optional[Tensor],
                      weight: float, masked: Optional[Tensor], bc1: float, denom_scale: float, eps: float,
-                     bound: Optional[float], edge_at: float) -> None:
+                     bound: Optional[float], edge_at: float, every: int = 1) -> None:
     """OneBitLamb's clean-norm pass over one range (`LambNorms.track_and_estimate`): with
     `grad`, first ml <- ml + weight (grad - ml) (`advance_local_`); then acc (fp64, 2) +=
     (sum off the edge of y u0, edge count) and counts[b] = the edge coordinates of block b
     (EDGE_BLOCK elements) of the range; u0 = clamp(m r), y = clamp(ml r), r = 1 / (d bc1)
     with d = sqrt(v) (1 / denom_scale) + eps (IEEE's root and reciprocal: u0 is within a few
-    ulps of the direction's), the edge |u0| >= edge_at (with a bound) or `masked`. The
-    fused op on CPU (m, v fp32 contiguous; ml fp32 or bf16), `clean_pass_torch` elsewhere,
-    with the same roundings."""
+    ulps of the direction's), the edge |u0| >= edge_at (with a bound) or `masked`. With
+    `every` > 1, over the runs of SAMPLE_RUN elements 0, every, 2 every, ... of the range
+    only (`sampled_runs`): ml is advanced there only and the rest counts 0. The fused op on
+    CPU (m, v fp32 contiguous; ml fp32 or bf16), `clean_pass_torch` elsewhere, with the
+    same roundings."""
     if _CLEAN_OP and m.device.type == "cpu":
         torch.ops.lbcomm.lamb_clean_pass_(acc, counts, m, v, ml, _f32(grad), weight, masked, bc1, denom_scale, eps,
-                                          bound, edge_at)
+                                          bound, edge_at, every)
     else:
-        clean_pass_torch(acc, counts, m, v, ml, grad, weight, masked, bc1, denom_scale, eps, bound, edge_at)
+        clean_pass_torch(acc, counts, m, v, ml, grad, weight, masked, bc1, denom_scale, eps, bound, edge_at, every)
 
 
 def lamb_edge_find_(out: Tensor, draws: Tensor, counts: Tensor, m: Tensor, v: Tensor, masked: Optional[Tensor],
@@ -241,7 +266,8 @@ def lamb_edge_find_(out: Tensor, draws: Tensor, counts: Tensor, m: Tensor, v: Te
 
 if _CLEAN_OP:
     @torch.library.register_fake("lbcomm::lamb_clean_pass_")
-    def _(acc, counts, exp_avg, exp_avg_sq, exp_avg_local, grad, weight, masked, bc1, denom_scale, eps, bound, edge_at):
+    def _(acc, counts, exp_avg, exp_avg_sq, exp_avg_local, grad, weight, masked, bc1, denom_scale, eps, bound, edge_at,
+          every=1):
         return None
 
     @torch.library.register_fake("lbcomm::lamb_advance_local_")

@@ -14,7 +14,7 @@ from . import functional as F
 from . import kernels as K
 from .flat import FlatLayout, Segment
 
-__all__ = ["LambNorms", "AT_BOUND", "TRACKED", "trust_mode", "samples"]
+__all__ = ["LambNorms", "AT_BOUND", "TRACKED", "PASS_BUDGET", "trust_mode", "samples", "pass_every"]
 
 # the param-group entry (saved with the groups) that says whether the group's exp_avg_local
 # was updated at its last compressed step; absent: it was (every group was, before)
@@ -23,6 +23,20 @@ TRACKED = "exp_avg_local_tracked"
 # |u0| >= U * AT_BOUND counts as clamped: the capped decode leaves coordinates at U within
 # a few roundings, on either side
 AT_BOUND = 1 - 1e-5
+
+
+# the coordinates of one parameter the estimate's pass covers at most: a larger one is
+# sampled, every k-th run of K.SAMPLE_RUN elements (`pass_every`), and its sums scaled up
+PASS_BUDGET = 1 << 17
+
+
+def pass_every(n: int, sharded: bool) -> int:
+    """k for a parameter (or shard) of n elements: the pass covers its runs 0, k, 2k, ... of
+    K.SAMPLE_RUN elements, the least k that keeps them within PASS_BUDGET (1: all of it;
+    always 1 on a sharded state, whose shards can move between resumes)."""
+    if sharded:
+        return 1
+    return max(1, -(-(-(-n // K.SAMPLE_RUN)) // (PASS_BUDGET // K.SAMPLE_RUN)))
 
 
 def trust_mode(group) -> str:
@@ -147,7 +161,11 @@ class LambNorms:
         parameter; one fused pass over each parameter (`kernels.lamb_clean_pass_`), STAGE
         elements at a time (nothing model-sized is allocated), and the sampled coordinates
         found again in their blocks only (`kernels.lamb_edge_find_`). Its u0 = m / (d bc1)
-        by a reciprocal, d with IEEE's root: within a few ulps of the direction's."""
+        by a reciprocal, d with IEEE's root: within a few ulps of the direction's. A
+        parameter of more than PASS_BUDGET elements (not sharded) is sampled: the pass covers
+        every k-th run of K.SAMPLE_RUN elements (`pass_every`), the same runs at every step,
+        both sums are scaled by n / the covered elements, and its exp_avg_local is advanced
+        in those runs only (docs/optimizers.md gives what that costs and saves)."""
         slots = self.estimate_slots(L)
         rows = [] if slots is None else [i for i in range(len(L.params)) if slots[i] > 0]
         self.track_local_momentum(L, segs, skip=set(rows))
@@ -166,7 +184,7 @@ class LambNorms:
                 if i not in row_of:  # averaged exactly, or no estimate in this group
                     continue
                 r = row_of[i]
-                p = _Pass(self, L, i, bounds[i], group, bc1, bc2)
+                p = _Pass(self, L, i, bounds[i], group, bc1, bc2, pass_every(L.numels[i], self.fs.sharded()))
                 acc, counts, starts = p.run()
                 sent[r, 0] = acc[0]
                 n_edge = starts[-1]
@@ -180,15 +198,17 @@ class LambNorms:
                     at = L.offsets[i] + p.positions(counts, starts, draws)
                     q = F.scaled_root(self.fs.buffers["exp_avg_sq"][at], p.scale, p.eps).mul_(p.bc1)
                     sent[r, 1:1 + k] = torch.div(self.fs.buffers["exp_avg_local"][at], q)
-                picked.append((i, k, n_edge))
+                picked.append((i, k, n_edge, p.scale_up))
         self.fs.transport.all_reduce(sent, op="sum")
         sent.div_(self.fs.transport.world_size)
-        for i, k, n_edge in picked:
+        for i, k, n_edge, scale_up in picked:
             r, bound = row_of[i], bounds[i]
             z = sent[r, 1:1 + k]
             if bound is not None:
                 z = z.clamp(-bound, bound)
             out[i] = sent[r, 0].double() + (z.double().square().sum() * (n_edge / k) if k else 0.0)
+            if scale_up != 1.0:  # a sampled pass: its sums stand for the whole parameter
+                out[i] *= scale_up
         return out, set(row_of)
 
     @staticmethod
@@ -215,18 +235,26 @@ class LambNorms:
 
 
 class _Pass:
-    """The clean-norm pass over parameter i of a `LambNorms`, STAGE elements at a time, and
-    the search for its sampled edge coordinates, with the same arguments."""
+    """The clean-norm pass over parameter i of a `LambNorms`, about STAGE elements at a
+    time, and the search for its sampled edge coordinates, with the same arguments. With
+    every > 1 (`pass_every`) the pass covers every every-th run of K.SAMPLE_RUN elements;
+    each range then starts on a covered run, and ``scale_up`` is n / the covered elements."""
 
     def __init__(self, norms: LambNorms, L: FlatLayout, i: int, bound: Optional[float], group, bc1: float,
-                 bc2: float):
+                 bc2: float, every: int = 1):
         fs = norms.fs
         self.m, self.v, self.ml = (fs.buffers[n] for n in ("exp_avg", "exp_avg_sq", "exp_avg_local"))
         self.L, self.i, self.bound, self.group = L, i, bound, group
         self.mask = norms.stage.masks
         self.bc1, self.scale, self.eps = bc1, bc2 ** 0.5, group["eps"]
         self.edge_at = 0.0 if bound is None else bound * AT_BOUND
-        self.o, self.n = L.offsets[i], L.numels[i]
+        self.o, self.n, self.every = L.offsets[i], L.numels[i], every
+        stride = K.SAMPLE_RUN * every
+        step = max(stride, F.STAGE // stride * stride) if every > 1 else F.STAGE
+        self.ranges = [(lo, min(self.n, lo + step)) for lo in range(0, self.n, step)]
+        last = (-(-self.n // stride) - 1) * stride  # the last covered run's start
+        covered = last // stride * K.SAMPLE_RUN + min(K.SAMPLE_RUN, self.n - last)
+        self.scale_up = self.n / covered if every > 1 else 1.0
 
     def _masked(self, lo: int, hi: int) -> Optional[Tensor]:
         if self.mask.mask is None:
@@ -236,7 +264,8 @@ class _Pass:
         return out
 
     def run(self):
-        """exp_avg_local advanced by the gradient and (acc, counts, starts): acc (fp64) = (sum
+        """exp_avg_local advanced by the gradient (in the covered runs: nothing reads the
+        others while the layout stands) and (acc, counts, starts): acc (fp64) = (sum
         off the edge of clamp(m_local / (d bc1)) u0, edge count); counts[c]: range c's
         per-block edge counts; starts[c]: the edge coordinates before range c (starts[-1]:
         all)."""
@@ -246,15 +275,14 @@ class _Pass:
         w = 1 - self.group["betas"][0]
         acc = torch.zeros(2, dtype=torch.float64, device=self.m.device)
         counts, starts = [], [0]
-        for lo in range(0, n, F.STAGE):
-            hi = min(n, lo + F.STAGE)
+        for lo, hi in self.ranges:
             c = torch.empty(-(-(hi - lo) // K.EDGE_BLOCK), dtype=torch.int64, device=self.m.device)
             ml = self.ml[o + lo:o + hi]
             if g is None:  # no gradient: the momentum decays
                 K.advance_local_(ml, None, w)
             K.lamb_clean_pass_(acc, c, self.m[o + lo:o + hi], self.v[o + lo:o + hi], ml,
                                None if g is None else g[lo:hi], w, self._masked(lo, hi), self.bc1, self.scale,
-                               self.eps, self.bound, self.edge_at)
+                               self.eps, self.bound, self.edge_at, self.every)
             counts.append(c)
             starts.append(int(acc[1]))
         return acc, counts, starts
@@ -262,8 +290,7 @@ class _Pass:
     def positions(self, counts: List[Tensor], starts: List[int], draws: Tensor) -> Tensor:
         """The indices in the parameter of its draws-th edge coordinates (in draws' order)."""
         o, out = self.o, torch.empty_like(draws)
-        for c, lo in enumerate(range(0, self.n, F.STAGE)):
-            hi = min(self.n, lo + F.STAGE)
+        for c, (lo, hi) in enumerate(self.ranges):
             if len(counts) == 1:  # one range: every draw is in it
                 sel, local, found = None, draws, out
             else:

@@ -125,7 +125,7 @@ def simulate_onebit_lamb(params0, grads, *, lr: float, betas=(0.9, 0.999), eps: 
                          bias_correction: bool = True, mask_threshold: float = 1e-10, max_update=1.0,
                          nodes: Optional[int] = None, shards: Optional[int] = None, exact_numel: int = 4096,
                          trust_ratio: str = "max", capped_decode: bool = True, norm_samples: int = 256,
-                         norm_step_bound: Optional[float] = 0.1):
+                         norm_step_bound: Optional[float] = 0.1, pass_budget: Optional[int] = None):
     """1-bit LAMB. Returns the parameters after every step (nodes, shards, exact_numel: as
     simulate_onebit_adam; LAMB's norms are those of whole parameters). In the compression stage each
     coordinate of u0 = m^ / (sqrt(v^) + eps) is clamped to [-U, U] (max_update; None: unbounded);
@@ -137,17 +137,35 @@ def simulate_onebit_lamb(params0, grads, *, lr: float, betas=(0.9, 0.999), eps: 
     divides by an estimate of the norm of the direction an uncompressed allreduce would
     give, from every rank's own momentum (`_clean_sq`), bounded by norm_step_bound (the lr
     is constant here, so it is also the peak lr); parameters averaged exactly keep the
-    decoded norm."""
+    decoded norm. A parameter of more than pass_budget elements (default: OneBitLamb's,
+    lbcomm.optim.lamb_norm.PASS_BUDGET), unsharded, is estimated from its runs of 512
+    elements 0, k, 2k, ... alone, k the least that keeps them within the budget, the sums
+    scaled by its size / theirs."""
+    if pass_budget is None:
+        from ..optim.lamb_norm import PASS_BUDGET as pass_budget
     return _lamb(params0, grads, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_coeff=max_coeff,
                  min_coeff=min_coeff, bias_correction=bias_correction, freeze_step=freeze_step,
                  block_size=block_size, coeff_beta=coeff_beta, factor_max=factor_max, factor_min=factor_min,
                  factor_threshold=factor_threshold, mask_threshold=mask_threshold, max_update=max_update,
                  nodes=nodes, shards=shards, exact_numel=exact_numel, trust_ratio=trust_ratio,
-                 capped_decode=capped_decode, norm_samples=norm_samples, norm_step_bound=norm_step_bound)
+                 capped_decode=capped_decode, norm_samples=norm_samples, norm_step_bound=norm_step_bound,
+                 pass_budget=pass_budget)
+
+
+def _covered(n: int, budget: int, shards: Optional[int]) -> Tensor:
+    """Which of n coordinates the estimate looks at: all, or (n > budget, unsharded) those
+    of the 512-element runs 0, k, 2k, ... with the least k that keeps them within budget."""
+    runs = -(-n // 512)
+    k = 1
+    if not shards:
+        while -(-runs // k) * 512 > budget:
+            k += 1
+    return (torch.arange(n) // 512) % k == 0
 
 
 def _clean_sq(m: Tensor, locals_: List[Tensor], v: Tensor, bc1: float, bc2: float, eps: float,
-              bound: Optional[float], theta: Tensor, keep: Tensor, weight_decay: float, k: int, seed: int) -> Tensor:
+              bound: Optional[float], theta: Tensor, keep: Tensor, weight_decay: float, k: int, seed: int,
+              covered: Optional[Tensor] = None) -> Tensor:
     """Estimated ||clamp(mean_r local_r / (d bc1)) + wd theta||^2 of one (piece of a)
     parameter, fp64, with d = sqrt(v) / sqrt(bc2) + eps and the correctly rounded fp32 sqrt
     (the fp64 root rounded: exact), so u0 = m / (d bc1) may differ from the direction's by
@@ -157,8 +175,21 @@ def _clean_sq(m: Tensor, locals_: List[Tensor], v: Tensor, bc1: float, bc2: floa
     and their squares scaled to all of them; plus the weight decay's terms with the
     decoded u0. What the ranks exchange is fp32: each rank's projection (its fp64 sum
     rounded) and its y at the drawn coordinates, averaged in fp32 (summed here in rank
-    order: the real allreduce sums in its own order, which can round differently)."""
+    order: the real allreduce sums in its own order, which can round differently). With
+    `covered` (a mask of the coordinates), both sums are over those alone, scaled by n /
+    their number; the weight decay's terms are not."""
     m, v, theta, keep = m.reshape(-1), v.reshape(-1), theta.reshape(-1), keep.reshape(-1)
+    wd_terms = torch.zeros((), dtype=torch.float64)
+    if weight_decay != 0:
+        th = theta.double()
+        u_all = (m / ((torch.sqrt(v.double()).float() / bc2 ** 0.5 + eps) * bc1))
+        u_all = u_all.clamp(-bound, bound) if bound is not None else u_all
+        wd_terms = 2 * weight_decay * torch.dot(u_all.double(), th) + weight_decay * weight_decay * torch.dot(th, th)
+    scale = 1.0
+    if covered is not None and not bool(covered.all()):
+        scale = m.numel() / int(covered.sum())
+        m, v, keep = m[covered], v[covered], keep[covered]
+        locals_ = [l.reshape(-1)[covered] for l in locals_]
     p = len(locals_)
     q = (torch.sqrt(v.double()).float() / bc2 ** 0.5 + eps) * bc1
     u0 = m / q
@@ -177,11 +208,8 @@ def _clean_sq(m: Tensor, locals_: List[Tensor], v: Tensor, bc1: float, bc2: floa
     if bound is not None:
         z = z.clamp(-bound, bound)
     sampled = z.double().square().sum() * (int(edge.sum()) / where.numel()) if where.numel() else 0.0
-    out = torch.zeros((), dtype=torch.float64)
-    if weight_decay != 0:
-        th = theta.double()
-        out = 2 * weight_decay * torch.dot(u64, th) + weight_decay * weight_decay * torch.dot(th, th)
-    return out + (proj + sampled)
+    est = proj + sampled
+    return wd_terms + (est * scale if scale != 1.0 else est)
 
 
 def _pieces(t: Tensor, shards: Optional[int]) -> List[Tensor]:
@@ -192,7 +220,7 @@ def _pieces(t: Tensor, shards: Optional[int]) -> List[Tensor]:
 def _lamb(params0, grads, *, lr, betas, eps, weight_decay, max_coeff, min_coeff, bias_correction, freeze_step,
           block_size=None, coeff_beta=0.9, factor_max=4.0, factor_min=0.5, factor_threshold=0.1, mask_threshold=0.0,
           max_update=None, nodes=None, shards=None, exact_numel=0, trust_ratio="frozen", capped_decode=True,
-          norm_samples=0, norm_step_bound=None):
+          norm_samples=0, norm_step_bound=None, pass_budget=1 << 17):
     b1, b2 = betas
     p = len(grads[0])
     n_params = len(params0)
@@ -272,7 +300,8 @@ def _lamb(params0, grads, *, lr, betas, eps, weight_decay, max_coeff, min_coeff,
                 parts = zip(*[_pieces(t, shards) for t in mine])
                 for piece in parts:
                     sq = sq + _clean_sq(piece[0], list(piece[4:]), piece[1], bc1, bc2, eps, frozen["bounds"][i],
-                                        piece[2], piece[3], weight_decay, norm_samples, 1009 * step + i)
+                                        piece[2], piece[3], weight_decay, norm_samples, 1009 * step + i,
+                                        _covered(piece[0].numel(), pass_budget, shards))
                 un = torch.linalg.vector_norm(u).double()
                 est = torch.sqrt(torch.maximum(sq, 0.01 * un.square()))
                 if norm_step_bound is not None:
