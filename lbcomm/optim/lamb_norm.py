@@ -184,7 +184,7 @@ class LambNorms:
                 if i not in row_of:  # averaged exactly, or no estimate in this group
                     continue
                 r = row_of[i]
-                p = _Pass(self, L, i, bounds[i], group, bc1, bc2, pass_every(L.numels[i], self.fs.sharded()))
+                p = _Pass(self, L, i, bounds[i], group, bc1, bc2)
                 acc, counts, starts = p.run()
                 sent[r, 0] = acc[0]
                 n_edge = starts[-1]
@@ -206,9 +206,8 @@ class LambNorms:
             z = sent[r, 1:1 + k]
             if bound is not None:
                 z = z.clamp(-bound, bound)
-            out[i] = sent[r, 0].double() + (z.double().square().sum() * (n_edge / k) if k else 0.0)
-            if scale_up != 1.0:  # a sampled pass: its sums stand for the whole parameter
-                out[i] *= scale_up
+            # scale_up: a sampled pass's sums stand for the whole parameter (1.0: passed whole)
+            out[i] = (sent[r, 0].double() + (z.double().square().sum() * (n_edge / k) if k else 0.0)) * scale_up
         return out, set(row_of)
 
     @staticmethod
@@ -241,14 +240,15 @@ class _Pass:
     each range then starts on a covered run, and ``scale_up`` is n / the covered elements."""
 
     def __init__(self, norms: LambNorms, L: FlatLayout, i: int, bound: Optional[float], group, bc1: float,
-                 bc2: float, every: int = 1):
+                 bc2: float):
         fs = norms.fs
         self.m, self.v, self.ml = (fs.buffers[n] for n in ("exp_avg", "exp_avg_sq", "exp_avg_local"))
         self.L, self.i, self.bound, self.group = L, i, bound, group
         self.mask = norms.stage.masks
         self.bc1, self.scale, self.eps = bc1, bc2 ** 0.5, group["eps"]
         self.edge_at = 0.0 if bound is None else bound * AT_BOUND
-        self.o, self.n, self.every = L.offsets[i], L.numels[i], every
+        self.o, self.n = L.offsets[i], L.numels[i]
+        self.every = every = pass_every(self.n, fs.sharded())
         stride = K.SAMPLE_RUN * every
         step = max(stride, F.STAGE // stride * stride) if every > 1 else F.STAGE
         self.ranges = [(lo, min(self.n, lo + step)) for lo in range(0, self.n, step)]

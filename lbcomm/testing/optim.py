@@ -208,8 +208,7 @@ def _clean_sq(m: Tensor, locals_: List[Tensor], v: Tensor, bc1: float, bc2: floa
     if bound is not None:
         z = z.clamp(-bound, bound)
     sampled = z.double().square().sum() * (int(edge.sum()) / where.numel()) if where.numel() else 0.0
-    est = proj + sampled
-    return wd_terms + (est * scale if scale != 1.0 else est)
+    return wd_terms + (proj + sampled) * scale
 
 
 def _pieces(t: Tensor, shards: Optional[int]) -> List[Tensor]:
