@@ -340,7 +340,7 @@ void unpack_into_cpu(const at::Tensor& packed, const at::Tensor& scales, std::op
 
 bool has_avx2_op() { return cpu::has_avx2(); }
 // Bumped whenever an op's schema or semantics change, so Python can detect a stale build.
-int64_t abi_version_op() { return 8; }
+int64_t abi_version_op() { return 9; }
 bool built_with_cuda_op() {
 #ifdef LBCOMM_WITH_CUDA
   return true;

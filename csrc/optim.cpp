@@ -71,6 +71,28 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void frozen_adamw_b
   }
 }
 
+// The same with the capped decode's caps applied here rather than by the decode: the
+// momentum, decoded uncapped (+-scale), becomes sign(m) min(|m|, c) with c = sqrt(v) ca + cb
+// (decode_caps_range's roundings, from the root the denominator takes) and is written back
+// where that changed it: bitwise the value the capped decode would have written
+// (csrc/cpu/kernels.cpp: `capped`, MINPS; a NaN cap leaves m). b = +inf: no step bound
+// (the clamp then changes nothing, NaN included).
+__attribute__((target_clones("avx512f", "avx2", "default"))) void frozen_adamw_capped_range(
+    float* p, float* m, const float* v, int64_t lo, int64_t hi, float s, float e, float k, float a, float b,
+    float ca, float cb) {
+  for (int64_t i = lo; i < hi; ++i) {
+    const float r = std::sqrt(v[i]);
+    const float c = r * ca + cb;
+    // branch-free, so that it vectorizes: where caps bind is data-dependent
+    const float mi = c < std::fabs(m[i]) ? std::copysign(c, m[i]) : m[i];
+    m[i] = mi;
+    const float d = r / s + e;
+    float q = (a * mi) / d;
+    q = q > b ? b : (q < -b ? -b : q);
+    p[i] = p[i] * k + q;
+  }
+}
+
 void frozen_adamw_cpu(at::Tensor& param, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
                       double denom_scale, double eps, double keep, double neg_step, std::optional<double> bound) {
   check_frozen_adamw(param, exp_avg, exp_avg_sq, bound);
@@ -88,6 +110,27 @@ void frozen_adamw_cpu(at::Tensor& param, const at::Tensor& exp_avg, const at::Te
   }
   at::parallel_for(0, param.numel(), 1 << 15,
                    [&](int64_t lo, int64_t hi) { frozen_adamw_range(p, m, v, lo, hi, s, e, k, a); });
+}
+
+// frozen_adamw_ that first caps the momentum in place (frozen_adamw_capped_range): the
+// 1-bit optimizers' update when the reducer left the result's caps to it (CPU only).
+void frozen_adamw_capped_cpu(at::Tensor& param, at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
+                             double denom_scale, double eps, double keep, double neg_step, std::optional<double> bound,
+                             double cap_a, double cap_b) {
+  check_frozen_adamw(param, exp_avg, exp_avg_sq, bound);
+  TORCH_CHECK_VALUE(param.device().is_cpu(), "lbcomm::frozen_adamw_capped_: CPU tensors only, got ", param.device());
+  TORCH_CHECK_VALUE(cap_a >= 0.0 && cap_b >= 0.0, "lbcomm::frozen_adamw_capped_: the cap coefficients must be >= 0, got ",
+                    cap_a, " and ", cap_b);
+  float* p = param.data_ptr<float>();
+  float* m = exp_avg.data_ptr<float>();
+  const float* v = exp_avg_sq.data_ptr<float>();
+  const float s = static_cast<float>(denom_scale), e = static_cast<float>(eps);
+  const float k = static_cast<float>(keep), a = static_cast<float>(neg_step);
+  const float b = bound.has_value() ? static_cast<float>(*bound) : std::numeric_limits<float>::infinity();
+  const float ca = static_cast<float>(cap_a), cb = static_cast<float>(cap_b);
+  at::parallel_for(0, param.numel(), 1 << 15, [&](int64_t lo, int64_t hi) {
+    frozen_adamw_capped_range(p, m, v, lo, hi, s, e, k, a, b, ca, cb);
+  });
 }
 
 // The capped decode's caps (lbcomm/optim/bounds.py), out = (sqrt(v) a + b) s, in one pass
@@ -199,12 +242,15 @@ void decode_caps_table_cpu(at::Tensor& out, const at::Tensor& v, int64_t lo, con
 TORCH_LIBRARY_FRAGMENT(lbcomm, m) {
   m.def("frozen_adamw_(Tensor(a!) param, Tensor exp_avg, Tensor exp_avg_sq, float denom_scale, float eps, "
         "float keep, float neg_step, float? bound=None) -> ()");
+  m.def("frozen_adamw_capped_(Tensor(a!) param, Tensor(b!) exp_avg, Tensor exp_avg_sq, float denom_scale, "
+        "float eps, float keep, float neg_step, float? bound, float cap_a, float cap_b) -> ()");
   m.def("decode_caps_(Tensor(a!) out, Tensor v, float a, float b, Tensor? scale) -> ()");
   m.def("decode_caps_table_(Tensor(a!) out, Tensor v, int lo, Tensor starts, Tensor table) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(lbcomm, CPU, m) {
   m.impl("frozen_adamw_", kernel<FrozenAdamwFn>(&frozen_adamw_cpu));
+  m.impl("frozen_adamw_capped_", &frozen_adamw_capped_cpu);
   m.impl("decode_caps_", &decode_caps_cpu);
   m.impl("decode_caps_table_", &decode_caps_table_cpu);
 }

@@ -20,7 +20,7 @@ from .reduce.wire import num_blocks
 
 __all__ = ["worker_compress", "server_compress", "unpack", "unpack_into", "HAS_EXTENSION", "extension_problem", "cpu_has_avx2"]
 
-ABI_VERSION = 8  # must match abi_version() in csrc/ops.cpp
+ABI_VERSION = 9  # must match abi_version() in csrc/ops.cpp
 _log = logging.getLogger(__name__)
 Cap = Union[Tensor, ComputedCaps]
 _FIX = "rebuild it with `pip install --no-build-isolation -e .` in the lbcomm checkout"

@@ -104,3 +104,86 @@ def test_one_rule_says_which_caps_the_kernels_compute(monkeypatch):
     monkeypatch.setattr(ops, "_warned", set())  # the fallback's one-time warning, fresh
     with pytest.warns(RuntimeWarning, match="reference"):
         assert not ops.kernel_computes_caps(tc, cpu)
+
+
+@pytest.mark.parametrize("block", [64, 2048])
+def test_caps_left_to_the_update_give_the_capped_decodes_bits(block):
+    """`on_result=False` (OneBitAdam's and ZeroOneAdam's update on the CPU): the result
+    decoded without caps, then capped inside the update (`frozen_adamw_capped_`, and its
+    torch fallback `functional.cap_momentum_` + `frozen_adamw_`), gives bitwise the
+    momentum and the parameters of the capped decode followed by the plain update:
+    uncapped parameters (b = inf), zero variance (c = b), caps above the scale and caps
+    that bind among them."""
+    from lbcomm.optim import functional as F
+    from lbcomm.optim import kernels as K
+
+    numels = [3, 0, 700, 4100, 1, 2048, 77, 3000, 1500]
+    tc, caps = _table_caps(numels, seed=block)
+    tc.table[:, 2] = 1.0  # Adam's momentum is not scaled
+    K.decode_caps_table_(caps, tc.v, 0, tc.starts, tc.table)
+    n0 = tc.numel
+    x, e = _worker_inputs(n0, 1, err_scale=0.5)
+    packed, scales = ops.worker_compress(x * 1e-2, e, block)
+    capped, plain = torch.empty(n0), torch.empty(n0)
+    ops.unpack_into(packed, scales, block, capped, cap=tc)
+    ops.unpack_into(packed, scales, block, plain)
+    assert torch.equal(capped, R.unpack(packed, scales, n0, block, cap=caps))
+    binds = caps < plain.abs()
+    assert bool(binds.any()) and bool((~binds).any())  # both kinds of coordinate
+    w0 = torch.randn(n0)
+    args = (0.3, 1e-8, 1e-3, 2e-3)
+    want_w, fused_w, torch_w = w0.clone(), w0.clone(), w0.clone()
+    fused_m, torch_m = plain.clone(), plain.clone()
+    for i in range(len(numels)):
+        lo, hi = int(tc.starts[i]), int(tc.starts[i + 1])
+        a, b, _ = tc.table[i].tolist()
+        cap = None if b == float("inf") else (a, b)
+        v = tc.v[lo:hi]
+        for bound in (None, 5e-3):
+            w = w0[lo:hi].clone()
+            K.frozen_adamw_(w, capped[lo:hi], v, *args, torch.empty(max(hi - lo, 1)), bound)
+            if bound is None:
+                want_w[lo:hi] = w
+            else:
+                bounded = w
+        K.frozen_adamw_(fused_w[lo:hi], fused_m[lo:hi], v, *args, torch.empty(max(hi - lo, 1)), None, cap)
+        F.frozen_adamw_(torch_w[lo:hi], torch_m[lo:hi], v, *args, torch.empty(max(hi - lo, 1)), None, cap)
+        w = w0[lo:hi].clone()
+        m = plain[lo:hi].clone()
+        K.frozen_adamw_(w, m, v, *args, torch.empty(max(hi - lo, 1)), 5e-3, cap)
+        assert torch.equal(w, bounded) and torch.equal(m, capped[lo:hi]), i
+    for m, w in ((fused_m, fused_w), (torch_m, torch_w)):
+        assert torch.equal(m, capped) and torch.equal(w, want_w)
+    # a NaN cap (inf * 0) leaves the value, as the capped decode's MINPS does
+    m = plain[:8].clone()
+    F.cap_momentum_(m, torch.full((8,), float("inf")), 0.0, 0.0, torch.empty(8))
+    assert torch.equal(m, plain[:8])
+
+
+def test_capped_update_op_opcheck_and_errors():
+    w, m, v = torch.randn(300), torch.randn(300) * 1e-2, torch.rand(300) * 1e-4
+    op = torch.ops.lbcomm.frozen_adamw_capped_
+    torch.library.opcheck(op, (w, m, v, 0.7, 1e-8, 0.999, -1e-3, None, 0.5, 1e-3))
+    torch.library.opcheck(op, (w, m, v, 0.7, 1e-8, 0.999, -1e-3, 1e-4, 0.5, 0.0))
+    with pytest.raises(ValueError, match="cap coefficients must be >= 0"):
+        op(w, m, v, 0.7, 1e-8, 1.0, -1e-3, None, -0.5, 0.0)
+    with pytest.raises(ValueError, match="bound must be >= 0"):
+        op(w, m, v, 0.7, 1e-8, 1.0, -1e-3, -1.0, 0.5, 0.0)
+    with pytest.raises(ValueError, match="as many elements"):
+        op(w, m[:-1], v, 0.7, 1e-8, 1.0, -1e-3, None, 0.5, 0.0)
+
+
+def test_left_caps_skip_uncapped_and_exact_parameters():
+    """`bounds.left_caps`: what the update must cap once the decode left the result's caps:
+    (a, b) per parameter, nothing for an uncapped parameter (b = inf) or one averaged
+    exactly (its exact mean replaced the decoded value), nothing at all when the decode
+    applied the caps itself."""
+    from lbcomm.optim.bounds import left_caps
+
+    tc, _ = _table_caps([3, 5, 7, 2, 4])  # parameter 2 is uncapped
+    left = TableCaps(tc.v, tc.starts, tc.table, tc.fill_fn, tc.numel, on_result=False)
+    a = tc.table[:, :2].tolist()
+    assert left_caps(left, None) == [tuple(a[0]), tuple(a[1]), None, tuple(a[3]), tuple(a[4])]
+    exact_part = (torch.tensor([3, 4, 5, 6, 7]), [(1, 0)])  # parameter 1 averaged exactly
+    assert left_caps(left, exact_part) == [tuple(a[0]), None, None, tuple(a[3]), tuple(a[4])]
+    assert left_caps(tc, None) is None and left_caps(None, None) is None

@@ -54,12 +54,15 @@ def frozen_adamw_step_(fs: FlatState, stage: OneBitStage, L: FlatLayout,
     `OneBitStage.decode_caps`), then AdamW with the frozen variance, each coordinate's step
     bounded by max_update; `factors_of(participating)` (rescale_variance, called
     once the step counts have advanced) gives per parameter a factor of its v^ or None.
-    False when the reduction saw NaN/Inf (state unchanged)."""
+    False when the reduction saw NaN/Inf (state unchanged). Where the reducer leaves the
+    result's caps to this update (on the CPU), the update caps m from the root it takes
+    anyway, which spares the decode a pass over the variance."""
     m, v = fs.buffers["exp_avg"], fs.buffers["exp_avg_sq"]
-    applied, bounds, segs, factors = stage.step_and_reduce(L, stage.participating(L), stage.momentum_source(L), m,
-                                                           factors_of)
+    applied, bounds, segs, factors, left = stage.step_and_reduce(L, stage.participating(L), stage.momentum_source(L),
+                                                                 m, factors_of, caps_in_update=True)
     if not applied:
         return False
+    caps = [None] * len(L.params) if left is None else left
     scratch = stage.stage_buffer(L)
     for seg in segs:
         group = fs.param_groups[seg.group]
@@ -70,7 +73,7 @@ def frozen_adamw_step_(fs: FlatState, stage: OneBitStage, L: FlatLayout,
             step_bound = None if bounds[i] is None else lr * bounds[i]
             c = F.rescaled_bc2(bc2, factors, i)  # rescale_variance
             F.apply_fp32(L.tensor(i), lambda w, i=i, b=step_bound, c=c: kernels.frozen_adamw_(
-                w, L.view(m, i), L.view(v, i), c, eps, lr * wd, lr / bc1, scratch, b))
+                w, L.view(m, i), L.view(v, i), c, eps, lr * wd, lr / bc1, scratch, b, caps[i]))
     return True
 
 

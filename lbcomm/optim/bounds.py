@@ -5,7 +5,8 @@ group's betas, or "warmup"'s recorded U_p), and its move into the compressed all
 its `OneBitStage`."""
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Union
+import math
+from typing import Callable, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -15,7 +16,7 @@ from . import kernels as K
 from ..reduce.inputs import TableCaps
 from .flat import FlatLayout
 
-__all__ = ["record_update_bounds", "update_bounds", "decode_caps"]
+__all__ = ["record_update_bounds", "update_bounds", "decode_caps", "left_caps"]
 
 
 def record_update_bounds(fs, L: FlatLayout, stage: Tensor) -> None:
@@ -54,7 +55,7 @@ def update_bounds(fs, L: FlatLayout, max_update) -> List[Optional[float]]:
 
 
 def decode_caps(fs, L: FlatLayout, segs, factors, bounds: List[Optional[float]],
-                scale: Optional[Tensor] = None) -> Union[TableCaps, Callable[[int, int, Tensor], None]]:
+                scale: Optional[Tensor] = None, on_result: bool = True) -> Union[TableCaps, Callable[[int, int, Tensor], None]]:
     """max_update's bound moved into the compressed allreduce (capped_decode): per
     coordinate, the momentum whose Adam step is exactly the bound,
     c = U bc1 (sqrt(v^) + eps) with this step's bias corrections (`segs`, steps advanced)
@@ -66,7 +67,9 @@ def decode_caps(fs, L: FlatLayout, segs, factors, bounds: List[Optional[float]],
     cap(lo, hi, buf) that computes the caps of flat elements [lo, hi) when the reducer
     asks for them (range by range into its bounded staging, one `kernels.decode_caps_`
     per parameter in the range). Either way no model-sized buffer holds them, and each
-    element goes through the same operations as in `lbcomm.testing.compressors.decode_caps`."""
+    element goes through the same operations as in `lbcomm.testing.compressors.decode_caps`.
+    `on_result` False (`TableCaps` only): the reducer leaves the result's caps to the
+    caller's update (`TableCaps.on_result`)."""
     v = fs.buffers["exp_avg_sq"]
     # per parameter: (a, b) with c = a sqrt(v) + b (U bc1 (sqrt(v) / sqrt(bc2') + eps)), None: uncapped
     coeffs: List[Optional[tuple]] = [None] * len(L.params)
@@ -87,7 +90,7 @@ def decode_caps(fs, L: FlatLayout, segs, factors, bounds: List[Optional[float]],
         starts = torch.tensor(L.offsets + [end], dtype=torch.int64)
         # the CPU kernels compute these caps inside their passes; `fill` where they cannot
         return TableCaps(v, starts, table, lambda lo, hi, buf: K.decode_caps_table_(buf[:hi - lo], v, lo, starts, table),
-                         end)
+                         end, on_result=on_result)
 
     def cap(lo: int, hi: int, buf: Tensor) -> None:
         for i, a, b in L.overlapping(lo, hi):
@@ -99,3 +102,14 @@ def decode_caps(fs, L: FlatLayout, segs, factors, bounds: List[Optional[float]],
             K.decode_caps_(out, v[o + a:o + b], coeffs[i][0], coeffs[i][1], None if scale is None else scale[i])
 
     return cap
+
+
+def left_caps(caps, exact_part) -> Optional[List[Optional[Tuple[float, float]]]]:
+    """The caps a decode under `caps` left to the update (`TableCaps.on_result` False): per
+    parameter (a, b), None where the decoded value needs none (an uncapped parameter, b =
+    inf, or one averaged exactly, `exact_part` = `ExactPart.part`: its exact mean replaced
+    the value); None when the decode left nothing."""
+    if not isinstance(caps, TableCaps) or caps.on_result:
+        return None
+    skip = set() if exact_part is None else {i for i, _ in exact_part[1]}
+    return [None if i in skip or math.isinf(b) else (a, b) for i, (a, b, _) in enumerate(caps.table.tolist())]

@@ -97,17 +97,30 @@ def adamw_(w: Tensor, m: Tensor, denom: Tensor, decay: float, step_size: float,
 
 
 def frozen_adamw_(w: Tensor, m: Tensor, v: Tensor, bc2: float, eps: float, decay: float, step_size: float,
-                  scratch: Tensor, bound: Optional[float] = None) -> None:
+                  scratch: Tensor, bound: Optional[float] = None, cap: Optional[Tuple[float, float]] = None) -> None:
     """`adamw_` with denom = `frozen_denominator`(v), computed STAGE elements at a time into
     `scratch` (at least min(STAGE, numel) fp32 elements): every element goes through the
     same operations as with a model-sized denominator, but the denominator never leaves the
-    cache and needs no memory of its own. w, m, v: contiguous, of equal numel."""
+    cache and needs no memory of its own. w, m, v: contiguous, of equal numel. `cap` (a, b):
+    m is first capped in place (`cap_momentum_`)."""
     w, m, v = w.view(-1), m.view(-1), v.view(-1)
     n = w.numel()
     for lo in range(0, n, STAGE):
         hi = min(n, lo + STAGE)
+        if cap is not None:
+            cap_momentum_(m[lo:hi], v[lo:hi], cap[0], cap[1], scratch[:hi - lo])
         d = frozen_denominator(v[lo:hi], bc2, eps, out=scratch[:hi - lo])
         adamw_(w[lo:hi], m[lo:hi], d, decay, step_size, bound)
+
+
+def cap_momentum_(m: Tensor, v: Tensor, a: float, b: float, scratch: Tensor) -> None:
+    """m <- sign(m) min(|m|, c), c = sqrt(v) a + b (the capped decode's caps, `cap_coefficients`,
+    with the caps' roundings: the correctly rounded root, then the multiply and the add, in
+    `scratch`), in place where c < |m|. On a momentum decoded without caps (every value
+    +-scale) this gives bitwise what the capped decode gives, min(c, scale) with the value's
+    sign; a NaN cap leaves m."""
+    c = ieee_sqrt(v, scratch).mul_(a).add_(b)
+    torch.where(c < m.abs(), c.copysign(m), m, out=m)
 
 
 def adam_update_bound(betas: Tuple[float, float]) -> float:

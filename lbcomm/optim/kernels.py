@@ -1,4 +1,4 @@
-"""Typed wrappers of the optimizers' fused ops, torch.ops.lbcomm.frozen_adamw_ and
+"""Typed wrappers of the optimizers' fused ops, torch.ops.lbcomm.frozen_adamw_(capped_) and
 decode_caps_ (csrc/optim.cpp), lamb_clean_pass_ / lamb_edge_find_ / lamb_advance_local_
 (csrc/lamb.cpp) and lamb_direction_ / implied_variance_ (csrc/lamb_direction.cpp), with the
 pure-torch sequences they replace as the fallback (`functional.frozen_adamw_`,
@@ -9,14 +9,16 @@ sqrt(v) / sqrt(1 - b2^T) + eps again, in the op's one pass that reads p, m and v
 writes p, with IEEE's root (`functional.ieee_sqrt` in the torch sequence, so the two are
 bitwise equal on every ISA; torch's own fp32 sqrt on the CPU is not correctly rounded and
 took longer than the whole pass); with a bound (max_update) each coordinate's step is
-clamped in the same pass. CPU tensors use the op; CUDA tensors use the torch sequence until
+clamped in the same pass, and with the capped decode's caps (`frozen_adamw_capped_`) the
+momentum is capped there too, from the same root, where the reducer left that to the
+update. CPU tensors use the op; CUDA tensors use the torch sequence until
 the CUDA body (csrc/cuda/optim.cu) has been checked bitwise on a GPU
 (tests/test_optim_kernels.py).
 """
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -48,6 +50,7 @@ def _op_is_current() -> bool:
 
 _OP = _op_is_current()
 _CLEAN_OP = ops.HAS_EXTENSION and hasattr(torch.ops.lbcomm, "lamb_advance_local_")
+_CAPPED_OP = ops.HAS_EXTENSION and hasattr(torch.ops.lbcomm, "frozen_adamw_capped_")
 _CAPS_OP = ops.HAS_EXTENSION and hasattr(torch.ops.lbcomm, "decode_caps_")
 _CAPS_TABLE_OP = ops.HAS_EXTENSION and hasattr(torch.ops.lbcomm, "decode_caps_table_")
 _DIRECTION_OP = ops.HAS_EXTENSION and hasattr(torch.ops.lbcomm, "lamb_direction_")
@@ -64,16 +67,22 @@ def has_fused_kernel(device: torch.device) -> bool:
 
 
 def frozen_adamw_(w: Tensor, m: Tensor, v: Tensor, bc2: float, eps: float, decay: float, step_size: float,
-                  scratch: Tensor, bound: Optional[float] = None) -> None:
+                  scratch: Tensor, bound: Optional[float] = None, cap: Optional[Tuple[float, float]] = None) -> None:
     """w <- w (1 - decay) - step_size m / (sqrt(v) / sqrt(bc2) + eps), in place, the root
     correctly rounded, each coordinate's step clamped to [-bound, bound] if bound is given,
     bitwise as `lbcomm.optim.functional.frozen_adamw_` (which runs where the op cannot, in
-    `scratch`: at least min(STAGE, numel) fp32 elements)."""
-    if w.dtype == torch.float32 and w.is_contiguous() and has_fused_kernel(w.device):
-        torch.ops.lbcomm.frozen_adamw_(w.view(-1), m.view(-1), v.view(-1), bc2 ** 0.5, eps,
-                                       1 - decay if decay != 0 else 1.0, -step_size, bound)
+    `scratch`: at least min(STAGE, numel) fp32 elements). `cap` (a, b): first m <- sign(m)
+    min(|m|, sqrt(v) a + b) in place, the capped decode's caps, which the reducer then left
+    to this update (see `functional.cap_momentum_`)."""
+    if w.dtype == torch.float32 and w.is_contiguous() and has_fused_kernel(w.device) and (cap is None or _CAPPED_OP):
+        args = (w.view(-1), m.view(-1), v.view(-1), bc2 ** 0.5, eps, 1 - decay if decay != 0 else 1.0, -step_size,
+                bound)
+        if cap is None:
+            torch.ops.lbcomm.frozen_adamw_(*args)
+        else:
+            torch.ops.lbcomm.frozen_adamw_capped_(*args, *cap)
     else:
-        F.frozen_adamw_(w, m, v, bc2, eps, decay, step_size, scratch, bound)
+        F.frozen_adamw_(w, m, v, bc2, eps, decay, step_size, scratch, bound, cap)
 
 
 def decode_caps_(out: Tensor, v: Tensor, a: float, b: float, scale: Optional[Tensor] = None) -> None:

@@ -132,7 +132,7 @@ def sync_step_(fs, stage, L: FlatLayout, factors_of: FactorsOf = None) -> bool:
                 out.mul_(scales[i])
 
     # the interval's momentum is in m's units: the rebuild's bound total U is m's cap too
-    applied, bounds, segs, factors = stage.step_and_reduce(L, part, source, m, factors_of)
+    applied, bounds, segs, factors, _ = stage.step_and_reduce(L, part, source, m, factors_of)
     if not applied:
         return False
     scratch = stage.stage_buffer(L)

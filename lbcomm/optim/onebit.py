@@ -32,16 +32,18 @@ Sharded parameters (FSDP2): the shard's momentum is compressed over ``comm.proce
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 from torch import Tensor
 
 from ..compressed import NonFiniteError
 from ..config import OneBitOptions
+from ..reduce.inputs import Sink, Source
 from ..reducer import make_reducer, resolve_topology
 from ..topology import Topology
 from . import agree, bounds
+from .bounds import left_caps
 from .exact import ExactPart
 from .flat import FlatLayout
 from .freeze import AUTO, AutoFreeze, all_agree, preconditioner
@@ -53,8 +55,6 @@ __all__ = ["OneBitStage"]
 
 _log = logging.getLogger(__name__)
 
-Source = Callable[[int, int, Tensor], None]
-Sink = Union[Tensor, Callable[[int, int, Tensor], None]]
 
 
 class OneBitStage:
@@ -140,7 +140,7 @@ class OneBitStage:
         return bounds.update_bounds(self.fs, L, self.options.max_update)
 
     def decode_caps(self, L: FlatLayout, segs, factors, bounds_: List[Optional[float]],
-                    scale: Optional[Tensor] = None) -> Optional[Callable[[int, int, Tensor], None]]:
+                    scale: Optional[Tensor] = None, on_result: bool = True) -> Optional[Callable[[int, int, Tensor], None]]:
         """`bounds.decode_caps`, None when nothing is capped: one rank, capped_decode False, no
         bound, or no blocks (one scale per tensor; warned once)."""
         if self.reducer is None or self.options.capped_decode is False or all(b is None for b in bounds_):
@@ -152,7 +152,7 @@ class OneBitStage:
                          "%s: the capped decode needs blocks (block_size is None); max_update bounds the step only",
                          self.fs.name)
             return None
-        return bounds.decode_caps(self.fs, L, segs, factors, bounds_, scale)
+        return bounds.decode_caps(self.fs, L, segs, factors, bounds_, scale, on_result)
 
     # ------------------------------------------------------------------ the mask (see `mask`)
     def set_momentum_mask(self, L: FlatLayout, param: Tensor, mask: Optional[Tensor]) -> None:
@@ -323,21 +323,24 @@ class OneBitStage:
 
     def step_and_reduce(self, L: FlatLayout, include: List[bool], source: Source, sink: Sink,
                         factors_of: Optional[Callable[[List[bool]], Optional[list]]] = None,
-                        scale: Optional[Tensor] = None):
+                        scale: Optional[Tensor] = None, caps_in_update: bool = False):
         """A compressed step's start, in the order the caps need: max_update's bounds, the
         `include`d parameters' step counts advanced (`segs`), rescale's factors
         (`factors_of`, once the counts have advanced), then `reduce_momentum` under
         `decode_caps`. A skipped reduction puts the step counts back, so the state is as it
-        was. Returns (applied, bounds, segs, factors)."""
+        was. Returns (applied, bounds, segs, factors, left): `left` (`bounds.left_caps`, with
+        `caps_in_update` and no `scale`) the caps left off `sink` for the caller's update."""
         fs = self.fs
         bounds = self.update_bounds(L)
         steps = fs.vectors["step"].clone()
         segs = fs.segments(L, include, vstep="variance_step")
         factors = None if factors_of is None else factors_of(include)
-        applied = self.reduce_momentum(L, source, sink, self.decode_caps(L, segs, factors, bounds, scale))
+        caps = self.decode_caps(L, segs, factors, bounds, scale, not caps_in_update or scale is not None)
+        applied = self.reduce_momentum(L, source, sink, caps)
         if not applied:
             fs.vectors["step"].copy_(steps)
-        return applied, bounds, segs, factors
+        return applied, bounds, segs, factors, left_caps(caps, self.exact.part(L))
+
 
     def reduce_momentum(self, L: FlatLayout, source: Source, sink: Sink, cap: Optional[Source] = None) -> bool:
         """The compressed allreduce of the new momentum, the one place that meets it: the

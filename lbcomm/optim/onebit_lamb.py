@@ -226,7 +226,7 @@ class OneBitLamb(BaseOptimizer):
         vecs = self.flat_state.vectors
         scale = vecs["momentum_scale"]
         st = self._onebit
-        applied, bounds, segs, _ = st.step_and_reduce(L, st.participating(L), st.momentum_source(L, scale),
+        applied, bounds, segs, _, _ = st.step_and_reduce(L, st.participating(L), st.momentum_source(L, scale),
                                                       self._momentum_sink(L, scale), scale=scale)
         if not applied:
             return False

@@ -42,7 +42,7 @@ from torch import Tensor
 from .. import ops
 from ..common import NonFiniteError
 from .buffers import WireBuffers
-from .inputs import Cap, ComputedCaps, Sink, Source, check_cap, check_tensor, check_weights
+from .inputs import Cap, ComputedCaps, Sink, Source, check_cap, check_tensor, check_weights, result_caps
 from .wire import agreement_vector, block_ranges, check_headers, encode_header, num_blocks, read_agreement
 
 # The argument types and checks live in lbcomm.reduce.inputs; re-exported here for the 0.2 imports.
@@ -258,15 +258,17 @@ class FlatCall:
         st, sink = self.state, self.sink
         block, m, n0 = st.block_size, st.chunk, st.numel
         whole, write, copy_back = self._sink_target()
-        if whole is not None and len(st.piece_spans) == 1 and not self.computed:
+        cap = result_caps(self.cap)
+        computed = self.computed and cap is not None
+        if whole is not None and len(st.piece_spans) == 1 and not computed:
             g = self.wire[0].gathered
             ops.unpack_into(g[:, :self.buffers.layouts[0].sign_bytes], self.buffers.scales(g, 0), block, whole,
-                            weights=self.weights, cap=self.cap)
+                            weights=self.weights, cap=cap)
         else:
             for s, (lo, hi) in enumerate(st.piece_spans):
                 g = self.wire[s].gathered
                 for k in range(st.world_size):
-                    span = hi - lo if write is None and not self.computed else self.buffers.staging_cap
+                    span = hi - lo if write is None and not computed else self.buffers.staging_cap
                     for a, b in block_ranges(lo, hi, block, span):
                         g0, g1 = k * m + a, min(k * m + b, n0)
                         if g1 <= g0:
@@ -277,7 +279,7 @@ class FlatCall:
                         staged = write is not None
                         out = self.buffers.staging(self.buffers.staging_cap)[:g1 - g0] if staged else whole[g0:g1]
                         w = None if self.weights is None else self.weights[g0:g1]
-                        c = self._caps(g0, g1)
+                        c = None if cap is None else self._caps(g0, g1)
                         ops.unpack_into(g[k:k + 1, (a - lo) // 8:(b - lo) // 8], scales, block, out, weights=w,
                                         cap=c)
                         if write is not None:

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from ..common import FLOAT_DTYPES
 
-__all__ = ["Source", "Sink", "Cap", "ComputedCaps", "TableCaps", "check_tensor", "check_weights", "check_cap"]
+__all__ = ["Source", "Sink", "Cap", "ComputedCaps", "TableCaps", "result_caps", "check_tensor", "check_weights", "check_cap"]
 
 Source = Union[Tensor, Callable[[int, int, Tensor], Any]]
 Sink = Union[Tensor, Callable[[int, int, Tensor], Any]]
@@ -23,12 +23,18 @@ class ComputedCaps:
     writes its values. The call asks for each range when it needs it, through the state's
     bounded staging buffer, so the caps of the whole input never exist at once. Sliced like a
     tensor: ``caps[lo:hi]`` are the caps of elements lo..hi-1 (a call on part of the input
-    takes its part)."""
+    takes its part).
 
-    __slots__ = ("fill_fn", "offset", "numel")
+    ``on_result=False`` keeps the caps out of the decode of the result: the compressing
+    phases still decode under them, but the result holds each value uncapped (+-its block's
+    scale), and the caller caps it itself, as sign(v) min(|v|, cap), which gives the same
+    bits. The 1-bit optimizers do so inside their update, which reads the variance anyway,
+    sparing the decode a pass over it (`lbcomm.optim.kernels.frozen_adamw_`)."""
 
-    def __init__(self, fill: Callable[[int, int, Tensor], Any], numel: int, offset: int = 0):
-        self.fill_fn, self.numel, self.offset = fill, numel, offset
+    __slots__ = ("fill_fn", "offset", "numel", "on_result")
+
+    def __init__(self, fill: Callable[[int, int, Tensor], Any], numel: int, offset: int = 0, on_result: bool = True):
+        self.fill_fn, self.numel, self.offset, self.on_result = fill, numel, offset, on_result
 
     def fill(self, lo: int, hi: int, buf: Tensor) -> Tensor:
         """The caps of elements [lo, hi) written into (and returned as) buf[:hi - lo]."""
@@ -45,7 +51,7 @@ class ComputedCaps:
 
     def _part(self, numel: int, offset: int) -> "ComputedCaps":
         """The caps of `numel` elements from `offset`, of the same kind."""
-        return ComputedCaps(self.fill_fn, numel, offset)
+        return ComputedCaps(self.fill_fn, numel, offset, self.on_result)
 
 
 class TableCaps(ComputedCaps):
@@ -60,12 +66,12 @@ class TableCaps(ComputedCaps):
     __slots__ = ("v", "starts", "table")
 
     def __init__(self, v: Tensor, starts: Tensor, table: Tensor, fill: Callable[[int, int, Tensor], Any],
-                 numel: int, offset: int = 0):
-        super().__init__(fill, numel, offset)
+                 numel: int, offset: int = 0, on_result: bool = True):
+        super().__init__(fill, numel, offset, on_result)
         self.v, self.starts, self.table = v, starts, table
 
     def _part(self, numel: int, offset: int) -> "TableCaps":
-        return TableCaps(self.v, self.starts, self.table, self.fill_fn, numel, offset)
+        return TableCaps(self.v, self.starts, self.table, self.fill_fn, numel, offset, self.on_result)
 
     def in_kernel(self) -> bool:
         """Whether the compressing ops compute these caps themselves (the variance on the CPU)."""
@@ -77,6 +83,12 @@ class TableCaps(ComputedCaps):
 
 
 Cap = Union[Tensor, ComputedCaps, Callable[[int, int, Tensor], Any]]
+
+
+def result_caps(cap: Union[None, Tensor, ComputedCaps]) -> Union[None, Tensor, ComputedCaps]:
+    """The caps the decode of the result applies: `cap`, or None where the caller caps the
+    result itself (``ComputedCaps.on_result`` False)."""
+    return None if isinstance(cap, ComputedCaps) and not cap.on_result else cap
 
 
 def check_tensor(name: str, t: Tensor, numel: int, device: torch.device, what: str, kind: str) -> None:
