@@ -74,7 +74,7 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void frozen_adamw_b
 // The same with the capped decode's caps applied here rather than by the decode: the
 // momentum, decoded uncapped (+-scale), becomes sign(m) min(|m|, c) with c = sqrt(v) ca + cb
 // (decode_caps_range's roundings, from the root the denominator takes) and is written back
-// where that changed it: bitwise the value the capped decode would have written
+// (every value, unchanged ones too): bitwise the value the capped decode would have written
 // (csrc/cpu/kernels.cpp: `capped`, MINPS; a NaN cap leaves m). b = +inf: no step bound
 // (the clamp then changes nothing, NaN included).
 __attribute__((target_clones("avx512f", "avx2", "default"))) void frozen_adamw_capped_range(

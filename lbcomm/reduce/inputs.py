@@ -28,8 +28,8 @@ class ComputedCaps:
     ``on_result=False`` keeps the caps out of the decode of the result: the compressing
     phases still decode under them, but the result holds each value uncapped (+-its block's
     scale), and the caller caps it itself, as sign(v) min(|v|, cap), which gives the same
-    bits. The 1-bit optimizers do so inside their update, which reads the variance anyway,
-    sparing the decode a pass over it (`lbcomm.optim.kernels.frozen_adamw_`)."""
+    bits. OneBitAdam and ZeroOneAdam do so on the CPU, inside their update, which reads the
+    variance anyway, sparing the decode a pass over it (`lbcomm.optim.kernels.frozen_adamw_`)."""
 
     __slots__ = ("fill_fn", "offset", "numel", "on_result")
 
