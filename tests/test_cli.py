@@ -155,9 +155,10 @@ def test_advise_says_when_compression_will_not_pay(tmp_path, capsys):
 
 def test_advise_chooses_flat_or_hierarchical_on_nodes(tmp_path, capsys):
     """On nodes of several ranks the hierarchical call sends a node's g slices of n/g once
-    across nodes: with intra-node stages for free it wins; over a slow link inside the
-    node (its fp32 reduce-scatter and all-gather) the verdict says to use the flat call."""
-    argv = ["--params", "50M", "--nodes", "2", "--ranks-per-node", "4", "--bandwidth", "10gbit",
+    across nodes: on a slow network with free transfers inside the node it wins; over a
+    slow link inside the node (its fp32 reduce-scatter and all-gather) the verdict says to
+    use the flat call."""
+    argv = ["--params", "50M", "--nodes", "2", "--ranks-per-node", "4", "--bandwidth", "1gbit",
             "--step-time", "100ms"]
     free = _advise(tmp_path, *argv)
     rows = {r["method"]: r for r in free["rows"]}
@@ -256,3 +257,53 @@ def test_host_busy_from_proc_stat():
         pass
     busy = busy_between(before, host_cpu_ticks())
     assert busy is not None and 0.5 / os.cpu_count() <= busy <= 1.0
+
+
+def test_hier_compute_counts_the_passes_inside_the_node():
+    """The compute half of hier's limit: its stages inside the node (finiteness check, the
+    copy of the slices that leave, the fp32 mean of g slices, the copy back) then the 1-bit
+    passes on one slice of n/g over the nodes; the input is only read. One node, or one
+    rank per node, is the flat call's."""
+    import torch
+
+    from lbcomm.cli import allreduce
+
+    x = torch.randn(10_000)
+    before = x.clone()
+    op = allreduce._compute_op("hier", x, 4, 2048, 2)
+    op()
+    assert torch.equal(x, before)
+    for p, g in ((4, 1), (2, 2)):
+        allreduce._compute_op("hier", x, p, 2048, g)()
+    intra = allreduce.hier_intra_compute(torch.randn(7), 3)  # slices of 3, 3, 1: the last one short
+    intra()
+    with pytest.raises(ValueError, match="unknown method"):
+        allreduce._compute_op("bogus", x, 4, 2048)
+
+
+def test_advise_counts_hier_passes_and_shared_cores(monkeypatch, capsys):
+    """The model's arithmetic with fixed compute times: the hierarchical call's compute is
+    the 1-bit passes on a slice plus its own passes inside the node (K_intra), and every
+    compute term is divided by --cores-per-rank, which can turn the verdict to flat."""
+    from lbcomm.cli import advise as adv
+
+    fixed = {"fp32": 1e-3, "fp16": 1e-3, "onebit": 4e-3, "hier_intra": 3e-3}
+    monkeypatch.setattr(adv, "compute_times", lambda items, *a, **k: {it: fixed[it[0]] for it in items})
+    monkeypatch.setattr(adv, "powersgd_compute_s", lambda *a, **k: 1e-4)
+    kw = dict(params=2**22, nodes=2, ranks_per_node=2, bandwidth_bps=1e9, latency_s=0.0, step_compute_s=0.1)
+    whole = {r["method"]: r for r in adv.advise(**kw)["rows"]}
+    assert whole["onebit"]["compute_s"] == pytest.approx(4e-3)
+    assert whole["onebit_hier"]["compute_s"] == pytest.approx(4e-3 + 3e-3)
+    half = adv.advise(**kw, cores_per_rank=0.5)
+    rows = {r["method"]: r for r in half["rows"]}
+    for m in ("fp32", "onebit", "onebit_hier"):
+        assert rows[m]["compute_s"] == pytest.approx(2 * whole[m]["compute_s"])
+        assert rows[m]["wire_s"] == pytest.approx(whole[m]["wire_s"])
+    assert any("use CommConfig(topology='flat')" in line for line in half["verdict"])
+    with pytest.raises(ValueError, match="cores_per_rank"):
+        adv.advise(**kw, cores_per_rank=0)
+    for bad in ("0", "1.5", "x"):
+        with pytest.raises(SystemExit) as exc:
+            commands.main(["advise", "--params", "1M", "--nodes", "2", "--bandwidth", "1gbit", "--step-time", "1s",
+                           "--cores-per-rank", bad])
+        assert exc.value.code == 2 and "--cores-per-rank" in capsys.readouterr().err

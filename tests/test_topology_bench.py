@@ -53,6 +53,9 @@ def test_bench_emulated_nodes_count_inter_node_bytes(tmp_path):
     # what crossed the links: the 1-bit stage of all 4 ranks plus TCP/IP framing (< 10 %)
     assert 4 * hier["wire_bytes_per_rank"] <= hier["inter_node_bytes"] < 1.1 * 4 * hier["wire_bytes_per_rank"]
     assert flat["inter_node_bytes"] > 1.5 * hier["inter_node_bytes"], (flat, hier)
+    # both limits have a compute half: hier's counts its own passes inside the node too
+    for r in (hier, flat):
+        assert r["compute_s"] > 0 and r["limit_s"] == max(r["wire_s"], r["compute_s"])
 
 
 def test_bench_train_nodes_loopback(tmp_path):
@@ -145,7 +148,11 @@ def test_node_cost_model_hand_computed():
     assert node_cost("onebit", n, 2, 2, two)["node_bytes"] == pytest.approx(7 * row + 2 * 3 / 4 * 104)
     assert node_cost("hier", n, 2, 2, two)["node_bytes"] == 2 * (2 * row + 104)
     # GPU kernel estimates: memory traffic over memory bandwidth
-    assert gpu_kernel_s("hier", n, N, G, 3e12) == pytest.approx((16.375 + 8.125 / 4) * (n / 8) / 3e12)
+    assert gpu_kernel_s("hsdp_onebit", n, N, G, 3e12) == pytest.approx((16.375 + 8.125 / 4) * (n / 8) / 3e12)
+    # the hierarchical call adds its passes inside the node: 4 B in (finite check), 7/8 of
+    # 8 B (copy out to the others), 8 x 4/8 B in + 4/8 B out (mean) + 8/8 B (division), 8 B (copy back)
+    intra = 4 + 8 * 7 / 8 + 4 + 4 / 8 + 8 / 8 + 8
+    assert gpu_kernel_s("hier", n, N, G, 3e12) == pytest.approx(((16.375 + 8.125 / 4) * (n / 8) + intra * n) / 3e12)
     assert gpu_kernel_s("onebit", n, N, G, 3e12) == pytest.approx((16.375 + 8.125 / 32) * n / 3e12)
     assert gpu_kernel_s("hsdp_bf16", n, N, G, 3e12) == 0.0
     with pytest.raises(ValueError, match="unknown method"):

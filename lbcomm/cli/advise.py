@@ -17,15 +17,20 @@ so those two may run faster than predicted, never slower)::
                    2 (p-1) alpha + node bytes / B_eff + K
     onebit_hier    the same on nodes of g > 1 ranks, hierarchical (fp32 reduce-scatter and
                    all-gather inside the node, 1 bit across nodes on each rank's slice of
-                   n/g): 2 (N-1) alpha + g b(n/g, N) / B_eff + K(n/g, N)
-                   + 2 (g-1)/g 4n / B_intra (0 without `intra_bandwidth_bps`: free)
+                   n/g): 2 (N-1) alpha + g b(n/g, N) / B_eff + K(n/g, N) + K_intra(n, g)
+                   + 2 (g-1)/g 4n / B_intra (0 without `intra_bandwidth_bps`: free);
+                   K_intra is the call's own passes inside the node (finiteness check,
+                   the copies of the slices, the fp32 mean of its slice), timed here
 
 A ring crosses each node's link once per direction, so a node sends what one rank of the
 ring sends; the 1-bit all-to-all and all-gather send each rank's bytes to every other
 rank, and the `ranks_per_node` ranks of a node share its link for the (p - g)/(p - 1) of
-them that leave the node. Inside a node communication is taken as free. K (local compute
+them that leave the node. Inside a node the transfers are taken as free (unless
+`intra_bandwidth_bps`), not the hierarchical call's own copies and adds. K (local compute
 per call) is timed on this machine with one thread, at up to `timing_elements` elements
-and scaled linearly (so are the 1-bit bytes, whose headers are a few bytes per call).
+and scaled linearly (so are the 1-bit bytes, whose headers are a few bytes per call), then
+divided by `cores_per_rank` where CPU ranks share cores (0.5: two ranks per core, each
+computing at half speed).
 """
 from __future__ import annotations
 
@@ -45,17 +50,21 @@ PAYS_OFF = 1.10  # below this compression-stage speedup over fp32, compression "
 def advise(params: int, nodes: int, ranks_per_node: int, bandwidth_bps: float, latency_s: float,
            step_compute_s: float, *, block_size: Optional[int] = 2048, powersgd_rank: int = 4, width: int = 1024,
            bucket_bytes: int = 25 * 2**20, device: str = "cpu", timing_elements: int = 2**22,
-           intra_bandwidth_bps: Optional[float] = None) -> Dict:
+           intra_bandwidth_bps: Optional[float] = None, cores_per_rank: float = 1.0) -> Dict:
     """Predicted step time of every method in `METHODS`, and a verdict in plain words.
     `intra_bandwidth_bps`: the link between the ranks of a node (None: free), which the
-    hierarchical call's fp32 stages use."""
+    hierarchical call's fp32 stages use. `cores_per_rank` (0 < c <= 1): the share of a
+    core each rank computes on, below 1 where CPU ranks share a machine's cores."""
+    if not 0 < cores_per_rank <= 1:
+        raise ValueError(f"advise: cores_per_rank must be in (0, 1], got {cores_per_rank!r}")
     p, g = nodes * ranks_per_node, ranks_per_node
     hier = nodes > 1 and g > 1
     n_t = min(params, timing_elements)
     scale = params / n_t
     slice_t = math.ceil(n_t / g)
-    items = [(m, n_t, p) for m in ("fp32", "fp16", "onebit")] + ([("onebit", slice_t, nodes)] if hier else [])
-    k = compute_times(items, block_size, processes=1, device=device)
+    items = [(m, n_t, p) for m in ("fp32", "fp16", "onebit")]
+    items += [("onebit", slice_t, nodes), ("hier_intra", n_t, g)] if hier else []
+    k = {key: t / cores_per_rank for key, t in compute_times(items, block_size, processes=1, device=device).items()}
     beff = bandwidth_bps / 8 * PAYLOAD_FRACTION
     buckets = math.ceil(4 * params / bucket_bytes)
     ring_alpha = 2 * (p - 1) * latency_s
@@ -69,7 +78,7 @@ def advise(params: int, nodes: int, ranks_per_node: int, bandwidth_bps: float, l
         "fp32": (buckets * ring_alpha, ring(4 * params), k[("fp32", n_t, p)] * scale),
         "fp16": (buckets * ring_alpha, ring(2 * params), k[("fp16", n_t, p)] * scale),
         "powersgd": (2 * buckets * ring_alpha, ring(4 * params * 2 * powersgd_rank / width),
-                     powersgd_compute_s(width, powersgd_rank, device) * matrices),
+                     powersgd_compute_s(width, powersgd_rank, device) / cores_per_rank * matrices),
     }
     comm["onebit_warmup"] = comm["fp32"]
     onebit_rank_bytes = wire_bytes("onebit", n_t, p, block_size) * scale if p > 1 else 0.0
@@ -79,7 +88,7 @@ def advise(params: int, nodes: int, ranks_per_node: int, bandwidth_bps: float, l
         intra_s = 0.0 if intra_bandwidth_bps is None else 2 * (g - 1) / g * 4 * params / (intra_bandwidth_bps / 8)
         comm["onebit_hier"] = (2 * (nodes - 1) * latency_s,
                                g * wire_bytes("onebit", slice_t, nodes, block_size) * scale,
-                               k[("onebit", slice_t, nodes)] * scale + intra_s)
+                               (k[("onebit", slice_t, nodes)] + k[("hier_intra", n_t, g)]) * scale + intra_s)
 
     rows: List[Dict] = []
     for m in (m for m in METHODS if m in comm):

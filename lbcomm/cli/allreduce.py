@@ -27,7 +27,10 @@ rank), without any communication (`_compute_op`): for fp32 the copy into the buf
 (p - 1)/p of the tensor a ring reduce-scatter adds and the division by p; for fp16 the same
 in half precision with its casts; for onebit the passes lbcomm's kernels make over the
 data (the finiteness check of the input, worker compress of all n elements, server reduce
-+ compress of this rank's n/p chunk from p inputs, decode of all n). None for hier. The
++ compress of this rank's n/p chunk from p inputs, decode of all n); for hier the stages
+inside the node (`hier_intra_compute`: the input's finiteness check, the copy of the slices
+that leave for the node's other ranks, the fp32 mean of this rank's slice, the copy of
+every slice's result into place) plus onebit's passes on one slice over the nodes. The
 report turns it, with the wire time at the emulated link rate, into each call's limit
 (`lbcomm.cli.schema.add_limits`, docs/cli.md).
 """
@@ -71,6 +74,60 @@ def ring_compute(x: torch.Tensor, p: int, dtype: torch.dtype):
             out.copy_(buf).div_(p)
 
     return ring
+
+
+def hier_intra_compute(x: torch.Tensor, g: int):
+    """The local compute of the hierarchical call's stages inside a node of `g` ranks on
+    `x`, as a callable with no communication: the finiteness check of the input, the copy
+    of the (g-1)/g of it that leaves for the node's other ranks, the fp32 mean of g slices
+    of n/g (g-1 adds and a division), and the copy of all n results into place. On CPU
+    nodes these passes share the cores with the compression: the hierarchical call's
+    compute, beside `onebit_compute` on one slice, in the limit and the cost model."""
+    n = x.numel()
+    m = chunk_size(n, g)
+    real = min(m, n)
+    send = torch.empty(n - real, device=x.device)
+    # the slices the other g - 1 ranks send: separate memory, as their shared buffers are
+    others = torch.randn(g - 1, real, generator=torch.Generator().manual_seed(1)).to(x.device)
+    acc = torch.empty(real, device=x.device)
+    out = torch.empty_like(x)
+
+    def intra():
+        bool(torch.isfinite(x.sum(dtype=torch.float32)))
+        send.copy_(x[real:])
+        torch.add(x[:real], others[0], out=acc)
+        for j in range(1, g - 1):
+            acc.add_(others[j])
+        acc.div_(g)
+        out.copy_(x)
+
+    return intra
+
+
+def onebit_compute(x: torch.Tensor, p: int, block_size: Optional[int]):
+    """The passes lbcomm's kernels make in one compressed allreduce of `x` over `p` ranks,
+    as a callable with no communication: the finiteness check, the worker compress of all
+    n elements, the server reduce + compress of one n/p chunk from p rows, the decode of
+    all n."""
+    n = x.numel()
+    m = chunk_size(n, p)
+    worker_error = torch.zeros(p, m, device=x.device)
+    server_error = torch.zeros(m, device=x.device)
+    out = torch.empty_like(x)
+    packed, scales = ops.worker_compress(x, worker_error, block_size)
+    # The rows this rank's own compress wrote stand in for the p rows its chunk receives
+    # and for the p server rows the decode reads: the kernels' work depends on the
+    # sizes only.
+    real = min(m, n)
+
+    def onebit():
+        bool(torch.isfinite(x.sum(dtype=torch.float32)))
+        ops.worker_compress(x, worker_error, block_size)
+        ops.server_compress(packed, scales, server_error, block_size, real)
+        ops.unpack_into(packed, scales, block_size, out)
+
+    return onebit
+
 
 def quantiles(v: Sequence[float]):
     """(median, p10, p90) of the values (nearest rank)."""
@@ -120,38 +177,31 @@ def _op(method: str, x: torch.Tensor, transport, block_size: Optional[int], piec
     raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
 
 
-def _compute_op(method: str, x: torch.Tensor, p: int, block_size: Optional[int]):
+def _compute_op(method: str, x: torch.Tensor, p: int, block_size: Optional[int], ranks_per_node: int = 1):
     """A zero-argument callable doing the local compute of one call of `method` on x
-    (module docs), with no communication; None for hier (not modeled)."""
-    n = x.numel()
+    (module docs), with no communication."""
     if method in ("fp32", "fp16"):
         return ring_compute(x, p, torch.float32 if method == "fp32" else torch.float16)
     if method == "onebit":
-        m = chunk_size(n, p)
-        worker_error = torch.zeros(p, m, device=x.device)
-        server_error = torch.zeros(m, device=x.device)
-        out = torch.empty_like(x)
-        packed, scales = ops.worker_compress(x, worker_error, block_size)
-        # The rows this rank's own compress wrote stand in for the p rows its chunk receives
-        # and for the p server rows the decode reads: the kernels' work depends on the
-        # sizes only.
-        real = min(m, n)
+        return onebit_compute(x, p, block_size)
+    if method == "hier":
+        g = ranks_per_node
+        if g <= 1 or p <= g:  # one rank per node, or one node: the flat call
+            return onebit_compute(x, p, block_size)
+        intra = hier_intra_compute(x, g)
+        across = onebit_compute(x[:chunk_size(x.numel(), g)], p // g, block_size)
 
-        def onebit():
-            bool(torch.isfinite(x.sum(dtype=torch.float32)))
-            ops.worker_compress(x, worker_error, block_size)
-            ops.server_compress(packed, scales, server_error, block_size, real)
-            ops.unpack_into(packed, scales, block_size, out)
+        def hier():
+            intra()
+            across()
 
-        return onebit
-    return None
+        return hier
+    raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
 
 
-def _time_compute(fn, reps: int, transport, device: str) -> Tuple[Optional[float], Optional[float]]:
+def _time_compute(fn, reps: int, transport, device: str) -> Tuple[float, float]:
     """(median seconds of `fn` over `reps` runs on every rank at once, the slowest rank's;
-    the CPU seconds of one run, mean over the ranks); (None, None) for no `fn`."""
-    if fn is None:
-        return None, None
+    the CPU seconds of one run, mean over the ranks)."""
     fn()
     transport.barrier()
     times, cpu0 = [], time.process_time()
@@ -288,7 +338,7 @@ def measure(sizes: Sequence[int], methods: Sequence[str] = METHODS, iters: int =
             rows[-1]["cpu_s"] = float(cpu.item()) / p
             rows[-1]["host_busy"] = float(busiest.item()) if busiest.item() >= 0 else None
             rows[-1]["compute_s"], rows[-1]["compute_cpu_s"] = _time_compute(
-                _compute_op(method, x, p, block_size), min(iters, 5), transport, device)
+                _compute_op(method, x, p, block_size, ranks_per_node), min(iters, 5), transport, device)
             if profile:
                 rows[-1]["profile"] = _profile(run, iters, transport)
     base = {r["size"]: r["median_s"] for r in rows if r["method"] == "fp32"}

@@ -249,6 +249,13 @@ def _add_model_nodes(sub) -> None:
     mn.set_defaults(command="model-nodes", methods=["fp32", "onebit", "hier"])
 
 
+def _core_share(text: str) -> float:
+    v = _float_over(0, "share of a core")(text)
+    if v > 1:
+        raise argparse.ArgumentTypeError(f"must be at most 1 (the one-thread timing does not scale up), got {text!r}")
+    return v
+
+
 def _add_advise(sub) -> None:
     ad = _sub(sub, "advise", "will 1-bit help my run? predicted step times for a model and a cluster",
               "Predict the training-step time of data-parallel training with fp32 and fp16 allreduce, PowerSGD,\n"
@@ -260,7 +267,8 @@ def _add_advise(sub) -> None:
               "compression: timed on this machine with one thread, scaled linearly from at most 4M\n"
               "elements). A ring allreduce sends through each node's link what one rank sends; the 1-bit\n"
               "all-to-all and all-gather send what the node's ranks send to other nodes. Communication\n"
-              "inside a node is taken as free unless --intra-bandwidth is given. On several nodes of several\n"
+              "inside a node is taken as free unless --intra-bandwidth is given; where CPU ranks share cores,\n"
+              "--cores-per-rank slows their compute. On several nodes of several\n"
               "ranks, onebit_hier is the hierarchical 1-bit call (fp32 inside a node, 1 bit between\n"
               "nodes), and the verdict says whether it or the flat call is faster. PowerSGD counts every\n"
               "parameter in --width x --width\n"
@@ -279,6 +287,10 @@ def _add_advise(sub) -> None:
                     help="link rate between the ranks of a machine (NVLink 3600gbit, PCIe 200gbit), used by the "
                          "hierarchical 1-bit call's fp32 stages (onebit_hier, with --ranks-per-node > 1) "
                          "(default: free)")
+    ad.add_argument("--cores-per-rank", type=_core_share, default=1.0,
+                    help="CPU ranks: the share of a core each rank computes on, below 1 when the ranks of a "
+                         "machine share its cores (0.5: 4 ranks on 2 cores); the local compute timed on one "
+                         "core is divided by it (default: 1)")
     ad.add_argument("--step-time", type=_seconds, required=True,
                     help="compute time of one training step without communication: 400ms, 1.2s")
     ad.add_argument("--block-size", type=_block_size, default=2048,

@@ -341,7 +341,8 @@ def cmd_advise(args, info) -> int:
     res = advise(args.params, args.nodes, args.ranks_per_node, bps, args.latency, args.step_time,
                  block_size=args.block_size, powersgd_rank=args.powersgd_rank, width=args.width,
                  bucket_bytes=args.bucket_size, device=args.device,
-                 intra_bandwidth_bps=None if args.intra_bandwidth is None else parse_rate(args.intra_bandwidth))
+                 intra_bandwidth_bps=None if args.intra_bandwidth is None else parse_rate(args.intra_bandwidth),
+                 cores_per_rank=args.cores_per_rank)
     print(f"# lbcomm-bench advise: {args.params / 1e6:.1f}M parameters, {args.nodes} node(s) x {args.ranks_per_node} "
           f"rank(s) = {p} ranks, {args.bandwidth} links, {args.latency * 1e6:.0f} us per message, compute "
           f"{args.step_time * 1e3:.1f} ms per step")
@@ -352,7 +353,7 @@ def cmd_advise(args, info) -> int:
     inputs = dict(params=args.params, nodes=args.nodes, ranks_per_node=args.ranks_per_node, bandwidth=args.bandwidth,
                   latency_s=args.latency, step_time_s=args.step_time, block_size=args.block_size,
                   powersgd_rank=args.powersgd_rank, width=args.width, bucket_bytes=args.bucket_size,
-                  device=args.device, intra_bandwidth=args.intra_bandwidth)
+                  device=args.device, intra_bandwidth=args.intra_bandwidth, cores_per_rank=args.cores_per_rank)
     emit(document("advise", inputs=inputs, verdict=res["verdict"], rows=res["rows"]), args.json)
     return 0
 

@@ -40,7 +40,7 @@ import torch
 
 from ..comm import LoopTransport
 from ..common import ring_allreduce_bytes
-from .allreduce import ring_compute
+from .allreduce import hier_intra_compute, ring_compute
 from .procs import wait_all
 
 __all__ = ["PAYLOAD_FRACTION", "onebit_compute_s", "fp32_compute_s", "fp16_compute_s", "powersgd_compute_s",
@@ -106,7 +106,15 @@ def fp16_compute_s(n: int, p: int, device: str = "cpu") -> float:
     return _ring_compute_s(n, p, torch.float16, device)
 
 
+def hier_intra_compute_s(n: int, g: int, device: str = "cpu") -> float:
+    """Seconds of local compute of the hierarchical call's stages inside a node of g ranks
+    (`allreduce.hier_intra_compute`: finiteness check, copies, the slice's fp32 mean)."""
+    return _median_time(hier_intra_compute(torch.randn(n, device=device), g), device=device)
+
+
 def _compute_s(method: str, n: int, p: int, block_size: Optional[int], device: str = "cpu") -> float:
+    if method == "hier_intra":  # p: ranks per node
+        return hier_intra_compute_s(n, p, device)
     if method == "onebit":
         return onebit_compute_s(n, p, block_size, device)
     if method == "fp16":

@@ -44,7 +44,10 @@ latency and a per-element compute time kappa per method are fitted on two measur
 is predicted. For GPU predictions K is estimated from memory traffic over the memory
 bandwidth (`gpu_kernel_s`): the 1-bit call on m elements over q ranks reads and writes
 about (16.375 + 8.125/q) m bytes (worker compression: input, error in and out, sign bits;
-server: q rows of bits, its error in and out; decode: bits in, fp32 out); fp32/bf16
+server: q rows of bits, its error in and out; decode: bits in, fp32 out), and the
+hierarchical call adds its own passes inside the node, (16 + 8 (G-1)/G + 12/G) n bytes
+(`HIER_INTRA_TRAFFIC`: the input's finiteness check, the copy of the slices that leave,
+the mean of G slices of n/G and its division, the copy of all n results into place); fp32/bf16
 reductions run inside NCCL's collectives, which the links bound, so K = 0 for them. These
 are estimates, not measurements.
 """
@@ -55,7 +58,8 @@ from typing import Dict, Optional
 from ..common import ring_allreduce_bytes
 from ..wire import AGREEMENT_BYTES, chunk_size, row_layout
 
-__all__ = ["NODE_METHODS", "Links", "onebit_bytes", "node_cost", "gpu_kernel_s", "ONEBIT_TRAFFIC", "fit_emulated"]
+__all__ = ["NODE_METHODS", "Links", "onebit_bytes", "node_cost", "gpu_kernel_s", "ONEBIT_TRAFFIC",
+           "HIER_INTRA_TRAFFIC", "fit_emulated"]
 
 NODE_METHODS = ("fp32", "onebit", "hier", "hsdp_fp32", "hsdp_bf16", "hsdp_onebit")
 
@@ -63,6 +67,12 @@ NODE_METHODS = ("fp32", "onebit", "hier", "hsdp_fp32", "hsdp_bf16", "hsdp_onebit
 def ONEBIT_TRAFFIC(q: int) -> float:  # noqa: N802 - a constant of q
     """Bytes of memory traffic per element of the 1-bit call over q ranks (see the module docs)."""
     return 16.375 + 8.125 / q
+
+
+def HIER_INTRA_TRAFFIC(g: int) -> float:  # noqa: N802 - a constant of g
+    """Bytes of memory traffic per element of the hierarchical call's own passes inside a
+    node of g ranks (see the module docs)."""
+    return 16 + 8 * (g - 1) / g + 12 / g
 
 
 class Links:
@@ -101,7 +111,9 @@ def gpu_kernel_s(method: str, n: int, nodes: int, ranks_per_node: int, mem_Bps: 
     N, G = nodes, ranks_per_node
     if method == "onebit":
         return ONEBIT_TRAFFIC(N * G) * n / mem_Bps
-    if method in ("hier", "hsdp_onebit"):
+    if method == "hier":
+        return (ONEBIT_TRAFFIC(N) * (n / G) + HIER_INTRA_TRAFFIC(G) * n) / mem_Bps
+    if method == "hsdp_onebit":  # FSDP's reduce-scatter runs inside the collective
         return ONEBIT_TRAFFIC(N) * (n / G) / mem_Bps
     if method in ("fp32", "hsdp_fp32", "hsdp_bf16"):
         return 0.0
