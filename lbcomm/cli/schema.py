@@ -47,7 +47,8 @@ ALLREDUCE_ROW_FIELDS = {
                                             "change a lot between runs; null when p10_s is 0"),
     # the limit of each call on this testbed (add_limits; docs/cli.md)
     "compute_s": ((float, type(None)), "local compute of one call without communication, timed on the ranks "
-                                       "after the timed calls (slowest rank)"),
+                                       "after the timed calls (slowest rank); null in hier rows of files from "
+                                       "before hier had a compute model"),
     "wire_s": ((float, type(None)), "wire_bytes_per_rank at the emulated link's TCP payload rate (with nodes: "
                                     "inter_node_bytes per node link at the link rate); null over loopback"),
     "limit_s": ((float, type(None)), "the testbed's limit of one call: max(wire_s, compute_s) (they overlap), "
