@@ -29,6 +29,8 @@ record goes to --json.
     python -m bench.lamb_decay_probe --methods lamb_frozen_var   # Lamb with the variance frozen, no compression
     python -m bench.lamb_decay_probe --methods onebit_lamb --variant boost_decay
                           # the norm estimate's allowance max(1, tau lr / lr_peak^2), shrinking with the lr
+    python -m bench.lamb_decay_probe --methods onebit_lamb --onebit-options '{"trust_ratio": "live"}' --variant projb
+                          # the live ratio divides by u's length along the clean direction (the exact u*)
 """
 from __future__ import annotations
 
@@ -180,6 +182,21 @@ def probe(rank, world, a, method, out_path, init_file):
             us = float(ustar.norm())
             r["true_signal"] = us / max(float(u.norm()), 1e-30)
             r["_proj"] = float((u * ustar).sum()) / max(us, 1e-30)  # <u, u*/||u*||>, times c below
+            if a.variant in ("clean", "proj", "projb", "projs") and live is not None:  # the live ratio's norm, from u*
+                nu = us if a.variant == "clean" else r["_proj"]
+                if a.variant == "projs":  # ||u*|| from 256 coordinates: sqrt(<u, u*> / rho), rho = sum z^2 / sum u z
+                    gen = torch.Generator().manual_seed(1009 * step_no[0] + len(rec))
+                    at = torch.randint(u.numel(), (256,), generator=gen)
+                    z, uu = ustar.reshape(-1)[at].double(), u.reshape(-1)[at].double()
+                    den, pp = float((uu * z).sum()), float((u * ustar).sum())
+                    nu = (pp / (float(z.square().sum()) / den)) ** 0.5 if den > 0 and pp > 0 else float(live[1])
+                live = live.clone()
+                floor = 0.1 * float(u.norm())
+                tau = group.get("norm_step_bound")
+                if a.variant in ("projb", "projs") and tau is not None:
+                    peak = max(group["lr"], group.get("lr_peak", 0.0))
+                    floor = max(floor, float(u.norm()) / max(1.0, tau / peak))
+                live[1] = max(nu, floor)
         orig_lamb_step(self, L, seg, i, u, ratio_max, u0n, un, live)
         if olamb_mod._mode(group) != "live":
             r["c_frozen"] = float(self._vectors["lamb_coeff_freeze"][i] * self._vectors["last_factor"][i])
@@ -198,7 +215,9 @@ def probe(rank, world, a, method, out_path, init_file):
 
     olamb_mod.OneBitLamb._estimated_norm = staticmethod(est_wrap)
     steps, log = task.steps, []
+    step_no = [0]
     for step in range(steps):
+        step_no[0] = step + 1
         part = T.rank_step(task, opt, a.lr, a.schedule, step, rank, world)
         cur = opt.param_groups[0]["lr"]
         opt.zero_grad(set_to_none=True)
@@ -268,11 +287,15 @@ def main(argv=None):
     p.add_argument("--every", type=int, default=24, help="validation loss and summary window, in steps")
     p.add_argument("--methods", default="lamb,onebit_lamb")
     p.add_argument("--onebit-options", default="", type=suite.json_options)
-    p.add_argument("--variant", default="", choices=("", "boost_decay", "local_source", "smooth0.5", "smooth0.9", "smooth0.98", "blend", "blend2", "blend0.5"),
+    p.add_argument("--variant", default="", choices=("", "boost_decay", "local_source", "smooth0.5", "smooth0.9", "smooth0.98", "blend", "blend2", "blend0.5",
+                                                   "clean", "proj", "projb", "projs"),
                    help="boost_decay: OneBitLamb's norm-estimate allowance shrinks with lr / lr_peak; "
                    "local_source: OneBitLamb compresses each rank's own momentum (exp_avg_local); "
                    "smoothB: the compressed tensors' coefficient as an EMA with weight B; blendK: the compressed "
-                   "input's momentum moved towards exp_avg_local as the lr falls, rho = (lr / lr_peak)^K")
+                   "input's momentum moved towards exp_avg_local as the lr falls, rho = (lr / lr_peak)^K; "
+                   "clean: the live ratio divides by the true ||u*||; proj: by u's "
+                   "length along u*, <u, u*> / ||u*|| (both from the probe's extra allreduce); "
+                   "projb: proj under norm_step_bound's floor; projs: projb with ||u*||^2 = <u, u*> sum z^2 / sum u z over 256 coordinates")
     p.add_argument("--json", default="")
     a = p.parse_args(argv)
     logs = {}
