@@ -295,7 +295,8 @@ def main(argv=None):
                    "input's momentum moved towards exp_avg_local as the lr falls, rho = (lr / lr_peak)^K; "
                    "clean: the live ratio divides by the true ||u*||; proj: by u's "
                    "length along u*, <u, u*> / ||u*|| (both from the probe's extra allreduce); "
-                   "projb: proj under norm_step_bound's floor; projs: projb with ||u*||^2 = <u, u*> sum z^2 / sum u z over 256 coordinates")
+                   "projb: proj under norm_step_bound's floor; "
+                   "projs: projb with ||u*||^2 = <u, u*> sum z^2 / sum u z over 256 coordinates")
     p.add_argument("--json", default="")
     a = p.parse_args(argv)
     logs = {}
