@@ -216,7 +216,7 @@ def _all(rank, p, ckpt):
     out["adam"] = _fsdp_run(rank, OneBitAdam, ALL, ckpt=ckpt)
     out["resumed"] = _fsdp_run(rank, OneBitAdam, ALL, resume=ckpt)
     out["lamb"] = _fsdp_run(rank, OneBitLamb, {"weight_decay": 0.01, **ALL}, nan=False)
-    for mode in ("frozen", "live"):
+    for mode in ("frozen", "live", "max"):
         out["lamb_" + mode] = _fsdp_run(rank, OneBitLamb, {"weight_decay": 0.01, "trust_ratio": mode, **ALL}, nan=False)
     out["dp_adam"] = _dp_run(rank, p, OneBitAdam, ALL)
     out["dp_lamb"] = _dp_run(rank, p, OneBitLamb, {"weight_decay": 0.01, **ALL})
@@ -287,7 +287,7 @@ def test_fsdp_onebit_adam(results):
                 assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("run", ["lamb", "lamb_frozen", "lamb_live"])
+@pytest.mark.parametrize("run", ["lamb", "lamb_frozen", "lamb_live", "lamb_max"])
 def test_fsdp_onebit_lamb(results, run):
     from lbcomm import Lamb
     from lbcomm.testing.optim import simulate_onebit_lamb
@@ -310,7 +310,7 @@ def test_fsdp_onebit_lamb(results, run):
     # the whole run == 1-bit LAMB simulated with each shard compressed across the nodes and
     # the norms, bounds and momentum scales of whole parameters
     hist = simulate_onebit_lamb(p0, _node_grads(res, run), lr=LR, weight_decay=0.01, freeze_step=FREEZE,
-                                block_size=BLOCK, shards=G, trust_ratio=run[5:] or "max", **ALL)
+                                block_size=BLOCK, shards=G, trust_ratio=run[5:] or "aligned", **ALL)
     for t in range(STEPS):
         for i in range(len(p0)):
             torch.testing.assert_close(_full(res, run, t, i), hist[t][i], rtol=1e-5, atol=1e-6)

@@ -202,8 +202,11 @@ def _small_stage_runs(rank, p):
 
     F.STAGE = onebit.STAGE = 64
     runs = {k: _record(rank, p, "lamb", 12, 4, dict(RUN, norm_samples=k)) for k in (4, 10 ** 6)}
+    for k in (4, 10 ** 6):
+        runs["live", k] = _record(rank, p, "lamb", 12, 4, dict(RUN, norm_samples=k, trust_ratio="live"))
     lamb_norm.PASS_BUDGET = SAMPLED_BUDGET
     runs["sampled"] = _record(rank, p, "lamb", 12, 4, dict(RUN, norm_samples=4), d_h=64)
+    runs["live", "sampled"] = _record(rank, p, "lamb", 12, 4, dict(RUN, norm_samples=4, trust_ratio="live"), d_h=64)
     return runs
 
 
@@ -246,6 +249,34 @@ def test_a_sampled_pass_matches_the_simulation(two_ranks):
 
     assert gap(SAMPLED_BUDGET) <= 1e-7
     assert gap(10 ** 6) > 1e-6
+
+
+@pytest.mark.parametrize("k", [4, 10 ** 6, "sampled"])
+def test_both_live_rules_match_the_simulation(two_ranks, k):
+    """The default trust_ratio, "aligned" (the norm of u's length along the clean
+    direction, its ratio from uniform draws of the covered coordinates: all of them with
+    10^6 samples, every k-th run under a pass budget), and "live" (the clean norm) each
+    meet their simulation, and miss the other rule's by far more."""
+    budget = SAMPLED_BUDGET if k == "sampled" else 1 << 17
+    samples = 4 if k == "sampled" else k
+    for rule, key in (("aligned", k), ("live", ("live", k))):
+        recs = [r[key] for r in two_ranks]
+        grads = [[recs[r]["grads"][t] for r in range(2)] for t in range(12)]
+
+        def gap(other):
+            hist = SIM.simulate_onebit_lamb(recs[0]["params0"], grads, freeze_step=4, pass_budget=budget,
+                                            **{**RUN, "norm_samples": samples, "trust_ratio": other})
+            return max((a - b).abs().max().item() for a, b in zip(hist[-1], recs[0]["params"][-1]))
+
+        assert gap(rule) <= 1e-7, rule
+        assert gap("live" if rule == "aligned" else "aligned") > 1e-6, rule
+
+
+def test_aligned_sends_the_uniform_draws_too(two_ranks):
+    """The estimate's allreduce carries norm_samples more values per parameter under
+    "aligned" than under "live" (bytes_per_step reports them)."""
+    aligned, live = two_ranks[0][4]["bytes"]["norm_estimate"], two_ranks[0]["live", 4]["bytes"]["norm_estimate"]
+    assert aligned > live > 0
 
 
 @pytest.mark.parametrize("off", [{"norm_samples": 0}, {"trust_ratio": "frozen"}])

@@ -14,7 +14,7 @@ from . import functional as F
 from . import kernels as K
 from .flat import FlatLayout, Segment
 
-__all__ = ["LambNorms", "AT_BOUND", "TRACKED", "PASS_BUDGET", "trust_mode", "samples", "pass_every"]
+__all__ = ["LambNorms", "estimated_norm", "AT_BOUND", "TRACKED", "PASS_BUDGET", "trust_mode", "samples", "pass_every"]
 
 # the param-group entry (saved with the groups) that says whether the group's exp_avg_local
 # was updated at its last compressed step; absent: it was (every group was, before)
@@ -165,7 +165,14 @@ class LambNorms:
         parameter of more than PASS_BUDGET elements (not sharded) is sampled: the pass covers
         every k-th run of K.SAMPLE_RUN elements (`pass_every`), the same runs at every step,
         both sums are scaled by n / the covered elements, and its exp_avg_local is advanced
-        in those runs only (docs/optimizers.md gives what that costs and saves)."""
+        in those runs only (docs/optimizers.md gives what that costs and saves).
+
+        The estimate is a (parameters, 5) tensor of parts (`live_sq` combines them): the
+        squared norm above; the same with <u0, u0*> in place of ||u0*||^2 on the edge (so
+        <u0, u0*> in all); the projection's sum alone; and for the groups whose trust_ratio
+        is "aligned", sum z^2 and sum u0 z over norm_samples coordinates drawn uniformly
+        from those the pass covers (z = u0* there, u0 the decoded direction), whose ratio
+        takes ||u0*||^2 / <u0, u0*> off the edge."""
         slots = self.estimate_slots(L)
         rows = [] if slots is None else [i for i in range(len(L.params)) if slots[i] > 0]
         self.track_local_momentum(L, segs, skip=set(rows))
@@ -173,10 +180,12 @@ class LambNorms:
             return None, set()
         dev = self.fs.device_of(L)
         row_of = {i: r for r, i in enumerate(rows)}
-        sent = torch.zeros(len(rows), 1 + int(slots.max()), dtype=torch.float32, device=dev)
-        out = torch.zeros(len(L.params), dtype=torch.float64, device=dev)
+        width, uni = self.sent_columns(L, slots)
+        sent = torch.zeros(len(rows), width, dtype=torch.float32, device=dev)
+        out = torch.zeros(len(L.params), 5, dtype=torch.float64, device=dev)
         number = self.fs.param_indices()  # torch's numbering: the same on every shard
-        picked: List[Tuple[int, int, int]] = []
+        picked = []
+        m, v, ml = (self.fs.buffers[n] for n in ("exp_avg", "exp_avg_sq", "exp_avg_local"))
         for seg in segs:
             group = self.fs.param_groups[seg.group]
             bc1, bc2 = self.fs.bias_corrections(group, seg)
@@ -189,26 +198,68 @@ class LambNorms:
                 sent[r, 0] = acc[0]
                 n_edge = starts[-1]
                 k = min(int(slots[i]), n_edge)
-                if k:  # the same draw on every rank: the decoded u0, and so the edge, is the same
-                    if n_edge > k:
-                        gen = torch.Generator().manual_seed(1009 * (self.fs.global_step + 1) + number[id(L.params[i])])
-                        draws = torch.randint(n_edge, (k,), generator=gen).to(dev)
-                    else:
-                        draws = torch.arange(n_edge, device=dev)
-                    at = L.offsets[i] + p.positions(counts, starts, draws)
-                    q = F.scaled_root(self.fs.buffers["exp_avg_sq"][at], p.scale, p.eps).mul_(p.bc1)
-                    sent[r, 1:1 + k] = torch.div(self.fs.buffers["exp_avg_local"][at], q)
-                picked.append((i, k, n_edge, p.scale_up))
+                seed = 1009 * (self.fs.global_step + 1) + number[id(L.params[i])]
+                u0s = []  # the decoded u0 at the edge's draws, then at the uniform ones
+                for lo, at in ((1, self._edge_draws(p, counts, starts, k, n_edge, seed) if k else None),
+                               (uni, p.uniform_draws(int(slots[i]), seed) if trust_mode(group) == "aligned" else None)):
+                    if at is None:
+                        continue
+                    at = at.to(dev) + L.offsets[i]
+                    q = F.scaled_root(v[at], p.scale, p.eps).mul_(p.bc1)
+                    sent[r, lo:lo + at.numel()] = torch.div(ml[at], q)
+                    u0s.append(_clamp(torch.div(m[at], q), bounds[i]))
+                picked.append((i, k, n_edge, p.scale_up, u0s))
         self.fs.transport.all_reduce(sent, op="sum")
         sent.div_(self.fs.transport.world_size)
-        for i, k, n_edge, scale_up in picked:
+        for i, k, n_edge, scale_up, u0s in picked:
             r, bound = row_of[i], bounds[i]
-            z = sent[r, 1:1 + k]
-            if bound is not None:
-                z = z.clamp(-bound, bound)
+            z = _clamp(sent[r, 1:1 + k], bound).double()
             # scale_up: a sampled pass's sums stand for the whole parameter (1.0: passed whole)
-            out[i] = (sent[r, 0].double() + (z.double().square().sum() * (n_edge / k) if k else 0.0)) * scale_up
+            proj = sent[r, 0].double()
+            out[i, 0] = (proj + (z.square().sum() * (n_edge / k) if k else 0.0)) * scale_up
+            if len(u0s) > int(k > 0):  # "aligned": <u0, u0*> on the edge, and the uniform draws' sums
+                out[i, 1] = (proj + ((u0s[0].double() * z).sum() * (n_edge / k) if k else 0.0)) * scale_up
+                out[i, 2] = proj * scale_up
+                y = _clamp(sent[r, uni:uni + u0s[-1].numel()], bound).double()
+                out[i, 3], out[i, 4] = y.square().sum(), (u0s[-1].double() * y).sum()
         return out, set(row_of)
+
+    def sent_columns(self, L: FlatLayout, slots: Tensor) -> Tuple[int, int]:
+        """(columns of the estimate's allreduce per parameter, the first column of the
+        uniform draws): 1 + the edge's norm_samples, and as many again where a group's
+        trust_ratio is "aligned"."""
+        k = int(slots.max())
+        aligned = any(trust_mode(self.fs.param_groups[L.group_of[i]]) == "aligned"
+                      for i in range(len(L.params)) if slots[i] > 0)
+        return 1 + k + (k if aligned else 0), 1 + k
+
+    @staticmethod
+    def _edge_draws(p: "_Pass", counts, starts, k: int, n_edge: int, seed: int) -> Tensor:
+        """The positions in the parameter of k of its n_edge edge coordinates (all of them
+        when k = n_edge), the same draw on every rank: the decoded u0, and so the edge, is."""
+        if n_edge > k:
+            draws = torch.randint(n_edge, (k,), generator=torch.Generator().manual_seed(seed))
+        else:
+            draws = torch.arange(n_edge)
+        return p.positions(counts, starts, draws.to(p.m.device))
+
+    @staticmethod
+    def live_sq(parts: Tensor, wd_terms, aligned: bool) -> Tensor:
+        """The squared norm the live ratio divides by, from `track_and_estimate`'s parts of a
+        parameter (summed over shards) and the weight decay's terms W: the clean direction's
+        ||u*||^2 = ||u0*||^2 + W; "aligned": u's length along u*, <u, u*> / ||u*||, squared,
+        with ||u0*||^2 off the edge taken as rho <u0, u0*>, rho = sum z^2 / sum u0 z of the
+        uniform draws (1 where that is not positive), and ||u*||^2 where <u, u*> is not
+        positive. Along u* the step is then Lamb's: the error feedback holds back part of
+        each step's signal, so <u, u*> < ||u*||^2 and a step of ||theta|| along u covers less
+        than ||theta|| along u*."""
+        clean = parts[0] + wd_terms
+        if not aligned:
+            return clean
+        rho = parts[3] / parts[4] if parts[4] > 0 else torch.ones((), dtype=parts.dtype)
+        sq = parts[0] + (rho - 1) * parts[2] + wd_terms
+        dot = parts[1] + wd_terms
+        return dot.square() / sq if dot > 0 and sq > 0 else clean
 
     @staticmethod
     def wd_terms(u0n: Tensor, un: Tensor) -> Tensor:
@@ -233,6 +284,24 @@ class LambNorms:
         return self.scratch_u, stage
 
 
+def estimated_norm(sq: Tensor, un: Tensor, group) -> Tensor:
+    """The live ratio's ||u*||: the estimate's root, at least 0.1 ||u|| and, under
+    norm_step_bound tau, at least ||u|| / max(1, tau / lr_peak), lr_peak the largest lr
+    of the group in the compression stage: the coefficient is at most that factor times
+    the decoded direction's, so a layer's step is at most max(lr, tau lr / lr_peak)
+    ||theta||, and shrinks with the schedule. `un` = ||u|| of the decoded direction."""
+    un64 = un.double()
+    est = torch.sqrt(torch.maximum(sq, 0.01 * un64.square()))
+    tau = group.get("norm_step_bound")
+    if tau is not None:
+        est = torch.maximum(est, un64 / max(1.0, tau / max(group["lr"], group.get("lr_peak", 0.0))))
+    return est.float().reshape(1)
+
+
+def _clamp(x: Tensor, bound: Optional[float]) -> Tensor:
+    return x if bound is None else x.clamp(-bound, bound)
+
+
 class _Pass:
     """The clean-norm pass over parameter i of a `LambNorms`, about STAGE elements at a
     time, and the search for its sampled edge coordinates, with the same arguments. With
@@ -253,8 +322,19 @@ class _Pass:
         step = max(stride, F.STAGE // stride * stride) if every > 1 else F.STAGE
         self.ranges = [(lo, min(self.n, lo + step)) for lo in range(0, self.n, step)]
         last = (-(-self.n // stride) - 1) * stride  # the last covered run's start
-        covered = last // stride * K.SAMPLE_RUN + min(K.SAMPLE_RUN, self.n - last)
+        self.covered = covered = last // stride * K.SAMPLE_RUN + min(K.SAMPLE_RUN, self.n - last)
+        self.stride = stride
         self.scale_up = self.n / covered if every > 1 else 1.0
+
+    def uniform_draws(self, k: int, seed: int) -> Tensor:
+        """k positions drawn uniformly from the covered coordinates (all of them when there
+        are at most k), the same on every rank: the j-th covered coordinate is in run
+        j // SAMPLE_RUN, the runs `stride` apart."""
+        if self.covered > k:
+            j = torch.randint(self.covered, (k,), generator=torch.Generator().manual_seed(seed + (1 << 32)))
+        else:
+            j = torch.arange(self.covered)
+        return j // K.SAMPLE_RUN * self.stride + j % K.SAMPLE_RUN
 
     def _masked(self, lo: int, hi: int) -> Optional[Tensor]:
         if self.mask.mask is None:

@@ -20,7 +20,7 @@ from .adam import check_freeze_step
 from .base import BaseOptimizer
 from .flat import FlatLayout, Segment
 from .lamb import check_range, lamb_step_, lamb_warmup_
-from .lamb_norm import LambNorms, trust_mode
+from .lamb_norm import LambNorms, estimated_norm, trust_mode
 from .onebit import OneBitStage
 
 __all__ = ["OneBitLamb"]
@@ -28,11 +28,12 @@ __all__ = ["OneBitLamb"]
 _log = logging.getLogger(__name__)
 
 _mode = trust_mode  # the group's trust_ratio (bench/lamb_decay_probe.py reads it here)
+LIVE = ("live", "aligned")  # the rules of LAMB's own ratio alone (no frozen coefficient)
 
 
 class OneBitLamb(BaseOptimizer):
     _GLOBAL_OPTIONS = ("freeze_step",)
-    TRUST_RATIOS = ("live", "frozen", "max")
+    TRUST_RATIOS = ("live", "aligned", "frozen", "max")
     GROUP_OPTIONS = ("factor_threshold", "norm_samples", "norm_step_bound")
     _param_vectors: Dict[str, float] = {**OneBitStage.VECTORS, "lamb_coeff_freeze": 0.0, "momentum_scale": 1.0,
                                         "last_factor": 1.0}
@@ -54,7 +55,7 @@ class OneBitLamb(BaseOptimizer):
         freeze_step: Union[int, str] = 100000,
         *,
         coeff_range: Tuple[float, float] = (0.01, 10.0),
-        trust_ratio: str = "max",
+        trust_ratio: str = "aligned",
         coeff_beta: float = 0.9,
         factor_range: Tuple[float, float] = (0.5, 4.0),
         comm: Optional[CommConfig] = None,
@@ -78,7 +79,7 @@ class OneBitLamb(BaseOptimizer):
         F.resolve_max_update(self.options.max_update, group["betas"])
         check_range("coeff_range", group["coeff_range"], 0.0)
         if group["trust_ratio"] not in self.TRUST_RATIOS:
-            raise ValueError(f"Invalid trust_ratio: {group['trust_ratio']!r} (must be 'live', 'frozen' or 'max')")
+            raise ValueError(f"Invalid trust_ratio: {group['trust_ratio']!r} (must be 'live', 'aligned', 'frozen' or 'max')")
         if not 0.0 <= group["coeff_beta"] < 1.0:
             raise ValueError(f"Invalid coeff_beta: {group['coeff_beta']} (need 0 <= coeff_beta < 1)")
         check_range("factor_range", group["factor_range"], 0.0, strict=True)
@@ -117,7 +118,7 @@ class OneBitLamb(BaseOptimizer):
         if out is None or L is None:
             return out
         slots = self._norms.estimate_slots(L)
-        n = 0 if slots is None else int((slots > 0).sum()) * (1 + int(slots.max()))
+        n = 0 if slots is None else int((slots > 0).sum()) * self._norms.sent_columns(L, slots)[0]
         total = out.pop("total")
         out["norm_estimate"] = int(ring_allreduce_bytes(4 * n, self.transport.world_size))
         out["total"] = total + out["norm_estimate"]
@@ -239,13 +240,15 @@ class OneBitLamb(BaseOptimizer):
                 group = self.param_groups[seg.group]
                 mode = _mode(group)
                 for i in seg.idx:
-                    u, ratio_max, u0n, un = self._norms.direction(L, seg, i, bounds[i], mode != "live", i in estimated)
+                    u, ratio_max, u0n, un = self._norms.direction(L, seg, i, bounds[i], mode not in LIVE,
+                                                                  i in estimated)
                     if mode != "frozen":  # un, where the direction gave it, is already ||u||
                         live = torch.cat([F.norms([L.tensor(i)]), F.norms([u]) if un is None else un])
                     else:
                         live = None
                     if i in estimated:
-                        sq = clean[i] if un is None else clean[i] + self._norms.wd_terms(u0n, un)
+                        wd = 0.0 if un is None else self._norms.wd_terms(u0n, un)
+                        sq = self._norms.live_sq(clean[i], wd, mode == "aligned")
                         live = torch.cat([live[:1], self._estimated_norm(sq, live[1:], group)])
                     self._lamb_step(L, seg, i, u, ratio_max, u0n, un, live)
             return True
@@ -256,7 +259,7 @@ class OneBitLamb(BaseOptimizer):
         for seg in segs:
             mode = _mode(self.param_groups[seg.group])
             for i in seg.idx:
-                u, ratio_max, u0n, un = self._norms.direction(L, seg, i, bounds[i], mode != "live", i in estimated)
+                u, ratio_max, u0n, un = self._norms.direction(L, seg, i, bounds[i], mode not in LIVE, i in estimated)
                 if ratio_max is not None:
                     stats[i, 0] = ratio_max.reshape(())
                 if u0n is not None:
@@ -264,10 +267,10 @@ class OneBitLamb(BaseOptimizer):
                 if mode != "frozen":
                     stats[i, 3:] = torch.cat([F.norms([L.tensor(i)]), F.norms([u])]).square()
         modes = {_mode(self.param_groups[seg.group]) for seg in segs}
-        ratio = self.flat_state.per_tensor(L, stats[:, :1], op="max")[:, 0] if modes - {"live"} else None
+        ratio = self.flat_state.per_tensor(L, stats[:, :1], op="max")[:, 0] if modes - set(LIVE) else None
         norms = self.flat_state.per_tensor(L, stats[:, 1:]).sqrt_()
-        if clean is not None:  # the shards' parts of the squared clean norm, summed, and the weight decay's terms
-            clean = self.flat_state.per_tensor(L, clean[:, None])[:, 0] + self._norms.wd_terms(norms[:, 0], norms[:, 1])
+        if clean is not None:  # the shards' parts of the clean norm's estimate, summed; the weight decay's terms
+            clean, wds = self.flat_state.per_tensor(L, clean), self._norms.wd_terms(norms[:, 0], norms[:, 1])
         for seg in segs:
             group = self.param_groups[seg.group]
             mode, wd = _mode(group), group["weight_decay"] != 0
@@ -275,24 +278,13 @@ class OneBitLamb(BaseOptimizer):
                 u = self._norms.direction(L, seg, i, bounds[i], stats=False)[0]
                 live = None if mode == "frozen" else norms[i, 2:]
                 if i in estimated:
-                    live = torch.cat([live[:1], self._estimated_norm(clean[i], live[1:], group)])
+                    sq = self._norms.live_sq(clean[i], wds[i], mode == "aligned")
+                    live = torch.cat([live[:1], self._estimated_norm(sq, live[1:], group)])
                 self._lamb_step(L, seg, i, u, None if ratio is None else ratio[i:i + 1],
                                 norms[i, :1] if wd else None, norms[i, 1:2] if wd else None, live)
         return True
 
-    @staticmethod
-    def _estimated_norm(sq: Tensor, un: Tensor, group) -> Tensor:
-        """The live ratio's ||u*||: the estimate's root, at least 0.1 ||u|| and, under
-        norm_step_bound tau, at least ||u|| / max(1, tau / lr_peak), lr_peak the largest lr
-        of the group in the compression stage: the coefficient is at most that factor times
-        the decoded direction's, so a layer's step is at most max(lr, tau lr / lr_peak)
-        ||theta||, and shrinks with the schedule. `un` = ||u|| of the decoded direction."""
-        un64 = un.double()
-        est = torch.sqrt(torch.maximum(sq, 0.01 * un64.square()))
-        tau = group.get("norm_step_bound")
-        if tau is not None:
-            est = torch.maximum(est, un64 / max(1.0, tau / max(group["lr"], group.get("lr_peak", 0.0))))
-        return est.float().reshape(1)
+    _estimated_norm = staticmethod(estimated_norm)
 
     def _lamb_step(self, L: FlatLayout, seg: Segment, i: int, u: Tensor, ratio_max: Optional[Tensor],
                    u0n: Optional[Tensor], un: Optional[Tensor], live: Optional[Tensor]) -> None:
@@ -303,7 +295,7 @@ class OneBitLamb(BaseOptimizer):
         group, vecs = self.param_groups[seg.group], self.flat_state.vectors
         mode = _mode(group)
         c = None
-        if mode != "live":
+        if mode not in LIVE:
             last = vecs["last_factor"][i:i + 1]
             f = F.onebit_lamb_factor(ratio_max, u0n, un, last, *group["factor_range"], group["factor_threshold"])
             vecs["last_factor"][i:i + 1] = f
@@ -315,9 +307,10 @@ class OneBitLamb(BaseOptimizer):
 
 OneBitLamb.__doc__ = r"""Implements 1-bit LAMB: LAMB in the warmup, then a frozen variance, one
     1-bit compressed allreduce of the (rescaled) momentum per step, and a layer-wise
-    coefficient per step (``trust_ratio``): LAMB's own trust ratio of the step's direction,
-    the published coefficient frozen at the warmup's average and adapted by the variance
-    the compressed momentum implies, or the larger of the two.
+    coefficient per step (``trust_ratio``): LAMB's own trust ratio of the step's direction
+    (by default with its step along the clean direction made LAMB's), the published
+    coefficient frozen at the warmup's average and adapted by the variance the compressed
+    momentum implies, or the larger of the two.
 
     .. math::
        \begin{aligned}
@@ -378,8 +371,7 @@ OneBitLamb.__doc__ = r"""Implements 1-bit LAMB: LAMB in the warmup, then a froze
     rank) are averaged exactly, clamped, and their squares scaled up to all of them; the
     weight decay's terms are added with the decoded :math:`u_0`. That costs one fused pass
     over the state and one fp32 allreduce of (``norm_samples`` + 1) values per parameter
-    and step
-    (``bytes_per_step()["norm_estimate"]``). The estimate may raise the coefficient above
+    and step (``bytes_per_step()["norm_estimate"]``). The estimate may raise the coefficient above
     the decoded direction's by at most :math:`\max(1, \sigma/\gamma_{peak})`
     (``norm_step_bound`` :math:`\sigma`; :math:`\gamma_{peak}` the largest lr of the group
     in the compression stage, kept as the group's ``lr_peak``): a run at an lr of
@@ -388,9 +380,16 @@ OneBitLamb.__doc__ = r"""Implements 1-bit LAMB: LAMB in the warmup, then a froze
     decays the lr. Parameters averaged exactly (``exact_numel``) and a single rank have
     nothing compressed: :math:`\nu = \|u\|`.
 
-    The mask, the
-    flat fp32 state, the checkpoints and the non-finite handling are those of
-    :class:`OneBitAdam`. :math:`U_p` (max_update) bounds each coordinate of :math:`u_0`
+    "aligned" divides by :math:`u`'s length along the clean direction instead,
+    :math:`\langle u, u^*\rangle / \|u^*\|`: the error feedback holds back part of each step's
+    signal and pays it later, so :math:`\langle u, u^*\rangle < \|u^*\|^2` and "live"'s step
+    along :math:`u^*` falls short of LAMB's. :math:`\langle u_0, u_0^*\rangle` is what the
+    projection above sums off the edge; :math:`\|u_0^*\|^2` there is that times the ratio of
+    :math:`\sum z^2` to :math:`\sum u_0 z` over ``norm_samples`` coordinates drawn uniformly
+    (:math:`z`: their exact mean, sent in the same allreduce: ``norm_samples`` more values).
+
+    The mask, the flat fp32 state, the checkpoints and the non-finite handling are
+    :class:`OneBitAdam`'s. :math:`U_p` (max_update) bounds each coordinate of :math:`u_0`
     (no clamp when None); the default 1.0 is OneBitAdam's: no coordinate's direction beyond
     the largest steady Adam step (see :class:`OneBitAdam` for why the compressed momentum
     needs a bound). "warmup" takes the largest :math:`|\hat{m}/(\sqrt{\hat{v}}+\epsilon)|` of
@@ -414,8 +413,9 @@ OneBitLamb.__doc__ = r"""Implements 1-bit LAMB: LAMB in the warmup, then a froze
         coeff_range (Tuple[float, float], optional): (min_coeff, max_coeff), the bounds of
             the LAMB coefficient (default: (0.01, 10.0))
         trust_ratio (str, optional): the compression stage's layer coefficient: "live"
-            (LAMB's trust ratio of each step's direction), "frozen" (the published
-            :math:`c_{frz} f`) or "max" (the larger of the two) (default: "max")
+            (LAMB's trust ratio of each step's direction), "aligned" (the live ratio whose
+            step along the clean direction is LAMB's), "frozen" (the published
+            :math:`c_{frz} f`) or "max" (the larger of "live" and "frozen") (default: "aligned")
         coeff_beta (float, optional): averaging factor of the frozen coefficient (default: 0.9)
         factor_range (Tuple[float, float], optional): (f_min, f_max), the bounds of the
             variance factor f of the frozen coefficient (default: (0.5, 4.0))

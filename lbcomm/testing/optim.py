@@ -124,12 +124,13 @@ def simulate_onebit_lamb(params0, grads, *, lr: float, betas=(0.9, 0.999), eps: 
                          factor_max: float = 4.0, factor_min: float = 0.5, factor_threshold: float = 0.1,
                          bias_correction: bool = True, mask_threshold: float = 1e-10, max_update=1.0,
                          nodes: Optional[int] = None, shards: Optional[int] = None, exact_numel: int = 4096,
-                         trust_ratio: str = "max", capped_decode: bool = True, norm_samples: int = 256,
+                         trust_ratio: str = "aligned", capped_decode: bool = True, norm_samples: int = 256,
                          norm_step_bound: Optional[float] = 0.1, pass_budget: Optional[int] = None):
     """1-bit LAMB. Returns the parameters after every step (nodes, shards, exact_numel: as
     simulate_onebit_adam; LAMB's norms are those of whole parameters). In the compression stage each
     coordinate of u0 = m^ / (sqrt(v^) + eps) is clamped to [-U, U] (max_update; None: unbounded);
-    trust_ratio "live": the step is lr clamp(||theta|| / ||u||) u, LAMB's rule on this step's u;
+    trust_ratio "live": the step is lr clamp(||theta|| / ||u||) u, LAMB's rule on this step's u
+    ("aligned": ||u|| replaced by the estimate of u's length along the clean direction);
     "frozen": lr c_frz f u (the warmup's average coefficient and the variance factor); "max":
     the larger of the two coefficients. capped_decode (OneBitLamb's default: on): as
     simulate_onebit_adam, each cap times the parameter's momentum scale k (the reduced
@@ -165,7 +166,7 @@ def _covered(n: int, budget: int, shards: Optional[int]) -> Tensor:
 
 def _clean_sq(m: Tensor, locals_: List[Tensor], v: Tensor, bc1: float, bc2: float, eps: float,
               bound: Optional[float], theta: Tensor, keep: Tensor, weight_decay: float, k: int, seed: int,
-              covered: Optional[Tensor] = None) -> Tensor:
+              covered: Optional[Tensor] = None, aligned: bool = False):
     """Estimated ||clamp(mean_r local_r / (d bc1)) + wd theta||^2 of one (piece of a)
     parameter, fp64, with d = sqrt(v) / sqrt(bc2) + eps and the correctly rounded fp32 sqrt
     (the fp64 root rounded: exact), so u0 = m / (d bc1) may differ from the direction's by
@@ -177,7 +178,10 @@ def _clean_sq(m: Tensor, locals_: List[Tensor], v: Tensor, bc1: float, bc2: floa
     rounded) and its y at the drawn coordinates, averaged in fp32 (summed here in rank
     order: the real allreduce sums in its own order, which can round differently). With
     `covered` (a mask of the coordinates), both sums are over those alone, scaled by n /
-    their number; the weight decay's terms are not."""
+    their number; the weight decay's terms are not. `aligned`: (the weight decay's terms,
+    [that estimate without them, the same with u0 z in place of z^2 on the edge, the
+    projection alone, sum z^2 and sum u0 z over k coordinates drawn uniformly (seed +
+    2^32) from the covered ones]) instead."""
     m, v, theta, keep = m.reshape(-1), v.reshape(-1), theta.reshape(-1), keep.reshape(-1)
     wd_terms = torch.zeros((), dtype=torch.float64)
     if weight_decay != 0:
@@ -208,7 +212,24 @@ def _clean_sq(m: Tensor, locals_: List[Tensor], v: Tensor, bc1: float, bc2: floa
     if bound is not None:
         z = z.clamp(-bound, bound)
     sampled = z.double().square().sum() * (int(edge.sum()) / where.numel()) if where.numel() else 0.0
-    return wd_terms + (proj + sampled) * scale
+    if not aligned:
+        return wd_terms + (proj + sampled) * scale
+    along = (u64[where] * z.double()).sum() * (int(edge.sum()) / where.numel()) if where.numel() else 0.0
+    n = m.numel()
+    j = (torch.randint(n, (k,), generator=torch.Generator().manual_seed(seed + (1 << 32))) if n > k
+         else torch.arange(n))
+    y = torch.stack([y[j] for y in ys]).sum(0) / p
+    y = (y.clamp(-bound, bound) if bound is not None else y).double()
+    parts = [(proj + sampled) * scale, (proj + along) * scale, proj * scale, y.square().sum(), (u64[j] * y).sum()]
+    return wd_terms, torch.stack([torch.as_tensor(x, dtype=torch.float64) for x in parts])
+
+
+def _aligned_sq(wd_terms: Tensor, parts: Tensor) -> Tensor:
+    """'aligned''s squared norm from `_clean_sq`'s parts summed over the pieces: <u, u*>^2 /
+    ||u*||^2, with ||u0*||^2 off the edge = (sum z^2 / sum u0 z) times the projection."""
+    rho = parts[3] / parts[4] if parts[4] > 0 else 1.0
+    sq, dot = parts[0] + (rho - 1) * parts[2] + wd_terms, parts[1] + wd_terms
+    return dot * dot / sq if dot > 0 and sq > 0 else parts[0] + wd_terms
 
 
 def _pieces(t: Tensor, shards: Optional[int]) -> List[Tensor]:
@@ -294,20 +315,22 @@ def _lamb(params0, grads, *, lr, betas, eps, weight_decay, max_coeff, min_coeff,
                 u.add_(theta[i], alpha=weight_decay)
             c_live = _lamb_coeff(theta[i], u, min_coeff, max_coeff)
             if estimate and theta[i].numel() > exact_numel:  # exactly averaged: the decoded norm is clean
-                sq = torch.zeros((), dtype=torch.float64)
+                aligned, sums = trust_ratio == "aligned", None
                 mine = [m[i], v[i], theta[i], keep[i]] + [own[r][i] for r in range(p)]
-                parts = zip(*[_pieces(t, shards) for t in mine])
-                for piece in parts:
-                    sq = sq + _clean_sq(piece[0], list(piece[4:]), piece[1], bc1, bc2, eps, frozen["bounds"][i],
-                                        piece[2], piece[3], weight_decay, norm_samples, 1009 * step + i,
-                                        _covered(piece[0].numel(), pass_budget, shards))
+                for piece in zip(*[_pieces(t, shards) for t in mine]):
+                    got = _clean_sq(piece[0], list(piece[4:]), piece[1], bc1, bc2, eps, frozen["bounds"][i],
+                                    piece[2], piece[3], weight_decay, norm_samples, 1009 * step + i,
+                                    _covered(piece[0].numel(), pass_budget, shards), aligned)
+                    got = got if aligned else (got,)
+                    sums = got if sums is None else tuple(a + b for a, b in zip(sums, got))
+                sq = _aligned_sq(*sums) if aligned else sums[0]
                 un = torch.linalg.vector_norm(u).double()
                 est = torch.sqrt(torch.maximum(sq, 0.01 * un.square()))
                 if norm_step_bound is not None:
                     est = torch.maximum(est, un / max(1.0, norm_step_bound / lr))
                 pn, est = torch.linalg.vector_norm(theta[i]), est.float()
                 c_live = (pn / est).clamp(min_coeff, max_coeff) if pn > 0 and est > 0 else torch.ones(())
-            if trust_ratio == "live":
+            if trust_ratio in ("live", "aligned"):
                 theta[i].add_(u * c_live, alpha=-lr)
                 continue
             if weight_decay != 0:
