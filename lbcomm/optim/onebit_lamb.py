@@ -79,7 +79,7 @@ class OneBitLamb(BaseOptimizer):
         F.resolve_max_update(self.options.max_update, group["betas"])
         check_range("coeff_range", group["coeff_range"], 0.0)
         if group["trust_ratio"] not in self.TRUST_RATIOS:
-            raise ValueError(f"Invalid trust_ratio: {group['trust_ratio']!r} (must be 'live', 'aligned', 'frozen' or 'max')")
+            raise ValueError(f"Invalid trust_ratio: {group['trust_ratio']!r} (must be one of {self.TRUST_RATIOS})")
         if not 0.0 <= group["coeff_beta"] < 1.0:
             raise ValueError(f"Invalid coeff_beta: {group['coeff_beta']} (need 0 <= coeff_beta < 1)")
         check_range("factor_range", group["factor_range"], 0.0, strict=True)
