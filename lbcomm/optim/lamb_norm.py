@@ -199,29 +199,31 @@ class LambNorms:
                 n_edge = starts[-1]
                 k = min(int(slots[i]), n_edge)
                 seed = 1009 * (self.fs.global_step + 1) + number[id(L.params[i])]
-                u0s = []  # the decoded u0 at the edge's draws, then at the uniform ones
-                for lo, at in ((1, self._edge_draws(p, counts, starts, k, n_edge, seed) if k else None),
-                               (uni, p.uniform_draws(int(slots[i]), seed) if trust_mode(group) == "aligned" else None)):
-                    if at is None:
-                        continue
+
+                def send(at: Tensor, col: int) -> Tensor:
+                    """Puts this rank's y = m_local / (d bc1) at positions `at` into the
+                    allreduce from column `col`; returns the decoded u0 there."""
                     at = at.to(dev) + L.offsets[i]
                     q = F.scaled_root(v[at], p.scale, p.eps).mul_(p.bc1)
-                    sent[r, lo:lo + at.numel()] = torch.div(ml[at], q)
-                    u0s.append(_clamp(torch.div(m[at], q), bounds[i]))
-                picked.append((i, k, n_edge, p.scale_up, u0s))
+                    sent[r, col:col + at.numel()] = torch.div(ml[at], q)
+                    return _clamp(torch.div(m[at], q), bounds[i])
+
+                u0_edge = send(self._edge_draws(p, counts, starts, k, n_edge, seed), 1) if k else None
+                u0_uni = send(p.uniform_draws(int(slots[i]), seed), uni) if trust_mode(group) == "aligned" else None
+                picked.append((i, k, n_edge, p.scale_up, u0_edge, u0_uni))
         self.fs.transport.all_reduce(sent, op="sum")
         sent.div_(self.fs.transport.world_size)
-        for i, k, n_edge, scale_up, u0s in picked:
+        for i, k, n_edge, scale_up, u0_edge, u0_uni in picked:
             r, bound = row_of[i], bounds[i]
             z = _clamp(sent[r, 1:1 + k], bound).double()
             # scale_up: a sampled pass's sums stand for the whole parameter (1.0: passed whole)
             proj = sent[r, 0].double()
             out[i, 0] = (proj + (z.square().sum() * (n_edge / k) if k else 0.0)) * scale_up
-            if len(u0s) > int(k > 0):  # "aligned": <u0, u0*> on the edge, and the uniform draws' sums
-                out[i, 1] = (proj + ((u0s[0].double() * z).sum() * (n_edge / k) if k else 0.0)) * scale_up
+            if u0_uni is not None:  # "aligned": <u0, u0*> on the edge, and the uniform draws' sums
+                out[i, 1] = (proj + ((u0_edge.double() * z).sum() * (n_edge / k) if k else 0.0)) * scale_up
                 out[i, 2] = proj * scale_up
-                y = _clamp(sent[r, uni:uni + u0s[-1].numel()], bound).double()
-                out[i, 3], out[i, 4] = y.square().sum(), (u0s[-1].double() * y).sum()
+                y = _clamp(sent[r, uni:uni + u0_uni.numel()], bound).double()
+                out[i, 3], out[i, 4] = y.square().sum(), (u0_uni.double() * y).sum()
         return out, set(row_of)
 
     def sent_columns(self, L: FlatLayout, slots: Tensor) -> Tuple[int, int]:

@@ -15,7 +15,7 @@ shared compressors and formulas are in `lbcomm.testing.compressors`.
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -166,7 +166,7 @@ def _covered(n: int, budget: int, shards: Optional[int]) -> Tensor:
 
 def _clean_sq(m: Tensor, locals_: List[Tensor], v: Tensor, bc1: float, bc2: float, eps: float,
               bound: Optional[float], theta: Tensor, keep: Tensor, weight_decay: float, k: int, seed: int,
-              covered: Optional[Tensor] = None, aligned: bool = False):
+              covered: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """Estimated ||clamp(mean_r local_r / (d bc1)) + wd theta||^2 of one (piece of a)
     parameter, fp64, with d = sqrt(v) / sqrt(bc2) + eps and the correctly rounded fp32 sqrt
     (the fp64 root rounded: exact), so u0 = m / (d bc1) may differ from the direction's by
@@ -178,10 +178,11 @@ def _clean_sq(m: Tensor, locals_: List[Tensor], v: Tensor, bc1: float, bc2: floa
     rounded) and its y at the drawn coordinates, averaged in fp32 (summed here in rank
     order: the real allreduce sums in its own order, which can round differently). With
     `covered` (a mask of the coordinates), both sums are over those alone, scaled by n /
-    their number; the weight decay's terms are not. `aligned`: (the weight decay's terms,
+    their number; the weight decay's terms are not. Returns (the weight decay's terms,
     [that estimate without them, the same with u0 z in place of z^2 on the edge, the
     projection alone, sum z^2 and sum u0 z over k coordinates drawn uniformly (seed +
-    2^32) from the covered ones]) instead."""
+    2^32) from the covered ones]): "aligned" reads all five (`_aligned_sq`), "live" the
+    first."""
     m, v, theta, keep = m.reshape(-1), v.reshape(-1), theta.reshape(-1), keep.reshape(-1)
     wd_terms = torch.zeros((), dtype=torch.float64)
     if weight_decay != 0:
@@ -212,8 +213,6 @@ def _clean_sq(m: Tensor, locals_: List[Tensor], v: Tensor, bc1: float, bc2: floa
     if bound is not None:
         z = z.clamp(-bound, bound)
     sampled = z.double().square().sum() * (int(edge.sum()) / where.numel()) if where.numel() else 0.0
-    if not aligned:
-        return wd_terms + (proj + sampled) * scale
     along = (u64[where] * z.double()).sum() * (int(edge.sum()) / where.numel()) if where.numel() else 0.0
     n = m.numel()
     j = (torch.randint(n, (k,), generator=torch.Generator().manual_seed(seed + (1 << 32))) if n > k
@@ -315,15 +314,14 @@ def _lamb(params0, grads, *, lr, betas, eps, weight_decay, max_coeff, min_coeff,
                 u.add_(theta[i], alpha=weight_decay)
             c_live = _lamb_coeff(theta[i], u, min_coeff, max_coeff)
             if estimate and theta[i].numel() > exact_numel:  # exactly averaged: the decoded norm is clean
-                aligned, sums = trust_ratio == "aligned", None
+                wd, parts = 0.0, 0.0
                 mine = [m[i], v[i], theta[i], keep[i]] + [own[r][i] for r in range(p)]
                 for piece in zip(*[_pieces(t, shards) for t in mine]):
-                    got = _clean_sq(piece[0], list(piece[4:]), piece[1], bc1, bc2, eps, frozen["bounds"][i],
-                                    piece[2], piece[3], weight_decay, norm_samples, 1009 * step + i,
-                                    _covered(piece[0].numel(), pass_budget, shards), aligned)
-                    got = got if aligned else (got,)
-                    sums = got if sums is None else tuple(a + b for a, b in zip(sums, got))
-                sq = _aligned_sq(*sums) if aligned else sums[0]
+                    w, q = _clean_sq(piece[0], list(piece[4:]), piece[1], bc1, bc2, eps, frozen["bounds"][i],
+                                     piece[2], piece[3], weight_decay, norm_samples, 1009 * step + i,
+                                     _covered(piece[0].numel(), pass_budget, shards))
+                    wd, parts = wd + w, parts + q
+                sq = _aligned_sq(wd, parts) if trust_ratio == "aligned" else wd + parts[0]
                 un = torch.linalg.vector_norm(u).double()
                 est = torch.sqrt(torch.maximum(sq, 0.01 * un.square()))
                 if norm_step_bound is not None:
